@@ -1,0 +1,3 @@
+"""Fused ops, one file each: Triton forward + backward, launcher, ``torch.library`` custom op and the
+PyTorch reference that CPU tensors run and tests compare against."""
+from .attention import attention, attention_op, attention_reference  # noqa: F401

@@ -1,0 +1,103 @@
+"""Plumbing shared by every opsmath kernel.
+
+Dropout randomness
+------------------
+Fused kernels never store a dropout mask: the mask is a pure function of a 31-bit ``seed`` and the
+element's flat ``offset`` (int64), so backward regenerates exactly the mask forward used. The function
+is two rounds of MurmurHash3's 32-bit finalizer (``fmix32``)::
+
+    key = fmix32(seed + hi(offset) * 0x9E3779B9)
+    h   = fmix32(lo(offset) ^ key)
+    u   = (h >> 8) * 2**-24            # uniform in [0, 1), 24 bits
+    keep = u >= p
+
+It is written twice, once with torch integer ops (``dropout_keep``: the CPU reference and the tests) and
+once in Triton (``keep_mask`` below); both produce bit-identical masks, which is what
+lets the tests compare the Triton kernels against the reference with dropout switched on.
+
+Dispatch
+--------
+CUDA tensors go to Triton; CPU tensors go to the PyTorch reference. ``OPSMATH_TRITON_ON_CPU=1`` (with
+``TRITON_INTERPRET=1``) sends CPU tensors through the Triton kernels, which is how CI tests them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_M32 = 0xFFFFFFFF
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernel should run for a tensor on ``t``'s device."""
+    if t.is_cuda:
+        return True
+    return os.environ.get("OPSMATH_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def new_seed() -> torch.Tensor:
+    """A fresh dropout seed drawn from torch's CPU generator (so ``torch.manual_seed`` and
+    checkpoint's RNG preservation govern it). Returned as an int64 CPU scalar tensor so a graph can
+    carry it as data rather than bake it in as a constant."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    # (h * c) mod 2**32 without overflowing int64: split c into 16-bit halves.
+    lo = h * (c & 0xFFFF)
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def dropout_keep(seed: int, offsets: torch.Tensor, p: float) -> torch.Tensor:
+    """Boolean keep-mask for int64 ``offsets`` (any shape): True where the element survives dropout."""
+    offsets = offsets.to(torch.int64)
+    lo = offsets & _M32
+    hi = (offsets >> 32) & _M32
+    key = _fmix32((_mul32(hi, 0x9E3779B9) + int(seed)) & _M32)
+    h = _fmix32(lo ^ key)
+    u = (h >> 8).to(torch.float32) * (2.0**-24)
+    return u >= p
+
+
+def flat_offsets(shape, device) -> torch.Tensor:
+    """Row-major int64 offsets of every element of a tensor of ``shape``."""
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.arange(n, device=device, dtype=torch.int64).view(shape)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@triton.jit
+def _fmix32_tl(h):
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def keep_mask(seed, offsets, p):
+    """Triton twin of :func:`dropout_keep`: ``offsets`` is an int64 block, ``seed`` an integer."""
+    lo = (offsets & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((offsets >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    key = _fmix32_tl(hi * 0x9E3779B9 + seed.to(tl.uint32))
+    h = _fmix32_tl(lo ^ key)
+    u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    return u >= p

@@ -1,0 +1,422 @@
+"""``opsmath::attention``: fused scaled-dot-product attention, forward and backward.
+
+Math (per batch b, query head h, with kv head g = h // (H // Hkv) for GQA/MQA)::
+
+    S   = scale * Q K^T + bias                      Q: (B, H, Sq, D)   K, V: (B, Hkv, Sk, D)
+    S   = where(mask, mask_fill, S)                 bias, mask: broadcastable to (B, H, Sq, Sk)
+    S   = where(j > i, -inf, S)    if is_causal     (top-left aligned, as tril(ones(Sq, Sk)) spells it)
+    P   = softmax(S, -1)                            stats: (B, H, Sq, 2) fp32 = (row max m, log row sum)
+    Pd  = P * keep / (1 - p)   keep = hash(seed, flat index into (B, H, Sq, Sk)) >= p
+    O   = Pd V                                      O: (B, H, Sq, D) in q.dtype
+
+Backward (FlashAttention-2, with ``delta = rowsum(dO * O)``)::
+
+    dV = Pd^T dO                     dP = (dO V^T) * keep / (1 - p)
+    dS = P * (dP - delta), 0 where masked      dQ = scale dS K      dK = scale dS^T Q
+    dbias = dS reduced over bias's broadcast dims (only when bias needs a gradient)
+
+The S x S matrix never exists in memory in the Triton path: forward keeps a running max and sum
+(online softmax) and saves (m, log l) per row (lse = their sum; kept apart so that rows
+whose every entry is a large finite fill such as finfo.min keep their precision); backward recomputes P block by block and regenerates the dropout mask
+from (seed, offset). K/V of GQA are read per kv head, never repeated.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dropout_keep, flat_offsets, keep_mask, next_pow2, use_triton
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch reference: the CPU implementation and what the tests compare against.
+# --------------------------------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
+    """Returns (out in q.dtype, stats fp32 (B, H, Sq, 2)). Computes in fp32 (fp64 when given fp64)."""
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, H, Sq, D = q.shape
+    rep = H // k.shape[1]
+    kf = k.to(ct).repeat_interleave(rep, dim=1)
+    vf = v.to(ct).repeat_interleave(rep, dim=1)
+    s = (q.to(ct) @ kf.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(ct)
+    if mask is not None:
+        s = s.masked_fill(mask, mask_fill)
+    if is_causal:
+        Sk = k.shape[2]
+        upper = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(upper, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    log_l = torch.logsumexp(s - m.masked_fill(m == float('-inf'), 0.0), dim=-1)
+    stats = torch.stack([m.squeeze(-1), log_l], dim=-1)
+    p = torch.softmax(s, dim=-1)
+    if dropout_p > 0:
+        keep = dropout_keep(int(seed), flat_offsets(p.shape, q.device), dropout_p)
+        p = p * keep / (1.0 - dropout_p)
+    return (p @ vf).to(q.dtype), stats.float()
+
+
+def _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad):
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        # dbias comes back at full (B, H, Sq, Sk) size, as the Triton kernel writes it
+        b = bias.detach().float().expand(full).clone().requires_grad_(True) if bias_grad else bias
+        out, _ = attention_reference(*leaves, b, mask, mask_fill, is_causal, scale, dropout_p, seed)
+        wrt = leaves + ([b] if bias_grad else [])
+        grads = torch.autograd.grad(out, wrt, dout)
+    dbias = grads[3] if bias_grad else None
+    return grads[0], grads[1], grads[2], dbias
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+            H, SQ, SK, scale, mask_fill, seed, p_drop,
+            HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+            HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores block S (BM, BN) fp32 with bias/mask/causal applied, whether each entry is masked,
+    and the dropout keep-mask (all-true when there is no dropout)."""
+    s = tl.dot(q, k, input_precision=PRECISION) * scale
+    inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
+    if HAS_BIAS:
+        bp = Bias + b * sbb + h * sbh + rows[:, None].to(tl.int64) * sbm + cols[None, :].to(tl.int64) * sbn
+        s += tl.load(bp, mask=inb, other=0.0).to(tl.float32)
+    invalid = cols[None, :] >= SK
+    if IS_CAUSAL:
+        invalid = invalid | (cols[None, :] > rows[:, None])
+    masked = invalid
+    if HAS_MASK:
+        mp = Mask + b * smb + h * smh + rows[:, None].to(tl.int64) * smm + cols[None, :].to(tl.int64) * smn
+        user = tl.load(mp, mask=inb, other=0) != 0
+        s = tl.where(user, mask_fill, s)
+        masked = masked | user
+    s = tl.where(invalid, float("-inf"), s)
+    keep = inb
+    if HAS_DROPOUT:
+        offs = ((b * H + h) * SQ + rows[:, None].to(tl.int64)) * SK + cols[None, :].to(tl.int64)
+        keep = keep_mask(seed, offs, p_drop)
+    return s, masked, keep
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
+              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+              sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
+              H, REP, SQ, SK, D, scale, mask_fill, p_drop,
+              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    g = h // REP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd,
+                mask=(rows[:, None] < SQ) & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = SK
+    if IS_CAUSAL:
+        hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)  # blocks wholly above the diagonal are skipped
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < SK) & dmask[None, :]
+        k = tl.load(K + b * skb + g * skh + cols[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
+                    mask=(cols[None, :] < SK) & dmask[:, None], other=0.0)
+        s, masked, keep = _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                                  H, SQ, SK, scale, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp finite
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            p = tl.where(keep, p * (1.0 / (1.0 - p_drop)), 0.0)
+        v = tl.load(V + b * svb + g * svh + cols[:, None].to(tl.int64) * svn + offs_d[None, :] * svd,
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    rmask = rows < SQ
+    tl.store(Out + b * sob + h * soh + rows[:, None].to(tl.int64) * som + offs_d[None, :] * sod,
+             out.to(Out.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    srow = (pid_bh.to(tl.int64) * SQ + rows) * 2
+    tl.store(Stats + srow, m_i, mask=rmask)
+    tl.store(Stats + srow + 1, tl.log(l_i), mask=rmask)
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, seed,
+                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                   sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                   HKV, H, REP, SQ, SK, D, scale, mask_fill, p_drop,
+                   HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (kv block, batch, kv head); loops over the REP query heads sharing it (GQA),
+    so dK/dV are summed in registers with no atomics. dO/dK/dV/Q share Q's contiguous layout."""
+    pid_n = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // HKV).to(tl.int64)
+    g = (pid_bg % HKV).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    kv_mask = (cols[:, None] < SK) & dmask[None, :]
+    k = tl.load(K + b * skb + g * skh + cols[:, None].to(tl.int64) * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + g * svh + cols[:, None].to(tl.int64) * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    lo = 0
+    if IS_CAUSAL:
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # query rows above this block see none of it
+    for r in range(0, REP):
+        h = g * REP + r
+        for start_m in range(lo, SQ, BLOCK_M):
+            rows = start_m + offs_m
+            qmask = (rows[:, None] < SQ) & dmask[None, :]
+            q_off = b * sqb + h * sqh + rows[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd
+            q = tl.load(Q + q_off, mask=qmask, other=0.0)
+            do = tl.load(DO + ((b * H + h) * SQ + rows[:, None].to(tl.int64)) * D + offs_d[None, :], mask=qmask, other=0.0)
+            srow = ((b * H + h) * SQ + rows) * 2
+            m_row = tl.load(Stats + srow, mask=rows < SQ, other=0.0)
+            logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
+            delta = tl.load(Delta + (b * H + h) * SQ + rows, mask=rows < SQ, other=0.0)
+            s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
+                                      smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
+                                      HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION)
+            p = tl.where(rows[:, None] < SQ, tl.exp((s - m_row[:, None]) - logl[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            if HAS_DROPOUT:
+                pd = tl.where(keep, p * (1.0 / (1.0 - p_drop)), 0.0)
+                dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
+            else:
+                pd = p
+            dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision=PRECISION)
+            ds = tl.where(masked, 0.0, p * (dp - delta[:, None]))
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    out_off = (b * HKV + g) * SK * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
+    tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, seed,
+                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                 sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                 H, REP, SQ, SK, D, scale, mask_fill, p_drop,
+                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    g = h // REP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    qmask = (rows[:, None] < SQ) & dmask[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd, mask=qmask, other=0.0)
+    do = tl.load(DO + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * D + offs_d[None, :], mask=qmask, other=0.0)
+    srow = (pid_bh.to(tl.int64) * SQ + rows) * 2
+    m_row = tl.load(Stats + srow, mask=rows < SQ, other=0.0)
+    logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
+    delta = tl.load(Delta + pid_bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = SK
+    if IS_CAUSAL:
+        hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < SK) & dmask[None, :]
+        k = tl.load(K + b * skb + g * skh + cols[:, None].to(tl.int64) * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+        v = tl.load(V + b * svb + g * svh + cols[:, None].to(tl.int64) * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
+                                  smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION)
+        p = tl.exp((s - m_row[:, None]) - logl[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if HAS_DROPOUT:
+            dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
+        ds = tl.where(masked, 0.0, p * (dp - delta[:, None]))
+        if BIAS_GRAD:
+            inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
+            tl.store(DBias + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * SK + cols[None, :], ds, mask=inb)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    if IS_CAUSAL and BIAS_GRAD:
+        # blocks skipped above the diagonal still need their (zero) bias gradient written
+        for start_n in range(hi, SK, BLOCK_N):
+            cols = start_n + offs_n
+            inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
+            tl.store(DBias + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * SK + cols[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_N], tl.float32), mask=inb)
+    tl.store(DQ + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * D + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
+
+
+def _launch_cfg(q: torch.Tensor, D: int):
+    block_d = max(16, next_pow2(D))
+    if not q.is_cuda:  # interpreter: small blocks keep CPU tests fast
+        return 16, 16, block_d, 4, 1
+    if block_d >= 256:
+        return 64, 32, block_d, 8, 1
+    return 64, 64, block_d, 4, 2
+
+
+def _precision(q: torch.Tensor) -> str:
+    if q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32):
+        return "ieee"
+    return "tf32"
+
+
+def _aux(q, k, bias, mask):
+    """Broadcast bias/mask to (B, H, Sq, Sk) as stride-0 views; dummy pointers when absent."""
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[2]
+    full = (B, H, Sq, Sk)
+    b = bias.expand(full) if bias is not None else q.new_empty(1)
+    m = mask.expand(full).view(torch.uint8) if mask is not None else q.new_empty(1, dtype=torch.uint8)
+    bs = b.stride() if bias is not None else (0, 0, 0, 0)
+    ms = m.stride() if mask is not None else (0, 0, 0, 0)
+    return b, m, bs, ms
+
+
+def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    out = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
+    stats = torch.empty((B, H, Sq, 2), device=q.device, dtype=torch.float32)
+    b, m, bs, ms = _aux(q, k, bias, mask)
+    BM, BN, BD, warps, stages = _launch_cfg(q, D)
+    grid = (triton.cdiv(Sq, BM), B * H)
+    _attn_fwd[grid](q, k, v, b, m, out, stats, int(seed),
+                    *q.stride(), *k.stride(), *v.stride(), *bs, *ms, *out.stride(),
+                    H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p),
+                    HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+                    HAS_DROPOUT=dropout_p > 0, PRECISION=_precision(q),
+                    BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
+    return out, stats
+
+
+def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad):
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dout = dout.contiguous()
+    delta = (dout.float() * out.float()).sum(-1)  # (B, H, Sq): rowsum(dO * O)
+    dq = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=k.dtype)
+    dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
+    dbias = torch.empty((B, H, Sq, Sk), device=q.device, dtype=torch.float32) if bias_grad else q.new_empty(1)
+    b, m, bs, ms = _aux(q, k, bias, mask)
+    BM, BN, BD, warps, stages = _launch_cfg(q, D)
+    common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+                  HAS_DROPOUT=dropout_p > 0, PRECISION=_precision(q),
+                  BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)
+    _attn_bwd_dkdv[(triton.cdiv(Sk, BN), B * Hkv)](
+        q, k, v, b, m, dout, stats, delta, dk, dv, int(seed), *strides,
+        Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p), **common)
+    _attn_bwd_dq[(triton.cdiv(Sq, BM), B * H)](
+        q, k, v, b, m, dout, stats, delta, dq, dbias, int(seed), *strides,
+        H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p), BIAS_GRAD=bias_grad, **common)
+    return dq, dk, dv, (dbias if bias_grad else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("opsmath::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                 mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
+                 dropout_p: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = attention_forward_triton if use_triton(q) else attention_reference
+    out, stats = impl(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, int(seed))
+    return out.contiguous(), stats.contiguous()
+
+
+@attention_op.register_fake
+def _(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
+    B, H, Sq, D = q.shape
+    return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq, 2), dtype=torch.float32)
+
+
+@torch.library.custom_op("opsmath::attention_backward", mutates_args=())
+def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor, stats: torch.Tensor, bias: Optional[torch.Tensor],
+                          mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
+                          dropout_p: float, seed: torch.Tensor, bias_grad: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_triton(q):
+        dq, dk, dv, dbias = attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill,
+                                                      is_causal, scale, dropout_p, int(seed), bias_grad)
+    else:
+        dq, dk, dv, dbias = _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causal,
+                                                          scale, dropout_p, int(seed), bias_grad)
+    if dbias is None:
+        dbias = q.new_empty((0,), dtype=torch.float32)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias.contiguous()
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad):
+    B, H, Sq, _ = q.shape
+    dbias = q.new_empty((B, H, Sq, k.shape[2]) if bias_grad else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed = inputs
+    out, stats = output
+    ctx.save_for_backward(q, k, v, bias, mask, seed, out, stats)
+    ctx.args = (mask_fill, is_causal, scale, dropout_p)
+
+
+def _backward(ctx, dout, dstats):
+    q, k, v, bias, mask, seed, out, stats = ctx.saved_tensors
+    mask_fill, is_causal, scale, dropout_p = ctx.args
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = attention_backward_op(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal,
+                                              scale, dropout_p, seed, bias_grad)
+    if bias_grad:
+        dims = [i for i in range(4) if bias.shape[i] == 1 and dbias.shape[i] != 1]
+        dbias = (dbias.sum(dims, keepdim=True) if dims else dbias).to(bias.dtype)
+    else:
+        dbias = None
+    return dq, dk, dv, dbias, None, None, None, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, bias=None, mask=None, mask_fill=float("-inf"), is_causal=False, scale=None,
+              dropout_p=0.0, seed=None):
+    """Convenience entry point: ``O = attention(q, k, v, ...)`` with the op's semantics (see module doc).
+    ``scale`` defaults to 1/sqrt(D); a fresh seed is drawn when dropout is on and none is given."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if seed is None:
+        from ._common import new_seed
+        seed = new_seed()
+    return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)[0]
