@@ -1,0 +1,281 @@
+"""``opsmath::dropout_add_norm``: residual + dropout(x), then LayerNorm or RMSNorm, forward and backward.
+
+Math, per row of width N (x, residual: (M, N) after flattening leading dims; weight, bias: (N,))::
+
+    h    = residual + x * keep / (1 - p)          keep = hash(seed, flat index) >= p;  h in x.dtype
+    LayerNorm:  mu = mean(h),  rstd = 1 / sqrt(var(h) + eps),  xhat = (h - mu) * rstd
+    RMSNorm:    mu = 0,        rstd = 1 / sqrt(mean(h^2) + eps), xhat = h * rstd
+    out  = xhat * weight + bias                    (fp32 math, stored as out_dtype)
+
+The op returns (out, h, stats) with stats = (mu, rstd) per row in fp32; h is returned because pre-LN
+transformers keep the residual stream. Backward, with g = dout * weight::
+
+    dh   = rstd * (g - mean(g) - xhat * mean(g * xhat))      LayerNorm  (RMSNorm drops the mean(g) term)
+    dh  += dh_out                                             gradient arriving at h from later code
+    dresidual = dh,   dx = dh * keep / (1 - p)
+    dweight = sum_rows(dout * xhat),   dbias = sum_rows(dout)
+
+dx is one pass over the rows; dweight/dbias are per-program partial sums over a strided set of rows
+(no atomics) reduced by a second, small torch sum. The dropout mask is regenerated from the seed.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dropout_keep, flat_offsets, keep_mask, next_pow2, use_triton
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch reference
+# --------------------------------------------------------------------------------------------------
+
+
+def _norm_reference(hf, weight, bias, is_rms, eps):
+    """fp32 LayerNorm/RMSNorm of hf (..., N): returns (y, mu, rstd)."""
+    if is_rms:
+        mu = torch.zeros_like(hf[..., 0])
+        rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
+    else:
+        mu = hf.mean(-1)
+        rstd = torch.rsqrt(hf.var(-1, unbiased=False) + eps)
+    y = (hf - mu.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y, mu, rstd
+
+
+def dropout_add_norm_reference(x, residual, weight, bias, is_rms, eps, dropout_p, seed, out_dtype):
+    """Returns (out: out_dtype, h: x.dtype, stats: (M, 2) fp32), x/residual (..., N)."""
+    if dropout_p > 0:
+        keep = dropout_keep(int(seed), flat_offsets(x.shape, x.device), dropout_p)
+        x = x * keep / (1.0 - dropout_p)
+    h = residual + x
+    y, mu, rstd = _norm_reference(h.float(), weight, bias, is_rms, eps)
+    return y.to(out_dtype), h, torch.stack([mu, rstd], dim=-1).reshape(-1, 2)
+
+
+def dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, eps, dropout_p, seed):
+    """(dx, dresidual, dweight, dbias) from the saved h: autograd through the fp32 norm only."""
+    with torch.enable_grad():
+        hf = h.detach().float().requires_grad_(True)
+        wb = [t.detach().requires_grad_(True) if t is not None else None for t in (weight, bias)]
+        y, _, _ = _norm_reference(hf, wb[0], wb[1], is_rms, eps)
+        wrt = [hf] + [t for t in wb if t is not None]
+        grads = list(torch.autograd.grad(y, wrt, dout.float()))
+    dh = grads.pop(0)
+    if dh_out is not None:
+        dh = dh + dh_out.float()
+    dx = dh
+    if dropout_p > 0:
+        dx = dh * dropout_keep(int(seed), flat_offsets(h.shape, h.device), dropout_p) / (1.0 - dropout_p)
+    dw = grads.pop(0) if weight is not None else None
+    db = grads.pop(0) if bias is not None else None
+    return dx.to(h.dtype), dh.to(h.dtype), dw, db
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dan_fwd(X, R, W, B, Out, Hout, Stats, seed, N, eps, p_drop,
+             HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    off = row * N + cols
+    x = tl.load(X + off, mask=cmask, other=0.0)
+    r = tl.load(R + off, mask=cmask, other=0.0)
+    if HAS_DROPOUT:
+        x = tl.where(keep_mask(seed, off, p_drop), x * (1.0 / (1.0 - p_drop)), 0.0).to(x.dtype)
+    h = (r + x).to(Hout.dtype.element_ty)  # rounded as eager's add would round it
+    tl.store(Hout + off, h, mask=cmask)
+    hf = h.to(tl.float32)
+    if IS_RMS:
+        mu = 0.0
+        var = tl.sum(hf * hf, 0) / N
+    else:
+        mu = tl.sum(hf, 0) / N
+        d = tl.where(cmask, hf - mu, 0.0)
+        var = tl.sum(d * d, 0) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = (hf - mu) * rstd
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(Out + off, y.to(Out.dtype.element_ty), mask=cmask)
+    tl.store(Stats + row * 2, mu)
+    tl.store(Stats + row * 2 + 1, rstd)
+
+
+@triton.jit
+def _dan_bwd(DOut, DH, Hin, W, Stats, DX, DR, DWp, DBp, seed, M, N, p_drop,
+             HAS_W: tl.constexpr, HAS_DH: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """Program `pid` handles rows pid, pid + G, ... and writes its partial dweight/dbias row."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) if HAS_W else 1.0
+    dw = tl.zeros([BLOCK_N], tl.float32)
+    db = tl.zeros([BLOCK_N], tl.float32)
+    for i in range(0, tl.cdiv(M - pid, G)):
+        row = pid.to(tl.int64) + i * G
+        off = row * N + cols
+        dy = tl.load(DOut + off, mask=cmask, other=0.0).to(tl.float32)
+        h = tl.load(Hin + off, mask=cmask, other=0.0).to(tl.float32)
+        mu = tl.load(Stats + row * 2)
+        rstd = tl.load(Stats + row * 2 + 1)
+        xhat = tl.where(cmask, (h - mu) * rstd, 0.0)
+        g = dy * w
+        c2 = tl.sum(g * xhat, 0) / N
+        if IS_RMS:
+            dh = (g - xhat * c2) * rstd
+        else:
+            c1 = tl.sum(g, 0) / N
+            dh = (g - c1 - xhat * c2) * rstd
+        if HAS_DH:
+            dh += tl.load(DH + off, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(DR + off, dh.to(DR.dtype.element_ty), mask=cmask)
+        if HAS_DROPOUT:
+            dh = tl.where(keep_mask(seed, off, p_drop), dh * (1.0 / (1.0 - p_drop)), 0.0)
+        tl.store(DX + off, dh.to(DX.dtype.element_ty), mask=cmask)
+        dw += dy * xhat
+        db += dy
+    tl.store(DWp + pid.to(tl.int64) * N + cols, dw, mask=cmask)
+    tl.store(DBp + pid.to(tl.int64) * N + cols, db, mask=cmask)
+
+
+def _warps(block_n: int) -> int:
+    return max(1, min(16, block_n // 256))
+
+
+def dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, dropout_p, seed, out_dtype):
+    N = x.shape[-1]
+    x2, r2 = x.reshape(-1, N).contiguous(), residual.reshape(-1, N).contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, N), device=x.device, dtype=out_dtype)
+    h = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    stats = torch.empty((M, 2), device=x.device, dtype=torch.float32)
+    block_n = next_pow2(N)
+    dummy = x2.new_empty(1)
+    _dan_fwd[(M,)](x2, r2, weight if weight is not None else dummy, bias if bias is not None else dummy,
+                   out, h, stats, int(seed), N, float(eps), float(dropout_p),
+                   HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=bool(is_rms),
+                   HAS_DROPOUT=dropout_p > 0, BLOCK_N=block_n, num_warps=_warps(block_n))
+    return out.view(x.shape), h.view(x.shape), stats
+
+
+def dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rms, dropout_p, seed):
+    N = h.shape[-1]
+    dout2 = dout.reshape(-1, N).contiguous()
+    M = dout2.shape[0]
+    dh2 = dh_out.reshape(-1, N).contiguous() if dh_out is not None else dout2
+    dx = torch.empty((M, N), device=h.device, dtype=h.dtype)
+    dr = torch.empty((M, N), device=h.device, dtype=h.dtype)
+    if h.is_cuda:
+        G = min(M, torch.cuda.get_device_properties(h.device).multi_processor_count * 4)
+    else:
+        G = min(M, 4)
+    dwp = torch.empty((G, N), device=h.device, dtype=torch.float32)
+    dbp = torch.empty((G, N), device=h.device, dtype=torch.float32)
+    block_n = next_pow2(N)
+    _dan_bwd[(G,)](dout2, dh2, h.reshape(-1, N), weight if weight is not None else dout2, stats, dx, dr,
+                   dwp, dbp, int(seed), M, N, float(dropout_p),
+                   HAS_W=weight is not None, HAS_DH=dh_out is not None, IS_RMS=bool(is_rms),
+                   HAS_DROPOUT=dropout_p > 0, BLOCK_N=block_n, num_warps=_warps(block_n))
+    dw = dwp.sum(0).to(weight.dtype) if weight is not None else None
+    db = dbp.sum(0).to(bias.dtype) if bias is not None else None
+    return dx.view(h.shape), dr.view(h.shape), dw, db
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("opsmath::dropout_add_norm", mutates_args=())
+def dropout_add_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor],
+                        bias: Optional[torch.Tensor], is_rms: bool, eps: float, dropout_p: float,
+                        seed: torch.Tensor, out_dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if x.dtype != residual.dtype or x.shape != residual.shape:
+        raise ValueError(f"opsmath::dropout_add_norm needs x and residual of one dtype and shape, got "
+                         f"{x.dtype}{tuple(x.shape)} and {residual.dtype}{tuple(residual.shape)}")
+    impl = dropout_add_norm_forward_triton if use_triton(x) else dropout_add_norm_reference
+    out, h, stats = impl(x, residual, weight, bias, is_rms, eps, dropout_p, int(seed), out_dtype)
+    return out.contiguous(), h.contiguous(), stats.contiguous()
+
+
+@dropout_add_norm_op.register_fake
+def _(x, residual, weight, bias, is_rms, eps, dropout_p, seed, out_dtype):
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape),
+            x.new_empty((M, 2), dtype=torch.float32))
+
+
+@torch.library.custom_op("opsmath::dropout_add_norm_backward", mutates_args=())
+def dropout_add_norm_backward_op(dout: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor,
+                                 stats: torch.Tensor, weight: Optional[torch.Tensor],
+                                 bias: Optional[torch.Tensor], is_rms: bool, eps: float, dropout_p: float,
+                                 seed: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dresidual, dweight, dbias); dweight/dbias are empty when weight/bias are None."""
+    if use_triton(h):
+        dx, dr, dw, db = dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rms,
+                                                          dropout_p, int(seed))
+    else:
+        dx, dr, dw, db = dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, eps,
+                                                             dropout_p, int(seed))
+    empty = h.new_empty((0,), dtype=torch.float32)
+    return (dx.contiguous(), dr.contiguous(),
+            dw.to(weight.dtype).contiguous() if dw is not None else empty,
+            db.to(bias.dtype).contiguous() if db is not None else empty)
+
+
+@dropout_add_norm_backward_op.register_fake
+def _(dout, dh_out, h, stats, weight, bias, is_rms, eps, dropout_p, seed):
+    empty = h.new_empty((0,), dtype=torch.float32)
+    return (h.new_empty(h.shape), h.new_empty(h.shape),
+            weight.new_empty(weight.shape) if weight is not None else empty,
+            bias.new_empty(bias.shape) if bias is not None else empty)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, weight, bias, is_rms, eps, dropout_p, seed, _ = inputs
+    _, h, stats = output
+    # h and the per-row stats are all backward needs; the mask comes back from the seed
+    ctx.save_for_backward(h, stats, weight, bias, seed)
+    ctx.args = (is_rms, eps, dropout_p)
+
+
+def _backward(ctx, dout, dh_out, dstats):
+    h, stats, weight, bias, seed = ctx.saved_tensors
+    is_rms, eps, dropout_p = ctx.args
+    dx, dr, dw, db = dropout_add_norm_backward_op(dout, dh_out, h, stats, weight, bias, is_rms, eps,
+                                                  dropout_p, seed)
+    return (dx, dr, dw if weight is not None else None, db if bias is not None else None,
+            None, None, None, None, None)
+
+
+dropout_add_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def dropout_add_norm(x, residual, weight=None, bias=None, is_rms=False, eps=1e-5, dropout_p=0.0, seed=None,
+                     out_dtype=None):
+    """Convenience entry point returning (out, h); see the module docstring for the math."""
+    if seed is None:
+        from ._common import new_seed
+        seed = new_seed()
+    out, h, _ = dropout_add_norm_op(x, residual, weight, bias, is_rms, eps, dropout_p, seed,
+                                    out_dtype or x.dtype)
+    return out, h
