@@ -36,43 +36,58 @@ from ._common import dropout_keep, flat_offsets, keep_mask, next_pow2, use_trito
 # --------------------------------------------------------------------------------------------------
 
 
-def attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
-    """Returns (out in q.dtype, stats fp32 (B, H, Sq, 2)). Computes in fp32 (fp64 when given fp64)."""
+def _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
+    """fp32 (fp64 for fp64) S, P, dropout-applied Pd, the keep mask (None without dropout), what is
+    masked (bool, broadcastable), and K/V repeated to H heads."""
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H, Sq, D = q.shape
-    rep = H // k.shape[1]
+    Sk, rep = k.shape[2], H // k.shape[1]
     kf = k.to(ct).repeat_interleave(rep, dim=1)
     vf = v.to(ct).repeat_interleave(rep, dim=1)
     s = (q.to(ct) @ kf.transpose(-1, -2)) * scale
     if bias is not None:
         s = s + bias.to(ct)
+    masked = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=q.device)
     if mask is not None:
         s = s.masked_fill(mask, mask_fill)
+        masked = masked | mask
     if is_causal:
-        Sk = k.shape[2]
         upper = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(upper, float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    log_l = torch.logsumexp(s - m.masked_fill(m == float('-inf'), 0.0), dim=-1)
-    stats = torch.stack([m.squeeze(-1), log_l], dim=-1)
+        masked = masked | upper
     p = torch.softmax(s, dim=-1)
-    if dropout_p > 0:
-        keep = dropout_keep(int(seed), flat_offsets(p.shape, q.device), dropout_p)
-        p = p * keep / (1.0 - dropout_p)
-    return (p @ vf).to(q.dtype), stats.float()
+    keep = dropout_keep(int(seed), flat_offsets(p.shape, q.device), dropout_p) if dropout_p > 0 else None
+    pd = p * keep / (1.0 - dropout_p) if keep is not None else p
+    return s, p, pd, keep, masked, kf, vf
+
+
+def attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
+    """Returns (out in q.dtype, stats fp32 (B, H, Sq, 2)). Computes in fp32 (fp64 when given fp64)."""
+    s, p, pd, _, _, _, vf = _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)
+    m = s.amax(-1, keepdim=True)
+    log_l = torch.logsumexp(s - m.masked_fill(m == float("-inf"), 0.0), dim=-1)
+    stats = torch.stack([m.squeeze(-1), log_l], dim=-1)
+    return (pd @ vf).to(q.dtype), stats.float()
 
 
 def _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad):
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        # dbias comes back at full (B, H, Sq, Sk) size, as the Triton kernel writes it
-        b = bias.detach().float().expand(full).clone().requires_grad_(True) if bias_grad else bias
-        out, _ = attention_reference(*leaves, b, mask, mask_fill, is_causal, scale, dropout_p, seed)
-        wrt = leaves + ([b] if bias_grad else [])
-        grads = torch.autograd.grad(out, wrt, dout)
-    dbias = grads[3] if bias_grad else None
-    return grads[0], grads[1], grads[2], dbias
+    """The module docstring's backward, in plain torch (custom-op bodies run below autograd)."""
+    _, p, pd, keep, masked, kf, vf = _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    do = dout.to(p.dtype)
+    dv = pd.transpose(-1, -2) @ do
+    dp = do @ vf.transpose(-1, -2)
+    if keep is not None:
+        dp = dp * keep / (1.0 - dropout_p)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    ds = ds.masked_fill(masked, 0.0)
+    dq = (ds @ kf) * scale
+    dk = (ds.transpose(-1, -2) @ q.to(p.dtype)) * scale
+    dk = dk.view(B, Hkv, H // Hkv, Sk, D).sum(2)
+    dv = dv.view(B, Hkv, H // Hkv, Sk, D).sum(2)
+    dbias = ds.float() if bias_grad else None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
 
 # --------------------------------------------------------------------------------------------------

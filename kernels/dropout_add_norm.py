@@ -60,21 +60,24 @@ def dropout_add_norm_reference(x, residual, weight, bias, is_rms, eps, dropout_p
 
 
 def dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, eps, dropout_p, seed):
-    """(dx, dresidual, dweight, dbias) from the saved h: autograd through the fp32 norm only."""
-    with torch.enable_grad():
-        hf = h.detach().float().requires_grad_(True)
-        wb = [t.detach().requires_grad_(True) if t is not None else None for t in (weight, bias)]
-        y, _, _ = _norm_reference(hf, wb[0], wb[1], is_rms, eps)
-        wrt = [hf] + [t for t in wb if t is not None]
-        grads = list(torch.autograd.grad(y, wrt, dout.float()))
-    dh = grads.pop(0)
+    """(dx, dresidual, dweight, dbias) from the saved h, by the module docstring's formulas in plain
+    torch (custom-op bodies run below autograd)."""
+    _, mu, rstd = _norm_reference(h.float(), None, None, is_rms, eps)
+    xhat = (h.float() - mu.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    dy = dout.float()
+    g = dy * weight.float() if weight is not None else dy
+    dh = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    if not is_rms:
+        dh = dh - g.mean(-1, keepdim=True)
+    dh = dh * rstd.unsqueeze(-1)
     if dh_out is not None:
         dh = dh + dh_out.float()
     dx = dh
     if dropout_p > 0:
         dx = dh * dropout_keep(int(seed), flat_offsets(h.shape, h.device), dropout_p) / (1.0 - dropout_p)
-    dw = grads.pop(0) if weight is not None else None
-    db = grads.pop(0) if bias is not None else None
+    rows = tuple(range(h.dim() - 1))
+    dw = (dy * xhat).sum(rows) if weight is not None else None
+    db = dy.sum(rows) if bias is not None else None
     return dx.to(h.dtype), dh.to(h.dtype), dw, db
 
 

@@ -1,0 +1,139 @@
+"""``opsmath.optimize``: the one line users add.
+
+``optimize(model)`` compiles the module *in place* with a dynamo backend (``nn.Module.compile``), so it
+returns the same object: same Parameters, same ``state_dict()`` keys, any optimizer keeps working. The
+first call captures with the real inputs; dynamo's guards re-capture on train/eval switches, new input
+shapes (``dynamic=False``: every shape gets its own, exactly specialized graph), autocast changes and
+graph breaks, each variant going through the same pipeline::
+
+    dynamo graph -> pre-dispatch ATen (capture) -> patterns (match + replace) -> GraphModule (emit)
+
+The emitted GraphModule runs eagerly under autograd; its fused ops are ``torch.library`` custom ops
+with their own backward. ``report(model)`` shows what happened to every captured graph.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+import opsmath.kernels  # noqa: F401  (registers the opsmath:: custom ops)
+from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
+
+from .capture import lower_to_aten
+from .match import Decline, Match, run_patterns
+
+log = logging.getLogger("opsmath")
+
+
+@dataclass
+class GraphRecord:
+    """One captured graph variant: its code before and after rewriting and what changed."""
+    index: int
+    training: bool
+    input_shapes: list
+    before_code: str
+    after_code: str
+    before_ops: Counter
+    after_ops: Counter
+    matches: list[Match]
+    declines: list[Decline]
+    capture_seconds: float
+    graph: Optional[fx.GraphModule] = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
+                    before_ops=dict(self.before_ops), after_ops=dict(self.after_ops),
+                    matches=[m.to_dict() for m in self.matches], declines=[d.to_dict() for d in self.declines],
+                    capture_seconds=self.capture_seconds, before_code=self.before_code,
+                    after_code=self.after_code)
+
+
+@dataclass
+class OptimizeState:
+    """Attached to an optimized module as ``module._opsmath``; ``report()`` reads it."""
+    model_name: str
+    patterns: list
+    skip: set = field(default_factory=set)
+    memory_budget: Optional[object] = None
+    graphs: list[GraphRecord] = field(default_factory=list)
+    buffer_ids: set = field(default_factory=set)
+    fallback_errors: list[str] = field(default_factory=list)
+
+
+def op_counts(gm: fx.GraphModule) -> Counter:
+    """Histogram of call_function targets, named as GraphModule.code names them."""
+    c = Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            name = str(n.target) if isinstance(n.target, torch._ops.OpOverload) else getattr(n.target, "__name__", str(n.target))
+            c[name.replace(".default", "")] += 1
+    return c
+
+
+def _make_backend(state: OptimizeState, model: torch.nn.Module):
+    def opsmath_backend(gm: fx.GraphModule, example_inputs):
+        t0 = time.perf_counter()
+        state.buffer_ids = {id(b) for b in model.buffers()}
+        try:
+            captured = lower_to_aten(gm, list(example_inputs), state.buffer_ids)
+        except Exception as e:  # capture failure: run dynamo's graph unchanged rather than fail the step
+            msg = f"graph {len(state.graphs)}: lowering to ATen failed ({type(e).__name__}: {e}); running it unoptimized"
+            log.warning("opsmath: %s", msg)
+            state.fallback_errors.append(msg)
+            return gm.forward
+        before_code = captured.gm.code
+        before_ops = op_counts(captured.gm)
+        ctx = run_patterns(captured, state.patterns, state.skip)
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
+                  if not isinstance(t, torch.nn.Parameter)]
+        state.graphs.append(GraphRecord(
+            index=len(state.graphs), training=model.training, input_shapes=shapes,
+            before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops,
+            after_ops=op_counts(ctx.gm), matches=ctx.matches, declines=ctx.declines,
+            capture_seconds=time.perf_counter() - t0, graph=ctx.gm))
+        return ctx.gm
+    return opsmath_backend
+
+
+def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, **options) -> torch.nn.Module:
+    """Rewrite ``model``'s attention and dropout-add-norm subgraphs into fused kernels, lazily.
+
+    Args:
+        model: any ``nn.Module``; it is compiled in place and returned (same object).
+        memory_budget: reserved for the recompute planner (bytes, ``"6GB"``, or a fraction); not yet
+            acted upon: a warning says so when given.
+        patterns: names of pattern families to apply (default: all, see ``opsmath.patterns.NAMES``).
+        skip: names (``"attention"``) or single occurrences (``"attention@softmax_3"``) to leave alone.
+
+    Returns:
+        ``model``, whose next call captures and rewrites; ``opsmath.report(model)`` shows the result.
+    """
+    if options:
+        raise TypeError(f"optimize() got unknown options {sorted(options)}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
+    chosen = ALL_PATTERNS if patterns is None else [p for p in ALL_PATTERNS if p.name in set(patterns)]
+    if patterns is not None and len(chosen) != len(set(patterns)):
+        unknown = set(patterns) - {p.name for p in chosen}
+        raise ValueError(f"unknown patterns {sorted(unknown)}; known: {PATTERN_NAMES}")
+    if memory_budget is not None:
+        log.warning("opsmath: memory_budget=%r is accepted but the recompute planner is not implemented yet; "
+                    "no recompute is planned", memory_budget)
+    state = OptimizeState(model_name=type(model).__name__, patterns=chosen, skip=set(skip or ()),
+                          memory_budget=memory_budget)
+    model._opsmath = state
+    model.compile(backend=_make_backend(state, model), dynamic=False)
+    return model
+
+
+def state_of(model) -> OptimizeState:
+    st = getattr(model, "_opsmath", None)
+    if st is None:
+        raise ValueError("this module was not returned by opsmath.optimize()")
+    return st

@@ -1,0 +1,179 @@
+"""Canonical views of pre-dispatch ATen graphs: the vocabulary pattern matchers share.
+
+Pre-dispatch ATen already merges most spellings (``@``/``matmul``, method/function). What remains is
+handled here, once, so that every pattern sees the same thing:
+
+* casts (``to``, ``_to_copy``, ``type_as``) are recognized and can be looked through;
+* scalar scales: ``x * c``, ``x / c``, ``c * x`` become one multiplier;
+* transposes of the last two dims in any spelling (``transpose(-2, -1)``, ``(2, 3)``, ``permute``);
+* constant subgraphs (tensor factories, module buffers) can be evaluated to real values, which is how
+  ``masked_fill(tril[:T, :T] == 0, -inf)`` and HF's arange-built additive masks are recognized as causal.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default, aten.to.device}
+MATMULS = {aten.matmul.default, aten.bmm.default}
+SOFTMAXES = {aten.softmax.int, aten._softmax.default}
+DROPOUTS = {aten.dropout.default}
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default}
+
+
+def is_op(node, targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def val(node):
+    """The fake tensor (or value) recorded for ``node`` at capture."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def shape(node) -> tuple:
+    v = val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def dtype(node) -> Optional[torch.dtype]:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def is_cast(node) -> bool:
+    """A dtype conversion that keeps shape and device (``to(dtype)``, ``_to_copy``, ``type_as``)."""
+    if not is_op(node, CASTS):
+        return False
+    src = node.args[0]
+    return isinstance(src, fx.Node) and shape(src) == shape(node) and \
+        getattr(val(src), "device", None) == getattr(val(node), "device", None)
+
+
+def strip_casts(node):
+    while is_cast(node):
+        node = node.args[0]
+    return node
+
+
+def dropout_info(node) -> Optional[tuple[fx.Node, float]]:
+    """(input, p) if ``node`` is dropout; p is 0.0 when it is disabled (eval, or p == 0)."""
+    if not is_op(node, DROPOUTS):
+        return None
+    p = float(node.args[1]) if len(node.args) > 1 else float(node.kwargs.get("p", 0.5))
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return node.args[0], (p if train else 0.0)
+
+
+def scalar_scale(node) -> Optional[tuple[fx.Node, float]]:
+    """(input, c) if ``node`` multiplies a tensor by a Python number c (``x*c``, ``c*x``, ``x/c``)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.kwargs:
+        return None
+    a = node.args
+    if node.target in (aten.mul.Tensor, aten.mul.Scalar):
+        if isinstance(a[1], numbers.Number) and isinstance(a[0], fx.Node):
+            return a[0], float(a[1])
+        if isinstance(a[0], numbers.Number) and isinstance(a[1], fx.Node):
+            return a[1], float(a[0])
+    if node.target in (aten.div.Tensor, aten.div.Scalar) and isinstance(a[1], numbers.Number) and a[1] != 0:
+        return a[0], 1.0 / float(a[1])
+    return None
+
+
+def strip_scales(node) -> tuple[fx.Node, float]:
+    """Look through scalar multiplications: returns (base, product of the scales)."""
+    c = 1.0
+    while (s := scalar_scale(node)) is not None:
+        node, k = s
+        c *= k
+    return node, c
+
+
+def last_two_transposed(node) -> Optional[fx.Node]:
+    """The input of ``node`` if ``node`` swaps exactly the last two dims of it, else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    nd = len(shape(node))
+    if node.target is aten.transpose.int:
+        d0, d1 = (d % nd for d in node.args[1:3])
+        return node.args[0] if {d0, d1} == {nd - 2, nd - 1} else None
+    if node.target is aten.permute.default:
+        perm = [d % nd for d in node.args[1]]
+        want = list(range(nd - 2)) + [nd - 1, nd - 2]
+        return node.args[0] if perm == want else None
+    if node.target in (aten.t.default, aten.numpy_T.default) and nd == 2:
+        return node.args[0]
+    return None
+
+
+def only_users_in(node: fx.Node, allowed: set) -> bool:
+    return all(u in allowed for u in node.users)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Constant evaluation
+# ---------------------------------------------------------------------------------------------------
+
+
+def constant_value(gm: fx.GraphModule, node, constants: dict[str, torch.Tensor], limit: int = 200):
+    """Evaluate ``node`` to a real tensor when it depends only on tensor factories, ``get_attr``
+    constants and module buffers (``constants``, by placeholder name). Returns None otherwise.
+
+    Factories with device arguments are evaluated on CPU: only the value is wanted.
+    """
+    if not isinstance(node, fx.Node):
+        return node
+    order, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.name not in constants:
+            return None
+        if n.op not in ("placeholder", "get_attr", "call_function"):
+            return None
+        if n.op == "call_function" and (not isinstance(n.target, torch._ops.OpOverload)
+                                        or n.target._schema.is_mutable and n.target is not aten.detach_.default):
+            return None
+        if len(seen) > limit:
+            return None
+        order.append(n)
+        stack.extend(n.all_input_nodes)
+    env = {}
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    try:
+        for n in sorted(order, key=pos.__getitem__):
+            if n.op == "placeholder":
+                env[n] = constants[n.name].detach().cpu()
+            elif n.op == "get_attr":
+                env[n] = getattr(gm, n.target).detach().cpu() if isinstance(getattr(gm, n.target), torch.Tensor) \
+                    else getattr(gm, n.target)
+            else:
+                args = fx.node.map_arg(n.args, env.__getitem__)
+                kwargs = dict(fx.node.map_arg(n.kwargs, env.__getitem__))
+                if "device" in kwargs:
+                    kwargs["device"] = "cpu"
+                if n.target is aten.detach_.default:
+                    env[n] = args[0].detach()
+                    continue
+                if n.target is aten.to.device:
+                    args = (args[0], "cpu", *args[2:])
+                env[n] = n.target(*args, **kwargs)
+    except Exception:  # anything unexpected: not a constant we understand
+        return None
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) else None
+
+
+def causal_from_constant(masked: torch.Tensor, sq: int, sk: int) -> bool:
+    """True if boolean ``masked`` (True = position removed), broadcast to (..., sq, sk), is exactly the
+    top-left causal pattern ``j > i`` in every batch/head slice."""
+    if masked.dim() < 2 or masked.shape[-2] not in (1, sq) or masked.shape[-1] not in (1, sk):
+        return False
+    upper = torch.ones(sq, sk, dtype=torch.bool).triu(1)
+    return bool((masked.to(torch.bool).expand(*masked.shape[:-2], sq, sk) == upper).all())

@@ -1,0 +1,66 @@
+"""Capture: lower a dynamo-captured graph to pre-dispatch ATen with fake-tensor metadata.
+
+``torch.fx.symbolic_trace`` fails on most real models (``x.size()`` unpacking, slicing by proxies), so
+opsmath captures through a dynamo backend, like ``torch.compile``. Inside the backend, ``make_fx`` with
+``pre_dispatch=True`` re-traces dynamo's Torch-level graph into the "training IR": ``aten.linear``,
+``matmul``, ``softmax``, ``layer_norm``, ``dropout`` stay whole, method-vs-function and ``@``-vs-``matmul``
+spellings disappear, and every node carries ``meta["val"]`` (a fake tensor: shape, dtype, device,
+strides, as autocast would produce them) and ``meta["stack_trace"]`` (the user's source line).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+@dataclass
+class Captured:
+    """A lowered graph plus what the matchers may know about its inputs.
+
+    ``constants`` maps placeholder names to the real tensors of inputs that are module *buffers*
+    (e.g. nanoGPT's causal ``tril`` buffer): matchers may read their values to recognize constant
+    masks. Parameters and user inputs are never read.
+    """
+    gm: fx.GraphModule
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional[set[int]] = None) -> Captured:
+    """Re-trace dynamo's graph ``gm`` to pre-dispatch ATen with fake tensors.
+
+    ``example_inputs`` are what dynamo hands a backend (real tensors; params and buffers lifted to
+    inputs). ``buffer_ids`` are ``id()`` of the model's buffers, used to fill ``Captured.constants``.
+    """
+    with fx_traceback.preserve_node_meta():
+        aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+    constants = {}
+    placeholders = [n for n in aten.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if buffer_ids and isinstance(value, torch.Tensor) and id(value) in buffer_ids \
+                and not isinstance(value, torch._subclasses.FakeTensor):
+            constants[node.name] = value
+    return Captured(aten, constants)
+
+
+def source_location(node: fx.Node) -> tuple[str, str]:
+    """(``file.py:123``, the source line) of the user code that produced ``node``, from its stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln for ln in trace.strip().splitlines()]
+    loc, code = "<unknown>", ""
+    for i, ln in enumerate(lines):
+        s = ln.strip()
+        if s.startswith('File "'):
+            try:
+                path = s.split('"')[1]
+                lineno = s.split("line ")[1].split(",")[0]
+            except IndexError:
+                continue
+            loc = f"{os.path.basename(path)}:{lineno}"
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+    return loc, code

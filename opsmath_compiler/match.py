@@ -1,0 +1,146 @@
+"""Match and replace: the driver every pattern family plugs into.
+
+A pattern (one file per family in ``patterns/``) is an object with a ``name`` and
+``apply(ctx: RewriteContext)``: it scans ``ctx.gm`` for its anchors, checks constraints from node
+metadata, and either rewrites the occurrence (``ctx.replaced``) or leaves it alone and says why
+(``ctx.declined``). Matching never changes semantics: when unsure, a pattern declines.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Protocol
+
+import torch
+import torch.fx as fx
+
+from .capture import Captured, source_location
+
+log = logging.getLogger("opsmath")
+
+
+@dataclass
+class Match:
+    """One rewrite: ``pattern`` replaced ``nodes`` (names in the captured graph) at ``location``."""
+    pattern: str
+    location: str
+    code: str
+    nodes: list[str]
+    replacement: str
+    before: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dict(pattern=self.pattern, location=self.location, code=self.code, nodes=self.nodes,
+                    replacement=self.replacement, before=self.before, details=self.details)
+
+
+@dataclass
+class Decline:
+    """An occurrence a pattern recognized but left alone, with the reason."""
+    pattern: str
+    location: str
+    code: str
+    node: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return dict(pattern=self.pattern, location=self.location, code=self.code, node=self.node,
+                    reason=self.reason)
+
+
+def node_line(n: fx.Node) -> str:
+    """``name = op(args)`` in the style of GraphModule.code, for report snippets."""
+    def fmt(a):
+        if isinstance(a, fx.Node):
+            return a.name
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(fmt(x) for x in a) + "]"
+        return repr(a)
+    target = getattr(n.target, "__name__", str(n.target)) if n.op == "call_function" else str(n.target)
+    if isinstance(n.target, torch._ops.OpOverload):
+        target = str(n.target).replace(".default", "")
+    args = ", ".join([fmt(a) for a in n.args] + [f"{k}={fmt(v)}" for k, v in n.kwargs.items()])
+    return f"{n.name} = {target}({args})"
+
+
+class RewriteContext:
+    """What a pattern needs: the graph, known constants, and the record of what happened."""
+
+    def __init__(self, captured: Captured, skip: Optional[set[str]] = None):
+        self.gm = captured.gm
+        self.graph = captured.gm.graph
+        self.constants = captured.constants
+        self.matches: list[Match] = []
+        self.declines: list[Decline] = []
+        self.skip = skip or set()
+
+    def allowed(self, pattern: str, anchor: fx.Node) -> bool:
+        """Whether the user (``optimize(..., skip=...)``) lets this occurrence be rewritten: ``skip``
+        holds family names (``"attention"``) or single occurrences (``"attention@softmax_3"``)."""
+        return pattern not in self.skip and f"{pattern}@{anchor.name}" not in self.skip
+
+    def declined(self, pattern: str, node: fx.Node, reason: str) -> None:
+        loc, code = source_location(node)
+        self.declines.append(Decline(pattern, loc, code, node.name, reason))
+        log.info("opsmath: %s at %s left alone: %s", pattern, loc, reason)
+
+    def replaced(self, pattern: str, anchor: fx.Node, nodes: Iterable[fx.Node], replacement: str,
+                 before: list[str], **details) -> None:
+        loc, code = source_location(anchor)
+        self.matches.append(Match(pattern, loc, code, [n.name for n in nodes], replacement, before, details))
+
+    def call(self, target, args, like: fx.Node, kwargs=None) -> fx.Node:
+        """Insert ``target(*args)`` at the current insertion point, inheriting ``like``'s source trace."""
+        node = self.graph.call_function(target, tuple(args), kwargs or {})
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+        return node
+
+    def erase_dead(self, nodes: Iterable[fx.Node]) -> None:
+        """Erase ``nodes`` that have no users left, then their inputs that became dead, recursively.
+        Placeholders, outputs and in-place ops are never erased."""
+        work = list(nodes)
+        while work:
+            n = work.pop()
+            if n.graph is not self.graph or n.users or n.op in ("placeholder", "output"):
+                continue
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+                    and n.target._schema.is_mutable:
+                continue
+            inputs = n.all_input_nodes
+            self.graph.erase_node(n)
+            work.extend(inputs)
+
+
+class Pattern(Protocol):
+    name: str
+
+    def apply(self, ctx: RewriteContext) -> None: ...
+
+
+def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = None) -> RewriteContext:
+    """Apply every pattern to the captured graph in order, lint, recompile and refresh fake metadata."""
+    ctx = RewriteContext(captured, skip)
+    for pattern in patterns:
+        pattern.apply(ctx)
+        ctx.graph.lint()
+    ctx.gm.recompile()
+    _refresh_meta(ctx.gm)
+    return ctx
+
+
+def _refresh_meta(gm: fx.GraphModule) -> None:
+    """Give inserted nodes ``meta["val"]`` by fake-propagating the rewritten graph."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode(vals)
+    if mode is None:
+        return
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
+    except Exception as e:  # metadata is a convenience for planning/reporting, never fatal
+        log.debug("opsmath: fake propagation after rewrite failed: %s", e)

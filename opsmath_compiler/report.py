@@ -1,0 +1,127 @@
+"""The graph diff report: what opsmath replaced in every captured graph, where in the user's source,
+and what it left alone and why.
+
+``print(report)`` renders with rich (plain text when not a terminal), ``report._repr_html_()`` renders
+in Jupyter, ``report.to_json()`` is the form for tools.
+"""
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .api import state_of
+from .match import Decline, Match
+
+_SNIPPET_LINES = 6
+
+
+class Report:
+    """Everything ``optimize`` did to one model, across its captured graph variants."""
+
+    def __init__(self, state):
+        self.model_name = state.model_name
+        self.graphs = list(state.graphs)
+        self.fallback_errors = list(state.fallback_errors)
+
+    @property
+    def matches(self) -> list[Match]:
+        return [m for g in self.graphs for m in g.matches]
+
+    @property
+    def declines(self) -> list[Decline]:
+        return [d for g in self.graphs for d in g.declines]
+
+    def count(self, pattern: str) -> int:
+        return sum(m.pattern == pattern for m in self.matches)
+
+    # ---- machine-readable ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dict(model=self.model_name, graphs=[g.to_dict() for g in self.graphs],
+                    fallback_errors=self.fallback_errors)
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    # ---- rendering ----------------------------------------------------------------------------
+    def __rich_console__(self, console, options):
+        n_m, n_d = len(self.matches), len(self.declines)
+        title = f"opsmath report: {self.model_name}: {len(self.graphs)} graph(s), {n_m} rewrite(s), {n_d} declined"
+        yield Text(title, style="bold")
+        if not self.graphs:
+            yield Text("nothing captured yet: call the optimized model once", style="yellow")
+        for g in self.graphs:
+            yield self._graph_panel(g)
+        for err in self.fallback_errors:
+            yield Text(f"fallback: {err}", style="red")
+
+    def _graph_panel(self, g) -> Panel:
+        parts = []
+        total_b, total_a = sum(g.before_ops.values()), sum(g.after_ops.values())
+        parts.append(Text(f"{'train' if g.training else 'eval'} | ops {total_b} -> {total_a} | "
+                          f"captured in {g.capture_seconds:.2f}s"))
+        if g.matches:
+            t = Table(show_header=True, header_style="bold", expand=False, box=None, padding=(0, 1))
+            t.add_column("pattern", style="green", no_wrap=True)
+            t.add_column("source", style="cyan", no_wrap=True)
+            t.add_column("nodes", justify="right")
+            t.add_column("replaced by", overflow="fold")
+            for m in g.matches:
+                t.add_row(m.pattern, m.location, str(len(m.nodes)), m.replacement)
+            parts.append(t)
+            parts.append(self._snippet(g.matches[0]))
+        if g.declines:
+            t = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
+            t.add_column("declined", style="yellow", no_wrap=True)
+            t.add_column("source", style="cyan", no_wrap=True)
+            t.add_column("why", overflow="fold")
+            for d in g.declines:
+                t.add_row(d.pattern, d.location, d.reason)
+            parts.append(t)
+        changed = sorted(set(g.before_ops) | set(g.after_ops),
+                         key=lambda k: -abs(g.before_ops.get(k, 0) - g.after_ops.get(k, 0)))
+        diffs = [f"{k} {g.before_ops.get(k, 0)}->{g.after_ops.get(k, 0)}" for k in changed
+                 if g.before_ops.get(k, 0) != g.after_ops.get(k, 0)]
+        if diffs:
+            parts.append(Text("op diff: " + ", ".join(diffs[:8]) + (" ..." if len(diffs) > 8 else ""),
+                              style="dim"))
+        return Panel(Group(*parts), title=f"graph {g.index}", title_align="left")
+
+    @staticmethod
+    def _snippet(m: Match) -> Text:
+        t = Text()
+        t.append(f"e.g. {m.location}: {m.code}\n", style="bold")
+        lines = m.before[:_SNIPPET_LINES]
+        for ln in lines:
+            t.append(f"- {ln}\n", style="red")
+        if len(m.before) > len(lines):
+            t.append(f"- ... {len(m.before) - len(lines)} more\n", style="red")
+        t.append(f"+ {m.replacement}", style="green")
+        return t
+
+    def render(self, width: int = 80, color: bool = False) -> str:
+        """The report as text (ANSI colors only if ``color``), ``width`` columns wide."""
+        buf = io.StringIO()
+        Console(file=buf, width=width, force_terminal=color, color_system="standard" if color else None,
+                soft_wrap=False).print(self)
+        return buf.getvalue()
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __repr__(self) -> str:
+        return f"<opsmath.Report {self.model_name}: {len(self.matches)} rewrites in {len(self.graphs)} graphs>"
+
+    def _repr_html_(self) -> str:
+        console = Console(record=True, width=100, file=io.StringIO())
+        console.print(self)
+        return console.export_html(inline_styles=True)
+
+
+def report(optimized) -> Report:
+    """The :class:`Report` of a module returned by ``opsmath.optimize``."""
+    return Report(state_of(optimized))

@@ -1,0 +1,373 @@
+"""Attention: ``matmul -> [scale | bias | mask]* -> softmax -> [cast] -> [dropout] -> matmul`` to
+``opsmath::attention``.
+
+Anchored on every last-dim softmax. Walking up from it collects, in order, the ops applied to the
+scores ``Q K^T``: scalar scales (``*c``, ``/c``, on the scores, on q or on k), additive biases (HF's
+``finfo.min`` masks, ALiBi/relative biases), ``masked_fill`` and ``where`` masks, casts. Walking down
+collects casts and one dropout up to the matmul with V. The ops are then composed into the kernel's
+canonical form ``where(mask, fill, scale * Q K^T + bias)`` (see ``kernels/attention.py``); constant
+masks (a sliced ``tril`` buffer, HF's arange-built masks) that equal ``j > i`` become ``is_causal``.
+GQA's ``repeat_kv`` (unsqueeze/expand/reshape, ``repeat_interleave``) is undone so K/V are read per
+kv head. Every intermediate must be used only inside the chain, or the occurrence is declined.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+import torch.fx as fx
+
+from opsmath.canonicalize import (MATMULS, SOFTMAXES, VIEWS, aten, causal_from_constant, constant_value,
+                                  dropout_info, dtype, is_cast, is_op, last_two_transposed, scalar_scale,
+                                  shape, strip_scales, val)
+from opsmath.match import RewriteContext, node_line
+
+# a mask fill or additive bias at or below this removes a position exactly (exp underflows to 0 in fp32)
+_REMOVES = -1e4
+
+
+@dataclass
+class _Plan:
+    qk: fx.Node
+    pv: fx.Node
+    q: fx.Node
+    k: fx.Node                        # (..., Sk, D): already un-transposed
+    k_needs_transpose: bool
+    v: fx.Node
+    rep: int = 1                      # GQA: query heads per kv head (k, v are kv-head tensors)
+    scale: float = 1.0
+    biases: list = field(default_factory=list)   # [node, multiplier]
+    masks: list = field(default_factory=list)    # (node, negate)
+    fill: float = float("-inf")
+    causal: bool = False
+    dropout_p: float = 0.0
+    nodes: list = field(default_factory=list)    # chain nodes, in graph order
+
+
+def _strip_full_slices(node):
+    """Look through ``slice(x, d, 0, end>=size)`` that select everything (from ``x[:, :, None]``)."""
+    while is_op(node, {aten.slice.Tensor}):
+        src = node.args[0]
+        d = node.args[1] if len(node.args) > 1 else 0
+        start = node.args[2] if len(node.args) > 2 else None
+        end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        size = shape(src)[d]
+        if (start in (None, 0)) and (end is None or end >= size) and step == 1:
+            node = src
+        else:
+            break
+    return node
+
+
+def _repeat_kv_source(node, heads: int) -> Optional[tuple[fx.Node, int]]:
+    """(kv tensor (B, Hkv, S, D), rep) if ``node`` is kv repeated to ``heads`` heads, as HF's
+    ``repeat_kv`` (unsqueeze/index None -> expand -> reshape), ``repeat_interleave(rep, dim=1)`` or a
+    plain ``expand`` of a single kv head (MQA) write it."""
+    if len(shape(node)) != 4:
+        return None
+    if is_op(node, {aten.repeat_interleave.self_int}):
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if dim in (1, -3) and isinstance(node.args[1], int) and len(node.args) <= 3:
+            return node.args[0], int(node.args[1])
+        return None
+    if is_op(node, {aten.expand.default}) and shape(node.args[0])[1:2] == (1,) and heads > 1:
+        src = node.args[0]
+        if shape(src)[0] == shape(node)[0] and shape(src)[2:] == shape(node)[2:]:
+            return src, heads
+        return None
+    if not is_op(node, VIEWS) or not is_op(node.args[0], {aten.expand.default}):
+        return None
+    e = node.args[0]
+    u = _strip_full_slices(e.args[0])
+    if not (is_op(u, {aten.unsqueeze.default}) and u.args[1] in (2, -3)):
+        return None
+    src = _strip_full_slices(u.args[0])
+    B, Hkv, S, D = shape(src)
+    es = shape(e)
+    if len(es) != 5 or es[0] != B or es[1] != Hkv or es[3:] != (S, D) or shape(node) != (B, Hkv * es[2], S, D):
+        return None
+    return src, es[2]
+
+
+def _leads_to_matmul(node, depth: int = 12) -> bool:
+    """Whether ``node`` is (through scales, casts, biases, masks) a product of a matmul."""
+    for _ in range(depth):
+        if is_op(node, MATMULS):
+            return True
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return False
+        if is_cast(node) or scalar_scale(node) is not None:
+            node = node.args[0]
+        elif node.target in (aten.add.Tensor, aten.sub.Tensor):
+            return any(_leads_to_matmul(a, depth - 1) for a in node.args[:2] if isinstance(a, fx.Node))
+        elif node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.ScalarOther):
+            node = node.args[0]
+        elif node.target is aten.where.ScalarSelf:
+            node = node.args[2]
+        elif node.target is aten.where.self:
+            return any(_leads_to_matmul(a, depth - 1) for a in node.args[1:3] if isinstance(a, fx.Node))
+        else:
+            return False
+    return False
+
+
+def _fill_value(ctx, x) -> Optional[float]:
+    """A mask's fill as a float: a Python number or a constant 0-d/1-element tensor."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    c = constant_value(ctx.gm, x, ctx.constants)
+    if c is not None and c.numel() == 1:
+        return float(c.reshape(()))
+    return None
+
+
+class AttentionPattern:
+    name = "attention"
+
+    def apply(self, ctx: RewriteContext) -> None:
+        for sm in [n for n in ctx.graph.nodes if is_op(n, SOFTMAXES)]:
+            plan = self._analyze(ctx, sm)
+            if plan is None:
+                continue
+            if isinstance(plan, str):
+                ctx.declined(self.name, sm, plan)
+            elif not ctx.allowed(self.name, sm):
+                ctx.declined(self.name, sm, "skipped by the user")
+            else:
+                self._emit(ctx, sm, plan)
+
+    # ------------------------------------------------------------------------------------------
+    def _analyze(self, ctx: RewriteContext, sm: fx.Node) -> Union[None, str, _Plan]:
+        sshape = shape(sm)
+        nd = len(sshape)
+        dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
+        if nd not in (3, 4) or dim % nd != nd - 1:
+            return None
+        # ---- upward: softmax input back to Q K^T ------------------------------------------------
+        ops, up, cur, escape = [], [], sm.args[0], None
+        while not is_op(cur, MATMULS):
+            if not isinstance(cur, fx.Node) or cur.op != "call_function":
+                return None
+            if len(cur.users) != 1 and escape is None:
+                escape = cur
+            up.append(cur)
+            t, a = cur.target, cur.args
+            if is_cast(cur):
+                cur = a[0]
+            elif (s := scalar_scale(cur)) is not None:
+                ops.append(("scale", s[1]))
+                cur = s[0]
+            elif t in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(x, fx.Node) for x in a[:2]) \
+                    and cur.kwargs.get("alpha", 1) == 1:
+                first = _leads_to_matmul(a[0])
+                if first == _leads_to_matmul(a[1]):
+                    return None
+                score, other = (a[0], a[1]) if first else (a[1], a[0])
+                if t is aten.sub.Tensor:
+                    if not first:
+                        return "scores are subtracted from a tensor (c - QK^T) "
+                    ops.append(("bias", other, -1.0))
+                else:
+                    ops.append(("bias", other, 1.0))
+                cur = score
+            elif t in (aten.add.Tensor, aten.sub.Tensor) and isinstance(a[1], (int, float)):
+                cur = a[0]  # a constant shift of every score: softmax is invariant to it
+            elif t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+                f = _fill_value(ctx, a[2])
+                if f is None:
+                    return "masked_fill value is not a constant"
+                ops.append(("mask", a[1], False, f))
+                cur = a[0]
+            elif t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
+                cond, x, y = a[0], a[1], a[2]
+                score_is_x = t is aten.where.ScalarOther or (t is aten.where.self and _leads_to_matmul(x))
+                f = _fill_value(ctx, y if score_is_x else x)
+                if f is None:
+                    return "where() fill value is not a constant"
+                # where(cond, scores, f): masked where cond is False
+                ops.append(("mask", cond, score_is_x, f))
+                cur = x if score_is_x else y
+            else:
+                return None
+        qk = cur
+        if escape is not None:
+            return f"{escape.name} (an intermediate of the scores) is used outside the attention"
+        if len(qk.users) != 1:
+            return f"the scores {qk.name} are used outside the attention"
+        # ---- downward: softmax to P V --------------------------------------------------------------
+        down, cur, p_drop = [], sm, 0.0
+        while True:
+            users = list(cur.users)
+            if len(users) != 1:
+                return f"{cur.name} (attention probabilities) is used outside the attention, e.g. returned"
+            u = users[0]
+            if is_cast(u):
+                cur = u
+            elif (d := dropout_info(u)) is not None and d[0] is cur:
+                if p_drop > 0 and d[1] > 0:
+                    return "two dropouts on the attention probabilities"
+                p_drop = max(p_drop, d[1])
+                cur = u
+            elif is_op(u, MATMULS) and u.args[0] is cur:
+                pv = u
+                break
+            else:
+                return f"attention probabilities feed {getattr(u.target, '__name__', u.target)}, not P @ V"
+            down.append(u)
+        if not 0.0 <= p_drop < 1.0:
+            return f"dropout p={p_drop} outside [0, 1)"
+        # ---- operands ----------------------------------------------------------------------------
+        q, cq = strip_scales(qk.args[0])
+        kt = last_two_transposed(qk.args[1])
+        if kt is not None:
+            k, ck = strip_scales(kt)
+            k_needs_transpose = False
+        else:
+            k, ck = strip_scales(qk.args[1])
+            k_needs_transpose = True
+        v = pv.args[1]
+        plan = _Plan(qk=qk, pv=pv, q=q, k=k, k_needs_transpose=k_needs_transpose, v=v, dropout_p=p_drop,
+                     scale=cq * ck, nodes=[*reversed(up), sm, *down])
+        lead, (Sq, Sk) = sshape[:-2], sshape[-2:]
+        D = shape(q)[-1]
+        kshape = shape(k)[:-2] + (shape(k)[-1], shape(k)[-2]) if k_needs_transpose else shape(k)
+        if nd == 4 and kshape[:-2] != lead:
+            kv = _repeat_kv_source(k, lead[1]), _repeat_kv_source(v, lead[1])
+            if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1] or k_needs_transpose:
+                return f"K/V batch dims {kshape[:-2]} differ from the scores' {lead} in a way not understood"
+            (plan.k, plan.rep), (plan.v, _) = kv
+            kshape = shape(plan.k)
+            if kshape[0] != lead[0] or kshape[1] * plan.rep != lead[1]:
+                return "K/V heads do not divide the query heads"
+        elif nd == 4 and shape(v)[:-2] != lead:
+            return "V batch dims differ from the scores' (K and V repeated differently?)"
+        if shape(q)[:-2] != lead or kshape[-2:] != (Sk, D) or shape(plan.v)[-2] != Sk:
+            return "Q/K/V shapes do not line up (broadcasting matmul)"
+        if shape(plan.v)[-1] != D:
+            return f"V head dim {shape(plan.v)[-1]} differs from Q/K head dim {D} (not supported yet)"
+        if dtype(qk) != dtype(pv) or dtype(qk) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            return f"mixed or unsupported dtypes: QK^T in {dtype(qk)}, PV in {dtype(pv)}"
+        devs = {getattr(val(n), "device", None) for n in (q, plan.k, plan.v, qk)}
+        if len(devs) != 1:
+            return f"operands on different devices {devs}"
+        # ---- compose ops (applied innermost first) into scale, bias, mask ---------------------------
+        for op in reversed(ops):
+            if op[0] == "scale":
+                c = op[1]
+                if c <= 0:
+                    return "non-positive scale on the scores"
+                plan.scale *= c
+                for b in plan.biases:
+                    b[1] *= c
+                if plan.masks:
+                    plan.fill *= c
+            elif op[0] == "bias":
+                if plan.masks and plan.fill != float("-inf"):
+                    return "a bias is added after a finite mask fill"
+                plan.biases.append([op[1], op[2]])
+            else:
+                _, m, negate, f = op
+                if plan.masks and f != plan.fill:
+                    return "two masks with different fill values"
+                plan.masks.append((m, negate))
+                plan.fill = f
+        for b, _ in plan.biases:
+            try:
+                ok = torch.broadcast_shapes(shape(b), sshape) == sshape
+            except RuntimeError:
+                ok = False
+            if not ok:
+                return f"bias of shape {shape(b)} does not broadcast to the scores {sshape}"
+        self._detect_causal(ctx, plan, Sq, Sk)
+        return plan
+
+    def _detect_causal(self, ctx, plan: _Plan, Sq: int, Sk: int) -> None:
+        """Constant masks/biases equal to the ``j > i`` pattern become ``is_causal`` (block skipping)."""
+        for mask in list(plan.masks):
+            m, negate = mask
+            c = constant_value(ctx.gm, m, ctx.constants)
+            if c is not None and plan.fill <= _REMOVES and causal_from_constant(~c if negate else c, Sq, Sk):
+                plan.masks.remove(mask)
+                plan.causal = True
+        for bias in list(plan.biases):
+            c = constant_value(ctx.gm, bias[0], ctx.constants)
+            if c is None or not c.is_floating_point():
+                continue
+            removed = (c * bias[1]) <= _REMOVES
+            kept_zero = bool(((c == 0) | removed).all())
+            if kept_zero and causal_from_constant(removed, Sq, Sk):
+                plan.biases.remove(bias)
+                plan.causal = True
+        if not plan.masks:
+            plan.fill = float("-inf")
+
+    # ------------------------------------------------------------------------------------------
+    def _emit(self, ctx: RewriteContext, sm: fx.Node, plan: _Plan) -> None:
+        nd = len(shape(sm))
+        cdt = dtype(plan.qk)
+        pv = plan.pv
+        before = [node_line(n) for n in [plan.qk, *plan.nodes, pv]]
+        with ctx.graph.inserting_before(pv):
+            def cast(x):
+                return x if dtype(x) == cdt else ctx.call(aten.to.dtype, (x, cdt), sm)
+
+            def to4d(x, rank):
+                for _ in range(nd - rank):  # leading broadcast dims, then a head dim for 3-D scores
+                    x = ctx.call(aten.unsqueeze.default, (x, 0), sm)
+                return ctx.call(aten.unsqueeze.default, (x, 1), sm) if nd == 3 else x
+
+            q, k, v = plan.q, plan.k, plan.v
+            if plan.k_needs_transpose:
+                k = ctx.call(aten.transpose.int, (k, -2, -1), sm)
+            q, k, v = cast(q), cast(k), cast(v)
+            if nd == 3:
+                q, k, v = (ctx.call(aten.unsqueeze.default, (x, 1), sm) for x in (q, k, v))
+            bias = None
+            for b, mult in plan.biases:
+                term = b if mult == 1.0 else ctx.call(aten.mul.Tensor, (b, mult), sm)
+                bias = term if bias is None else ctx.call(aten.add.Tensor, (bias, term), sm)
+            if bias is not None:
+                bias = to4d(bias, max(len(shape(b)) for b, _ in plan.biases))
+            mask = None
+            for m, negate in plan.masks:
+                term = ctx.call(aten.logical_not.default, (m,), sm) if negate else m
+                mask = term if mask is None else ctx.call(aten.logical_or.default, (mask, term), sm)
+            if mask is not None:
+                mask = to4d(mask, max(len(shape(m)) for m, _ in plan.masks))
+            if plan.dropout_p > 0:
+                from opsmath.kernels._common import new_seed
+                seed = ctx.call(new_seed, (), sm)
+            else:
+                seed = ctx.call(aten.scalar_tensor.default, (0,), sm, {"dtype": torch.int64})
+            res = ctx.call(torch.ops.opsmath.attention.default,
+                           (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed), sm)
+            out = ctx.call(operator.getitem, (res, 0), sm)
+            if nd == 3:
+                out = ctx.call(aten.squeeze.dim, (out, 1), sm)
+        pv.replace_all_uses_with(out)
+        replaced = [plan.qk, *plan.nodes, pv]
+        ctx.erase_dead([pv])
+        B = shape(sm)[0]
+        H = shape(sm)[1] if nd == 4 else 1
+        desc = [f"scale={plan.scale:.4g}"]
+        if plan.causal:
+            desc.append("causal")
+        if plan.biases:
+            desc.append("bias" + str(tuple(shape(plan.biases[0][0]))))
+        if plan.masks:
+            desc.append(f"mask(fill={plan.fill:.3g})")
+        if plan.dropout_p:
+            desc.append(f"dropout={plan.dropout_p:g}")
+        if plan.rep > 1:
+            desc.append(f"gqa {H}/{H // plan.rep}")
+        ctx.replaced(self.name, sm, replaced, f"opsmath::attention({', '.join(desc)})", before,
+                     causal=plan.causal, scale=plan.scale, dropout_p=plan.dropout_p, gqa_rep=plan.rep,
+                     has_bias=bool(plan.biases), has_mask=bool(plan.masks), batch=B, heads=H,
+                     q_len=shape(sm)[-2], k_len=shape(sm)[-1], head_dim=shape(plan.q)[-1],
+                     dtype=str(dtype(plan.qk)).replace("torch.", ""))
+
+
+PATTERN = AttentionPattern()
