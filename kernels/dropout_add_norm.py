@@ -72,7 +72,7 @@ def dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, e
     dh = dh * rstd.unsqueeze(-1)
     if dh_out is not None:
         dh = dh + dh_out.float()
-    dx = dh
+    dx = dh.clone()  # a separate tensor even without dropout: op outputs may not alias each other
     if dropout_p > 0:
         dx = dh * dropout_keep(int(seed), flat_offsets(h.shape, h.device), dropout_p) / (1.0 - dropout_p)
     rows = tuple(range(h.dim() - 1))

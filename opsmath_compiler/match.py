@@ -74,6 +74,8 @@ class RewriteContext:
         self.matches: list[Match] = []
         self.declines: list[Decline] = []
         self.skip = skip or set()
+        from torch._guards import detect_fake_mode
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"])
 
     def allowed(self, pattern: str, anchor: fx.Node) -> bool:
         """Whether the user (``optimize(..., skip=...)``) lets this occurrence be rewritten: ``skip``
@@ -91,11 +93,20 @@ class RewriteContext:
         self.matches.append(Match(pattern, loc, code, [n.name for n in nodes], replacement, before, details))
 
     def call(self, target, args, like: fx.Node, kwargs=None) -> fx.Node:
-        """Insert ``target(*args)`` at the current insertion point, inheriting ``like``'s source trace."""
+        """Insert ``target(*args)`` at the current insertion point, inheriting ``like``'s source trace
+        and getting ``meta["val"]`` from running ``target`` on the inputs' fake values, so later
+        matches in the same pass can read shapes and dtypes of what was inserted."""
         node = self.graph.call_function(target, tuple(args), kwargs or {})
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]
+        if self.fake_mode is not None:
+            fake = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            try:
+                with self.fake_mode:
+                    node.meta["val"] = target(*fake[0], **fake[1])
+            except Exception as e:  # metadata only; _refresh_meta runs again at the end
+                log.debug("opsmath: no fake value for %s: %s", node.name, e)
         return node
 
     def erase_dead(self, nodes: Iterable[fx.Node]) -> None:
@@ -104,7 +115,7 @@ class RewriteContext:
         work = list(nodes)
         while work:
             n = work.pop()
-            if n.graph is not self.graph or n.users or n.op in ("placeholder", "output"):
+            if getattr(n, "_erased", False) or n.users or n.op in ("placeholder", "output"):
                 continue
             if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
                     and n.target._schema.is_mutable:

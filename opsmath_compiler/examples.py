@@ -1,0 +1,198 @@
+"""Bundled example models, written the way research code writes them (nothing opsmath-specific).
+
+``gpt``: a nanoGPT-style decoder (hand-written causal attention with a ``tril`` buffer, pre-LN,
+dropout on attention probabilities and residual branches). ``llama``: a LLaMA-style decoder written by
+hand (RMSNorm as ``x * rsqrt(mean(x^2) + eps) * w``, RoPE, GQA through ``repeat_kv``, SwiGLU).
+Each factory returns ``(model, example_batch)`` where ``model(*batch)`` returns the loss.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head, block_size, dropout):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.n_head = n_head
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.attn_dropout(att)
+        y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd, dropout):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head, block_size, dropout):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size, dropout)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, dropout)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """nanoGPT's model, trimmed: ``GPT(...)(idx, targets) -> loss``."""
+
+    def __init__(self, vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.1):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList([Block(n_embd, n_head, block_size, dropout) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _repeat_kv(x, n_rep):
+    b, h, s, d = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim, n_head, n_kv_head, max_len):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.hd = n_head, n_kv_head, dim // n_head
+        self.q_proj = nn.Linear(dim, n_head * self.hd, bias=False)
+        self.k_proj = nn.Linear(dim, n_kv_head * self.hd, bias=False)
+        self.v_proj = nn.Linear(dim, n_kv_head * self.hd, bias=False)
+        self.o_proj = nn.Linear(n_head * self.hd, dim, bias=False)
+        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2).float() / self.hd))
+        freqs = torch.outer(torch.arange(max_len).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x, mask):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.hd).transpose(1, 2)
+        cos, sin = self.cos[:T], self.sin[:T]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k = _repeat_kv(k, self.n_head // self.n_kv_head)
+        v = _repeat_kv(v, self.n_head // self.n_kv_head)
+        scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.hd)
+        scores = scores + mask
+        probs = F.softmax(scores.float(), dim=-1).type_as(q)
+        out = torch.matmul(probs, v)
+        return self.o_proj(out.transpose(1, 2).contiguous().view(B, T, -1))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim, n_head, n_kv_head, hidden, max_len):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim)
+        self.attention = LlamaAttention(dim, n_head, n_kv_head, max_len)
+        self.ffn_norm = RMSNorm(dim)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x, mask):
+        h = x + self.attention(self.attention_norm(x), mask)
+        n = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(n)) * self.w3(n))
+
+
+class Llama(nn.Module):
+    """A hand-written LLaMA: ``Llama(...)(tokens, targets) -> loss``; additive float causal mask."""
+
+    def __init__(self, vocab_size=256, dim=64, n_layer=2, n_head=4, n_kv_head=2, hidden=128, max_len=64):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList([LlamaBlock(dim, n_head, n_kv_head, hidden, max_len) for _ in range(n_layer)])
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens, targets):
+        B, T = tokens.shape
+        h = self.tok_embeddings(tokens)
+        mask = torch.full((T, T), float("-inf"), device=tokens.device).triu(1)
+        for layer in self.layers:
+            h = layer(h, mask)
+        logits = self.output(self.norm(h)).float()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def gpt(batch_size=4, seq_len=64, **kw):
+    """A small nanoGPT and one batch of random tokens."""
+    model = GPT(block_size=max(seq_len, 64), **kw)
+    idx = torch.randint(0, model.wte.num_embeddings, (batch_size, seq_len))
+    return model, (idx, torch.roll(idx, -1, dims=1))
+
+
+def llama(batch_size=4, seq_len=64, **kw):
+    """A small hand-written LLaMA (GQA 4/2, RoPE, RMSNorm, SwiGLU) and one batch of random tokens."""
+    model = Llama(max_len=max(seq_len, 64), **kw)
+    tok = torch.randint(0, model.tok_embeddings.num_embeddings, (batch_size, seq_len))
+    return model, (tok, torch.roll(tok, -1, dims=1))
+
+
+EXAMPLES = {"gpt": gpt, "llama": llama}
