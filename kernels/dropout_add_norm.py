@@ -33,8 +33,13 @@ from ._common import dropout_keep, flat_offsets, keep_mask, next_pow2, use_trito
 # --------------------------------------------------------------------------------------------------
 
 
+def _compute(h):
+    """h in the reference's compute dtype: fp32, or fp64 for fp64 inputs."""
+    return h.to(torch.promote_types(h.dtype, torch.float32))
+
+
 def _norm_reference(hf, weight, bias, is_rms, eps):
-    """fp32 LayerNorm/RMSNorm of hf (..., N): returns (y, mu, rstd)."""
+    """LayerNorm/RMSNorm of hf (..., N) in hf's dtype: returns (y, mu, rstd)."""
     if is_rms:
         mu = torch.zeros_like(hf[..., 0])
         rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
@@ -43,9 +48,9 @@ def _norm_reference(hf, weight, bias, is_rms, eps):
         rstd = torch.rsqrt(hf.var(-1, unbiased=False) + eps)
     y = (hf - mu.unsqueeze(-1)) * rstd.unsqueeze(-1)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(hf.dtype)
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(hf.dtype)
     return y, mu, rstd
 
 
@@ -55,23 +60,24 @@ def dropout_add_norm_reference(x, residual, weight, bias, is_rms, eps, dropout_p
         keep = dropout_keep(int(seed), flat_offsets(x.shape, x.device), dropout_p)
         x = x * keep / (1.0 - dropout_p)
     h = residual + x
-    y, mu, rstd = _norm_reference(h.float(), weight, bias, is_rms, eps)
-    return y.to(out_dtype), h, torch.stack([mu, rstd], dim=-1).reshape(-1, 2)
+    y, mu, rstd = _norm_reference(_compute(h), weight, bias, is_rms, eps)
+    return y.to(out_dtype), h, torch.stack([mu, rstd], dim=-1).reshape(-1, 2).float()
 
 
 def dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, eps, dropout_p, seed):
     """(dx, dresidual, dweight, dbias) from the saved h, by the module docstring's formulas in plain
     torch (custom-op bodies run below autograd)."""
-    _, mu, rstd = _norm_reference(h.float(), None, None, is_rms, eps)
-    xhat = (h.float() - mu.unsqueeze(-1)) * rstd.unsqueeze(-1)
-    dy = dout.float()
-    g = dy * weight.float() if weight is not None else dy
+    hc = _compute(h)
+    _, mu, rstd = _norm_reference(hc, None, None, is_rms, eps)
+    xhat = (hc - mu.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    dy = dout.to(hc.dtype)
+    g = dy * weight.to(hc.dtype) if weight is not None else dy
     dh = g - xhat * (g * xhat).mean(-1, keepdim=True)
     if not is_rms:
         dh = dh - g.mean(-1, keepdim=True)
     dh = dh * rstd.unsqueeze(-1)
     if dh_out is not None:
-        dh = dh + dh_out.float()
+        dh = dh + dh_out.to(hc.dtype)
     dx = dh.clone()  # a separate tensor even without dropout: op outputs may not alias each other
     if dropout_p > 0:
         dx = dh * dropout_keep(int(seed), flat_offsets(h.shape, h.device), dropout_p) / (1.0 - dropout_p)
@@ -239,18 +245,18 @@ def dropout_add_norm_backward_op(dout: torch.Tensor, dh_out: Optional[torch.Tens
     else:
         dx, dr, dw, db = dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, eps,
                                                              dropout_p, int(seed))
-    empty = h.new_empty((0,), dtype=torch.float32)
+    def empty():  # a fresh one each time: op outputs may not alias each other
+        return h.new_empty((0,), dtype=torch.float32)
     return (dx.contiguous(), dr.contiguous(),
-            dw.to(weight.dtype).contiguous() if dw is not None else empty,
-            db.to(bias.dtype).contiguous() if db is not None else empty)
+            dw.to(weight.dtype).contiguous() if dw is not None else empty(),
+            db.to(bias.dtype).contiguous() if db is not None else empty())
 
 
 @dropout_add_norm_backward_op.register_fake
 def _(dout, dh_out, h, stats, weight, bias, is_rms, eps, dropout_p, seed):
-    empty = h.new_empty((0,), dtype=torch.float32)
     return (h.new_empty(h.shape), h.new_empty(h.shape),
-            weight.new_empty(weight.shape) if weight is not None else empty,
-            bias.new_empty(bias.shape) if bias is not None else empty)
+            weight.new_empty(weight.shape) if weight is not None else h.new_empty((0,), dtype=torch.float32),
+            bias.new_empty(bias.shape) if bias is not None else h.new_empty((0,), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,0 +1,165 @@
+"""opsmath::attention kernel: Triton (interpreter on CPU, compiled on CUDA) vs PyTorch, DESIGN.md rule."""
+import math
+
+import pytest
+import torch
+
+from opsmath.kernels._common import dropout_keep, flat_offsets
+from opsmath.kernels.attention import attention_op, attention_reference
+from tolerance import assert_rule
+
+from conftest import DEVICE
+
+
+def eager_attention(q, k, v, bias, mask, fill, causal, scale, p, seed):
+    """Attention as users write it, in the inputs' dtype, with the kernel's dropout mask."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-2, -1)) * scale
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+    if mask is not None:
+        s = s.masked_fill(mask, fill)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    pr = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), -1).to(q.dtype)
+    if p > 0:
+        pr = pr * dropout_keep(seed, flat_offsets(pr.shape, pr.device), p) / (1 - p)
+    return pr @ v
+
+
+CASES = [  # B, H, Hkv, Sq, Sk, D, bias, mask, causal, p
+    (1, 2, 2, 17, 17, 16, None, None, False, 0.0),
+    (2, 4, 2, 19, 23, 20, "head", "full", False, 0.0),
+    (1, 2, 1, 33, 33, 16, None, None, True, 0.0),
+    (1, 3, 3, 21, 21, 24, "grad", None, True, 0.2),
+    (2, 2, 2, 9, 40, 8, None, "padding", True, 0.0),
+    (2, 4, 4, 31, 31, 32, "padding", None, False, 0.1),
+]
+if DEVICE == "cuda":
+    CASES += [(2, 8, 2, 257, 257, d, None, None, True, 0.0) for d in (32, 64, 80, 96, 128, 256)]
+    CASES += [(2, 8, 8, 1000, 1000, 64, "padding", None, False, 0.1), (1, 16, 4, 2048, 2048, 128, None, None, True, 0.1)]
+
+
+def _inputs(case, dtype, device):
+    B, H, Hkv, Sq, Sk, D, bias_kind, mask_kind, causal, p = case
+    g = lambda *s: torch.randn(*s, device=device, dtype=dtype)  # noqa: E731
+    q, k, v = g(B, H, Sq, D), g(B, Hkv, Sk, D), g(B, Hkv, Sk, D)
+    bias = mask = None
+    if bias_kind == "head":
+        bias = torch.randn(B, 1, Sq, Sk, device=device)
+    elif bias_kind == "grad":
+        bias = torch.randn(1, H, Sq, Sk, device=device, requires_grad=True)
+    elif bias_kind == "padding":  # HF-style additive padding mask
+        keep = torch.rand(B, 1, 1, Sk, device=device) > 0.3
+        keep[..., 0] = True
+        bias = torch.zeros(B, 1, 1, Sk, device=device).masked_fill(~keep, torch.finfo(torch.float32).min)
+    if mask_kind == "full":
+        mask = torch.rand(B, H, Sq, Sk, device=device) < 0.2
+    elif mask_kind == "padding":
+        mask = torch.rand(B, 1, 1, Sk, device=device) < 0.3
+        mask[..., 0] = False
+    return q, k, v, bias, mask, -1e9, causal, 1 / math.sqrt(D), p, 1234
+
+
+def _run(fn, args, dtype):
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in args[:3])
+    b = args[3]
+    if b is not None:
+        b = b.detach().clone().requires_grad_(args[3].requires_grad)
+    out = fn(q, k, v, b, *args[4:])
+    do = torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1], device=out.device, dtype=out.dtype)
+    out.backward(do)
+    grads = [q.grad, k.grad, v.grad] + ([b.grad] if b is not None and b.requires_grad else [])
+    return [out.detach()] + grads
+
+
+def _fused(q, k, v, bias, mask, fill, causal, scale, p, seed):
+    return attention_op(q, k, v, bias, mask, fill, causal, scale, p, torch.tensor(seed))[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else []),
+                         ids=str)
+def test_triton_matches_eager(case, dtype, triton_on_cpu, device):
+    torch.manual_seed(hash(case) % 1000)
+    args = _inputs(case, torch.float32, device)
+    fused = _run(_fused, args, dtype)
+    eager = _run(eager_attention, args, dtype)
+    ref = _run(eager_attention, args, torch.float64)
+    atol = 1e-5 if dtype == torch.float32 else 2e-3
+    for name, f, e, r in zip(["out", "dq", "dk", "dv", "dbias"], fused, eager, ref):
+        assert_rule(f, e, r, atol=atol, name=f"{name} {dtype}")
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=str)
+def test_reference_matches_autograd(case):
+    """The CPU reference (explicit backward math) against autograd through eager attention, fp64."""
+    torch.manual_seed(0)
+    args = _inputs(case, torch.float64, "cpu")
+    fused = _run(_fused, args, torch.float64)
+    ref = _run(eager_attention, args, torch.float64)
+    for f, r in zip(fused, ref):
+        torch.testing.assert_close(f.double(), r.double(), rtol=1e-9, atol=1e-9)
+
+
+def test_fully_masked_finite_fill_rows_are_uniform(triton_on_cpu, device):
+    """Rows whose every key carries a finite fill (finfo.min) get uniform weights, as eager's softmax."""
+    q, k, v = (torch.randn(1, 1, 8, 16, device=device) for _ in range(3))
+    mask = torch.zeros(1, 1, 8, 8, dtype=torch.bool, device=device)
+    mask[..., 3, :] = True
+    fill = torch.finfo(torch.float32).min
+    out = _fused(q, k, v, None, mask, fill, False, 0.25, 0.0, 0)
+    eager = eager_attention(q, k, v, None, mask, fill, False, 0.25, 0.0, 0)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[0, 0, 3], v[0, 0].mean(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_fraction(p, triton_on_cpu, device):
+    """With Q = K = 0 every probability is 1/Sk and V = 1 makes each output the kept fraction / (1 - p)."""
+    B, H, S, D = 2, 2, 64, 16
+    Sk = 512
+    q = torch.zeros(B, H, S, D, device=device)
+    k = torch.zeros(B, H, Sk, D, device=device)
+    v = torch.ones(B, H, Sk, D, device=device)
+    out = _fused(q, k, v, None, None, 0.0, False, 1.0, p, 99)
+    kept = (out[..., 0] * (1 - p)).mean().item()
+    assert abs((1 - kept) - p) <= 0.01
+    # and a different seed draws a different mask
+    out2 = _fused(q, k, v, None, None, 0.0, False, 1.0, p, 100)
+    assert not torch.equal(out, out2)
+
+
+def test_hash_rng_fraction():
+    for p in (0.1, 0.3, 0.5):
+        keep = dropout_keep(7, torch.arange(1_000_000), p)
+        assert abs((1 - keep.float().mean().item()) - p) < 0.01
+
+
+def test_int64_offsets_in_rng():
+    """Offsets past 2**32 still give independent masks (the high word feeds the key)."""
+    lo = dropout_keep(3, torch.arange(100_000), 0.5)
+    hi = dropout_keep(3, torch.arange(100_000) + 2**32, 0.5)
+    assert (lo != hi).float().mean().item() > 0.4
+
+
+def test_opcheck_reference():
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    bias = torch.randn(1, 1, 5, 5)
+    args = (q, k, v, bias, None, float("-inf"), True, 0.3, 0.0, torch.tensor(0))
+    torch.library.opcheck(torch.ops.opsmath.attention.default, args)
+
+
+def test_opcheck_triton(triton_on_cpu):
+    q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
+    args = (q, k, v, None, None, float("-inf"), False, 0.3, 0.25, torch.tensor(5))
+    torch.library.opcheck(torch.ops.opsmath.attention.default, args)
+
+
+def test_reference_forward_is_exact_fp32():
+    q, k, v = (torch.randn(2, 2, 7, 8) for _ in range(3))
+    out, stats = attention_reference(q, k, v, None, None, 0.0, False, 0.5, 0.0, 0)
+    eager = torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1) @ v
+    torch.testing.assert_close(out, eager)
+    assert stats.shape == (2, 2, 7, 2)

@@ -1,0 +1,25 @@
+"""DESIGN.md's tolerance rule (the FlashAttention rule).
+
+The fused result and the same-dtype PyTorch result are both compared with a higher-precision
+reference; the fused error must be at most ``2 x`` PyTorch's error plus a small ``atol``. NaN never
+passes.
+"""
+import torch
+
+
+def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return (a.double() - ref.double()).abs().max().item()
+
+
+def assert_rule(fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor, atol: float = 1e-5, name: str = ""):
+    assert fused.shape == ref.shape, f"{name}: shape {tuple(fused.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(fused).any(), f"{name}: NaN in fused result"
+    ef, ee = max_err(fused, ref), max_err(eager, ref)
+    assert ef <= 2 * ee + atol, f"{name}: fused error {ef:.3g} > 2 x eager error {ee:.3g} + {atol:g}"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    den = b.norm().item()
+    return (a - b).norm().item() / den if den > 0 else (a - b).norm().item()
