@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 
@@ -37,8 +39,13 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
     ``example_inputs`` are what dynamo hands a backend (real tensors; params and buffers lifted to
     inputs). ``buffer_ids`` are ``id()`` of the model's buffers, used to fill ``Captured.constants``.
     """
-    with fx_traceback.preserve_node_meta():
-        aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+    # Trace under dynamo's own fake mode (as aot_autograd does): a second fake mode would create
+    # symbols that dynamo's shape env cannot guard on.
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    fake_inputs = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
+                   for t in example_inputs]
+    with fx_traceback.preserve_node_meta(), fake_mode:
+        aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
     constants = {}
     placeholders = [n for n in aten.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):

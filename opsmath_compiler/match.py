@@ -74,8 +74,7 @@ class RewriteContext:
         self.matches: list[Match] = []
         self.declines: list[Decline] = []
         self.skip = skip or set()
-        from torch._guards import detect_fake_mode
-        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"])
+        self.fake_mode = _fake_mode_of(self.gm)
 
     def allowed(self, pattern: str, anchor: fx.Node) -> bool:
         """Whether the user (``optimize(..., skip=...)``) lets this occurrence be rewritten: ``skip``
@@ -142,13 +141,23 @@ def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = 
     return ctx
 
 
+def _fake_mode_of(gm: fx.GraphModule):
+    """The fake mode capture traced ``gm`` under (read off its placeholders, not the ambient dynamo
+    tracing context, whose shape env must not see opsmath's own fake computations)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), FakeTensor):
+            return n.meta["val"].fake_mode
+    return None
+
+
 def _refresh_meta(gm: fx.GraphModule) -> None:
     """Give inserted nodes ``meta["val"]`` by fake-propagating the rewritten graph."""
-    from torch._guards import detect_fake_mode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = detect_fake_mode(vals)
+    mode = _fake_mode_of(gm)
     if mode is None:
         return
     try:

@@ -130,9 +130,12 @@ class DropoutAddNormPattern:
         else:
             return None
         users = list(r.users)
-        if len(users) != 1 or not is_op(users[0], {aten.mul.Tensor}) or hf not in users[0].args:
+        if len(users) != 1 or not is_op(users[0], {aten.mul.Tensor}):
             return None
         normed = users[0]
+        scaled = normed.args[0] if normed.args[1] is r else normed.args[1]
+        if not isinstance(scaled, fx.Node) or strip_casts(scaled) is not strip_casts(hf):
+            return None  # T5 scales h itself, LLaMA its fp32 cast: either is this pattern
         chain, cur = [sq, var, add_eps, r, normed], normed
         weight = None
         while len(cur.users) == 1:
@@ -149,18 +152,17 @@ class DropoutAddNormPattern:
                     cur = u
                     continue
             break
-        # casts between h and hf are internal; anything else between them is not this pattern
-        h_casts, h = [], hf
-        while is_cast(h):
-            h_casts.append(h)
-            h = h.args[0]
+        # casts between h and the two places it is read (squared, scaled) belong to the pattern
+        h, h_casts = strip_casts(hf), []
+        for start in (hf, scaled):
+            while is_cast(start):
+                if start not in h_casts:
+                    h_casts.append(start)
+                start = start.args[0]
         res = _residual_add(h)
         if res is None:
             return None
         x, resid, p, drop = res
-        for c in h_casts:
-            if any(u not in chain and u not in h_casts for u in c.users) and dtype(c) != dtype(h):
-                return None  # a real dtype change of h read elsewhere: leave it
         return _Plan(h=h, x=x, residual=resid, dropout_p=p, weight=weight, bias=None, eps=float(eps),
                      is_rms=True, out=cur, internal=[d for d in (drop,) if d is not None] + chain,
                      h_casts=h_casts)

@@ -1,0 +1,240 @@
+"""The attention rewrite on the spellings real code uses: each must be found, rewritten to
+opsmath::attention, and leave outputs and gradients equal to eager."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import opsmath
+from tolerance import rel_err
+
+T, C, H = 12, 32, 4
+D = C // H
+
+
+def repeat_kv(x, n):
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+# Each spelling: (q, k, v, m) -> y (B, H, T, D); m is the module (buffers, pad masks).
+def mul_scale(q, k, v, m):
+    return F.softmax((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1))), dim=-1) @ v
+
+
+def div_sqrt(q, k, v, m):
+    return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D), -1), v)
+
+
+def scale_on_q(q, k, v, m):
+    q = q * D ** -0.5
+    return (q @ k.transpose(2, 3)).softmax(dim=-1) @ v
+
+
+def scale_on_k(q, k, v, m):
+    return F.softmax(q @ (k * 0.3).transpose(-2, -1), dim=-1) @ v
+
+
+def no_scale_permute(q, k, v, m):
+    return F.softmax(q @ k.permute(0, 1, 3, 2), dim=-1) @ v
+
+
+def bmm_3d(q, k, v, m):
+    B = q.shape[0]
+    q3, k3, v3 = (t.reshape(B * H, T, D) for t in (q, k, v))
+    att = torch.bmm(q3, k3.transpose(1, 2)) * D ** -0.5
+    return torch.bmm(F.softmax(att, dim=-1), v3).view(B, H, T, D)
+
+
+def tril_masked_fill(q, k, v, m):
+    att = (q @ k.transpose(-2, -1)) * D ** -0.5
+    att = att.masked_fill(m.tril[:, :, :T, :T] == 0, float("-inf"))
+    return F.softmax(att, dim=-1) @ v
+
+
+def where_causal_min(q, k, v, m):
+    att = (q @ k.transpose(-2, -1)) * D ** -0.5
+    att = torch.where(m.causal[:T, :T], att, torch.finfo(att.dtype).min)
+    return F.softmax(att, dim=-1) @ v
+
+
+def additive_finfo_padding(q, k, v, m):
+    mask = (1.0 - m.pad[:, None, None, :].float()) * torch.finfo(torch.float32).min
+    return F.softmax(q @ k.transpose(-2, -1) / math.sqrt(D) + mask, dim=-1) @ v
+
+
+def bool_padding_masked_fill(q, k, v, m):
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    att = att.masked_fill(~m.pad.bool()[:, None, None, :], float("-inf"))
+    return F.softmax(att, dim=-1) @ v
+
+
+def causal_plus_padding(q, k, v, m):
+    att = (q @ k.transpose(-2, -1)) * D ** -0.5
+    att = att.masked_fill(m.tril[:, :, :T, :T] == 0, float("-inf"))
+    att = att + (1.0 - m.pad[:, None, None, :].float()) * -10000.0
+    return F.softmax(att, dim=-1) @ v
+
+
+def softmax_fp32_cast_back(q, k, v, m):
+    att = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+    return torch.matmul(F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def float_then_type_as(q, k, v, m):
+    return F.softmax((q @ k.transpose(-2, -1)).float() * D ** -0.5, dim=-1).type_as(q) @ v
+
+
+def dropout_function(q, k, v, m):
+    att = F.softmax((q @ k.transpose(-2, -1)) * D ** -0.5, dim=-1)
+    return F.dropout(att, p=0.0, training=m.training) @ v
+
+
+def dropout_module(q, k, v, m):
+    return m.drop(F.softmax((q @ k.transpose(-2, -1)) * D ** -0.5, dim=-1)) @ v
+
+
+def hf_eager_style(q, k, v, m):
+    """transformers' eager_attention_forward with a float causal mask built from arange."""
+    idx = torch.arange(T, device=q.device)
+    causal = torch.where(idx[None, :] <= idx[:, None], 0.0, torch.finfo(torch.float32).min)[None, None]
+    att = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + causal
+    att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(F.dropout(att, p=0.0, training=m.training), v)
+
+
+def triu_neg_inf_float_mask(q, k, v, m):
+    mask = torch.full((T, T), float("-inf"), device=q.device).triu(1)
+    return F.softmax((q @ k.transpose(-2, -1)) * D ** -0.5 + mask, dim=-1) @ v
+
+
+def gqa_repeat_kv(q, k, v, m):
+    k, v = repeat_kv(k[:, :2], 2), repeat_kv(v[:, :2], 2)
+    return F.softmax((q @ k.transpose(-2, -1)) * D ** -0.5, dim=-1) @ v
+
+
+def gqa_repeat_interleave(q, k, v, m):
+    k, v = k[:, :1].repeat_interleave(H, dim=1), v[:, :1].repeat_interleave(H, dim=1)
+    return F.softmax((q @ k.transpose(-2, -1)) * D ** -0.5, dim=-1) @ v
+
+
+def mqa_expand(q, k, v, m):
+    k, v = k[:, :1].expand(-1, H, -1, -1), v[:, :1].expand(-1, H, -1, -1)
+    return F.softmax((q @ k.transpose(-2, -1)) * D ** -0.5, dim=-1) @ v
+
+
+def relative_bias_learned(q, k, v, m):
+    return F.softmax((q @ k.transpose(-2, -1)) * D ** -0.5 + m.rel_bias, dim=-1) @ v
+
+
+SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
+    "mul_scale": (mul_scale, False, False, False),
+    "div_sqrt": (div_sqrt, False, False, False),
+    "scale_on_q": (scale_on_q, False, False, False),
+    "scale_on_k": (scale_on_k, False, False, False),
+    "no_scale_permute": (no_scale_permute, False, False, False),
+    "bmm_3d": (bmm_3d, False, False, False),
+    "tril_masked_fill": (tril_masked_fill, True, False, False),
+    "where_causal_min": (where_causal_min, True, False, False),
+    "additive_finfo_padding": (additive_finfo_padding, False, True, False),
+    "bool_padding_masked_fill": (bool_padding_masked_fill, False, False, True),
+    "causal_plus_padding": (causal_plus_padding, True, True, False),
+    "softmax_fp32_cast_back": (softmax_fp32_cast_back, False, False, False),
+    "float_then_type_as": (float_then_type_as, False, False, False),
+    "dropout_function": (dropout_function, False, False, False),
+    "dropout_module": (dropout_module, False, False, False),
+    "hf_eager_style": (hf_eager_style, True, False, False),
+    "triu_neg_inf_float_mask": (triu_neg_inf_float_mask, True, False, False),
+    "gqa_repeat_kv": (gqa_repeat_kv, False, False, False),
+    "gqa_repeat_interleave": (gqa_repeat_interleave, False, False, False),
+    "mqa_expand": (mqa_expand, False, False, False),
+    "relative_bias_learned": (relative_bias_learned, False, True, False),
+}
+
+
+class AttnModel(nn.Module):
+    def __init__(self, spelling, returns_weights=False):
+        super().__init__()
+        self.spelling = spelling
+        self.returns_weights = returns_weights
+        self.qkv = nn.Linear(C, 3 * C)
+        self.proj = nn.Linear(C, C)
+        self.drop = nn.Dropout(0.0)
+        self.rel_bias = nn.Parameter(torch.randn(1, H, T, T) * 0.1)
+        self.register_buffer("tril", torch.tril(torch.ones(T + 4, T + 4)).view(1, 1, T + 4, T + 4))
+        self.register_buffer("causal", torch.ones(T + 4, T + 4, dtype=torch.bool).tril())
+        self.pad = None
+
+    def forward(self, x, pad):
+        B = x.shape[0]
+        self.pad = pad
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
+        y = self.spelling(q, k, v, self)
+        out = self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return out
+
+
+def _inputs():
+    x = torch.randn(3, T, C)
+    pad = torch.ones(3, T)
+    pad[1, 9:] = 0
+    pad[2, 5:] = 0
+    return x, pad
+
+
+def _compare(model, x, pad):
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    y1, y2 = opt(x, pad), eager(x, pad)
+    w = torch.randn_like(y1)
+    (y1 * w).sum().backward()
+    (y2 * w).sum().backward()
+    assert rel_err(y1, y2) < 1e-5
+    for (name, p1), p2 in zip(opt.named_parameters(), eager.parameters()):
+        if p2.grad is not None:
+            assert rel_err(p1.grad, p2.grad) < 1e-4, name
+    return opsmath.report(opt)
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_spelling_is_rewritten_and_exact(name):
+    fn, causal, bias, mask = SPELLINGS[name]
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(fn), *_inputs())
+    assert rep.count("attention") == 1, rep.render(width=120)
+    d = rep.matches[0].details
+    assert (d["causal"], d["has_bias"], d["has_mask"]) == (causal, bias, mask), d
+
+
+def test_escaping_weights_are_declined_and_exact():
+    def returns_probs(q, k, v, m):
+        att = F.softmax((q @ k.transpose(-2, -1)) * D ** -0.5, dim=-1)
+        m.last_weights = att.sum()  # the probabilities escape the subgraph
+        return att @ v + 0 * m.last_weights
+
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(returns_probs), *_inputs())
+    assert rep.count("attention") == 0
+    assert any("used outside" in d.reason for d in rep.declines), rep.declines
+
+
+def test_skip_leaves_attention_alone():
+    torch.manual_seed(0)
+    model = AttnModel(mul_scale)
+    opt = opsmath.optimize(model, skip=["attention"])
+    opt(*_inputs())
+    rep = opsmath.report(opt)
+    assert rep.count("attention") == 0 and rep.declines[0].reason == "skipped by the user"
+
+
+def test_softmax_over_other_dim_is_not_attention():
+    def odd(q, k, v, m):
+        return F.softmax(q @ k.transpose(-2, -1), dim=-2) @ v
+
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(odd), *_inputs())
+    assert rep.count("attention") == 0
