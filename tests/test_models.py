@@ -1,0 +1,224 @@
+"""Real, unmodified models in training mode: every attention layer and the norms where the pattern
+occurs are rewritten, and with dropout off the loss and every parameter gradient equal eager
+(fp32: loss rel. error <= 1e-4, grads <= 2e-3). ``OPSMATH_TEST_DEVICE=cuda`` runs them in bf16 on the
+GPU through the Triton kernels (looser bf16 bounds)."""
+import copy
+
+import pytest
+import torch
+
+import opsmath
+from opsmath import examples
+from tolerance import grads_close, rel_err
+
+from conftest import DEVICE
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf(cls_name, cfg_name, **cfg):
+    cfg_cls = getattr(transformers, cfg_name)
+    config = cfg_cls(attn_implementation="eager", **cfg)
+    return getattr(transformers, cls_name)(config)
+
+
+def _tokens(vocab, B=2, T=16):
+    return torch.randint(0, vocab, (B, T))
+
+
+def gpt2():
+    m = _hf("GPT2LMHeadModel", "GPT2Config", n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=ids), 2, 3
+
+
+def bert_padding():
+    m = _hf("BertForMaskedLM", "BertConfig", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            intermediate_size=64, vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ids = _tokens(100)
+    am = torch.ones_like(ids)
+    am[1, 10:] = 0
+    return m, dict(input_ids=ids, attention_mask=am, labels=ids), 2, 4
+
+
+def llama_gqa():
+    m = _hf("LlamaForCausalLM", "LlamaConfig", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, vocab_size=100)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=ids), 2, 4
+
+
+def mistral_gqa():
+    m = _hf("MistralForCausalLM", "MistralConfig", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            num_key_value_heads=1, intermediate_size=64, vocab_size=100, sliding_window=None)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=ids), 2, 4
+
+
+def qwen2_gqa_bias():
+    m = _hf("Qwen2ForCausalLM", "Qwen2Config", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, vocab_size=100)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=ids), 2, 4
+
+
+def hf_vit():
+    m = _hf("ViTForImageClassification", "ViTConfig", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            intermediate_size=64, image_size=32, patch_size=8, num_labels=5, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+    return m, dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.tensor([1, 3])), 2, 0
+
+
+def t5_relative_bias():
+    m = _hf("T5ForConditionalGeneration", "T5Config", num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8,
+            num_heads=4, d_ff=64, vocab_size=100, dropout_rate=0.0, decoder_start_token_id=0)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=_tokens(100, T=9)), 6, 0
+
+
+def nanogpt():
+    m, (idx, tgt) = examples.gpt(batch_size=2, seq_len=32, dropout=0.0)
+    return m, (idx, tgt), 2, 3
+
+
+def llama_handwritten():
+    m, batch = examples.llama(batch_size=2, seq_len=32)
+    return m, batch, 2, 3
+
+
+def timm_vit():
+    timm = pytest.importorskip("timm")
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                          num_classes=5)
+    for blk in m.blocks:
+        blk.attn.fused_attn = False  # its hand-written attention path
+    x = torch.randn(2, 3, 32, 32)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+    return WithLoss(m), (x, torch.tensor([0, 4])), 2, 0
+
+
+MODELS = {  # name: factory -> (model, inputs, attention layers, at least this many norm rewrites)
+    "nanogpt": nanogpt, "llama_handwritten": llama_handwritten, "hf_gpt2": gpt2, "hf_bert_padding": bert_padding,
+    "hf_llama_gqa": llama_gqa, "hf_mistral_mqa": mistral_gqa, "hf_qwen2": qwen2_gqa_bias, "hf_vit": hf_vit,
+    "hf_t5": t5_relative_bias, "timm_vit": timm_vit,
+}
+
+
+def _loss(model, inputs):
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    return out.loss if hasattr(out, "loss") else out
+
+
+def _to(inputs, device):
+    if isinstance(inputs, dict):
+        return {k: v.to(device) for k, v in inputs.items()}
+    return tuple(v.to(device) for v in inputs)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_real_model_rewritten_and_matches_eager(name):
+    torch.manual_seed(0)
+    model, inputs, n_attn, min_norms = MODELS[name]()
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    model = model.to(DEVICE, dtype).train()
+    inputs = _to(inputs, DEVICE)
+    if dtype != torch.float32 and isinstance(inputs, dict) and "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    if dtype != torch.float32 and isinstance(inputs, tuple) and inputs[0].is_floating_point():
+        inputs = (inputs[0].to(dtype),) + inputs[1:]
+    eager = copy.deepcopy(model)
+    reference = copy.deepcopy(model).double() if DEVICE == "cuda" else None
+
+    opt = opsmath.optimize(model)
+    assert opt is model
+    loss = _loss(opt, inputs)
+    loss.backward()
+    loss_e = _loss(eager, inputs)
+    loss_e.backward()
+
+    rep = opsmath.report(opt)
+    assert rep.count("attention") == n_attn, rep.render(width=140)
+    assert rep.count("dropout_add_norm") >= min_norms, rep.render(width=140)
+    if reference is None:
+        assert rel_err(loss, loss_e) <= 1e-4
+        for (pname, p), pe in zip(opt.named_parameters(), eager.parameters()):
+            if pe.grad is not None:
+                assert grads_close(p.grad, pe.grad, 2e-3), pname
+    else:  # bf16: opsmath's error vs an fp64 run must stay within 2x eager bf16's (plus slack)
+        ref_inputs = {k: (v.double() if v.is_floating_point() else v) for k, v in inputs.items()} \
+            if isinstance(inputs, dict) else tuple(v.double() if v.is_floating_point() else v for v in inputs)
+        loss_r = _loss(reference, ref_inputs)
+        loss_r.backward()
+        assert abs(loss.item() - loss_r.item()) <= 2 * abs(loss_e.item() - loss_r.item()) + 1e-2
+        for (pname, p), pe, pr in zip(opt.named_parameters(), eager.parameters(), reference.parameters()):
+            if pe.grad is not None:
+                assert rel_err(p.grad, pr.grad) <= 2 * rel_err(pe.grad, pr.grad) + 1e-2, pname
+
+
+def test_state_dict_keys_parameters_and_optimizer():
+    torch.manual_seed(0)
+    model, batch, _, _ = nanogpt()
+    keys = list(model.state_dict())
+    params = list(model.parameters())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # made before optimize
+    opt = opsmath.optimize(model)
+    assert list(opt.state_dict()) == keys
+    assert all(a is b for a, b in zip(opt.parameters(), params))
+    before = params[0].detach().clone()
+    _loss(opt, batch).backward()
+    sgd.step()
+    assert not torch.equal(before, params[0])
+
+
+def test_recapture_on_eval_and_new_shapes():
+    torch.manual_seed(0)
+    model, (idx, tgt), _, _ = nanogpt()
+    opt = opsmath.optimize(model)
+    _loss(opt, (idx, tgt)).backward()
+    opt.eval()
+    with torch.no_grad():
+        _loss(opt, (idx, tgt))
+    opt.train()
+    _loss(opt, (idx[:, :20].contiguous(), tgt[:, :20].contiguous())).backward()
+    graphs = opsmath.report(opt).graphs
+    assert [g.training for g in graphs] == [True, False, True]
+    assert all(sum(m.pattern == "attention" for m in g.matches) == 2 for g in graphs)
+
+
+def test_triton_path_end_to_end(triton_on_cpu):
+    """The nanoGPT step through the Triton kernels (interpreter), dropout off, equals eager."""
+    torch.manual_seed(0)
+    model, batch, _, _ = nanogpt()
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    loss = _loss(opt, batch)
+    loss.backward()
+    loss_e = _loss(eager, batch)
+    loss_e.backward()
+    assert rel_err(loss, loss_e) <= 1e-4
+    for p, pe in zip(opt.parameters(), eager.parameters()):
+        assert grads_close(p.grad, pe.grad, 2e-3)
+
+
+@pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16])
+def test_autocast_dtypes_match_eager(amp_dtype):
+    """Under autocast the rewritten graph returns the dtypes eager returns, and the loss is close."""
+    torch.manual_seed(0)
+    model, batch, _, _ = llama_handwritten()
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    with torch.autocast("cpu", dtype=amp_dtype):
+        loss = _loss(opt, batch)
+        loss_e = _loss(eager, batch)
+    assert loss.dtype == loss_e.dtype
+    assert abs(loss.item() - loss_e.item()) < 2e-2 * abs(loss_e.item())
+    loss.backward()
+    assert opsmath.report(opt).count("attention") == 2

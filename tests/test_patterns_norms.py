@@ -1,0 +1,135 @@
+"""The dropout_add_norm rewrite on LayerNorm / RMSNorm spellings, pre- and post-LN."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import opsmath
+from tolerance import rel_err
+
+C = 48
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        var = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(var + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class T5LayerNorm(nn.Module):
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n))
+        self.eps = eps
+
+    def forward(self, h):
+        var = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return self.weight * (h * torch.rsqrt(var + self.eps))
+
+
+class NoWeightRMS(nn.Module):
+    def forward(self, x):
+        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + 1e-5)
+
+
+NORMS = {
+    "layernorm": (lambda: nn.LayerNorm(C), "layer"),
+    "layernorm_no_affine": (lambda: nn.LayerNorm(C, elementwise_affine=False), "layer"),
+    "llama_rmsnorm": (lambda: LlamaRMSNorm(C), "rms"),
+    "t5_layernorm": (lambda: T5LayerNorm(C), "rms"),
+    "rms_no_weight": (NoWeightRMS, "rms"),
+    "nn_rmsnorm": (lambda: nn.RMSNorm(C, eps=1e-6), "rms"),
+}
+
+
+class PostLN(nn.Module):
+    """BERT order: norm(dropout(f(x)) + x)."""
+
+    def __init__(self, make_norm):
+        super().__init__()
+        self.f = nn.Linear(C, C)
+        self.drop = nn.Dropout(0.0)
+        self.norm = make_norm()
+
+    def forward(self, x):
+        return self.norm(self.drop(self.f(x)) + x)
+
+
+class PreLN(nn.Module):
+    """GPT/LLaMA order: h = x + f(x); out = h + g(norm(h)) — the residual sum is also an output."""
+
+    def __init__(self, make_norm):
+        super().__init__()
+        self.f = nn.Linear(C, C)
+        self.g = nn.Linear(C, C)
+        self.norm = make_norm()
+
+    def forward(self, x):
+        h = x + F.dropout(self.f(x), 0.0, self.training)
+        return h + self.g(self.norm(h))
+
+
+def _check(model, x):
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    y1, y2 = opt(x), eager(x)
+    w = torch.randn_like(y1)
+    (y1 * w).sum().backward()
+    (y2 * w).sum().backward()
+    assert rel_err(y1, y2) < 1e-5
+    for (n, p1), p2 in zip(opt.named_parameters(), eager.parameters()):
+        assert rel_err(p1.grad, p2.grad) < 1e-4, n
+    return opsmath.report(opt)
+
+
+@pytest.mark.parametrize("order", [PostLN, PreLN], ids=["post_ln", "pre_ln"])
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_norm_spelling_is_rewritten_and_exact(norm, order):
+    torch.manual_seed(0)
+    make, kind = NORMS[norm]
+    rep = _check(order(make), torch.randn(2, 5, C))
+    assert rep.count("dropout_add_norm") == 1, rep.render(width=120)
+    d = rep.matches[0].details
+    assert d["norm"] == kind
+    assert d["residual_out"] == (order is PreLN)
+
+
+def test_broadcast_add_is_not_a_residual():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(1, 5, C))
+            self.norm = nn.LayerNorm(C)
+
+        def forward(self, x):
+            return self.norm(x + self.pos[:, :, :].expand(1, 5, C) * 1.0)
+
+    torch.manual_seed(0)
+    rep = _check(M(), torch.randn(2, 5, C))
+    assert rep.count("dropout_add_norm") == 0
+
+
+def test_dropout_is_fused_in_training_and_exact_in_eval():
+    torch.manual_seed(0)
+    model = PostLN(lambda: nn.LayerNorm(C))
+    model.drop.p = 0.25
+    eager = copy.deepcopy(model).eval()
+    opt = opsmath.optimize(model)
+    x = torch.randn(4, 7, C)
+    opt(x).sum().backward()
+    rep = opsmath.report(opt)
+    assert rep.matches[0].details["dropout_p"] == 0.25
+    opt.eval()
+    with torch.no_grad():
+        assert rel_err(opt(x), eager(x)) < 1e-6
+    assert len(opsmath.report(opt).graphs) == 2  # train and eval variants

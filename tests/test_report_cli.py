@@ -1,0 +1,73 @@
+"""The report's renderings and the CLI's main job."""
+import json
+import subprocess
+import sys
+
+import torch
+
+import opsmath
+from opsmath import cli, examples
+
+
+def _optimized_gpt():
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=2, seq_len=16)
+    opt = opsmath.optimize(model)
+    opt(*batch).backward()
+    return opt
+
+
+def test_report_fields_and_80_columns():
+    rep = opsmath.report(_optimized_gpt())
+    assert {m.pattern for m in rep.matches} == {"attention", "dropout_add_norm"}
+    for m in rep.matches:
+        assert m.location.startswith("examples.py:") and m.nodes and m.before
+    text = rep.render(width=80)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "\x1b[" not in text  # plain text when not a terminal
+    assert "opsmath::attention" in text and "examples.py:" in text
+    g = rep.graphs[0]
+    assert "opsmath.attention" in g.after_code and "opsmath.attention" not in g.before_code
+
+
+def test_json_round_trip():
+    rep = opsmath.report(_optimized_gpt())
+    data = json.loads(rep.to_json())
+    assert data == json.loads(json.dumps(rep.to_dict()))
+    patterns = [m["pattern"] for g in data["graphs"] for m in g["matches"]]
+    assert patterns.count("attention") == 2
+
+
+def test_html_contains_every_match():
+    rep = opsmath.report(_optimized_gpt())
+    html = rep._repr_html_()
+    assert html.count("opsmath::attention(") >= 2 and html.count("opsmath::dropout_add_norm(") >= 4
+
+
+def test_report_before_first_call():
+    model, _ = examples.gpt()
+    rep = opsmath.report(opsmath.optimize(model))
+    assert rep.matches == [] and "call the optimized model once" in rep.render()
+
+
+def test_report_of_plain_module_is_an_error():
+    import pytest
+    with pytest.raises(ValueError, match="opsmath.optimize"):
+        opsmath.report(torch.nn.Linear(2, 2))
+
+
+def test_cli_example(capsys):
+    assert cli.main(["report", "--example", "gpt", "--width", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "opsmath::attention" in out and "one training step on CPU" in out
+
+
+def test_cli_file_factory(tmp_path):
+    f = tmp_path / "mymodel.py"
+    f.write_text(
+        "import torch\nfrom opsmath.examples import llama\n"
+        "def build():\n    return llama(batch_size=2, seq_len=16)\n")
+    res = subprocess.run([sys.executable, "-m", "opsmath.cli", "report", f"{f}:build", "--json"],
+                         capture_output=True, text=True, check=True)
+    data = json.loads(res.stdout)
+    assert sum(m["pattern"] == "attention" for g in data["graphs"] for m in g["matches"]) == 2
