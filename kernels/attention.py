@@ -124,7 +124,7 @@ def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, sm
     return s, masked, keep
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
               sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
@@ -177,7 +177,7 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
     tl.store(Stats + srow + 1, tl.log(l_i), mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, seed,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                    sbb, sbh, sbm, sbn, smb, smh, smm, smn,
@@ -233,7 +233,7 @@ def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, seed,
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, seed,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  sbb, sbh, sbm, sbn, smb, smh, smm, smn,
@@ -298,10 +298,12 @@ def _launch_cfg(q: torch.Tensor, D: int):
     return 64, 64, block_d, 4, 2
 
 
-def _precision(q: torch.Tensor) -> str:
-    if q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32):
-        return "ieee"
-    return "tf32"
+def _precision(q: torch.Tensor):
+    """fp32 inputs: exact ("ieee") unless the user allowed tf32 matmuls, as eager would; 16-bit
+    inputs: Triton's default (the option only concerns fp32)."""
+    if q.dtype != torch.float32:
+        return None
+    return "tf32" if q.is_cuda and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def _aux(q, k, bias, mask):

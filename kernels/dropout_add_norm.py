@@ -92,7 +92,7 @@ def dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, e
 # --------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _dan_fwd(X, R, W, B, Out, Hout, Stats, seed, N, eps, p_drop,
              HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
              BLOCK_N: tl.constexpr):
@@ -108,7 +108,7 @@ def _dan_fwd(X, R, W, B, Out, Hout, Stats, seed, N, eps, p_drop,
     tl.store(Hout + off, h, mask=cmask)
     hf = h.to(tl.float32)
     if IS_RMS:
-        mu = 0.0
+        mu = tl.sum(hf * 0.0, 0)  # a 0-d fp32 zero, typed like the LayerNorm branch's mean
         var = tl.sum(hf * hf, 0) / N
     else:
         mu = tl.sum(hf, 0) / N
@@ -125,7 +125,7 @@ def _dan_fwd(X, R, W, B, Out, Hout, Stats, seed, N, eps, p_drop,
     tl.store(Stats + row * 2 + 1, rstd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _dan_bwd(DOut, DH, Hin, W, Stats, DX, DR, DWp, DBp, seed, M, N, p_drop,
              HAS_W: tl.constexpr, HAS_DH: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
              BLOCK_N: tl.constexpr):
@@ -134,7 +134,10 @@ def _dan_bwd(DOut, DH, Hin, W, Stats, DX, DR, DWp, DBp, seed, M, N, p_drop,
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) if HAS_W else 1.0
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        w = tl.full([BLOCK_N], 1.0, tl.float32)
     dw = tl.zeros([BLOCK_N], tl.float32)
     db = tl.zeros([BLOCK_N], tl.float32)
     for i in range(0, tl.cdiv(M - pid, G)):

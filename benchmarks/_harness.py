@@ -1,0 +1,48 @@
+"""Shared benchmark plumbing: environment record, CUDA-event timing (median), peak memory, JSON out.
+
+Every benchmark runs opsmath and its anchors in one process on the same inputs (DESIGN.md, Measuring).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+
+def env() -> dict:
+    import triton
+    return dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
+
+
+def bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
+    """Median milliseconds of ``fn()`` and the peak memory it allocates above what was resident."""
+    from triton.testing import do_bench
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    ms = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return dict(ms=ms, peak_bytes=peak)
+
+
+def write(name: str, payload: dict) -> str:
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}-{time.strftime('%Y%m%d')}.json")
+    with open(path, "w") as f:
+        json.dump(dict(env=env(), **payload), f, indent=1)
+    return path
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    if torch.isnan(a).any():
+        return float("nan")
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()

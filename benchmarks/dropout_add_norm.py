@@ -1,0 +1,77 @@
+"""dropout + residual add + LayerNorm/RMSNorm fwd+bwd on the GPU: opsmath vs eager (and torch.compile with
+``--compile``), same inputs. Effective TB/s = minimal bytes / time, minimal bytes = 8 row-tensors
+(fwd reads x, residual and writes out, h; bwd reads dout, h and writes dx, dresidual).
+
+    python benchmarks/dropout_add_norm.py [--quick] [--compile]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import opsmath  # noqa: F401
+from opsmath.kernels.dropout_add_norm import dropout_add_norm_op
+from _harness import bench, rel_err, write
+
+
+def eager(x, r, w, b, rms, p):
+    h = r + F.dropout(x, p)
+    if rms:
+        hf = h.float()
+        return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype) * w
+    return F.layer_norm(h, (h.shape[-1],), w, b, 1e-6)
+
+
+def ours(x, r, w, b, rms, p):
+    return dropout_add_norm_op(x, r, w, None if rms else b, rms, 1e-6, p, torch.randint(0, 2**31 - 1, ()),
+                               x.dtype)[0]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    impls = {"eager": eager, "opsmath_kernel": ours}
+    if args.compile:
+        impls["compile_eager"] = torch.compile(eager)
+    rows = []
+    M = 16384
+    widths = (1024, 4096) if args.quick else (768, 1024, 4096, 8192)
+    for dt in (torch.bfloat16, torch.float32):
+        for N in widths:
+            for rms in (False, True):
+                x = torch.randn(M, N, device="cuda", dtype=dt, requires_grad=True)
+                r = torch.randn(M, N, device="cuda", dtype=dt, requires_grad=True)
+                w = torch.randn(N, device="cuda", dtype=dt, requires_grad=True)
+                b = torch.randn(N, device="cuda", dtype=dt, requires_grad=True)
+                dy = torch.randn(M, N, device="cuda", dtype=dt)
+                nbytes = 8 * M * N * x.element_size()
+                ref = eager(*(t.detach().double().requires_grad_() for t in (x, r, w, b)), rms, 0.0)
+                ref.backward(dy.double())
+                for name, fn in impls.items():
+                    row = dict(dtype=str(dt).replace("torch.", ""), M=M, N=N, norm="rms" if rms else "layer",
+                               impl=name, dropout=0.1)
+                    out = fn(x, r, w, b, rms, 0.0)  # numerics with dropout off
+                    row["err_out"] = rel_err(out, ref)
+
+                    def step():
+                        x.grad = r.grad = w.grad = b.grad = None
+                        fn(x, r, w, b, rms, 0.1).backward(dy)
+                    t = bench(step)
+                    row.update(ms=t["ms"], tbps=nbytes / t["ms"] / 1e9, peak_gib=t["peak_bytes"] / 2**30)
+                    rows.append(row)
+                del x, r, w, b, dy, ref
+                torch.cuda.empty_cache()
+    path = write("dropout_add_norm", dict(rows=rows))
+    print(f"{'dtype':9} {'N':>5} {'norm':5} {'impl':15} {'TB/s':>6} {'ms':>7} {'GiB':>6} {'err':>9}")
+    for r in rows:
+        print(f"{r['dtype']:9} {r['N']:5} {r['norm']:5} {r['impl']:15} {r['tbps']:6.2f} {r['ms']:7.3f} "
+              f"{r['peak_gib']:6.2f} {r['err_out']:9.2e}")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
