@@ -22,9 +22,11 @@ def device():
 
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
-    """Route CPU tensors through the Triton kernels (interpreter) instead of the PyTorch reference."""
-    monkeypatch.setenv("OPSMATH_TRITON_ON_CPU", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """Route CPU tensors through the Triton kernels (interpreter) instead of the PyTorch reference.
+    On a CUDA machine the kernels are compiled for the GPU and CUDA tensors reach them anyway."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("OPSMATH_TRITON_ON_CPU", "1")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield
 
 

@@ -1,8 +1,9 @@
 """DESIGN.md's tolerance rule (the FlashAttention rule).
 
 The fused result and the same-dtype PyTorch result are both compared with a higher-precision
-reference; the fused error must be at most ``2 x`` PyTorch's error plus a small ``atol``. NaN never
-passes.
+reference; the fused error must be at most ``2 x`` PyTorch's error plus a small ``atol``, taken
+relative to the reference's largest magnitude (a dV of magnitude 20 summed over 257 rows in fp32 carries
+~1e-5 of rounding whatever the summation order). NaN never passes.
 """
 import torch
 
@@ -15,7 +16,8 @@ def assert_rule(fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor, ato
     assert fused.shape == ref.shape, f"{name}: shape {tuple(fused.shape)} != {tuple(ref.shape)}"
     assert not torch.isnan(fused).any(), f"{name}: NaN in fused result"
     ef, ee = max_err(fused, ref), max_err(eager, ref)
-    assert ef <= 2 * ee + atol, f"{name}: fused error {ef:.3g} > 2 x eager error {ee:.3g} + {atol:g}"
+    tol = atol * max(1.0, ref.abs().max().item())
+    assert ef <= 2 * ee + tol, f"{name}: fused error {ef:.3g} > 2 x eager error {ee:.3g} + {tol:.3g}"
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
