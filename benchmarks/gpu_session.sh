@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
-OPSMATH_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rf tests/test_models.py \
+OPSMATH_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x --tb=short -p no:warnings tests/test_models.py \
     tests/test_kernel_dropout_add_norm.py tests/test_kernel_attention.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 [ -n "${SKIP_ATTN:-}" ] || (cd benchmarks && timeout ${BENCH_TIMEOUT:-200} python3 attention.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/attention.log" | tail -45)
 [ -n "${SKIP_DAN:-}" ] || (cd benchmarks && timeout 120 python3 dropout_add_norm.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/dropout_add_norm.log" | tail -40)

@@ -158,9 +158,14 @@ def test_real_model_rewritten_and_matches_eager(name):
         loss_r = _loss(reference, ref_inputs)
         loss_r.backward()
         assert abs(loss.item() - loss_r.item()) <= 2 * abs(loss_e.item() - loss_r.item()) + 1e-2
+        # per parameter: ||g - g64|| <= 2 ||g_eager - g64|| + 1e-2 ||g64|| + atol, with atol 1e-3 of the
+        # largest gradient norm in the model (zero-in-exact-arithmetic grads, e.g. a key bias, are noise)
+        scale = max(pr.grad.double().norm().item() for pr in reference.parameters() if pr.grad is not None)
         for (pname, p), pe, pr in zip(opt.named_parameters(), eager.parameters(), reference.parameters()):
             if pe.grad is not None:
-                assert rel_err(p.grad, pr.grad) <= 2 * rel_err(pe.grad, pr.grad) + 1e-2, pname
+                g64 = pr.grad.double()
+                err, err_e = (p.grad.double() - g64).norm().item(), (pe.grad.double() - g64).norm().item()
+                assert err <= 2 * err_e + 1e-2 * g64.norm().item() + 1e-3 * scale, (pname, err, err_e)
 
 
 def test_state_dict_keys_parameters_and_optimizer():
