@@ -227,3 +227,25 @@ def test_autocast_dtypes_match_eager(amp_dtype):
     assert abs(loss.item() - loss_e.item()) < 2e-2 * abs(loss_e.item())
     loss.backward()
     assert opsmath.report(opt).count("attention") == 2
+
+
+def test_grad_scaler_fp16_autocast_trains():
+    """fp16 autocast with GradScaler, as users run it: scaled backward through the fused ops, a step
+    that changes the weights, finite gradients, loss close to eager's."""
+    torch.manual_seed(0)
+    model, batch, _, _ = nanogpt()
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    sgd = torch.optim.SGD(opt.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = _loss(opt, batch)
+        loss_e = _loss(eager, batch)
+    assert abs(loss.item() - loss_e.item()) < 2e-2 * abs(loss_e.item())
+    before = [p.detach().clone() for p in opt.parameters()]
+    scaler.scale(loss).backward()
+    scaler.unscale_(sgd)
+    assert all(torch.isfinite(p.grad).all() for p in opt.parameters() if p.grad is not None)
+    scaler.step(sgd)
+    scaler.update()
+    assert any(not torch.equal(b, p) for b, p in zip(before, opt.parameters()))
