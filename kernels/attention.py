@@ -96,6 +96,14 @@ def _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causa
 
 
 @triton.jit
+def _tile(base, rows, n_rows, offs_d, D, s_row, s_d):
+    """The (len(rows), BLOCK_D) tile ``base[rows, :D]`` of a strided matrix, zero outside it;
+    row offsets in int64 so tensors past 2**31 elements index correctly."""
+    return tl.load(base + rows[:, None].to(tl.int64) * s_row + offs_d[None, :] * s_d,
+                   mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
 def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
             H, SQ, SK, scale, mask_fill, seed, p_drop,
             HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -141,8 +149,7 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd,
-                mask=(rows[:, None] < SQ) & dmask[None, :], other=0.0)
+    q = _tile(Q + b * sqb + h * sqh, rows, SQ, offs_d, D, sqm, sqd)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -151,10 +158,8 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
         hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)  # blocks wholly above the diagonal are skipped
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_mask = (cols[:, None] < SK) & dmask[None, :]
-        k = tl.load(K + b * skb + g * skh + cols[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
-                    mask=(cols[None, :] < SK) & dmask[:, None], other=0.0)
-        s, masked, keep = _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+        k = _tile(K + b * skb + g * skh, cols, SK, offs_d, D, skn, skd)
+        s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
                                   H, SQ, SK, scale, mask_fill, seed, p_drop,
                                   HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -164,8 +169,7 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             p = tl.where(keep, p * (1.0 / (1.0 - p_drop)), 0.0)
-        v = tl.load(V + b * svb + g * svh + cols[:, None].to(tl.int64) * svn + offs_d[None, :] * svd,
-                    mask=kv_mask, other=0.0)
+        v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -196,8 +200,8 @@ def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, seed,
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     kv_mask = (cols[:, None] < SK) & dmask[None, :]
-    k = tl.load(K + b * skb + g * skh + cols[:, None].to(tl.int64) * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + g * svh + cols[:, None].to(tl.int64) * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    k = _tile(K + b * skb + g * skh, cols, SK, offs_d, D, skn, skd)
+    v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo = 0
@@ -207,10 +211,8 @@ def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, seed,
         h = g * REP + r
         for start_m in range(lo, SQ, BLOCK_M):
             rows = start_m + offs_m
-            qmask = (rows[:, None] < SQ) & dmask[None, :]
-            q_off = b * sqb + h * sqh + rows[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd
-            q = tl.load(Q + q_off, mask=qmask, other=0.0)
-            do = tl.load(DO + ((b * H + h) * SQ + rows[:, None].to(tl.int64)) * D + offs_d[None, :], mask=qmask, other=0.0)
+            q = _tile(Q + b * sqb + h * sqh, rows, SQ, offs_d, D, sqm, sqd)
+            do = _tile(DO + (b * H + h) * SQ * D, rows, SQ, offs_d, D, D, 1)
             srow = ((b * H + h) * SQ + rows) * 2
             m_row = tl.load(Stats + srow, mask=rows < SQ, other=0.0)
             logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
@@ -249,10 +251,9 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, seed,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    qmask = (rows[:, None] < SQ) & dmask[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd, mask=qmask, other=0.0)
-    do = tl.load(DO + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * D + offs_d[None, :], mask=qmask, other=0.0)
+    qmask = (rows[:, None] < SQ) & (offs_d[None, :] < D)
+    q = _tile(Q + b * sqb + h * sqh, rows, SQ, offs_d, D, sqm, sqd)
+    do = _tile(DO + pid_bh.to(tl.int64) * SQ * D, rows, SQ, offs_d, D, D, 1)
     srow = (pid_bh.to(tl.int64) * SQ + rows) * 2
     m_row = tl.load(Stats + srow, mask=rows < SQ, other=0.0)
     logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
@@ -263,9 +264,8 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, seed,
         hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_mask = (cols[:, None] < SK) & dmask[None, :]
-        k = tl.load(K + b * skb + g * skh + cols[:, None].to(tl.int64) * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-        v = tl.load(V + b * svb + g * svh + cols[:, None].to(tl.int64) * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        k = _tile(K + b * skb + g * skh, cols, SK, offs_d, D, skn, skd)
+        v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
         s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
                                   smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
                                   HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION)
