@@ -25,6 +25,7 @@ import torch.fx as fx
 import opsmath.kernels  # noqa: F401  (registers the opsmath:: custom ops)
 from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
 
+from .analysis import kernel_launches, saved_activation_bytes
 from .capture import lower_to_aten
 from .match import Decline, Match, run_patterns
 
@@ -44,14 +45,16 @@ class GraphRecord:
     matches: list[Match]
     declines: list[Decline]
     capture_seconds: float
+    launches: tuple = (None, None)          # forward kernel launches (estimate), before -> after
+    saved_bytes: tuple = (None, None)       # activation bytes saved for backward, before -> after
     graph: Optional[fx.GraphModule] = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
                     before_ops=dict(self.before_ops), after_ops=dict(self.after_ops),
                     matches=[m.to_dict() for m in self.matches], declines=[d.to_dict() for d in self.declines],
-                    capture_seconds=self.capture_seconds, before_code=self.before_code,
-                    after_code=self.after_code)
+                    capture_seconds=self.capture_seconds, launches=list(self.launches),
+                    saved_bytes=list(self.saved_bytes), before_code=self.before_code, after_code=self.after_code)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class OptimizeState:
     graphs: list[GraphRecord] = field(default_factory=list)
     buffer_ids: set = field(default_factory=set)
     fallback_errors: list[str] = field(default_factory=list)
+    analyze: bool = True
 
 
 def op_counts(gm: fx.GraphModule) -> Counter:
@@ -89,19 +93,24 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
             return gm.forward
         before_code = captured.gm.code
         before_ops = op_counts(captured.gm)
+        before_launches = kernel_launches(captured.gm)
+        before_saved = saved_activation_bytes(captured.gm, captured.requires_grad) if state.analyze else None
         ctx = run_patterns(captured, state.patterns, state.skip)
+        after_saved = saved_activation_bytes(ctx.gm, captured.requires_grad) if state.analyze else None
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
                   if not isinstance(t, torch.nn.Parameter)]
         state.graphs.append(GraphRecord(
             index=len(state.graphs), training=model.training, input_shapes=shapes,
             before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops,
             after_ops=op_counts(ctx.gm), matches=ctx.matches, declines=ctx.declines,
-            capture_seconds=time.perf_counter() - t0, graph=ctx.gm))
+            capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
+            saved_bytes=(before_saved, after_saved), graph=ctx.gm))
         return ctx.gm
     return opsmath_backend
 
 
-def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, **options) -> torch.nn.Module:
+def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
+             **options) -> torch.nn.Module:
     """Rewrite ``model``'s attention and dropout-add-norm subgraphs into fused kernels, lazily.
 
     Args:
@@ -110,6 +119,8 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             acted upon: a warning says so when given.
         patterns: names of pattern families to apply (default: all, see ``opsmath.patterns.NAMES``).
         skip: names (``"attention"``) or single occurrences (``"attention@softmax_3"``) to leave alone.
+        analyze: predict saved activation bytes before/after for the report (one extra fake-tensor
+            run of each captured graph at capture time).
 
     Returns:
         ``model``, whose next call captures and rewrites; ``opsmath.report(model)`` shows the result.
@@ -126,7 +137,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
         log.warning("opsmath: memory_budget=%r is accepted but the recompute planner is not implemented yet; "
                     "no recompute is planned", memory_budget)
     state = OptimizeState(model_name=type(model).__name__, patterns=chosen, skip=set(skip or ()),
-                          memory_budget=memory_budget)
+                          memory_budget=memory_budget, analyze=analyze)
     model._opsmath = state
     model.compile(backend=_make_backend(state, model), dynamic=False)
     return model

@@ -31,6 +31,7 @@ class Captured:
     """
     gm: fx.GraphModule
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    requires_grad: list[bool] = field(default_factory=list)   # per placeholder, from the real inputs
 
 
 def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional[set[int]] = None) -> Captured:
@@ -52,7 +53,8 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
         if buffer_ids and isinstance(value, torch.Tensor) and id(value) in buffer_ids \
                 and not isinstance(value, torch._subclasses.FakeTensor):
             constants[node.name] = value
-    return Captured(aten, constants)
+    requires_grad = [bool(getattr(v, "requires_grad", False)) for v in example_inputs]
+    return Captured(aten, constants, requires_grad)
 
 
 def source_location(node: fx.Node) -> tuple[str, str]:

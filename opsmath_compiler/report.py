@@ -20,6 +20,10 @@ from .match import Decline, Match
 _SNIPPET_LINES = 6
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
 class Report:
     """Everything ``optimize`` did to one model, across its captured graph variants."""
 
@@ -62,8 +66,12 @@ class Report:
     def _graph_panel(self, g) -> Panel:
         parts = []
         total_b, total_a = sum(g.before_ops.values()), sum(g.after_ops.values())
-        parts.append(Text(f"{'train' if g.training else 'eval'} | ops {total_b} -> {total_a} | "
-                          f"captured in {g.capture_seconds:.2f}s"))
+        head = f"{'train' if g.training else 'eval'} | ops {total_b}->{total_a}"
+        if g.launches[0] is not None:
+            head += f" | fwd launches {g.launches[0]}->{g.launches[1]}"
+        if g.saved_bytes[0] is not None and g.saved_bytes[1] is not None:
+            head += f" | saved for bwd {_mib(g.saved_bytes[0])}->{_mib(g.saved_bytes[1])}"
+        parts.append(Text(head + f" | {g.capture_seconds:.2f}s"))
         if g.matches:
             t = Table(show_header=True, header_style="bold", expand=False, box=None, padding=(0, 1))
             t.add_column("pattern", style="green", no_wrap=True)
@@ -73,7 +81,11 @@ class Report:
             for m in g.matches:
                 t.add_row(m.pattern, m.location, str(len(m.nodes)), m.replacement)
             parts.append(t)
-            parts.append(self._snippet(g.matches[0]))
+            seen = set()
+            for m in g.matches:  # one snippet per distinct rewrite (layers repeat themselves)
+                if (m.pattern, m.location, m.replacement) not in seen:
+                    seen.add((m.pattern, m.location, m.replacement))
+                    parts.append(self._snippet(m))
         if g.declines:
             t = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
             t.add_column("declined", style="yellow", no_wrap=True)

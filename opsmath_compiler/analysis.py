@@ -1,0 +1,69 @@
+"""Static facts about a captured graph, computed on fake tensors (no real memory, no real compute).
+
+* ``saved_activation_bytes``: what autograd keeps for backward. The graph runs once on fake inputs
+  under ``torch.autograd.graph.saved_tensors_hooks``; every saved tensor is recorded by its storage
+  (views of one buffer count once) and the storages of graph inputs (parameters, user inputs,
+  buffers) are left out: they are resident anyway. Fused ops count what their ``setup_context`` saves
+  (attention: q, k, v, out and the per-row stats), which is exactly what makes them lighter.
+* ``kernel_launches``: ops that launch device work, i.e. every call except views, tuple indexing
+  and host-side helpers: a forward-pass estimate of launches, good for before/after comparisons.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx as fx
+
+from .canonicalize import aten
+
+log = logging.getLogger("opsmath")
+
+_NO_LAUNCH = {
+    operator.getitem, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.default, aten.slice.Tensor, aten.select.int, aten.alias.default,
+    aten.t.default, aten.split.Tensor, aten.split_with_sizes.default, aten.detach.default,
+    aten.as_strided.default, aten.scalar_tensor.default, aten.lift_fresh_copy.default,
+    aten.detach_.default, aten.unbind.int, aten.chunk.default,
+}
+
+
+def kernel_launches(gm: fx.GraphModule) -> int:
+    """Forward-pass ops that launch device work (an estimate: views and host helpers excluded)."""
+    from opsmath.kernels._common import new_seed
+    return sum(1 for n in gm.graph.nodes
+               if n.op == "call_function" and n.target not in _NO_LAUNCH and n.target is not new_seed)
+
+
+def saved_activation_bytes(gm: fx.GraphModule, requires_grad: list[bool]) -> int | None:
+    """Bytes autograd saves for backward when ``gm`` runs on its placeholders' fake values (input i
+    requiring grad as ``requires_grad[i]`` says), deduplicated by storage, graph inputs excluded.
+    None when the graph cannot run on fake tensors."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = [v for v in vals if isinstance(v, torch._subclasses.FakeTensor)]
+    if not fakes:
+        return None
+    mode = fakes[0].fake_mode
+    saved: dict[int, int] = {}
+
+    def key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            saved.setdefault(key(t), t.untyped_storage().nbytes())
+        return t
+
+    try:
+        with mode, torch.enable_grad():
+            inputs = [v.detach().requires_grad_(rg) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                      else v for v, rg in zip(vals, requires_grad)]
+            input_keys = {key(v) for v in inputs if isinstance(v, torch.Tensor)}
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                gm(*inputs)
+    except Exception as e:  # an estimate for the report, never fatal
+        log.debug("opsmath: saved-bytes analysis failed: %s", e)
+        return None
+    return sum(b for k, b in saved.items() if k not in input_keys)
