@@ -3,9 +3,17 @@
     model = opsmath.optimize(model)      # same module, compiled in place with opsmath's backend
     loss = model(x, y); loss.backward()  # first call captures, rewrites attention / dropout-add-norm
     print(opsmath.report(model))         # what was replaced, where in the source, and what was not
+
+Exploring and checking: ``opsmath.explore(model, *inputs)`` (candidates, skip/enable, draw, emit),
+``opsmath.verify(eager, optimized, *inputs)`` (numerics by DESIGN.md's rule, loss curves),
+``opsmath.profile(eager, optimized, *inputs)`` (kernels, time per op class, peak memory).
 """
 from .api import optimize
+from .explore import Exploration, explore
+from .profile import ProfileResult, profile
 from .report import Report, report
+from .verify import VerifyResult, verify
 
-__all__ = ["optimize", "report", "Report"]
+__all__ = ["optimize", "report", "Report", "explore", "Exploration", "verify", "VerifyResult", "profile",
+           "ProfileResult"]
 __version__ = "0.1.0"

@@ -67,3 +67,20 @@ def saved_activation_bytes(gm: fx.GraphModule, requires_grad: list[bool]) -> int
         log.debug("opsmath: saved-bytes analysis failed: %s", e)
         return None
     return sum(b for k, b in saved.items() if k not in input_keys)
+
+
+def to_networkx(gm: fx.GraphModule):
+    """The graph as a ``networkx.DiGraph``: nodes by name with ``op`` and ``label`` attributes, an edge
+    from every input to its user. For drawing and for graph algorithms (dominators, generations)."""
+    import networkx as nx
+    g = nx.DiGraph()
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            label = str(n.target).replace("aten.", "").replace(".default", "") \
+                if isinstance(n.target, torch._ops.OpOverload) else getattr(n.target, "__name__", str(n.target))
+        else:
+            label = n.op
+        g.add_node(n.name, op=n.op, label=label)
+        for i in n.all_input_nodes:
+            g.add_edge(i.name, n.name)
+    return g

@@ -25,7 +25,7 @@ import torch.fx as fx
 import opsmath.kernels  # noqa: F401  (registers the opsmath:: custom ops)
 from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
 
-from .analysis import kernel_launches, saved_activation_bytes
+from .analysis import kernel_launches, saved_activation_bytes, to_networkx
 from .capture import lower_to_aten
 from .match import Decline, Match, run_patterns
 
@@ -48,6 +48,7 @@ class GraphRecord:
     launches: tuple = (None, None)          # forward kernel launches (estimate), before -> after
     saved_bytes: tuple = (None, None)       # activation bytes saved for backward, before -> after
     graph: Optional[fx.GraphModule] = field(default=None, repr=False)
+    before_nx: object = field(default=None, repr=False)   # networkx.DiGraph of the captured graph
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
@@ -95,6 +96,7 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         before_ops = op_counts(captured.gm)
         before_launches = kernel_launches(captured.gm)
         before_saved = saved_activation_bytes(captured.gm, captured.requires_grad) if state.analyze else None
+        before_nx = to_networkx(captured.gm)
         ctx = run_patterns(captured, state.patterns, state.skip)
         after_saved = saved_activation_bytes(ctx.gm, captured.requires_grad) if state.analyze else None
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
@@ -104,7 +106,7 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
             before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops,
             after_ops=op_counts(ctx.gm), matches=ctx.matches, declines=ctx.declines,
             capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
-            saved_bytes=(before_saved, after_saved), graph=ctx.gm))
+            saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx))
         return ctx.gm
     return opsmath_backend
 

@@ -29,10 +29,15 @@ class Match:
     replacement: str
     before: list[str] = field(default_factory=list)
     details: dict = field(default_factory=dict)
+    anchor: str = ""              # the node ``optimize(skip=[f"{pattern}@{anchor}"])`` refers to
+
+    @property
+    def key(self) -> str:
+        return f"{self.pattern}@{self.anchor}"
 
     def to_dict(self) -> dict:
         return dict(pattern=self.pattern, location=self.location, code=self.code, nodes=self.nodes,
-                    replacement=self.replacement, before=self.before, details=self.details)
+                    replacement=self.replacement, before=self.before, details=self.details, anchor=self.anchor)
 
 
 @dataclass
@@ -89,7 +94,8 @@ class RewriteContext:
     def replaced(self, pattern: str, anchor: fx.Node, nodes: Iterable[fx.Node], replacement: str,
                  before: list[str], **details) -> None:
         loc, code = source_location(anchor)
-        self.matches.append(Match(pattern, loc, code, [n.name for n in nodes], replacement, before, details))
+        self.matches.append(Match(pattern, loc, code, [n.name for n in nodes], replacement, before, details,
+                                  anchor.name))
 
     def call(self, target, args, like: fx.Node, kwargs=None) -> fx.Node:
         """Insert ``target(*args)`` at the current insertion point, inheriting ``like``'s source trace
