@@ -36,7 +36,7 @@ def test_explore_rewrites():
     text, images = _run("02_explore_rewrites.ipynb")
     assert "skipped by the user" in text
     assert "PASS" in text and "FAIL" not in text
-    assert images >= 2   # the candidate's subgraph and the loss curves
+    assert images >= 3   # the candidate's subgraph, the loss curves, the profile bars
 
 
 def test_activation_memory():
