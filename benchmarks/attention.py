@@ -96,6 +96,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--cases", default="", help="only cases whose name contains this text")
     args = ap.parse_args()
     impls = {"eager": eager, "sdpa_default": sdpa_default, "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
              "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
@@ -103,15 +104,16 @@ def main():
     if args.compile:
         impls["compile_eager"] = torch.compile(eager)
     shapes = SHAPES[:2] if args.quick else SHAPES
-    rows = []
-    for (B, H, S, D) in shapes:
-        for causal in (True, False):
-            rows += case(f"B{B} H{H} S{S} D{D} {'causal' if causal else 'full'}", B, H, H, S, D, causal, 0.0, False, impls)
-    B, H, S, D = 4, 16, 2048, 128
-    rows += case("dropout0.1 causal", B, H, H, S, D, True, 0.1, False, impls)
-    rows += case("padding mask", B, H, H, S, D, False, 0.0, True, impls)
     gqa = {k: v for k, v in impls.items() if k != "eager" and not k.startswith("compile")}
-    rows += case("GQA 32x8 causal", 2, 32, 8, 2048, 128, True, 0.0, False, gqa)
+    todo = [(f"B{B} H{H} S{S} D{D} {'causal' if c else 'full'}", B, H, H, S, D, c, 0.0, False, impls)
+            for (B, H, S, D) in shapes for c in (True, False)]
+    todo += [("dropout0.1 causal", 4, 16, 16, 2048, 128, True, 0.1, False, impls),
+             ("padding mask", 4, 16, 16, 2048, 128, False, 0.0, True, impls),
+             ("GQA 32x8 causal", 2, 32, 8, 2048, 128, True, 0.0, False, gqa)]
+    rows = []
+    for spec in todo:
+        if args.cases in spec[0]:
+            rows += case(*spec)
     path = write("attention", dict(rows=rows))
     print(f"{'case':28} {'impl':15} {'TFLOP/s':>8} {'ms':>8} {'GiB':>6} {'err_out':>9} {'err_dq':>9}")
     for r in rows:

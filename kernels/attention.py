@@ -158,8 +158,11 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
         hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)  # blocks wholly above the diagonal are skipped
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = _tile(K + b * skb + g * skh, cols, SK, offs_d, D, skn, skd)
-        s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+        # K^T loaded directly as (BLOCK_D, BLOCK_N): loading K and tl.trans-ing it measured 34-39%
+        # slower at D=64 on the H200 (BENCHMARKS.md, attention run 2)
+        kt = tl.load(K + b * skb + g * skh + cols[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
+                     mask=(cols[None, :] < SK) & dmask[:, None], other=0.0)
+        s, masked, keep = _scores(q, kt, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
                                   H, SQ, SK, scale, mask_fill, seed, p_drop,
                                   HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
