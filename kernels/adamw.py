@@ -1,0 +1,163 @@
+"""Fused AdamW step: gradient unscaling, global-norm clipping, decoupled weight decay, Adam moments,
+bias correction and fp32 master weights, over thousands of tensors in two launches.
+
+Math, for every parameter tensor with a gradient (t = its step count after this step)::
+
+    norm  = || all grads ||_2 / grad_scale                      (pass 1: one multi-tensor reduction)
+    coef  = min(1, max_norm / (norm + 1e-6))   (1 without clipping; as clip_grad_norm_)
+    skip everything if grad_scale's found_inf is set or norm is not finite
+    g     = grad / grad_scale * coef                            (pass 2: one multi-tensor update)
+    p     = p * (1 - lr * wd)                  p: the fp32 master copy when master weights are on
+    m     = b1 m + (1 - b1) g
+    v     = b2 v + (1 - b2) g^2
+    p     = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    param = p rounded to the parameter's dtype                  (master weights only)
+
+Multi-tensor: every tensor is cut in chunks of ``CHUNK`` elements; one program per chunk reads its
+tensor's addresses from int64 pointer tables, so one launch covers any number of tensors of one dtype
+combination. Per-tensor lr, weight decay and step come from small tables too (param groups differ).
+The CPU path (``adamw_reference``) computes the same math with torch ops.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 2048
+
+
+def global_grad_norm_reference(grads: list[torch.Tensor]) -> torch.Tensor:
+    """||cat(grads)||_2 in fp32 (the scaled norm: divide by grad_scale for the true one)."""
+    if not grads:
+        return torch.zeros(())
+    return torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt()
+
+
+def adamw_reference(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lrs, wds, beta1, beta2, eps,
+                    coef_scale, found_inf):
+    """In place, per tensor. ``steps`` are the new step counts (floats); ``coef_scale`` = coef /
+    grad_scale and ``found_inf`` are 0-d tensors; ``masters`` entries are None without master weights."""
+    if bool(found_inf):
+        return
+    for p, g, m, v, pm, t, lr, wd in zip(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lrs, wds):
+        # torch's single-tensor AdamW, op for op, so fp32 CPU results round as torch's do
+        w = pm if pm is not None else p
+        gf = g.to(m.dtype) * coef_scale.to(m.dtype)
+        w.mul_(1 - lr * wd)
+        m.lerp_(gf, 1 - beta1)
+        v.mul_(beta2).addcmul_(gf, gf, value=1 - beta2)
+        denom = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
+        w.addcdiv_(m, denom, value=-(lr / (1 - beta1 ** t)))
+        if pm is not None:
+            p.copy_(w)
+
+
+@triton.jit
+def _sumsq_kernel(G_PTRS, SIZES, CHUNK_TENSOR, CHUNK_START, PARTIAL, G_TY: tl.constexpr,
+                  CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    i = tl.load(CHUNK_TENSOR + c)
+    start = tl.load(CHUNK_START + c)
+    n = tl.load(SIZES + i)
+    g_ptr = tl.load(G_PTRS + i).to(tl.pointer_type(G_TY))
+    acc = tl.zeros([BLOCK], tl.float32)
+    for off in range(0, CHUNK_SIZE, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        g = tl.load(g_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+        acc += g * g
+    tl.store(PARTIAL + c, tl.sum(acc, 0))
+
+
+@triton.jit
+def _adamw_kernel(P_PTRS, G_PTRS, M_PTRS, V_PTRS, W_PTRS, SIZES, STEPS, LRS, WDS, CHUNK_TENSOR, CHUNK_START,
+                  COEF, FOUND, beta1, beta2, eps,
+                  P_TY: tl.constexpr, G_TY: tl.constexpr, S_TY: tl.constexpr, HAS_MASTER: tl.constexpr,
+                  CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per chunk. W is the fp32 master (HAS_MASTER) whose rounding is written to P."""
+    if tl.load(FOUND) == 0:
+        c = tl.program_id(0)
+        i = tl.load(CHUNK_TENSOR + c)
+        start = tl.load(CHUNK_START + c)
+        n = tl.load(SIZES + i)
+        t = tl.load(STEPS + i)
+        lr = tl.load(LRS + i)
+        wd = tl.load(WDS + i)
+        coef = tl.load(COEF)
+        p_ptr = tl.load(P_PTRS + i).to(tl.pointer_type(P_TY))
+        g_ptr = tl.load(G_PTRS + i).to(tl.pointer_type(G_TY))
+        m_ptr = tl.load(M_PTRS + i).to(tl.pointer_type(S_TY))
+        v_ptr = tl.load(V_PTRS + i).to(tl.pointer_type(S_TY))
+        if HAS_MASTER:
+            w_ptr = tl.load(W_PTRS + i).to(tl.pointer_type(tl.float32))
+        else:
+            w_ptr = p_ptr
+        step_size = lr / (1.0 - tl.exp2(t * tl.log2(beta1)))
+        bc2_sqrt = tl.sqrt(1.0 - tl.exp2(t * tl.log2(beta2)))
+        decay = 1.0 - lr * wd
+        for off in range(0, CHUNK_SIZE, BLOCK):
+            idx = start + off + tl.arange(0, BLOCK)
+            mask = idx < n
+            g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32) * coef
+            w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32) * decay
+            m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32) * beta1 + g * (1.0 - beta1)
+            v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32) * beta2 + g * g * (1.0 - beta2)
+            w = w - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+            tl.store(m_ptr + idx, m.to(S_TY), mask=mask)
+            tl.store(v_ptr + idx, v.to(S_TY), mask=mask)
+            if HAS_MASTER:
+                tl.store(w_ptr + idx, w, mask=mask)
+            tl.store(p_ptr + idx, w.to(P_TY, fp_downcast_rounding="rtne"), mask=mask)
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _chunks(sizes: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    tensor_idx, starts = [], []
+    for i, n in enumerate(sizes):
+        for s in range(0, max(n, 1), CHUNK):
+            tensor_idx.append(i)
+            starts.append(s)
+    return (torch.tensor(tensor_idx, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int64, device=device))
+
+
+def _ptrs(tensors, device) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
+def grad_sumsq_triton(grads: list[torch.Tensor]) -> torch.Tensor:
+    """sum of g^2 over every grad (one launch per grad dtype), as a 0-d fp32 device tensor."""
+    device = grads[0].device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_dtype: dict = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dt, gs in by_dtype.items():
+        sizes = [g.numel() for g in gs]
+        chunk_tensor, chunk_start = _chunks(sizes, device)
+        partial = torch.empty(chunk_tensor.numel(), dtype=torch.float32, device=device)
+        _sumsq_kernel[(chunk_tensor.numel(),)](
+            _ptrs(gs, device), torch.tensor(sizes, dtype=torch.int64, device=device), chunk_tensor, chunk_start,
+            partial, G_TY=_TL[dt], CHUNK_SIZE=CHUNK, BLOCK=512, num_warps=4)
+        total = total + partial.sum()
+    return total
+
+
+def adamw_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lrs, wds, beta1, beta2, eps,
+                 coef_scale, found_inf):
+    """The update pass over tensors that share (param dtype, grad dtype, state dtype, master or not).
+    ``steps`` is a device fp32 tensor of new step counts, one per tensor."""
+    device = params[0].device
+    sizes = [p.numel() for p in params]
+    chunk_tensor, chunk_start = _chunks(sizes, device)
+    has_master = masters[0] is not None
+    f32 = dict(dtype=torch.float32, device=device)
+    _adamw_kernel[(chunk_tensor.numel(),)](
+        _ptrs(params, device), _ptrs(grads, device), _ptrs(exp_avgs, device), _ptrs(exp_avg_sqs, device),
+        _ptrs(masters if has_master else params, device), torch.tensor(sizes, dtype=torch.int64, device=device),
+        steps, torch.tensor(lrs, **f32), torch.tensor(wds, **f32), chunk_tensor, chunk_start,
+        coef_scale.reshape(1).to(**f32), found_inf.reshape(1).to(**f32), float(beta1), float(beta2), float(eps),
+        P_TY=_TL[params[0].dtype], G_TY=_TL[grads[0].dtype], S_TY=_TL[exp_avgs[0].dtype], HAS_MASTER=has_master,
+        CHUNK_SIZE=CHUNK, BLOCK=512, num_warps=4)
