@@ -1,4 +1,4 @@
-"""AdamW step (with global-norm clipping) on GPT-2-small's parameter shapes (163M, lm_head untied), H200:
+"""AdamW step (with global-norm clipping) on GPT-2-small's parameter shapes (163M: vocab 50304, lm_head untied), H200:
 opsmath.optim.AdamW (clip inside) vs torch foreach / fused AdamW, each with and without a separate
 clip_grad_norm_. Floor = minimal bytes / copy bandwidth (4.13 TB/s): fp32 with clip reads grads twice
 and reads+writes param, exp_avg, exp_avg_sq (32 B/param); bf16 master weights read bf16 grads twice,
@@ -14,7 +14,7 @@ from opsmath.optim import AdamW
 from _harness import bench, rel_err, write
 
 COPY_TBPS = 4.13
-V, C, L, T = 50257, 768, 12, 1024
+V, C, L, T = 50304, 768, 12, 1024  # nanoGPT's padded vocab: 163,109,376 params, as the anchor
 
 
 def gpt2_small_shapes():
