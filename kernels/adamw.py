@@ -113,21 +113,55 @@ def _adamw_kernel(P_PTRS, G_PTRS, M_PTRS, V_PTRS, W_PTRS, SIZES, STEPS, LRS, WDS
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _chunks(sizes: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    tensor_idx, starts = [], []
-    for i, n in enumerate(sizes):
-        for s in range(0, max(n, 1), CHUNK):
-            tensor_idx.append(i)
-            starts.append(s)
-    return (torch.tensor(tensor_idx, dtype=torch.int32, device=device),
-            torch.tensor(starts, dtype=torch.int64, device=device))
-
-
 def _ptrs(tensors, device) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+    """int64 addresses of ``tensors``, copied to ``device`` without a host sync (pinned staging)."""
+    host = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
 
 
-def grad_sumsq_triton(grads: list[torch.Tensor]) -> torch.Tensor:
+class _Tables:
+    """Chunk and pointer tables for one list of tensors. Everything but the gradient addresses (and
+    lr / weight decay when a scheduler moves them) is built once and reused while the same tensors
+    stay in place; the chunk table is built with tensor ops, not a Python loop over chunks."""
+
+    def __init__(self, key, sizes: list[int], static: list[list[torch.Tensor]], device):
+        self.key = key
+        self.static = [_ptrs(ts, device) for ts in static]
+        sizes = torch.tensor(sizes, dtype=torch.int64)
+        per = (sizes + CHUNK - 1) // CHUNK
+        per = torch.maximum(per, torch.ones_like(per))
+        tensor_idx = torch.repeat_interleave(torch.arange(len(sizes)), per)
+        first = torch.cumsum(per, 0) - per
+        starts = (torch.arange(int(per.sum())) - first[tensor_idx]) * CHUNK
+        self.sizes = sizes.to(device)
+        self.chunk_tensor = tensor_idx.to(torch.int32).to(device)
+        self.chunk_start = starts.to(device)
+        self.n_chunks = int(per.sum())
+        self.hparams: tuple = ()
+        self.lrs = self.wds = None
+
+    def hyper(self, lrs, wds, device):
+        if (tuple(lrs), tuple(wds)) != self.hparams:
+            self.hparams = (tuple(lrs), tuple(wds))
+            self.lrs = torch.tensor(lrs, dtype=torch.float32).to(device)
+            self.wds = torch.tensor(wds, dtype=torch.float32).to(device)
+        return self.lrs, self.wds
+
+
+def _tables(cache: dict | None, name, sizes: list[int], static, device) -> _Tables:
+    """Tables for tensors of ``sizes`` whose ``static`` tensors keep their addresses between steps."""
+    key = (tuple(sizes), tuple(t.data_ptr() for ts in static for t in ts))
+    if cache is not None and name in cache and cache[name].key == key:
+        return cache[name]
+    tables = _Tables(key, sizes, static, device)
+    if cache is not None:
+        cache[name] = tables
+    return tables
+
+
+def grad_sumsq_triton(grads: list[torch.Tensor], cache: dict | None = None) -> torch.Tensor:
     """sum of g^2 over every grad (one launch per grad dtype), as a 0-d fp32 device tensor."""
     device = grads[0].device
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -135,29 +169,30 @@ def grad_sumsq_triton(grads: list[torch.Tensor]) -> torch.Tensor:
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for dt, gs in by_dtype.items():
-        sizes = [g.numel() for g in gs]
-        chunk_tensor, chunk_start = _chunks(sizes, device)
-        partial = torch.empty(chunk_tensor.numel(), dtype=torch.float32, device=device)
-        _sumsq_kernel[(chunk_tensor.numel(),)](
-            _ptrs(gs, device), torch.tensor(sizes, dtype=torch.int64, device=device), chunk_tensor, chunk_start,
-            partial, G_TY=_TL[dt], CHUNK_SIZE=CHUNK, BLOCK=512, num_warps=4)
+        tb = _tables(cache, ("sumsq", device, dt), [g.numel() for g in gs], [], device)
+        partial = torch.empty(tb.n_chunks, dtype=torch.float32, device=device)
+        _sumsq_kernel[(tb.n_chunks,)](
+            _ptrs(gs, device), tb.sizes, tb.chunk_tensor, tb.chunk_start, partial,
+            G_TY=_TL[dt], CHUNK_SIZE=CHUNK, BLOCK=512, num_warps=4)
         total = total + partial.sum()
     return total
 
 
 def adamw_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lrs, wds, beta1, beta2, eps,
-                 coef_scale, found_inf):
+                 coef_scale, found_inf, cache: dict | None = None):
     """The update pass over tensors that share (param dtype, grad dtype, state dtype, master or not).
-    ``steps`` is a device fp32 tensor of new step counts, one per tensor."""
+    ``steps`` is a device fp32 tensor of new step counts, one per tensor; ``cache`` (a dict the caller
+    keeps) lets the tables of unchanged tensors be reused across steps."""
     device = params[0].device
-    sizes = [p.numel() for p in params]
-    chunk_tensor, chunk_start = _chunks(sizes, device)
     has_master = masters[0] is not None
+    static = [params, exp_avgs, exp_avg_sqs] + ([masters] if has_master else [])
+    tb = _tables(cache, ("update", device, params[0].dtype, has_master, beta1, beta2, eps),
+                 [p.numel() for p in params], static, device)
+    lr_t, wd_t = tb.hyper(lrs, wds, device)
     f32 = dict(dtype=torch.float32, device=device)
-    _adamw_kernel[(chunk_tensor.numel(),)](
-        _ptrs(params, device), _ptrs(grads, device), _ptrs(exp_avgs, device), _ptrs(exp_avg_sqs, device),
-        _ptrs(masters if has_master else params, device), torch.tensor(sizes, dtype=torch.int64, device=device),
-        steps, torch.tensor(lrs, **f32), torch.tensor(wds, **f32), chunk_tensor, chunk_start,
+    _adamw_kernel[(tb.n_chunks,)](
+        tb.static[0], _ptrs(grads, device), tb.static[1], tb.static[2], tb.static[3 if has_master else 0],
+        tb.sizes, steps, lr_t, wd_t, tb.chunk_tensor, tb.chunk_start,
         coef_scale.reshape(1).to(**f32), found_inf.reshape(1).to(**f32), float(beta1), float(beta2), float(eps),
         P_TY=_TL[params[0].dtype], G_TY=_TL[grads[0].dtype], S_TY=_TL[exp_avgs[0].dtype], HAS_MASTER=has_master,
         CHUNK_SIZE=CHUNK, BLOCK=512, num_warps=4)

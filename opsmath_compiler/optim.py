@@ -52,6 +52,7 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
+        self._tables: dict = {}   # kernel tables reused across steps (kernels/adamw.py)
 
     # ---- state ---------------------------------------------------------------------------------
     def _state_for(self, p: torch.Tensor, group: dict) -> dict:
@@ -111,8 +112,8 @@ class AdamW(torch.optim.Optimizer):
         coef_scale = 1.0 / scale
         if self.max_grad_norm is not None:
             # pass 1: the global norm of the unscaled gradients (per device, then summed)
-            sumsq = sum((grad_sumsq_triton(gs) if use_triton(gs[0]) else global_grad_norm_reference(gs) ** 2)
-                        .to(device) for gs in _by_device(grads).values())
+            sumsq = sum((grad_sumsq_triton(gs, self._tables) if use_triton(gs[0])
+                         else global_grad_norm_reference(gs) ** 2).to(device) for gs in _by_device(grads).values())
             norm = sumsq.sqrt() / scale
             self.last_grad_norm = norm
             found = torch.maximum(found, (~torch.isfinite(norm)).float())
@@ -126,13 +127,13 @@ class AdamW(torch.optim.Optimizer):
             buckets.setdefault(key, []).append((group, p, st))
         for (dev, *_), items in buckets.items():
             coef = coef_scale.to(dev) if torch.is_tensor(coef_scale) else torch.tensor(coef_scale, device=dev)
-            self._update(items, fast, coef, found.to(dev))
+            self._update(items, fast, coef, found.to(dev), self._tables)
         steps = [st["step"] for _, _, st in work]
         torch._foreach_add_(steps, 1.0 - found.to(steps[0].device))
         return loss
 
     @staticmethod
-    def _update(items, fast: bool, coef_scale: torch.Tensor, found: torch.Tensor) -> None:
+    def _update(items, fast: bool, coef_scale: torch.Tensor, found: torch.Tensor, tables: dict) -> None:
         ps = [p for _, p, _ in items]
         args = (ps, [p.grad for p in ps], [st["exp_avg"] for _, _, st in items],
                 [st["exp_avg_sq"] for _, _, st in items], [st.get("master") for _, _, st in items])
@@ -141,7 +142,7 @@ class AdamW(torch.optim.Optimizer):
         (b1, b2), eps = items[0][0]["betas"], items[0][0]["eps"]
         if fast:
             new_steps = torch.stack([st["step"] for _, _, st in items]) + 1.0
-            adamw_triton(*args, new_steps, lrs, wds, b1, b2, eps, coef_scale, found)
+            adamw_triton(*args, new_steps, lrs, wds, b1, b2, eps, coef_scale, found, cache=tables)
         else:
             new_steps = [float(st["step"]) + 1.0 for _, _, st in items]
             adamw_reference(*args, new_steps, lrs, wds, b1, b2, eps, coef_scale, found)
