@@ -12,14 +12,13 @@ the model itself is never modified.
 from __future__ import annotations
 
 import copy
-import io
 from dataclasses import dataclass
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from .api import optimize
+from .rendering import Rendered
 from .report import Report, report
 from .verify import VerifyResult, verify
 
@@ -37,7 +36,7 @@ class Candidate:
     enabled: bool = True
 
 
-class Exploration:
+class Exploration(Rendered):
     def __init__(self, model: torch.nn.Module, *inputs):
         self.model = model
         self.inputs = inputs
@@ -125,15 +124,6 @@ class Exploration:
         for d in self.declines:
             yield f"declined {d.pattern} at {d.location}: {d.reason}"
 
-    def __str__(self) -> str:
-        buf = io.StringIO()
-        Console(file=buf, width=100).print(self)
-        return buf.getvalue()
-
-    def _repr_html_(self) -> str:
-        c = Console(record=True, width=110, file=io.StringIO())
-        c.print(self)
-        return c.export_html(inline_styles=True)
 
 
 def explore(model: torch.nn.Module, *example_inputs) -> Exploration:

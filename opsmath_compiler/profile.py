@@ -6,14 +6,14 @@ memory (CUDA: ``torch.cuda.max_memory_allocated``).
 """
 from __future__ import annotations
 
-import io
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from rich.console import Console
 from rich.table import Table
+
+from .rendering import Rendered
 
 from .verify import _scalar
 
@@ -45,7 +45,8 @@ class ProfileRow:
 
 
 @dataclass
-class ProfileResult:
+class ProfileResult(Rendered):
+    text_width = html_width = 120
     device: str
     rows: list[ProfileRow]
 
@@ -64,16 +65,6 @@ class ProfileResult:
                       *[f"{r.ms_by_class.get(c, 0.0):.2f}" for c in classes],
                       "-" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.0f}")
         yield t
-
-    def __str__(self) -> str:
-        buf = io.StringIO()
-        Console(file=buf, width=120).print(self)
-        return buf.getvalue()
-
-    def _repr_html_(self) -> str:
-        c = Console(record=True, width=120, file=io.StringIO())
-        c.print(self)
-        return c.export_html(inline_styles=True)
 
     def plot(self, ax=None):
         """Stacked bars of time per op class for each model; returns the Axes."""

@@ -6,16 +6,16 @@ in Jupyter, ``report.to_json()`` is the form for tools.
 """
 from __future__ import annotations
 
-import io
 import json
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from .api import state_of
 from .match import Decline, Match
+from .rendering import Rendered
 
 _SNIPPET_LINES = 6
 
@@ -24,8 +24,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
-class Report:
+class Report(Rendered):
     """Everything ``optimize`` did to one model, across its captured graph variants."""
+    text_width = 80
+    html_width = 100
 
     def __init__(self, state):
         self.model_name = state.model_name
@@ -115,23 +117,8 @@ class Report:
         t.append(f"+ {m.replacement}", style="green")
         return t
 
-    def render(self, width: int = 80, color: bool = False) -> str:
-        """The report as text (ANSI colors only if ``color``), ``width`` columns wide."""
-        buf = io.StringIO()
-        Console(file=buf, width=width, force_terminal=color, color_system="standard" if color else None,
-                soft_wrap=False).print(self)
-        return buf.getvalue()
-
-    def __str__(self) -> str:
-        return self.render()
-
     def __repr__(self) -> str:
         return f"<opsmath.Report {self.model_name}: {len(self.matches)} rewrites in {len(self.graphs)} graphs>"
-
-    def _repr_html_(self) -> str:
-        console = Console(record=True, width=100, file=io.StringIO())
-        console.print(self)
-        return console.export_html(inline_styles=True)
 
 
 def report(optimized) -> Report:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 from dataclasses import dataclass, field
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from .rendering import Rendered
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Check:
 
 
 @dataclass
-class VerifyResult:
+class VerifyResult(Rendered):
     checks: list[Check]
     losses: dict = field(default_factory=dict)     # {"eager": [...], "opsmath": [...]}
     max_loss_rel_diff: float | None = None
@@ -60,16 +60,6 @@ class VerifyResult:
             yield Text(f"{len(self.losses['eager'])} training steps: max relative loss difference "
                        f"{self.max_loss_rel_diff:.2e}")
         yield Text(f"verdict: {self.verdict}", style="bold green" if self.ok else "bold red")
-
-    def __str__(self) -> str:
-        buf = io.StringIO()
-        Console(file=buf, width=100).print(self)
-        return buf.getvalue()
-
-    def _repr_html_(self) -> str:
-        c = Console(record=True, width=100, file=io.StringIO())
-        c.print(self)
-        return c.export_html(inline_styles=True)
 
     def plot_losses(self, ax=None):
         """The two loss curves (matplotlib); returns the Axes."""
