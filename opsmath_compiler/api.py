@@ -49,12 +49,13 @@ class GraphRecord:
     saved_bytes: tuple = (None, None)       # activation bytes saved for backward, before -> after
     graph: Optional[fx.GraphModule] = field(default=None, repr=False)
     before_nx: object = field(default=None, repr=False)   # networkx.DiGraph of the captured graph
+    calls: int = 0                          # how many times the graph ran (one graph can serve many modules)
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
                     before_ops=dict(self.before_ops), after_ops=dict(self.after_ops),
                     matches=[m.to_dict() for m in self.matches], declines=[d.to_dict() for d in self.declines],
-                    capture_seconds=self.capture_seconds, launches=list(self.launches),
+                    capture_seconds=self.capture_seconds, calls=self.calls, launches=list(self.launches),
                     saved_bytes=list(self.saved_bytes), before_code=self.before_code, after_code=self.after_code)
 
 
@@ -101,13 +102,19 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         after_saved = saved_activation_bytes(ctx.gm, captured.requires_grad) if state.analyze else None
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
                   if not isinstance(t, torch.nn.Parameter)]
-        state.graphs.append(GraphRecord(
+        record = GraphRecord(
             index=len(state.graphs), training=model.training, input_shapes=shapes,
             before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops,
             after_ops=op_counts(ctx.gm), matches=ctx.matches, declines=ctx.declines,
             capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
-            saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx))
-        return ctx.gm
+            saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx)
+        state.graphs.append(record)
+        gm = ctx.gm
+
+        def run(*args):
+            record.calls += 1
+            return gm(*args)
+        return run
     return opsmath_backend
 
 
@@ -142,6 +149,15 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
                           memory_budget=memory_budget, analyze=analyze)
     model._opsmath = state
     model.compile(backend=_make_backend(state, model), dynamic=False)
+    compiled = model._compiled_call_impl
+
+    def call(*args, **kwargs):
+        # The rewritten graph runs op by op under autograd, so DDP's per-parameter gradient hooks fire
+        # as each gradient is produced; dynamo's DDP graph splitting (optimize_ddp) is not needed and
+        # would cut patterns at bucket boundaries: it is off for opsmath's frames only.
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            return compiled(*args, **kwargs)
+    model._compiled_call_impl = call
     return model
 
 

@@ -68,7 +68,7 @@ class Report(Rendered):
     def _graph_panel(self, g) -> Panel:
         parts = []
         total_b, total_a = sum(g.before_ops.values()), sum(g.after_ops.values())
-        head = f"{'train' if g.training else 'eval'} | ops {total_b}->{total_a}"
+        head = f"{'train' if g.training else 'eval'} | ran {g.calls}x | ops {total_b}->{total_a}"
         if g.launches[0] is not None:
             head += f" | fwd launches {g.launches[0]}->{g.launches[1]}"
         if g.saved_bytes[0] is not None and g.saved_bytes[1] is not None:

@@ -1,0 +1,95 @@
+"""Worker processes for tests/test_distributed.py (spawned with torch.multiprocessing; gloo on CPU).
+
+Each worker trains an optimized nanoGPT on its half of a batch under DDP or FSDP2 and writes what the
+test checks to ``out_dir``: final full parameters, the report's rewrite count, profiler timings.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+
+STEPS, BATCH, SEQ = 3, 4, 16
+
+
+def _setup(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _data():
+    from opsmath.examples import gpt
+    torch.manual_seed(0)
+    model, (idx, tgt) = gpt(batch_size=BATCH, seq_len=SEQ, dropout=0.0)
+    batches = []
+    for s in range(STEPS):
+        g = torch.Generator().manual_seed(s)
+        idx = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+        batches.append((idx, torch.roll(idx, -1, 1)))
+    return model, batches
+
+
+def single_process_reference(out_dir):
+    """The same steps in one process on the whole batch (SGD, mean loss)."""
+    model, batches = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for idx, tgt in batches:
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out_dir, "ref.pt"))
+
+
+def train(rank, world, port, mode, out_dir):
+    import opsmath
+    _setup(rank, world, port)
+    model, batches = _data()
+    opt_model = opsmath.optimize(model)
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        wrapped = DDP(opt_model, bucket_cap_mb=0.05)   # several buckets, so overlap is visible
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for block in opt_model.h:
+            fully_shard(block)
+        fully_shard(opt_model)
+        wrapped = opt_model
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    per = BATCH // world
+    for s, (idx, tgt) in enumerate(batches):
+        part = slice(rank * per, (rank + 1) * per)
+        if mode == "ddp" and s == STEPS - 1:
+            _profile_step(wrapped, idx[part], tgt[part], rank, out_dir)
+        else:
+            wrapped(idx[part], tgt[part]).backward()
+        opt.step()
+        opt.zero_grad()
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in wrapped.state_dict().items()}
+    if mode == "fsdp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        dcp.save({"model": get_model_state_dict(wrapped)}, checkpoint_id=os.path.join(out_dir, "dcp"))
+    if rank == 0:
+        rep = opsmath.report(opt_model)
+        torch.save(dict(params=full, attention=rep.count("attention"),
+                        calls=[g.calls for g in rep.graphs]), os.path.join(out_dir, f"{mode}.pt"))
+    dist.destroy_process_group()
+
+
+def _profile_step(wrapped, idx, tgt, rank, out_dir):
+    """One DDP step under torch.profiler: when do the all-reduces start, when does backward end?"""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss = wrapped(idx, tgt)
+        with torch.profiler.record_function("opsmath_test::backward"):
+            loss.backward()
+    evs = prof.events()
+    allreduce = sorted(e.time_range.start for e in evs if "allreduce" in e.name.lower().replace("_", ""))
+    bwd = [e for e in evs if e.name == "opsmath_test::backward"][0]
+    if rank == 0:
+        torch.save(dict(allreduce_starts=allreduce, bwd_start=bwd.time_range.start, bwd_end=bwd.time_range.end),
+                   os.path.join(out_dir, "ddp_profile.pt"))
+        prof.export_chrome_trace(os.path.join(out_dir, "ddp_trace.json"))
