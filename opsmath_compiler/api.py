@@ -27,6 +27,7 @@ from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
 
 from .analysis import kernel_launches, saved_activation_bytes, to_networkx
 from .capture import lower_to_aten
+from .plan import InfeasibleBudget, parse_budget, plan_and_emit
 from .match import Decline, Match, run_patterns
 
 log = logging.getLogger("opsmath")
@@ -50,13 +51,15 @@ class GraphRecord:
     graph: Optional[fx.GraphModule] = field(default=None, repr=False)
     before_nx: object = field(default=None, repr=False)   # networkx.DiGraph of the captured graph
     calls: int = 0                          # how many times the graph ran (one graph can serve many modules)
+    plan: object = None                     # the recompute Plan under memory_budget (plan.py), if any
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
                     before_ops=dict(self.before_ops), after_ops=dict(self.after_ops),
                     matches=[m.to_dict() for m in self.matches], declines=[d.to_dict() for d in self.declines],
                     capture_seconds=self.capture_seconds, calls=self.calls, launches=list(self.launches),
-                    saved_bytes=list(self.saved_bytes), before_code=self.before_code, after_code=self.after_code)
+                    saved_bytes=list(self.saved_bytes), plan=self.plan.to_dict() if self.plan else None,
+                    before_code=self.before_code, after_code=self.after_code)
 
 
 @dataclass
@@ -100,14 +103,20 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         before_nx = to_networkx(captured.gm)
         ctx = run_patterns(captured, state.patterns, state.skip)
         after_saved = saved_activation_bytes(ctx.gm, captured.requires_grad) if state.analyze else None
+        after_code = ctx.gm.code
+        plan = None
+        if state.memory_budget is not None:
+            plan = plan_and_emit(ctx.gm, captured.requires_grad, state.memory_budget,
+                                 _resident_bytes(list(example_inputs)))
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
                   if not isinstance(t, torch.nn.Parameter)]
         record = GraphRecord(
             index=len(state.graphs), training=model.training, input_shapes=shapes,
-            before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops,
+            before_code=before_code, after_code=ctx.gm.code if plan is not None else after_code,
+            before_ops=before_ops,
             after_ops=op_counts(ctx.gm), matches=ctx.matches, declines=ctx.declines,
             capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
-            saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx)
+            saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan)
         state.graphs.append(record)
         gm = ctx.gm
 
@@ -124,8 +133,11 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
 
     Args:
         model: any ``nn.Module``; it is compiled in place and returned (same object).
-        memory_budget: reserved for the recompute planner (bytes, ``"6GB"``, or a fraction); not yet
-            acted upon: a warning says so when given.
+        memory_budget: bytes (int), a size (``"6GB"``, ``"6GiB"``, ``"512MiB"``) bounding the step's
+            predicted peak (resident weights, grads, optimizer state and inputs included), or a float in
+            (0, 1]: that fraction of the unconstrained activation memory. Recompute is planned per
+            captured graph (``plan.py``); an infeasible budget raises ``InfeasibleBudget`` naming the
+            smallest feasible one.
         patterns: names of pattern families to apply (default: all, see ``opsmath.patterns.NAMES``).
         skip: names (``"attention"``) or single occurrences (``"attention@softmax_3"``) to leave alone.
         analyze: predict saved activation bytes before/after for the report (one extra fake-tensor
@@ -143,8 +155,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
         unknown = set(patterns) - {p.name for p in chosen}
         raise ValueError(f"unknown patterns {sorted(unknown)}; known: {PATTERN_NAMES}")
     if memory_budget is not None:
-        log.warning("opsmath: memory_budget=%r is accepted but the recompute planner is not implemented yet; "
-                    "no recompute is planned", memory_budget)
+        parse_budget(memory_budget)  # a bad budget is an error now, not at the first call
     state = OptimizeState(model_name=type(model).__name__, patterns=chosen, skip=set(skip or ()),
                           memory_budget=memory_budget, analyze=analyze)
     model._opsmath = state
@@ -156,9 +167,28 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
         # as each gradient is produced; dynamo's DDP graph splitting (optimize_ddp) is not needed and
         # would cut patterns at bucket boundaries: it is off for opsmath's frames only.
         with torch._dynamo.config.patch(optimize_ddp=False):
-            return compiled(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as e:
+                if isinstance(getattr(e, "inner_exception", None), InfeasibleBudget):
+                    raise e.inner_exception from None
+                raise
     model._compiled_call_impl = call
     return model
+
+
+def _resident_bytes(example_inputs: list) -> int:
+    """What stays resident through the step: on CUDA everything allocated now (weights, optimizer
+    state, inputs) plus the gradients backward will allocate; on CPU the graph's inputs and the
+    gradients of those that require them."""
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    grads_to_come = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad and t.grad is None)
+    cuda = [t for t in tensors if t.is_cuda]
+    if cuda:
+        return torch.cuda.memory_allocated(cuda[0].device) + grads_to_come
+    held = sum(t.numel() * t.element_size() + (t.grad.numel() * t.grad.element_size() if t.grad is not None else 0)
+               for t in tensors)
+    return held + grads_to_come
 
 
 def state_of(model) -> OptimizeState:

@@ -96,6 +96,8 @@ class Report(Rendered):
             for d in g.declines:
                 t.add_row(d.pattern, d.location, d.reason)
             parts.append(t)
+        if g.plan is not None:
+            parts.append(self._plan_text(g.plan))
         changed = sorted(set(g.before_ops) | set(g.after_ops),
                          key=lambda k: -abs(g.before_ops.get(k, 0) - g.after_ops.get(k, 0)))
         diffs = [f"{k} {g.before_ops.get(k, 0)}->{g.after_ops.get(k, 0)}" for k in changed
@@ -104,6 +106,22 @@ class Report(Rendered):
             parts.append(Text("op diff: " + ", ".join(diffs[:8]) + (" ..." if len(diffs) > 8 else ""),
                               style="dim"))
         return Panel(Group(*parts), title=f"graph {g.index}", title_align="left")
+
+    @staticmethod
+    def _plan_text(p) -> Text:
+        t = Text()
+        t.append(f"memory plan: budget {p.budget} | predicted peak {_mib(p.predicted_peak)} = resident "
+                 f"{_mib(p.resident)} + kept {_mib(p.kept)} + recompute {_mib(p.transient)}\n", style="bold")
+        t.append(f"activations {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
+                 f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms); planned in "
+                 f"{p.planning_seconds:.2f}s", style="magenta")
+        for i in p.chosen[:6]:
+            s = p.segments[i]
+            t.append(f"\n  segment {i}: nodes {s.start}-{s.end}, saves {_mib(s.saved)}, keeps "
+                     f"{_mib(s.inputs)}, recompute {s.cost * 1e3:.3f} ms")
+        if len(p.chosen) > 6:
+            t.append(f"\n  ... {len(p.chosen) - 6} more")
+        return t
 
     @staticmethod
     def _snippet(m: Match) -> Text:

@@ -1,0 +1,321 @@
+"""Recompute planning: keep a training step's predicted memory under a budget at the least recompute time.
+
+1. **Liveness** (fake tensors, no real memory): the captured graph runs once under
+   ``saved_tensors_hooks`` inside an ``fx.Interpreter`` that knows which node is running, so every
+   byte autograd saves is attributed to the node that saved it (deduplicated by storage; graph
+   inputs: parameters, buffers, user inputs are not activations).
+2. **Segments**: cut points are the places in the forward order where the activations crossing the
+   cut are fewest (local minima of the crossing bytes, e.g. the residual stream between blocks).
+   Checkpointing a segment keeps only its external activation inputs and recomputes the rest in
+   backward; its saving is ``saved(segment) - inputs(segment)``.
+3. **Cost**: a modelled recompute time per node: matmul/attention FLOPs at 400 TFLOP/s, every other
+   op's bytes at 3 TB/s (about 55% and 75% of the H200 ceilings in DESIGN.md), plus 5 us per launch.
+4. **Choice**: exact 0/1 knapsack (vectorized DP over savings in 1/4096 steps of the total, savings
+   rounded down so the budget holds) for every candidate "largest recomputed segment", minimizing cost,
+   then predicted peak, so a smaller budget never gives a larger predicted peak.
+5. **Emission**: each chosen segment becomes a sub-GraphModule called through
+   ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (RNG state preserved, so dropout
+   masks, opsmath's seeds included, are the same in the recompute).
+
+Predicted peak = resident (parameters, their gradients, optimizer state, inputs) + activations kept
++ the largest recomputed segment's activations (live while its backward runs).
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
+
+from .canonicalize import aten
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_FLOP_RATE, _BYTE_RATE, _LAUNCH_S = 400e12, 3e12, 5e-6
+
+
+def parse_budget(budget) -> tuple[str, float]:
+    """``("bytes", n)`` for an int or a string such as ``"6GB"``, ``"6GiB"``, ``"512MiB"``;
+    ``("fraction", f)`` for a float in (0, 1] (of the unconstrained activation memory)."""
+    if isinstance(budget, bool):
+        raise ValueError(f"memory_budget must be bytes, a size string or a fraction, got {budget!r}")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {budget}")
+        return "bytes", float(budget)
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"a fractional memory_budget must be in (0, 1], got {budget}")
+        return "fraction", budget
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*", budget.lower())
+        if m:
+            unit = (m.group(2) or "b")
+            unit = unit if unit.endswith("b") else unit + "b"
+            if unit in _UNITS:
+                return "bytes", float(m.group(1)) * _UNITS[unit]
+    raise ValueError(f"cannot read memory_budget {budget!r}: use bytes (int), '6GB', '6GiB', '512MiB' "
+                     "or a fraction in (0, 1]")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Liveness
+# ---------------------------------------------------------------------------------------------------
+
+
+def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> dict[str, int] | None:
+    """Bytes each node saves for backward (first saver of a storage owns it), graph inputs excluded.
+    None when the graph cannot run on fake tensors."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = [v for v in vals if isinstance(v, torch._subclasses.FakeTensor)]
+    if not fakes:
+        return None
+    mode = fakes[0].fake_mode
+    owner: dict[int, tuple[str, int]] = {}
+
+    class Attributing(fx.Interpreter):
+        current = ""
+
+        def run_node(self, n):
+            Attributing.current = n.name
+            return super().run_node(n)
+
+    def key(t):
+        return t.untyped_storage()._cdata
+
+    def pack(t):
+        if isinstance(t, torch.Tensor):
+            owner.setdefault(key(t), (Attributing.current, t.untyped_storage().nbytes()))
+        return t
+
+    try:
+        with mode, torch.enable_grad():
+            inputs = [v.detach().requires_grad_(rg) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                      else v for v, rg in zip(vals, requires_grad)]
+            input_keys = {key(v) for v in inputs if isinstance(v, torch.Tensor)}
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                Attributing(gm).run(*inputs)
+    except Exception:
+        return None
+    out: dict[str, int] = {}
+    for k, (name, nbytes) in owner.items():
+        if k not in input_keys:
+            out[name] = out.get(name, 0) + nbytes
+    return out
+
+
+def _nbytes(node) -> int:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return v.untyped_storage().nbytes()
+    if isinstance(v, (tuple, list)):
+        return sum(t.untyped_storage().nbytes() for t in v if isinstance(t, torch.Tensor))
+    return 0
+
+
+def node_cost(n: fx.Node) -> float:
+    """Modelled seconds to recompute ``n`` (see module docstring)."""
+    if n.op != "call_function" or n.target is operator.getitem:
+        return 0.0
+    out = n.meta.get("val")
+    t = _LAUNCH_S
+    if n.target in (aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default,
+                    aten.addmm.default) and isinstance(out, torch.Tensor):
+        a = n.args[1] if n.target is aten.addmm.default else n.args[0]
+        k = a.meta["val"].shape[-1] if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else 1
+        return t + 2 * out.numel() * k / _FLOP_RATE
+    if n.target is torch.ops.opsmath.attention.default:
+        q, k = n.args[0].meta["val"], n.args[1].meta["val"]
+        B, H, Sq, D = q.shape
+        return t + 4 * B * H * Sq * k.shape[2] * D / _FLOP_RATE
+    moved = _nbytes(n) + sum(_nbytes(i) for i in n.all_input_nodes if i.op != "get_attr")
+    return t + moved / _BYTE_RATE
+
+
+# ---------------------------------------------------------------------------------------------------
+# Segments and the plan
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Segment:
+    start: int                 # positions in the forward order, inclusive
+    end: int
+    saved: int                 # activation bytes its nodes save
+    inputs: int                # activation bytes it would keep as checkpoint inputs
+    cost: float                # modelled recompute seconds
+
+    @property
+    def saving(self) -> int:
+        return max(0, self.saved - self.inputs)
+
+
+@dataclass
+class Plan:
+    budget: object
+    resident: int
+    unconstrained: int          # activation bytes saved without recompute
+    kept: int                   # activation bytes saved with this plan
+    transient: int              # largest recomputed segment's activations
+    predicted_peak: int
+    segments: list[Segment]
+    chosen: list[int] = field(default_factory=list)
+    recompute_seconds: float = 0.0
+    planning_seconds: float = 0.0
+    measured_peak: int | None = None
+
+    def to_dict(self) -> dict:
+        return dict(budget=str(self.budget), resident=self.resident, unconstrained=self.unconstrained,
+                    kept=self.kept, transient=self.transient, predicted_peak=self.predicted_peak,
+                    chosen=[dict(start=self.segments[i].start, end=self.segments[i].end,
+                                 saved=self.segments[i].saved, inputs=self.segments[i].inputs,
+                                 cost=self.segments[i].cost) for i in self.chosen],
+                    recompute_seconds=self.recompute_seconds, planning_seconds=self.planning_seconds,
+                    measured_peak=self.measured_peak)
+
+
+class InfeasibleBudget(ValueError):
+    pass
+
+
+def forward_order(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def segments_of(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6) -> list[Segment]:
+    """Cut the forward order at local minima of the activation bytes crossing each position."""
+    order = forward_order(gm)
+    pos = {n: i for i, n in enumerate(order)}
+    last_use = {n: max((pos.get(u, len(order)) for u in n.users), default=pos[n]) for n in order}
+    crossing = [0] * len(order)
+    for n in order:
+        b = _nbytes(n)
+        for i in range(pos[n], min(last_use[n], len(order))):
+            crossing[i] += b
+    cuts = []
+    for i in range(len(order) - 1):
+        lo, hi = max(0, i - window), min(len(order) - 1, i + window)
+        if crossing[i] <= min(crossing[lo:hi + 1]) and (not cuts or i - cuts[-1] >= 3):
+            cuts.append(i)
+    bounds = [-1] + cuts + [len(order) - 1]
+    segs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        nodes = order[a + 1:b + 1]
+        if not nodes:
+            continue
+        inside = set(nodes)
+        ext = {i for n in nodes for i in n.all_input_nodes if i not in inside and i.op == "call_function"}
+        segs.append(Segment(a + 1, b, sum(saved_by.get(n.name, 0) for n in nodes),
+                            sum(_nbytes(i) for i in ext), sum(node_cost(n) for n in nodes)))
+    return segs
+
+
+def choose(segs: list[Segment], resident: int, budget_kind: str, budget: float,
+           units: int = 4096) -> tuple[list[int], int, int, float]:
+    """(chosen segment indices, kept bytes, transient bytes, cost) minimizing modelled cost, then
+    predicted peak, subject to the budget; raises InfeasibleBudget naming the smallest feasible one."""
+    total = sum(s.saved for s in segs)
+    limit = budget * total if budget_kind == "fraction" else budget - resident  # on kept + transient
+    best = None
+    candidates = sorted({0} | {s.saved for s in segs if s.saving > 0})
+    smallest = math.inf
+    for T in candidates:
+        items = [i for i, s in enumerate(segs) if s.saving > 0 and s.saved <= T]
+        need = total + T - limit     # bytes of saving needed
+        max_save = sum(segs[i].saving for i in items)
+        smallest = min(smallest, total - max_save + T)
+        if need > max_save:
+            continue
+        if need <= 0:
+            cand = ([], total, 0, 0.0)
+        else:
+            unit = max(1.0, max_save / units)
+            cap = int(math.ceil(need / unit))
+            dp = torch.full((cap + 1,), math.inf, dtype=torch.float64)   # min cost to save >= u units
+            dp[0] = 0.0
+            take = torch.zeros((len(items), cap + 1), dtype=torch.bool)
+            states = torch.arange(cap + 1)
+            for j, i in enumerate(items):
+                w = int(segs[i].saving // unit)  # rounded down: the budget holds
+                if w == 0:
+                    continue
+                new = dp[(states - w).clamp(min=0)] + segs[i].cost   # from the state before this item
+                better = new < dp
+                take[j] = better
+                dp = torch.where(better, new, dp)
+            if not math.isfinite(dp[cap].item()):
+                continue
+            chosen, u = [], cap
+            for j in range(len(items) - 1, -1, -1):
+                if u > 0 and take[j, u]:
+                    i = items[j]
+                    chosen.append(i)
+                    u = max(0, u - int(segs[i].saving // unit))
+            kept = total - sum(segs[i].saving for i in chosen)
+            trans = max((segs[i].saved for i in chosen), default=0)
+            cand = (sorted(chosen), kept, trans, sum(segs[i].cost for i in chosen))
+        if best is None or (cand[3], cand[1] + cand[2]) < (best[3], best[1] + best[2]):
+            best = cand
+    if best is None:
+        floor = resident + int(smallest)
+        raise InfeasibleBudget(
+            f"memory budget {budget:.4g}{'' if budget_kind == 'bytes' else ' (fraction)'} cannot be met: the "
+            f"smallest feasible is about {floor / 2**30:.3f} GiB ({floor} bytes"
+            + (f", fraction {smallest / total:.3f}" if total else "") + ")")
+    return best
+
+
+def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) -> None:
+    """Replace each chosen segment's nodes by a ``checkpoint(sub_graph_module, *inputs)`` call."""
+    order = forward_order(gm)
+    for k, i in enumerate(sorted(chosen, reverse=True)):
+        seg = segs[i]
+        nodes = order[seg.start:seg.end + 1]
+        inside = set(nodes)
+        ext = []
+        for n in nodes:
+            for x in n.all_input_nodes:
+                if x not in inside and x not in ext:
+                    ext.append(x)
+        outs = [n for n in nodes if any(u not in inside for u in n.users)]
+        sub = fx.Graph()
+        env = {x: sub.placeholder(x.name) for x in ext}
+        for n in nodes:
+            env[n] = sub.node_copy(n, lambda x: env[x])
+        sub.output(tuple(env[o] for o in outs))
+        name = f"opsmath_recompute_{i}"
+        gm.add_submodule(name, fx.GraphModule(gm, sub, class_name=name))
+        with gm.graph.inserting_before(nodes[0]):
+            fn = gm.graph.get_attr(name)
+            call = gm.graph.call_function(checkpoint, (fn, *ext), {"use_reentrant": False,
+                                                                  "preserve_rng_state": True})
+            for j, o in enumerate(outs):
+                got = gm.graph.call_function(operator.getitem, (call, j))
+                got.meta = dict(o.meta)
+                o.replace_all_uses_with(got, delete_user_cb=lambda u: u not in inside)
+        for n in reversed(nodes):
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def plan_and_emit(gm: fx.GraphModule, requires_grad: list[bool], budget, resident: int) -> Plan | None:
+    """Plan recompute for ``gm`` under ``budget`` and rewrite it in place. None when liveness fails."""
+    import time
+    t0 = time.perf_counter()
+    kind, value = parse_budget(budget)
+    saved_by = saved_bytes_by_node(gm, requires_grad)
+    if saved_by is None:
+        return None
+    segs = segments_of(gm, saved_by)
+    chosen, kept, trans, cost = choose(segs, resident, kind, value)
+    plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
+                chosen, cost)
+    if chosen:
+        emit_checkpoints(gm, segs, chosen)
+    plan.planning_seconds = time.perf_counter() - t0
+    return plan

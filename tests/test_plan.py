@@ -1,0 +1,83 @@
+"""Recompute planning under memory_budget (CPU): budgets parse, plans honor them, a smaller budget never
+gives a larger predicted peak, an infeasible budget is a clear error, and recompute leaves loss and every
+gradient identical to no recompute, dropout on."""
+import pytest
+import torch
+
+import opsmath
+from opsmath import examples
+from opsmath.plan import InfeasibleBudget, parse_budget
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("6GB", 6e9), ("6GiB", 6 * 2**30), ("512MiB", 512 * 2**20), ("1.5 gb", 1.5e9), ("4096", 4096.0),
+    ("2g", 2e9), (123456, 123456.0)])
+def test_parse_bytes(text, expected):
+    assert parse_budget(text) == ("bytes", expected)
+
+
+def test_parse_fraction_and_errors():
+    assert parse_budget(0.5) == ("fraction", 0.5)
+    for bad in (0.0, 1.5, -3, "six gigs", "5XB", True):
+        with pytest.raises(ValueError):
+            parse_budget(bad)
+    with pytest.raises(ValueError, match="memory_budget"):
+        opsmath.optimize(torch.nn.Linear(2, 2), memory_budget="lots")
+
+
+def _run(budget, dropout=0.1, seed=1):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=dropout)
+    opt = opsmath.optimize(model, memory_budget=budget)
+    torch.manual_seed(seed)
+    loss = opt(*batch)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], opsmath.report(opt)
+
+
+FRACTIONS = [1.0, 0.9, 0.75, 0.6, 0.5]
+
+
+def test_fraction_budgets_are_honored_and_monotone():
+    peaks = []
+    for f in FRACTIONS:
+        _, _, rep = _run(f)
+        p = rep.graphs[0].plan
+        assert p.kept + p.transient <= f * p.unconstrained
+        assert p.predicted_peak == p.resident + p.kept + p.transient
+        peaks.append(p.predicted_peak)
+    assert all(a >= b for a, b in zip(peaks, peaks[1:])), peaks
+    assert peaks[-1] < peaks[0]
+
+
+def test_absolute_budgets_are_honored():
+    _, _, rep = _run(1.0)
+    p = rep.graphs[0].plan
+    for budget in (p.predicted_peak, int(p.resident + 0.7 * p.unconstrained)):
+        _, _, rep2 = _run(int(budget))
+        assert rep2.graphs[0].plan.predicted_peak <= budget
+
+
+def test_infeasible_budget_names_the_smallest_feasible():
+    with pytest.raises(InfeasibleBudget, match="smallest feasible"):
+        _run(0.05)
+    with pytest.raises(InfeasibleBudget, match="smallest feasible"):
+        _run("1KB")
+
+
+def test_recompute_leaves_loss_and_grads_identical_with_dropout():
+    loss0, grads0, rep0 = _run(None)
+    loss1, grads1, rep1 = _run(0.5)
+    assert len(rep1.graphs[0].plan.chosen) > 0 and "opsmath_recompute" in rep1.graphs[0].after_code
+    assert torch.equal(loss0, loss1)
+    for a, b in zip(grads0, grads1):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_report_shows_the_plan():
+    _, _, rep = _run(0.6)
+    text = rep.render(width=80)
+    assert "memory plan: budget 0.6" in text and "segments recomputed" in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert rep.to_dict()["graphs"][0]["plan"]["chosen"]
