@@ -42,4 +42,5 @@ def test_explore_rewrites():
 def test_activation_memory():
     text, images = _run("03_activation_memory.ipynb")
     assert "prediction equals measurement: True" in text
-    assert images >= 1
+    assert "monotone: True" in text and "segments recomputed" in text
+    assert images >= 2
