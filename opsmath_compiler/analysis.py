@@ -1,7 +1,8 @@
 """Static facts about a captured graph, computed on fake tensors (no real memory, no real compute).
 
-* ``saved_activation_bytes``: what autograd keeps for backward. The graph runs once on fake inputs
-  under ``torch.autograd.graph.saved_tensors_hooks``; every saved tensor is recorded by its storage
+* ``saved_bytes_by_node`` / ``saved_activation_bytes``: what autograd keeps for backward, per node and
+  in total. The graph runs once on fake inputs in an ``fx.Interpreter`` under
+  ``torch.autograd.graph.saved_tensors_hooks``; every saved tensor is recorded by its storage
   (views of one buffer count once) and the storages of graph inputs (parameters, user inputs,
   buffers) are left out: they are resident anyway. Fused ops count what their ``setup_context`` saves
   (attention: q, k, v, out and the per-row stats), which is exactly what makes them lighter.
@@ -37,36 +38,52 @@ def kernel_launches(gm: fx.GraphModule) -> int:
                if n.op == "call_function" and n.target not in _NO_LAUNCH and n.target is not new_seed)
 
 
-def saved_activation_bytes(gm: fx.GraphModule, requires_grad: list[bool]) -> int | None:
-    """Bytes autograd saves for backward when ``gm`` runs on its placeholders' fake values (input i
-    requiring grad as ``requires_grad[i]`` says), deduplicated by storage, graph inputs excluded.
-    None when the graph cannot run on fake tensors."""
+def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> dict[str, int] | None:
+    """Bytes each node saves for backward when ``gm`` runs on its placeholders' fake values (input i
+    requiring grad as ``requires_grad[i]`` says). A storage belongs to the first node that saves it
+    (views count once); graph inputs are excluded. None when the graph cannot run on fake tensors."""
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [v for v in vals if isinstance(v, torch._subclasses.FakeTensor)]
     if not fakes:
         return None
-    mode = fakes[0].fake_mode
-    saved: dict[int, int] = {}
+    owner: dict[int, tuple[str, int]] = {}
+
+    class Attributing(fx.Interpreter):
+        current = ""
+
+        def run_node(self, n):
+            Attributing.current = n.name
+            return super().run_node(n)
 
     def key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
 
     def pack(t):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            saved.setdefault(key(t), t.untyped_storage().nbytes())
+            owner.setdefault(key(t), (Attributing.current, t.untyped_storage().nbytes()))
         return t
 
     try:
-        with mode, torch.enable_grad():
+        with fakes[0].fake_mode, torch.enable_grad():
             inputs = [v.detach().requires_grad_(rg) if isinstance(v, torch.Tensor) and v.is_floating_point()
                       else v for v, rg in zip(vals, requires_grad)]
             input_keys = {key(v) for v in inputs if isinstance(v, torch.Tensor)}
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                gm(*inputs)
-    except Exception as e:  # an estimate for the report, never fatal
+                Attributing(gm).run(*inputs)
+    except Exception as e:  # an estimate for the report and the planner, never fatal
         log.debug("opsmath: saved-bytes analysis failed: %s", e)
         return None
-    return sum(b for k, b in saved.items() if k not in input_keys)
+    out: dict[str, int] = {}
+    for k, (name, nbytes) in owner.items():
+        if k not in input_keys:
+            out[name] = out.get(name, 0) + nbytes
+    return out
+
+
+def saved_activation_bytes(gm: fx.GraphModule, requires_grad: list[bool]) -> int | None:
+    """Total bytes autograd saves for backward (see :func:`saved_bytes_by_node`)."""
+    by_node = saved_bytes_by_node(gm, requires_grad)
+    return None if by_node is None else sum(by_node.values())
 
 
 def to_networkx(gm: fx.GraphModule):

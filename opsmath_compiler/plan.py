@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from .analysis import saved_bytes_by_node
 from .canonicalize import aten
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -63,49 +64,8 @@ def parse_budget(budget) -> tuple[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Liveness
+# Sizes and costs (liveness itself is analysis.saved_bytes_by_node)
 # ---------------------------------------------------------------------------------------------------
-
-
-def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> dict[str, int] | None:
-    """Bytes each node saves for backward (first saver of a storage owns it), graph inputs excluded.
-    None when the graph cannot run on fake tensors."""
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    fakes = [v for v in vals if isinstance(v, torch._subclasses.FakeTensor)]
-    if not fakes:
-        return None
-    mode = fakes[0].fake_mode
-    owner: dict[int, tuple[str, int]] = {}
-
-    class Attributing(fx.Interpreter):
-        current = ""
-
-        def run_node(self, n):
-            Attributing.current = n.name
-            return super().run_node(n)
-
-    def key(t):
-        return t.untyped_storage()._cdata
-
-    def pack(t):
-        if isinstance(t, torch.Tensor):
-            owner.setdefault(key(t), (Attributing.current, t.untyped_storage().nbytes()))
-        return t
-
-    try:
-        with mode, torch.enable_grad():
-            inputs = [v.detach().requires_grad_(rg) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                      else v for v, rg in zip(vals, requires_grad)]
-            input_keys = {key(v) for v in inputs if isinstance(v, torch.Tensor)}
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                Attributing(gm).run(*inputs)
-    except Exception:
-        return None
-    out: dict[str, int] = {}
-    for k, (name, nbytes) in owner.items():
-        if k not in input_keys:
-            out[name] = out.get(name, 0) + nbytes
-    return out
 
 
 def _nbytes(node) -> int:
