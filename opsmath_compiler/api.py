@@ -107,7 +107,7 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         plan = None
         if state.memory_budget is not None:
             plan = plan_and_emit(ctx.gm, captured.requires_grad, state.memory_budget,
-                                 _resident_bytes(list(example_inputs)))
+                                 _resident_bytes(list(example_inputs), model))
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
                   if not isinstance(t, torch.nn.Parameter)]
         record = GraphRecord(
@@ -177,18 +177,22 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     return model
 
 
-def _resident_bytes(example_inputs: list) -> int:
-    """What stays resident through the step: on CUDA everything allocated now (weights, optimizer
-    state, inputs) plus the gradients backward will allocate; on CPU the graph's inputs and the
-    gradients of those that require them."""
+def _resident_bytes(example_inputs: list, model: torch.nn.Module) -> int:
+    """What stays resident through the step. On CUDA: everything allocated now (weights or their
+    FSDP shards, optimizer state, inputs) plus the gradients backward will allocate. On CPU: the model's
+    parameters counted by their local shards (an FSDP2 ``DTensor`` counts its ``to_local()`` part)
+    twice, for weights and gradients, plus the graph inputs that are not parameters."""
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    grads_to_come = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad and t.grad is None)
     cuda = [t for t in tensors if t.is_cuda]
     if cuda:
+        grads_to_come = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad and t.grad is None)
         return torch.cuda.memory_allocated(cuda[0].device) + grads_to_come
-    held = sum(t.numel() * t.element_size() + (t.grad.numel() * t.grad.element_size() if t.grad is not None else 0)
-               for t in tensors)
-    return held + grads_to_come
+
+    def local_bytes(p):
+        p = p.to_local() if hasattr(p, "to_local") else p
+        return p.numel() * p.element_size()
+    params = 2 * sum(local_bytes(p) for p in model.parameters())
+    return params + sum(t.numel() * t.element_size() for t in tensors if not t.requires_grad)
 
 
 def state_of(model) -> OptimizeState:

@@ -46,7 +46,8 @@ def train(rank, world, port, mode, out_dir):
     import opsmath
     _setup(rank, world, port)
     model, batches = _data()
-    opt_model = opsmath.optimize(model)
+    # FSDP2 also plans recompute (a budget every plan meets), to see it count sharded parameters
+    opt_model = opsmath.optimize(model, memory_budget=1.0 if mode == "fsdp" else None)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         wrapped = DDP(opt_model, bucket_cap_mb=0.05)   # several buckets, so overlap is visible
@@ -74,8 +75,10 @@ def train(rank, world, port, mode, out_dir):
         dcp.save({"model": get_model_state_dict(wrapped)}, checkpoint_id=os.path.join(out_dir, "dcp"))
     if rank == 0:
         rep = opsmath.report(opt_model)
-        torch.save(dict(params=full, attention=rep.count("attention"),
-                        calls=[g.calls for g in rep.graphs]), os.path.join(out_dir, f"{mode}.pt"))
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in opt_model.parameters())
+        torch.save(dict(params=full, attention=rep.count("attention"), calls=[g.calls for g in rep.graphs],
+                        resident=[g.plan.resident for g in rep.graphs if g.plan is not None],
+                        local_param_bytes=local), os.path.join(out_dir, f"{mode}.pt"))
     dist.destroy_process_group()
 
 

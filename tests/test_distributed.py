@@ -48,6 +48,15 @@ def test_fsdp2_matches_single_process(runs):
     assert res["attention"] >= 1 and max(res["calls"]) >= 2 * 3
 
 
+def test_planner_counts_sharded_parameters(runs):
+    """Under FSDP2 the planner's resident bytes count each rank's shard, not the gathered parameters."""
+    res = torch.load(runs / "fsdp.pt")
+    full = sum(v.numel() * 4 for v in res["params"].values())
+    assert res["resident"], "a plan was made"
+    for r in res["resident"]:
+        assert 2 * res["local_param_bytes"] <= r < 2 * full   # weights + grads, sharded across 2 ranks
+
+
 def test_dcp_checkpoint_loads_into_unoptimized_model(runs):
     import torch.distributed.checkpoint as dcp
     from opsmath.examples import gpt
