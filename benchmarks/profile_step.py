@@ -1,8 +1,6 @@
 """opsmath.profile of a nanoGPT training step on the GPU (bf16 autocast): kernels per step, time per op
 class, step time and peak memory, eager vs opsmath.optimize. A preview of the end-to-end numbers."""
 import copy
-import json
-import os
 
 import torch
 

@@ -232,7 +232,7 @@ def choose(segs: list[Segment], resident: int, budget_kind: str, budget: float,
 def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) -> None:
     """Replace each chosen segment's nodes by a ``checkpoint(sub_graph_module, *inputs)`` call."""
     order = forward_order(gm)
-    for k, i in enumerate(sorted(chosen, reverse=True)):
+    for i in sorted(chosen, reverse=True):
         seg = segs[i]
         nodes = order[seg.start:seg.end + 1]
         inside = set(nodes)

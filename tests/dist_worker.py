@@ -5,7 +5,6 @@ test checks to ``out_dir``: final full parameters, the report's rewrite count, p
 """
 from __future__ import annotations
 
-import copy
 import os
 
 import torch
