@@ -14,7 +14,6 @@ median step time, overhead vs unconstrained opsmath. Then the longest sequence (
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 
