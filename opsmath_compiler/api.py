@@ -25,7 +25,7 @@ import torch.fx as fx
 import opsmath.kernels  # noqa: F401  (registers the opsmath:: custom ops)
 from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
 
-from .analysis import kernel_launches, saved_activation_bytes, to_networkx
+from .analysis import kernel_launches, saved_activation_bytes, saved_bytes_by_node, to_networkx
 from .capture import lower_to_aten
 from .plan import InfeasibleBudget, parse_budget, plan_and_emit
 from .match import Decline, Match, run_patterns
@@ -102,19 +102,23 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         before_saved = saved_activation_bytes(captured.gm, captured.requires_grad) if state.analyze else None
         before_nx = to_networkx(captured.gm)
         ctx = run_patterns(captured, state.patterns, state.skip)
-        after_saved = saved_activation_bytes(ctx.gm, captured.requires_grad) if state.analyze else None
-        after_code = ctx.gm.code
+        # one fake-tensor liveness run serves both the report and the planner
+        by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
+            if state.analyze or state.memory_budget is not None else None
+        after_saved = sum(by_node.values()) if by_node is not None and state.analyze else None
         plan = None
         if state.memory_budget is not None:
-            plan = plan_and_emit(ctx.gm, captured.requires_grad, state.memory_budget,
-                                 _resident_bytes(list(example_inputs), model))
+            if by_node is None:
+                log.warning("opsmath: graph %d could not be analyzed on fake tensors; no recompute planned "
+                            "for memory_budget=%r", len(state.graphs), state.memory_budget)
+            else:
+                plan = plan_and_emit(ctx.gm, by_node, state.memory_budget,
+                                     _resident_bytes(list(example_inputs), model))
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
                   if not isinstance(t, torch.nn.Parameter)]
         record = GraphRecord(
             index=len(state.graphs), training=model.training, input_shapes=shapes,
-            before_code=before_code, after_code=ctx.gm.code if plan is not None else after_code,
-            before_ops=before_ops,
-            after_ops=op_counts(ctx.gm), matches=ctx.matches, declines=ctx.declines,
+            before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops, after_ops=op_counts(ctx.gm), matches=ctx.matches, declines=ctx.declines,
             capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
             saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan)
         state.graphs.append(record)

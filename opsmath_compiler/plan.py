@@ -31,7 +31,6 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from .analysis import saved_bytes_by_node
 from .canonicalize import aten
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -263,14 +262,12 @@ def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int])
     gm.recompile()
 
 
-def plan_and_emit(gm: fx.GraphModule, requires_grad: list[bool], budget, resident: int) -> Plan | None:
-    """Plan recompute for ``gm`` under ``budget`` and rewrite it in place. None when liveness fails."""
+def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int) -> Plan:
+    """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes
+    (``analysis.saved_bytes_by_node``) and rewrite it in place."""
     import time
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
-    saved_by = saved_bytes_by_node(gm, requires_grad)
-    if saved_by is None:
-        return None
     segs = segments_of(gm, saved_by)
     chosen, kept, trans, cost = choose(segs, resident, kind, value)
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
