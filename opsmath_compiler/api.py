@@ -70,7 +70,6 @@ class OptimizeState:
     skip: set = field(default_factory=set)
     memory_budget: Optional[object] = None
     graphs: list[GraphRecord] = field(default_factory=list)
-    buffer_ids: set = field(default_factory=set)
     fallback_errors: list[str] = field(default_factory=list)
     analyze: bool = True
 
@@ -88,9 +87,8 @@ def op_counts(gm: fx.GraphModule) -> Counter:
 def _make_backend(state: OptimizeState, model: torch.nn.Module):
     def opsmath_backend(gm: fx.GraphModule, example_inputs):
         t0 = time.perf_counter()
-        state.buffer_ids = {id(b) for b in model.buffers()}
         try:
-            captured = lower_to_aten(gm, list(example_inputs), state.buffer_ids)
+            captured = lower_to_aten(gm, list(example_inputs), {id(b) for b in model.buffers()})
         except Exception as e:  # capture failure: run dynamo's graph unchanged rather than fail the step
             msg = f"graph {len(state.graphs)}: lowering to ATen failed ({type(e).__name__}: {e}); running it unoptimized"
             log.warning("opsmath: %s", msg)
