@@ -8,11 +8,15 @@ graph breaks, each variant going through the same pipeline::
 
     dynamo graph -> pre-dispatch ATen (capture) -> patterns (match + replace) -> GraphModule (emit)
 
-The emitted GraphModule runs eagerly under autograd; its fused ops are ``torch.library`` custom ops
-with their own backward. ``report(model)`` shows what happened to every captured graph.
+The fused ops are ``torch.library`` custom ops with their own backward. On CUDA the emitted GraphModule
+is then handed to Inductor (``compile_fx``, what ``torch.compile`` runs): the custom ops stay opaque
+extern kernels and Inductor fuses everything around them, so the rewrites add to what ``torch.compile``
+does instead of competing with it. On CPU (or with ``inductor=False``) it runs op by op under
+autograd. ``report(model)`` shows what happened to every captured graph.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -29,6 +33,11 @@ from .analysis import kernel_launches, saved_activation_bytes, saved_bytes_by_no
 from .capture import lower_to_aten
 from .plan import InfeasibleBudget, parse_budget, plan_and_emit
 from .match import Decline, Match, run_patterns
+
+
+def compile_fx(gm, example_inputs):
+    from torch._inductor.compile_fx import compile_fx as inductor
+    return inductor(gm, example_inputs)
 
 log = logging.getLogger("opsmath")
 
@@ -52,6 +61,7 @@ class GraphRecord:
     before_nx: object = field(default=None, repr=False)   # networkx.DiGraph of the captured graph
     calls: int = 0                          # how many times the graph ran (one graph can serve many modules)
     plan: object = None                     # the recompute Plan under memory_budget (plan.py), if any
+    inductor: bool = False                  # whether the emitted graph was compiled by Inductor
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
@@ -59,6 +69,7 @@ class GraphRecord:
                     matches=[m.to_dict() for m in self.matches], declines=[d.to_dict() for d in self.declines],
                     capture_seconds=self.capture_seconds, calls=self.calls, launches=list(self.launches),
                     saved_bytes=list(self.saved_bytes), plan=self.plan.to_dict() if self.plan else None,
+                    inductor=self.inductor,
                     before_code=self.before_code, after_code=self.after_code)
 
 
@@ -72,6 +83,7 @@ class OptimizeState:
     graphs: list[GraphRecord] = field(default_factory=list)
     fallback_errors: list[str] = field(default_factory=list)
     analyze: bool = True
+    inductor: Optional[bool] = None         # None: Inductor when the graph's tensors are on CUDA
 
 
 def op_counts(gm: fx.GraphModule) -> Counter:
@@ -104,14 +116,18 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
             if state.analyze or state.memory_budget is not None else None
         after_saved = sum(by_node.values()) if by_node is not None and state.analyze else None
+        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        use_inductor = state.inductor if state.inductor is not None else any(t.is_cuda for t in tensors)
         plan = None
         if state.memory_budget is not None:
             if by_node is None:
                 log.warning("opsmath: graph %d could not be analyzed on fake tensors; no recompute planned "
                             "for memory_budget=%r", len(state.graphs), state.memory_budget)
             else:
+                # under Inductor the plan becomes recompute tags its partitioner must honor
                 plan = plan_and_emit(ctx.gm, by_node, state.memory_budget,
-                                     _resident_bytes(list(example_inputs), model))
+                                     _resident_bytes(list(example_inputs), model),
+                                     how="tag" if use_inductor else "checkpoint")
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
                   if not isinstance(t, torch.nn.Parameter)]
         record = GraphRecord(
@@ -120,17 +136,28 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
             capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
             saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan)
         state.graphs.append(record)
-        gm = ctx.gm
+        fn = ctx.gm
+        if use_inductor:
+            try:
+                fn = compile_fx(ctx.gm, list(example_inputs))
+                record.inductor = True
+            except Exception as e:  # Inductor failure: the emitted graph still runs, op by op
+                msg = f"graph {record.index}: Inductor failed ({type(e).__name__}: {str(e)[:300]}); " \
+                      "running the rewritten graph op by op"
+                log.warning("opsmath: %s", msg)
+                state.fallback_errors.append(msg)
+                fn = ctx.gm
+        record.capture_seconds = time.perf_counter() - t0
 
         def run(*args):
             record.calls += 1
-            return gm(*args)
+            return fn(*args)
         return run
     return opsmath_backend
 
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
-             **options) -> torch.nn.Module:
+             inductor=None, **options) -> torch.nn.Module:
     """Rewrite ``model``'s attention and dropout-add-norm subgraphs into fused kernels, lazily.
 
     Args:
@@ -144,6 +171,10 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
         skip: names (``"attention"``) or single occurrences (``"attention@softmax_3"``) to leave alone.
         analyze: predict saved activation bytes before/after for the report (one extra fake-tensor
             run of each captured graph at capture time).
+        inductor: compile the rewritten graph with Inductor (fusing everything the patterns left
+            alone; the opsmath ops stay opaque). ``None`` (default): on when the inputs are on CUDA.
+            Under a memory budget the plan is then passed as recompute tags to Inductor's partitioner
+            instead of ``checkpoint`` calls.
 
     Returns:
         ``model``, whose next call captures and rewrites; ``opsmath.report(model)`` shows the result.
@@ -159,24 +190,34 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     if memory_budget is not None:
         parse_budget(memory_budget)  # a bad budget is an error now, not at the first call
     state = OptimizeState(model_name=type(model).__name__, patterns=chosen, skip=set(skip or ()),
-                          memory_budget=memory_budget, analyze=analyze)
+                          memory_budget=memory_budget, analyze=analyze, inductor=inductor)
     model._opsmath = state
     model.compile(backend=_make_backend(state, model), dynamic=False)
     compiled = model._compiled_call_impl
 
     def call(*args, **kwargs):
-        # The rewritten graph runs op by op under autograd, so DDP's per-parameter gradient hooks fire
-        # as each gradient is produced; dynamo's DDP graph splitting (optimize_ddp) is not needed and
-        # would cut patterns at bucket boundaries: it is off for opsmath's frames only.
-        with torch._dynamo.config.patch(optimize_ddp=False):
+        # Run op by op under autograd, the rewritten graph fires DDP's per-parameter gradient hooks as
+        # each gradient is produced; dynamo's DDP graph splitting (optimize_ddp) is then not needed and
+        # would cut patterns at bucket boundaries: it is off for opsmath's frames. Under Inductor the
+        # backward is one compiled graph, so the split stays (the user's setting) to keep the overlap.
+        with torch._dynamo.config.patch(optimize_ddp=False) if inductor is False or (
+                inductor is None and not _on_cuda(model)) else contextlib.nullcontext():
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(getattr(e, "inner_exception", None), InfeasibleBudget):
                     raise e.inner_exception from None
                 raise
-    model._compiled_call_impl = call
+    # Under an outer ``torch.compile(model)`` dynamo would trace through the in-place compile and hand
+    # the original graph to Inductor without opsmath's rewrites or its memory plan. The outer compile
+    # skips this frame instead, and the frames below it go through opsmath (and Inductor) as usual.
+    model._compiled_call_impl = torch._dynamo.disable(call, recursive=False)
     return model
+
+
+def _on_cuda(model: torch.nn.Module) -> bool:
+    p = next(iter(model.parameters()), None)
+    return p is not None and p.is_cuda
 
 
 def _resident_bytes(example_inputs: list, model: torch.nn.Module) -> int:

@@ -15,7 +15,8 @@
    then predicted peak, so a smaller budget never gives a larger predicted peak.
 5. **Emission**: each chosen segment becomes a sub-GraphModule called through
    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (RNG state preserved, so dropout
-   masks, opsmath's seeds included, are the same in the recompute).
+   masks, opsmath's seeds included, are the same in the recompute). When the graph goes on to
+   Inductor, the segment's nodes are tagged ``MUST_RECOMPUTE`` instead (``tag_recompute``).
 
 Predicted peak = resident (parameters, their gradients, optimizer state, inputs) + activations kept
 + the largest recomputed segment's activations (live while its backward runs).
@@ -262,9 +263,23 @@ def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int])
     gm.recompile()
 
 
-def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int) -> Plan:
+def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) -> None:
+    """Mark each chosen segment's nodes ``MUST_RECOMPUTE`` with the segment as its ``ac_graph_id``:
+    the tags selective activation checkpointing leaves for AOTAutograd's partitioner, which then
+    saves only the segment's inputs and recomputes the rest inside Inductor's backward graph."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    order = forward_order(gm)
+    for i in chosen:
+        for n in order[segs[i].start:segs[i].end + 1]:
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta["ac_graph_id"] = i + 1
+
+
+def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
+                  how: str = "checkpoint") -> Plan:
     """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes
-    (``analysis.saved_bytes_by_node``) and rewrite it in place."""
+    (``analysis.saved_bytes_by_node``) and rewrite it in place: ``how="checkpoint"`` emits
+    ``checkpoint`` calls (eager execution), ``"tag"`` recompute tags (for Inductor)."""
     import time
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
@@ -273,6 +288,6 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
                 chosen, cost)
     if chosen:
-        emit_checkpoints(gm, segs, chosen)
+        (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen)
     plan.planning_seconds = time.perf_counter() - t0
     return plan

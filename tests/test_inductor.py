@@ -1,0 +1,84 @@
+"""Inductor composition: the rewritten graph compiled by Inductor (``optimize(inductor=True)``, the
+default on CUDA), the memory plan passed to its partitioner as recompute tags, and an outer
+``torch.compile(opsmath.optimize(model))``. On CPU Inductor emits C++ (needs a compiler)."""
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import opsmath
+from opsmath.examples import gpt
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="Inductor on CPU needs a C++ compiler")
+CFG = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, seq_len=64, batch_size=2)
+
+
+def pair(dropout):
+    torch.manual_seed(0)
+    ref, batch = gpt(dropout=dropout, **CFG)
+    model, _ = gpt(dropout=dropout, **CFG)
+    model.load_state_dict(ref.state_dict())
+    return ref, model, batch
+
+
+def saved_bytes(fn):
+    """Bytes autograd saves for backward during ``fn()``, deduplicated by storage."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def test_inductor_matches_eager_and_keeps_the_rewrites():
+    ref, model, batch = pair(dropout=0.0)
+    model = opsmath.optimize(model, inductor=True)
+    loss = model(*batch)
+    loss.backward()
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    rec = opsmath.report(model).graphs[0]
+    assert rec.inductor and rec.after_ops["opsmath.attention"] == 2
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_budget_becomes_recompute_tags_that_inductor_honors():
+    """Under a budget the partitioner saves less, and recompute (dropout on) changes nothing."""
+    grads, saved = {}, {}
+    for budget in (None, 0.6):
+        _, model, batch = pair(dropout=0.1)
+        model = opsmath.optimize(model, memory_budget=budget, inductor=True)
+        model(*batch).backward()                       # capture and compile outside the hooks
+        model.zero_grad()
+        torch.manual_seed(1)
+        loss, saved[budget] = saved_bytes(lambda: model(*batch))
+        loss.backward()
+        grads[budget] = [p.grad for p in model.parameters()]
+        plan = opsmath.report(model).graphs[0].plan
+        assert (plan is None) == (budget is None) and (plan is None or plan.chosen)
+    assert saved[0.6] < 0.8 * saved[None], saved
+    for a, b in zip(grads[None], grads[0.6]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_outer_torch_compile_runs_opsmath_without_graph_breaks():
+    ref, model, batch = pair(dropout=0.0)
+    optimized = opsmath.optimize(model, inductor=True)
+    counters.clear()
+    loss = torch.compile(optimized)(*batch)
+    loss.backward()
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    assert not counters["graph_break"]
+    graphs = opsmath.report(optimized).graphs
+    assert len(graphs) == 1 and graphs[0].after_ops["opsmath.attention"] == 2
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
