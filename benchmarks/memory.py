@@ -18,50 +18,10 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 import opsmath
-from opsmath.examples import GPT, Block
 from opsmath.plan import InfeasibleBudget
-
-
-class PerBlockCheckpoint(torch.nn.Module):
-    """Every transformer block under torch.utils.checkpoint (non-reentrant), the common baseline."""
-
-    def __init__(self, block: Block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
-
-
-class SDPAAttention(torch.nn.Module):
-    """The same attention through F.scaled_dot_product_attention (the 'eager with SDPA' baseline)."""
-
-    def __init__(self, attn):
-        super().__init__()
-        self.attn = attn
-
-    def forward(self, x):
-        a = self.attn
-        B, T, C = x.size()
-        q, k, v = a.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, a.n_head, C // a.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=a.attn_dropout.p if self.training else 0.0,
-                                           is_causal=True)
-        return a.resid_dropout(a.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
-
-
-def build(cfg, device, variant):
-    torch.manual_seed(0)
-    model = GPT(**cfg).to(device)
-    if variant == "per_block_checkpoint":
-        model.h = torch.nn.ModuleList([PerBlockCheckpoint(b) for b in model.h])
-    elif variant == "sdpa":
-        for b in model.h:
-            b.attn = SDPAAttention(b.attn)
-    return model
+from _models import build
 
 
 def measure(model_fn, batch, device, amp, steps=3):
@@ -104,6 +64,8 @@ def predicted(model) -> int | None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--inductor-rows", default="none,0.5",
+                    help="budgets also run with Inductor (the CUDA default; each row compiles for ~40 s)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -127,16 +89,22 @@ def main():
         return r
 
     row("eager", lambda: build(cfg, device, "eager"))
-    base = row("opsmath (no budget)", lambda: opsmath.optimize(build(cfg, device, "eager")))
+    # The sweep runs the rewritten graph op by op (inductor=False): the plan's own checkpoints, whose
+    # predicted peak is what the planner promises; a few budgets also run under Inductor.
+    ops = (lambda budget: opsmath.optimize(build(cfg, device, "eager"), memory_budget=budget, inductor=False))
+    base = row("opsmath (no budget)", lambda: ops(None))
     for f in (0.75, 0.5, 0.25):
-        row(f"opsmath budget {f}", lambda f=f: opsmath.optimize(build(cfg, device, "eager"), memory_budget=f), f)
+        row(f"opsmath budget {f}", lambda f=f: ops(f), f)
     if base["peak"] is not None:
         for frac in (0.9, 0.8, 0.7, 0.6, 0.5):
             b = int(base["peak"] * frac)
-            r = row(f"opsmath budget {b / 2**30:.2f} GiB", lambda b=b: opsmath.optimize(
-                build(cfg, device, "eager"), memory_budget=b), b)
+            r = row(f"opsmath budget {b / 2**30:.2f} GiB", lambda b=b: ops(b), b)
             if r["error"]:
                 break
+    for spec in [s for s in args.inductor_rows.split(",") if s]:
+        budget = None if spec == "none" else float(spec)
+        row(f"opsmath + Inductor budget {spec}", lambda b=budget: opsmath.optimize(
+            build(cfg, device, "eager"), memory_budget=b, inductor=True), budget)
     row("per-block checkpoint", lambda: build(cfg, device, "per_block_checkpoint"))
     for f in (0.75, 0.5, 0.25):
         def compiled(f=f):
@@ -160,7 +128,7 @@ def main():
 
             def fn(c=c, variant=variant, budget=budget):
                 m = build(c, device, variant)
-                return opsmath.optimize(m, memory_budget=budget) if budget else m
+                return opsmath.optimize(m, memory_budget=budget, inductor=False) if budget else m
             peak, ms, _, err = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1)
             if err is not None or (peak is not None and peak > 8 * 2**30):
                 break

@@ -3,6 +3,7 @@
     opsmath report --example gpt             # bundled nanoGPT: optimize, one training step, report
     opsmath report path/to/file.py:factory   # your model: factory() -> (model, batch) or model
     opsmath report ... --json                # the report as JSON
+    opsmath tune path/to/file.py:factory     # on a GPU: pre-tune every rewritten op for the model's shapes
 
 A factory returns ``(model, batch)`` with ``model(*batch)`` returning the loss (or a tensor whose sum
 is used as one), or just a model, in which case ``--input-shape`` gives a random float input.
@@ -70,6 +71,34 @@ def _report(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    import opsmath
+    from opsmath import autotune
+
+    if not torch.cuda.is_available():
+        raise SystemExit("opsmath tune measures kernels on a CUDA GPU; none is available")
+    torch.manual_seed(args.seed)
+    model, batch = _build(args)
+    model = model.cuda().train()
+    batch = tuple(b.cuda() if isinstance(b, torch.Tensor) else b for b in batch)
+    before = autotune.load().get(autotune.machine_key(), {})
+    opt = opsmath.optimize(model)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]
+    with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+        out = opt(*batch)
+    (out if out.dim() == 0 else out.float().sum()).backward()
+    after = autotune.load().get(autotune.machine_key(), {})
+    print(f"tuning cache: {autotune.cache_path()}  ({autotune.machine_key()})")
+    for op, entries in after.items():
+        for key, e in entries.items():
+            new = key not in before.get(op, {})
+            ms = ", ".join(f"{k} {v:.3f}" for k, v in sorted(e.get("ms", {}).items(), key=lambda kv: kv[1]))
+            print(f"{'new ' if new else '    '}{op} [{key}] -> {e['choice']}   ms: {ms}")
+    for m in opsmath.report(opt).graphs[-1].matches:
+        print(f"  {m.location}: {m.replacement}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="opsmath", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -80,7 +109,17 @@ def main(argv=None) -> int:
     rp.add_argument("--json", action="store_true", help="print the report as JSON")
     rp.add_argument("--width", type=int, default=None, help="terminal width (default: auto)")
     rp.add_argument("--seed", type=int, default=0)
+    tp = sub.add_parser("tune", help="on a GPU: optimize a model, tune its rewritten ops, fill the cache")
+    tp.add_argument("target", nargs="?", help="<file.py>:<factory>")
+    tp.add_argument("--example", help="a bundled example: gpt or llama")
+    tp.add_argument("--input-shape", help="random input shape when the factory returns only a model")
+    tp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="autocast dtype")
+    tp.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.cmd == "tune":
+        if bool(args.target) == bool(args.example):
+            parser.error("give either <file.py>:<factory> or --example NAME")
+        return _tune(args)
     if args.cmd == "report":
         if bool(args.target) == bool(args.example):
             parser.error("give either <file.py>:<factory> or --example NAME")

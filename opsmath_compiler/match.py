@@ -80,6 +80,22 @@ class RewriteContext:
         self.declines: list[Decline] = []
         self.skip = skip or set()
         self.fake_mode = _fake_mode_of(self.gm)
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self._grad_inputs = {n for n, rg in zip(placeholders, captured.requires_grad) if rg}
+
+    def may_require_grad(self, node: fx.Node) -> bool:
+        """Whether ``node`` depends on an input that requires grad (fake values do not record it).
+        Conservative: a non-differentiable op on the way (comparisons, integer ops) still counts."""
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in self._grad_inputs:
+                return True
+            for x in n.all_input_nodes:
+                if x not in seen:
+                    seen.add(x)
+                    todo.append(x)
+        return False
 
     def allowed(self, pattern: str, anchor: fx.Node) -> bool:
         """Whether the user (``optimize(..., skip=...)``) lets this occurrence be rewritten: ``skip``

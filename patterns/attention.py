@@ -337,14 +337,23 @@ class AttentionPattern:
                 mask = term if mask is None else ctx.call(aten.logical_or.default, (mask, term), sm)
             if mask is not None:
                 mask = to4d(mask, max(len(shape(m)) for m, _ in plan.masks))
-            if plan.dropout_p > 0:
-                from opsmath.kernels._common import new_seed
-                seed = ctx.call(new_seed, (), sm)
+            backend = _backend_for(q, k, bias, mask, plan, bias is not None and ctx.may_require_grad(bias))
+            if backend == "opsmath":
+                if plan.dropout_p > 0:
+                    from opsmath.kernels._common import new_seed
+                    seed = ctx.call(new_seed, (), sm)
+                else:
+                    seed = ctx.call(aten.scalar_tensor.default, (0,), sm, {"dtype": torch.int64})
+                res = ctx.call(torch.ops.opsmath.attention.default,
+                               (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed), sm)
+                out = ctx.call(operator.getitem, (res, 0), sm)
             else:
-                seed = ctx.call(aten.scalar_tensor.default, (0,), sm, {"dtype": torch.int64})
-            res = ctx.call(torch.ops.opsmath.attention.default,
-                           (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed), sm)
-            out = ctx.call(operator.getitem, (res, 0), sm)
+                from opsmath.kernels.attention_vendor import fold_bias, sdpa
+                vb = None
+                if bias is not None or mask is not None:
+                    vb = ctx.call(fold_bias, (bias, mask, plan.causal, shape(q)[-2], shape(k)[-2]), sm)
+                out = ctx.call(sdpa, (q, k, v, vb, plan.causal and vb is None, plan.scale, plan.dropout_p,
+                                      backend), sm)
             if nd == 3:
                 out = ctx.call(aten.squeeze.dim, (out, 1), sm)
         pv.replace_all_uses_with(out)
@@ -363,11 +372,36 @@ class AttentionPattern:
             desc.append(f"dropout={plan.dropout_p:g}")
         if plan.rep > 1:
             desc.append(f"gqa {H}/{H // plan.rep}")
-        ctx.replaced(self.name, sm, replaced, f"opsmath::attention({', '.join(desc)})", before,
+        op = "opsmath::attention" if backend == "opsmath" else f"{backend} (fastest measured)"
+        ctx.replaced(self.name, sm, replaced, f"{op}({', '.join(desc)})", before, backend=backend,
                      causal=plan.causal, scale=plan.scale, dropout_p=plan.dropout_p, gqa_rep=plan.rep,
                      has_bias=bool(plan.biases), has_mask=bool(plan.masks), batch=B, heads=H,
                      q_len=shape(sm)[-2], k_len=shape(sm)[-1], head_dim=shape(plan.q)[-1],
                      dtype=str(dtype(plan.qk)).replace("torch.", ""))
+
+
+def _backend_for(q: fx.Node, k: fx.Node, bias: Optional[fx.Node], mask: Optional[fx.Node], plan: _Plan,
+                 bias_grad: bool) -> str:
+    """``"opsmath"`` or the SDPA backend measured fastest for these shapes (CUDA only; see
+    ``kernels/attention_vendor.py``). ``OPSMATH_ATTENTION=opsmath`` (or a backend name) forces one."""
+    import logging
+    import os
+
+    from opsmath.kernels import attention_vendor as vendor
+    qv, kv = q.meta["val"], k.meta["val"]
+    forced = os.environ.get("OPSMATH_ATTENTION", "auto")
+    if forced == "opsmath" or not vendor.vendor_eligible(qv.device, plan.fill, bias_grad):
+        return "opsmath"
+    if forced in vendor.BACKENDS:
+        return forced
+    try:
+        return vendor.choose(tuple(qv.shape), tuple(kv.shape), qv.dtype, qv.device,
+                             tuple(bias.meta["val"].shape) if bias is not None else None,
+                             tuple(mask.meta["val"].shape) if mask is not None else None,
+                             plan.fill, plan.causal, plan.scale, plan.dropout_p)
+    except Exception as e:  # tuning must never break a capture: our own kernel is always valid
+        logging.getLogger("opsmath").warning("opsmath: attention backend tuning failed (%s); using opsmath's kernel", e)
+        return "opsmath"
 
 
 PATTERN = AttentionPattern()

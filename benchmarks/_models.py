@@ -1,0 +1,61 @@
+"""Model variants the step benchmarks share: GPT-2-small as research code writes it (hand-written
+attention, ``opsmath.examples.GPT``), the same with SDPA, the same with per-block checkpointing, and the
+Hugging Face LLaMA of the end-to-end issue built from a config (no download)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from opsmath.examples import GPT, Block
+
+GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1)
+
+
+class PerBlockCheckpoint(torch.nn.Module):
+    """Every transformer block under torch.utils.checkpoint (non-reentrant), the common baseline."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+class SDPAAttention(torch.nn.Module):
+    """The same attention through F.scaled_dot_product_attention (the 'eager with SDPA' baseline)."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x):
+        a = self.attn
+        B, T, C = x.size()
+        q, k, v = a.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, a.n_head, C // a.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=a.attn_dropout.p if self.training else 0.0,
+                                           is_causal=True)
+        return a.resid_dropout(a.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+def build(cfg, device, variant):
+    torch.manual_seed(0)
+    model = GPT(**cfg).to(device)
+    if variant == "per_block_checkpoint":
+        model.h = torch.nn.ModuleList([PerBlockCheckpoint(b) for b in model.h])
+    elif variant == "sdpa":
+        for b in model.h:
+            b.attn = SDPAAttention(b.attn)
+    return model
+
+
+
+def hf_llama(attn_implementation: str, device="cuda", dtype=torch.bfloat16):
+    """LlamaForCausalLM, 1.1B: hidden 2048, 16 layers, 16 heads, 8 kv heads, MLP 5632, vocab 32000."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                      intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096,
+                      attn_implementation=attn_implementation)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)

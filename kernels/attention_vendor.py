@@ -1,0 +1,112 @@
+"""The attention rewrite's per-shape choice between opsmath's kernel and PyTorch's SDPA backends.
+
+``opsmath::attention`` (``attention.py``) computes::
+
+    O = dropout(softmax(where(mask, fill, scale * Q K^T + bias) [causal: -inf above the diagonal])) V
+
+SDPA's flash, cuDNN and memory-efficient backends compute the same function when it is expressed in
+their terms: the boolean mask folds into an additive ``-inf`` bias (only for ``fill = -inf``: a finite
+fill such as ``finfo.min`` makes fully masked rows uniform, which an additive bias in bf16 cannot
+promise), causal goes to ``is_causal`` when there is no bias (else into the bias, top-left aligned,
+as ours), GQA to ``enable_gqa``. Their dropout draws its own (Philox) bits: the same distribution
+as ours and as eager's, not the same mask.
+
+``choose(...)`` measures forward+backward of every eligible candidate on random tensors of the real
+shapes (``opsmath_compiler/autotune.py``: once per GPU, versions, dtype and shape bucket; persisted),
+checks each vendor's output against opsmath's kernel (dropout off) with the tolerance rule, and
+returns the fastest: ``"opsmath"`` or ``"sdpa_flash"`` / ``"sdpa_cudnn"`` / ``"sdpa_efficient"``.
+``sdpa(...)`` is what the emitted graph calls for a vendor choice.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+         is_causal: bool, scale: float, dropout_p: float, backend: str) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` restricted to one backend; ``bias`` is additive (B, H, Sq, Sk)
+    broadcastable, ``-inf`` where masked. Q: (B, H, Sq, D), K/V: (B, Hkv, Sk, D) -> O: (B, H, Sq, D)."""
+    if bias is not None:  # -inf and fp32's finfo.min (HF's fill) would both be -inf in bf16: fully
+        bias = bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)  # masked rows stay finite, as eager's
+    with sdpa_kernel([BACKENDS[backend]]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
+def bucket_key(q, k, has_bias: bool, has_mask: bool, is_causal: bool, dropout_p: float) -> str:
+    """dtype, exact head dim and head grouping, batch*heads and lengths rounded up to powers of 2."""
+    B, H, Sq, D = q.shape
+    p2 = (lambda n: 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+    return (f"{str(q.dtype).replace('torch.', '')} D={D} H/Hkv={H // k.shape[1]} B*H<={p2(B * H)} "
+            f"Sq<={p2(Sq)} Sk<={p2(k.shape[2])} causal={int(is_causal)} bias={int(has_bias)} "
+            f"mask={int(has_mask)} dropout={int(dropout_p > 0)}")
+
+
+def vendor_eligible(device: torch.device, mask_fill: float, bias_requires_grad: bool) -> bool:
+    """Whether SDPA backends may stand in: CUDA, masks that fold into a -inf bias, no bias gradient
+    (not every backend returns one)."""
+    return device.type == "cuda" and not bias_requires_grad and mask_fill == float("-inf")
+
+
+def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: float, is_causal: bool,
+           scale: float, dropout_p: float) -> str:
+    """Measure and return the fastest correct implementation for these shapes (see module doc)."""
+    from opsmath.autotune import pick
+    from . import attention as own
+    q = torch.randn(q_shape, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(k_shape, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(k_shape, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.randn(bias_shape, device=device, dtype=dtype) if bias_shape is not None else None
+    mask = torch.rand(mask_shape, device=device) < 0.2 if mask_shape is not None else None
+    if mask is not None:  # keep one column per row unmasked so no row is fully masked
+        mask[..., 0] = False
+    key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p)
+    dout = torch.randn(q_shape, device=device, dtype=dtype)
+    seed = torch.tensor(1234, dtype=torch.int64)
+
+    def run_own(p=dropout_p):
+        return own.attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, p, seed)[0]
+    vbias = fold_bias(bias, mask, is_causal, q.shape[2], k.shape[2])
+    vcausal = is_causal and vbias is None
+
+    def run_vendor(name, p=dropout_p):
+        return sdpa(q, k, v, vbias, vcausal, scale, p, name)
+
+    def fwd_bwd(f):
+        return lambda: torch.autograd.grad(f(), (q, k, v), dout)
+
+    candidates = {"opsmath": fwd_bwd(run_own)}
+    ref = run_own(0.0).detach().float() if vendor_eligible(device, mask_fill, False) else None
+    for name in BACKENDS if ref is not None else ():
+        try:
+            got = run_vendor(name, 0.0).float()
+        except Exception:  # backend does not take these inputs (head dim, mask, dtype, GPU)
+            continue
+        if torch.isfinite(got).all() and ((got - ref).norm() / ref.norm()).item() < 2e-2:
+            candidates[name] = fwd_bwd(lambda name=name: run_vendor(name))
+    return pick("attention", key, candidates)
+
+
+def fold_bias(bias, mask, is_causal: bool, Sq: int, Sk: int):
+    """The additive bias SDPA gets: ``bias`` with ``-inf`` where ``mask`` (and above the diagonal when
+    causal and a bias exists); ``None`` when there is neither bias nor mask."""
+    if bias is None and mask is None:
+        return None
+    out = torch.zeros((), device=mask.device) if bias is None else bias.to(
+        torch.promote_types(bias.dtype, torch.float32))
+    if mask is not None:
+        out = out.masked_fill(mask, float("-inf")) if out.dim() else torch.zeros(
+            mask.shape, device=mask.device).masked_fill(mask, float("-inf"))
+    if is_causal:
+        upper = torch.ones(Sq, Sk, dtype=torch.bool, device=out.device).triu(1)
+        out = out.masked_fill(upper, float("-inf"))
+    return out

@@ -1,0 +1,149 @@
+"""Autotuning shared by every kernel: measure candidates once, remember the winner on disk.
+
+A *choice* is keyed on the machine and software (GPU name, torch and triton versions), then on the op
+and a key the op builds from its dtype and a shape bucket::
+
+    {"NVIDIA H200 | torch 2.11.0 | triton 3.6.0": {"attention": {"bf16 B*H=128 S=1024x1024 ...": {
+        "choice": "sdpa_cudnn", "ms": {"opsmath": 1.92, "sdpa_flash": 1.41, "sdpa_cudnn": 0.81}}}}}
+
+stored as JSON in ``$OPSMATH_CACHE_DIR/tuning.json`` (default ``~/.cache/opsmath``, or
+``$XDG_CACHE_HOME/opsmath``). A later process reuses the choice without measuring. A cache that cannot
+be read or parsed is set aside (renamed ``*.corrupt``) and re-tuned, never fatal; entries for another
+GPU or other versions are simply not looked at. Writes go through a temporary file and an atomic
+rename, so concurrent processes never read half a file.
+
+``pick(op, key, candidates)`` measures each candidate (a zero-argument callable running the op's
+forward and backward) with ``triton.testing.do_bench`` (median), skips candidates that raise, and shows
+a transient rich progress bar on a terminal when tuning is under way.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+log = logging.getLogger("opsmath")
+_LOCK = threading.Lock()
+_MEMORY: dict[tuple[str, str, str], str] = {}   # (machine, op, key) -> choice, this process
+
+
+def cache_path() -> Path:
+    root = os.environ.get("OPSMATH_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "opsmath")
+    return Path(root) / "tuning.json"
+
+
+def machine_key(device: Optional[torch.device] = None) -> str:
+    import triton
+    gpu = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
+    return f"{gpu} | torch {torch.__version__} | triton {triton.__version__}"
+
+
+def load() -> dict:
+    """The whole cache file as a dict; ``{}`` when absent. A corrupt file is renamed aside."""
+    path = cache_path()
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("top level is not an object")
+        return data
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("opsmath: tuning cache %s is unreadable (%s); re-tuning", path, e)
+        try:
+            path.replace(path.with_suffix(".json.corrupt"))
+        except OSError:
+            pass
+        return {}
+
+
+def lookup(op: str, key: str, machine: Optional[str] = None) -> Optional[dict]:
+    machine = machine or machine_key()
+    entry = load().get(machine, {}).get(op, {}).get(key)
+    return entry if isinstance(entry, dict) and isinstance(entry.get("choice"), str) else None
+
+
+def store(op: str, key: str, entry: dict, machine: Optional[str] = None) -> None:
+    machine = machine or machine_key()
+    path = cache_path()
+    with _LOCK:
+        data = load()
+        data.setdefault(machine, {}).setdefault(op, {})[key] = entry
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only home must not stop training: keep the choice in memory
+            log.warning("opsmath: cannot write tuning cache %s (%s)", path, e)
+
+
+def measure(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream."""
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def pick(op: str, key: str, candidates: dict[str, Callable[[], object]],
+         measure_fn: Callable[[Callable[[], object]], float] = measure) -> str:
+    """The fastest candidate's name for ``(op, key)``: from this process, then the disk cache, else
+    measured now (and stored). A cached choice that is not among ``candidates`` is re-tuned."""
+    if not candidates:
+        raise ValueError(f"no candidates to tune {op} [{key}]")
+    machine = machine_key()
+    mem = _MEMORY.get((machine, op, key))
+    if mem in candidates:
+        return mem
+    cached = lookup(op, key, machine)
+    if cached and cached["choice"] in candidates:
+        _MEMORY[(machine, op, key)] = cached["choice"]
+        return cached["choice"]
+    times, errors = {}, {}
+    with _progress(f"tuning {op} [{key}]", len(candidates)) as advance:
+        for name, fn in candidates.items():
+            try:
+                times[name] = measure_fn(fn)
+            except Exception as e:  # a backend that rejects these inputs is not a candidate
+                errors[name] = f"{type(e).__name__}: {str(e)[:160]}"
+            advance()
+    if not times:
+        raise RuntimeError(f"every candidate failed for {op} [{key}]: {errors}")
+    choice = min(times, key=times.get)
+    store(op, key, dict(choice=choice, ms={k: round(v, 5) for k, v in times.items()}, errors=errors), machine)
+    _MEMORY[(machine, op, key)] = choice
+    log.info("opsmath: %s [%s] -> %s (%s)", op, key, choice, times)
+    return choice
+
+
+class _progress:
+    """A transient rich progress bar on a terminal (tuning takes a second or more); silent otherwise."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.bar = what, total, None
+
+    def __enter__(self):
+        import sys
+        if sys.stderr.isatty():
+            from rich.progress import Progress
+            self.bar = Progress(transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task(self.what, total=self.total)
+        return self.advance
+
+    def advance(self):
+        if self.bar is not None:
+            self.bar.advance(self.task)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False

@@ -1,0 +1,108 @@
+"""The attention rewrite's vendor choice (``kernels/attention_vendor.py``): SDPA backends compute
+``opsmath::attention``'s function once masks, causal and GQA are translated; CUDA parts skip on CPU."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from opsmath.kernels import attention_vendor as vendor
+from opsmath.kernels.attention import attention_reference
+from tolerance import assert_rule
+
+from conftest import DEVICE
+
+CASES = [  # B, H, Hkv, Sq, Sk, D, bias, mask, causal
+    (2, 4, 4, 17, 17, 16, None, None, True),
+    (2, 4, 2, 19, 23, 8, "head", None, False),
+    (1, 4, 1, 21, 21, 16, "padding", "padding", True),
+    (2, 2, 2, 9, 40, 8, None, "full", False),
+    (1, 2, 2, 33, 33, 32, "head", "full", True),
+]
+
+
+def inputs(case, dtype, device):
+    B, H, Hkv, Sq, Sk, D, bias_kind, mask_kind, causal = case
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, h, s, D, device=device, dtype=dtype) for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+    bias = mask = None
+    if bias_kind == "head":
+        bias = torch.randn(B, 1, Sq, Sk, device=device, dtype=dtype)
+    elif bias_kind == "padding":   # HF-style additive mask with fp32's finfo.min
+        keep = torch.rand(B, 1, 1, Sk, device=device) > 0.3
+        keep[..., 0] = True
+        bias = torch.zeros(B, 1, 1, Sk, device=device).masked_fill(~keep, torch.finfo(torch.float32).min)
+    if mask_kind == "full":
+        mask = torch.rand(B, H, Sq, Sk, device=device) < 0.2
+        mask[..., 0] = False
+    elif mask_kind == "padding":
+        mask = torch.rand(B, 1, 1, Sk, device=device) < 0.3
+        mask[..., 0] = False
+    return q, k, v, bias, mask, causal, 1 / math.sqrt(D)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_folded_bias_gives_sdpa_the_same_function(case):
+    """float64, SDPA's math backend (any device): fold_bias + is_causal + enable_gqa == ours."""
+    q, k, v, bias, mask, causal, scale = inputs(case, torch.float64, "cpu")
+    ref = attention_reference(q, k, v, bias, mask, float("-inf"), causal, scale, 0.0, 0)[0]
+    vb = vendor.fold_bias(bias, mask, causal, q.shape[2], k.shape[2])
+    with sdpa_kernel([SDPBackend.MATH]):
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=vb, is_causal=causal and vb is None,
+                                             scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_bucket_key_and_eligibility():
+    q = torch.empty(3, 12, 1000, 64, dtype=torch.bfloat16)
+    k = torch.empty(3, 4, 1000, 64, dtype=torch.bfloat16)
+    key = vendor.bucket_key(q, k, False, True, True, 0.1)
+    assert key == "bfloat16 D=64 H/Hkv=3 B*H<=64 Sq<=1024 Sk<=1024 causal=1 bias=0 mask=1 dropout=1"
+    cuda = torch.device("cuda")
+    assert vendor.vendor_eligible(cuda, float("-inf"), False)
+    assert not vendor.vendor_eligible(cuda, -1e4, False)              # finite fill: uniform masked rows
+    assert not vendor.vendor_eligible(cuda, float("-inf"), True)      # a bias that needs its gradient
+    assert not vendor.vendor_eligible(torch.device("cpu"), float("-inf"), False)
+
+
+cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="SDPA's flash/cuDNN/efficient backends need CUDA")
+
+
+@cuda_only
+@pytest.mark.parametrize("backend", sorted(vendor.BACKENDS))
+@pytest.mark.parametrize("case", CASES + [(2, 16, 4, 1000, 1000, 128, None, None, True),
+                                          (2, 8, 8, 517, 517, 64, "padding", None, False)])
+def test_vendor_backends_follow_the_tolerance_rule(backend, case):
+    q, k, v, bias, mask, causal, scale = inputs(case, torch.bfloat16, "cuda")
+    args = [t.detach().requires_grad_() for t in (q, k, v)]
+    vb = vendor.fold_bias(bias, mask, causal, q.shape[2], k.shape[2])
+    try:
+        out = vendor.sdpa(*args, vb, causal and vb is None, scale, 0.0, backend)
+    except RuntimeError as e:
+        pytest.skip(f"{backend} does not take this case: {str(e)[:80]}")
+    do = torch.randn_like(out)
+    out.backward(do)
+    res = {}
+    for name, dt in (("ref", torch.float64), ("eager", torch.bfloat16)):
+        a = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o = attention_reference(*a, bias, mask, float("-inf"), causal, scale, 0.0, 0)[0]
+        o.backward(do.to(dt))
+        res[name] = [o.detach()] + [t.grad for t in a]
+    for i, name in enumerate(["out", "dq", "dk", "dv"]):
+        got = out.detach() if i == 0 else args[i - 1].grad
+        assert_rule(got, res["eager"][i], res["ref"][i], atol=1e-3, name=f"{backend} {name}")
+
+
+@cuda_only
+def test_choose_measures_and_caches(tmp_path, monkeypatch):
+    from opsmath import autotune
+    monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path))
+    autotune._MEMORY.clear()
+    args = ((4, 16, 1024, 64), (4, 16, 1024, 64), torch.bfloat16, torch.device("cuda"), None, None,
+            float("-inf"), True, 0.125, 0.0)
+    choice = vendor.choose(*args)
+    assert choice in {"opsmath", *vendor.BACKENDS}
+    entry = autotune.lookup("attention", vendor.bucket_key(torch.empty(4, 16, 1024, 64, dtype=torch.bfloat16),
+                                                           torch.empty(4, 16, 1024, 64), False, False, True, 0.0))
+    assert entry["choice"] == choice and "opsmath" in entry["ms"] and len(entry["ms"]) >= 2

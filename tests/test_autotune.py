@@ -1,0 +1,97 @@
+"""The tuning cache (``opsmath_compiler/autotune.py``): measured once, reused by a later process,
+corrupt or stale files re-tuned, never fatal. Measurement is replaced by a recorded fake here."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from opsmath import autotune
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path))
+    autotune._MEMORY.clear()
+    yield tmp_path / "tuning.json"
+    autotune._MEMORY.clear()
+
+
+def fake_measure(times, calls):
+    def measure(fn):
+        calls.append(fn.__name__)
+        return times[fn.__name__]
+    return measure
+
+
+def named(name, fail=False):
+    def fn():
+        if fail:
+            raise RuntimeError("unsupported")
+    fn.__name__ = name
+    return fn
+
+
+def test_pick_measures_once_then_reads_the_cache(cache):
+    calls = []
+    cands = {"a": named("a"), "b": named("b")}
+    assert autotune.pick("op", "k1", cands, fake_measure({"a": 2.0, "b": 1.0}, calls)) == "b"
+    assert calls == ["a", "b"]
+    entry = json.loads(cache.read_text())[autotune.machine_key()]["op"]["k1"]
+    assert entry["choice"] == "b" and entry["ms"] == {"a": 2.0, "b": 1.0}
+    autotune._MEMORY.clear()   # as a new process would: only the file remains
+    assert autotune.pick("op", "k1", cands, fake_measure({"a": 0.1, "b": 9.0}, calls)) == "b"
+    assert calls == ["a", "b"]   # not re-measured
+
+
+def test_a_later_process_reuses_the_choice(cache):
+    autotune.pick("op", "k", {"x": named("x"), "y": named("y")}, fake_measure({"x": 1.0, "y": 3.0}, []))
+    code = ("from opsmath import autotune\n"
+            "def boom(fn): raise AssertionError('re-measured')\n"
+            "print(autotune.pick('op', 'k', {'x': None, 'y': None}, boom))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "OPSMATH_CACHE_DIR": str(cache.parent)})
+    assert out.stdout.strip() == "x"
+
+
+def test_failing_candidates_are_skipped_and_recorded(cache):
+    cands = {"bad": named("bad", fail=True), "ok": named("ok")}
+
+    def measure(fn):
+        fn()
+        return 1.0
+    assert autotune.pick("op", "k", cands, measure) == "ok"
+    assert "bad" in json.loads(cache.read_text())[autotune.machine_key()]["op"]["k"]["errors"]
+    with pytest.raises(RuntimeError, match="every candidate failed"):
+        autotune.pick("op", "k2", {"bad": named("bad", fail=True)}, measure)
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "\x00\x01"])
+def test_corrupt_cache_is_set_aside_and_retuned(cache, content):
+    cache.write_text(content)
+    calls = []
+    assert autotune.pick("op", "k", {"a": named("a")}, fake_measure({"a": 1.0}, calls)) == "a"
+    assert calls == ["a"]
+    assert json.loads(cache.read_text())[autotune.machine_key()]["op"]["k"]["choice"] == "a"
+    assert (cache.parent / "tuning.json.corrupt").exists()
+
+
+def test_stale_entries_are_not_used(cache):
+    """Another GPU or torch/triton version, or a cached choice no longer offered: re-tuned."""
+    cache.write_text(json.dumps({"Some GPU | torch 0.1 | triton 0.1": {"op": {"k": {"choice": "a"}}},
+                                 autotune.machine_key(): {"op": {"k2": {"choice": "gone"}}}}))
+    calls = []
+    assert autotune.pick("op", "k", {"a": named("a"), "b": named("b")},
+                         fake_measure({"a": 5.0, "b": 1.0}, calls)) == "b"
+    assert autotune.pick("op", "k2", {"a": named("a")}, fake_measure({"a": 1.0}, calls)) == "a"
+    assert calls == ["a", "b", "a"]
+    data = json.loads(cache.read_text())
+    assert data["Some GPU | torch 0.1 | triton 0.1"]["op"]["k"]["choice"] == "a"   # left alone
+
+
+def test_unwritable_cache_dir_is_not_fatal(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("OPSMATH_CACHE_DIR", str(blocker / "sub"))   # a directory under a file
+    autotune._MEMORY.clear()
+    assert autotune.pick("op", "k", {"a": named("a")}, fake_measure({"a": 1.0}, [])) == "a"
