@@ -68,6 +68,8 @@ def run_variant(name, make_model, make_opt, batch, amp, steps):
             row["attention_backends"] = sorted({m.details.get("backend", "") for g in rep.graphs
                                                 for m in g.matches if m.pattern == "attention"})
             row["graphs"] = len(rep.graphs)
+            row["capture_s"] = sum(g.capture_seconds for g in rep.graphs)
+            row["inductor_s"] = sum(g.inductor_seconds for g in rep.graphs)
             row["fallbacks"] = rep.fallback_errors
     except Exception as e:  # recorded, not fatal: the other variants still run
         row = dict(name=name, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -97,6 +99,8 @@ def variants(kind, device="cuda"):
         "torch.compile": (lambda: torch.compile(hand()), torch_adamw),
         "torch.compile + SDPA": (lambda: torch.compile(sdpa()), torch_adamw),
         "opsmath.optimize": (lambda: opsmath.optimize(hand()), torch_adamw),
+        "opsmath.optimize (attention only)": (lambda: opsmath.optimize(hand(), patterns=["attention"]),
+                                              torch_adamw),
         "opsmath.optimize + opsmath AdamW": (lambda: opsmath.optimize(hand()), ops_adamw),
         "torch.compile(opsmath.optimize)": (lambda: torch.compile(opsmath.optimize(hand())), torch_adamw),
     }

@@ -61,7 +61,32 @@ def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: f
            scale: float, dropout_p: float) -> str:
     """Measure and return the fastest correct implementation for these shapes (see module doc)."""
     from opsmath.autotune import pick
-    from . import attention as own
+
+    from .attention import attention_op, attention_reference
+    q, k, v, bias, mask = _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape)
+    key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p)
+    dout = torch.randn(q_shape, device=device, dtype=dtype)
+    seed = torch.tensor(1234, dtype=torch.int64)
+    vbias = fold_bias(bias, mask, is_causal, q.shape[2], k.shape[2])
+
+    def run(name, q, k, v, bias, mask, vbias, p):
+        if name == "ref":
+            return attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, p, 0)[0]
+        if name == "opsmath":
+            return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, p, seed)[0]
+        return sdpa(q, k, v, vbias, is_causal and vbias is None, scale, p, name)
+
+    def fwd_bwd(name):
+        return lambda: torch.autograd.grad(run(name, q, k, v, bias, mask, vbias, dropout_p), (q, k, v), dout)
+
+    candidates = {"opsmath": fwd_bwd("opsmath")}
+    if vendor_eligible(device, mask_fill, False):
+        for name in accurate_backends(run, q, k, v, bias, mask, vbias, dout):
+            candidates[name] = fwd_bwd(name)
+    return pick("attention", key, candidates)
+
+
+def _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape):
     q = torch.randn(q_shape, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(k_shape, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(k_shape, device=device, dtype=dtype, requires_grad=True)
@@ -69,31 +94,42 @@ def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: f
     mask = torch.rand(mask_shape, device=device) < 0.2 if mask_shape is not None else None
     if mask is not None:  # keep one column per row unmasked so no row is fully masked
         mask[..., 0] = False
-    key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p)
-    dout = torch.randn(q_shape, device=device, dtype=dtype)
-    seed = torch.tensor(1234, dtype=torch.int64)
+    return q, k, v, bias, mask
 
-    def run_own(p=dropout_p):
-        return own.attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, p, seed)[0]
-    vbias = fold_bias(bias, mask, is_causal, q.shape[2], k.shape[2])
-    vcausal = is_causal and vbias is None
 
-    def run_vendor(name, p=dropout_p):
-        return sdpa(q, k, v, vbias, vcausal, scale, p, name)
+def accurate_backends(run, q, k, v, bias, mask, vbias, dout) -> list[str]:
+    """The SDPA backends that take these inputs and meet DESIGN.md's rule against an fp32 reference,
+    output and dQ/dK/dV: error <= 2x the same-dtype PyTorch (eager) error + 1e-3 x max|ref|.
+    Checked with dropout off on the first batch, kv head 0 and at most two of its query heads (every
+    (batch, head) computes the same function), so the fp32 reference stays small."""
+    heads = min(q.shape[1] // k.shape[1], 2)   # query heads of kv head 0
 
-    def fwd_bwd(f):
-        return lambda: torch.autograd.grad(f(), (q, k, v), dout)
+    def cut(t):
+        if t is None:
+            return None
+        t = t[:1]
+        return t[:, :heads] if t.shape[1] > 1 else t
+    sub = [cut(q).detach(), k[:1, :1].detach(), v[:1, :1].detach()]
+    b, m, vb, do = cut(bias), cut(mask), cut(vbias), cut(dout)
 
-    candidates = {"opsmath": fwd_bwd(run_own)}
-    ref = run_own(0.0).detach().float() if vendor_eligible(device, mask_fill, False) else None
-    for name in BACKENDS if ref is not None else ():
+    def grads(name, dt):
+        x = [t.to(dt).requires_grad_() for t in sub]
+        out = run(name, *x, b, m, vb, 0.0)
+        out.backward(do.to(out.dtype))
+        return [out.detach().float()] + [t.grad.float() for t in x]
+
+    ref = grads("ref", torch.float32)
+    eager = grads("ref", q.dtype)
+    ok = []
+    for name in BACKENDS:
         try:
-            got = run_vendor(name, 0.0).float()
+            got = grads(name, q.dtype)
         except Exception:  # backend does not take these inputs (head dim, mask, dtype, GPU)
             continue
-        if torch.isfinite(got).all() and ((got - ref).norm() / ref.norm()).item() < 2e-2:
-            candidates[name] = fwd_bwd(lambda name=name: run_vendor(name))
-    return pick("attention", key, candidates)
+        if all(torch.isfinite(g).all() and (g - r).abs().max() <= 2 * (o - r).abs().max() + 1e-3 * r.abs().max()
+               for g, o, r in zip(got, eager, ref)):
+            ok.append(name)
+    return ok
 
 
 def fold_bias(bias, mask, is_causal: bool, Sq: int, Sk: int):

@@ -62,6 +62,7 @@ class GraphRecord:
     calls: int = 0                          # how many times the graph ran (one graph can serve many modules)
     plan: object = None                     # the recompute Plan under memory_budget (plan.py), if any
     inductor: bool = False                  # whether the emitted graph was compiled by Inductor
+    inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
@@ -69,7 +70,7 @@ class GraphRecord:
                     matches=[m.to_dict() for m in self.matches], declines=[d.to_dict() for d in self.declines],
                     capture_seconds=self.capture_seconds, calls=self.calls, launches=list(self.launches),
                     saved_bytes=list(self.saved_bytes), plan=self.plan.to_dict() if self.plan else None,
-                    inductor=self.inductor,
+                    inductor=self.inductor, inductor_seconds=self.inductor_seconds,
                     before_code=self.before_code, after_code=self.after_code)
 
 
@@ -139,8 +140,9 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         fn = ctx.gm
         if use_inductor:
             try:
+                t1 = time.perf_counter()
                 fn = compile_fx(ctx.gm, list(example_inputs))
-                record.inductor = True
+                record.inductor, record.inductor_seconds = True, time.perf_counter() - t1
             except Exception as e:  # Inductor failure: the emitted graph still runs, op by op
                 msg = f"graph {record.index}: Inductor failed ({type(e).__name__}: {str(e)[:300]}); " \
                       "running the rewritten graph op by op"
