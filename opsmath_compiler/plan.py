@@ -92,6 +92,9 @@ def node_cost(n: fx.Node) -> float:
         q, k = n.args[0].meta["val"], n.args[1].meta["val"]
         B, H, Sq, D = q.shape
         return t + 4 * B * H * Sq * k.shape[2] * D / _FLOP_RATE
+    if n.target is torch.ops.opsmath.linear_cross_entropy.default:   # three GEMMs: logits, dx, dW
+        x, w = n.args[0].meta["val"], n.args[1].meta["val"]
+        return t + 6 * x.shape[0] * x.shape[1] * w.shape[0] / _FLOP_RATE
     moved = _nbytes(n) + sum(_nbytes(i) for i in n.all_input_nodes if i.op != "get_attr")
     return t + moved / _BYTE_RATE
 

@@ -1,0 +1,184 @@
+"""``opsmath::linear_cross_entropy``: an LM head's ``cross_entropy(x @ W^T + b, target)`` without the
+logits tensor.
+
+Math, for rows n (tokens), classes j < V, smoothing e, z = x_n W^T + b (N x V, never whole)::
+
+    lse_n  = log sum_j exp(z_nj)
+    loss_n = (1 - e) (lse_n - z_n,t) + e (lse_n - mean_j z_nj)        0 where t_n == ignore_index
+    loss   = sum_n loss_n / #valid   (mean)   or   sum_n loss_n   (sum)
+    G_nj   = s (softmax(z_n)_j - (1 - e) [j == t_n] - e / V)           s = 1/#valid or 1; 0 if ignored
+    dx = G W        dW = G^T x        db = sum_n G_n
+
+Shapes: x (N, C), W (V, C), b (V,) or None, target (N,) int64 -> loss (), dx (N, C), dW (V, C), db (V,).
+
+The rows go through in chunks of ``chunk`` tokens (about 256 MiB of logits each): a cuBLAS GEMM writes
+the chunk's logits in the compute dtype, one Triton program per row reads them twice (online max and
+sum, then the gradient) and overwrites them with ``G`` in place, so the gradient never needs a second
+logits-sized buffer; two more GEMMs add the chunk's share of dx and dW (dW accumulated in fp32).
+Because the loss is a scalar at the end of the graph, the gradients are computed in the forward (as
+Liger-Kernel does) and backward only scales them by the incoming gradient: no logits are recomputed.
+With ``compute_grad=False`` (eval graphs) only the loss is computed.
+
+The logits are rounded to the compute dtype before the softmax, exactly as eager autocast's
+``linear`` (bf16 out) followed by ``cross_entropy`` (upcast to fp32) does.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2, use_triton
+
+CHUNK_BYTES = 256 * 2**20
+
+
+def chunk_rows(V: int, N: int) -> int:
+    """Rows per chunk so that its fp32 logits take about ``CHUNK_BYTES`` (at least 64)."""
+    return max(64, min(N, CHUNK_BYTES // (4 * V)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-chunk softmax/loss/gradient: PyTorch reference and Triton kernel (same function)
+# --------------------------------------------------------------------------------------------------
+
+
+def _rows_reference(z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: float,
+                    scale: torch.Tensor, compute_grad: bool) -> torch.Tensor:
+    """Loss per row (fp32) of the logits chunk ``z`` (rows, V); overwrites ``z`` with G when asked."""
+    zf = z.float()
+    V = z.shape[1]
+    lse = torch.logsumexp(zf, 1)
+    valid = t != ignore_index
+    tt = torch.where(valid, t, 0)
+    zt = zf.gather(1, tt[:, None])[:, 0]
+    loss = (1 - smoothing) * (lse - zt) + smoothing * (lse - zf.mean(1))
+    loss = torch.where(valid, loss, 0.0)
+    if compute_grad:
+        g = torch.exp(zf - lse[:, None])
+        g.scatter_add_(1, tt[:, None], torch.full_like(zt[:, None], -(1 - smoothing)))
+        g = (g - smoothing / V) * torch.where(valid, scale, 0.0)[:, None]
+        z.copy_(g)
+    return loss
+
+
+@triton.jit
+def _ce_rows_kernel(Z, T, Loss, Scale, stride_z, V, ignore_index, smoothing,
+                    COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    t = tl.load(T + row)
+    m = tl.full((BLOCK,), -1e30, tl.float32)   # finite: lanes past V never make exp(-inf + inf)
+    s = tl.zeros((BLOCK,), tl.float32)
+    zsum = tl.zeros((BLOCK,), tl.float32)
+    zt = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inb = cols < V
+        z = tl.load(z_row + cols, mask=inb, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(m - m_new) + tl.where(inb, tl.exp(z - m_new), 0.0)
+        m = m_new
+        zsum += tl.where(inb, z, 0.0)
+        zt += tl.where(cols == t, z, 0.0)
+    mx = tl.max(m, 0)
+    lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), 0))
+    valid = t != ignore_index
+    loss = (1 - smoothing) * (lse - tl.sum(zt, 0)) + smoothing * (lse - tl.sum(zsum, 0) / V)
+    tl.store(Loss + row, tl.where(valid, loss, 0.0))
+    if COMPUTE_GRAD:
+        scale = tl.where(valid, tl.load(Scale), 0.0)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inb = cols < V
+            z = tl.load(z_row + cols, mask=inb, other=0.0).to(tl.float32)
+            g = tl.exp(z - lse) - tl.where(cols == t, 1 - smoothing, 0.0) - smoothing / V
+            tl.store(z_row + cols, (g * scale).to(Z.dtype.element_ty), mask=inb)
+
+
+def _rows(z, t, ignore_index, smoothing, scale, compute_grad):
+    if not use_triton(z):
+        return _rows_reference(z, t, ignore_index, smoothing, scale, compute_grad)
+    loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
+    block = min(4096, next_pow2(z.shape[1]))
+    _ce_rows_kernel[(z.shape[0],)](z, t, loss, scale, z.stride(0), z.shape[1], ignore_index, float(smoothing),
+                                   COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return loss
+
+
+# --------------------------------------------------------------------------------------------------
+# The chunked op
+# --------------------------------------------------------------------------------------------------
+
+
+def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: float, reduction: str,
+                                 compute_grad: bool, chunk: Optional[int] = None):
+    """(loss, dx, dW, db) as in the module doc; the gradients are empty tensors without compute_grad."""
+    N, C = x.shape
+    V = w.shape[0]
+    chunk = chunk or chunk_rows(V, N)
+    valid = (target != ignore_index).sum()
+    scale = (1.0 / valid.float()) if reduction == "mean" else torch.ones((), device=x.device)
+    scale = scale.reshape(1).to(torch.float32)
+    losses = torch.empty(N, device=x.device, dtype=torch.float32)
+    dx = torch.empty_like(x) if compute_grad else x.new_empty(0)
+    dw = torch.zeros(V, C, device=x.device, dtype=torch.float32) if compute_grad else w.new_empty(0)
+    db = torch.zeros(V, device=x.device, dtype=torch.float32) if compute_grad and b is not None else w.new_empty(0)
+    for s in range(0, N, chunk):
+        xc = x[s:s + chunk]
+        z = torch.addmm(b, xc, w.t()) if b is not None else xc @ w.t()       # (rows, V) compute dtype
+        losses[s:s + chunk] = _rows(z, target[s:s + chunk], ignore_index, smoothing, scale, compute_grad)
+        if compute_grad:                                                      # z now holds G
+            torch.mm(z, w, out=dx[s:s + chunk])
+            dw += (z.t() @ xc).float()
+            if b is not None:
+                db += z.sum(0, dtype=torch.float32)
+    loss = losses.sum()
+    if reduction == "mean":
+        loss = loss / valid
+    return loss, dx, dw.to(w.dtype) if compute_grad else dw, db.to(b.dtype) if db.numel() else db
+
+
+@torch.library.custom_op("opsmath::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], target: torch.Tensor,
+                            ignore_index: int, label_smoothing: float, reduction: str, compute_grad: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"opsmath::linear_cross_entropy takes reduction 'mean' or 'sum', got {reduction!r}")
+    return linear_cross_entropy_forward(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad)
+
+
+@linear_cross_entropy_op.register_fake
+def _(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad):
+    loss = x.new_empty((), dtype=torch.float32)
+    if not compute_grad:
+        return loss, x.new_empty(0), w.new_empty(0), w.new_empty(0)
+    return loss, torch.empty_like(x), torch.empty_like(w), b.new_empty(b.shape) if b is not None else w.new_empty(0)
+
+
+def _setup_context(ctx, inputs, output):
+    _, dx, dw, db = output
+    ctx.save_for_backward(dx, dw, db)
+    ctx.has_bias = inputs[2] is not None
+    ctx.compute_grad = inputs[7]
+
+
+def _backward(ctx, dloss, *_):
+    if not ctx.compute_grad:
+        raise RuntimeError("opsmath::linear_cross_entropy was called with compute_grad=False; "
+                           "it has no gradient to give")
+    dx, dw, db = ctx.saved_tensors
+    g = dloss.to(torch.float32)
+    return ((dx * g).to(dx.dtype), (dw * g).to(dw.dtype), (db * g).to(db.dtype) if ctx.has_bias else None,
+            None, None, None, None, None)
+
+
+linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(x, w, b=None, target=None, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
+    """``F.cross_entropy(F.linear(x, w, b), target, ...)`` for 2-D ``x`` without the logits tensor."""
+    need = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+    return linear_cross_entropy_op(x, w, b, target, ignore_index, label_smoothing, reduction, need)[0]

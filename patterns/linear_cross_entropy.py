@@ -1,0 +1,118 @@
+"""Linear-cross-entropy: an LM head's ``cross_entropy(linear(x, W, b) [.float()] .view(-1, V), t)`` to
+``opsmath::linear_cross_entropy`` (``kernels/linear_cross_entropy.py``), which never materializes the
+(tokens x vocab) logits, their fp32 copy, log-softmax or gradient.
+
+Anchor: ``aten.cross_entropy_loss`` on 2-D (N, V) input. Walking up from it through views that keep
+the class dim last, row slices (HF's ``logits[:, :-1]`` shift), ``contiguous`` and dtype casts, each
+with no other user, must reach an ``aten.linear`` whose only user is that chain. The views and slices
+are replayed on the linear's input x, so only the rows the loss reads are computed. Declined (left alone, with the reason in the report): class weights,
+``reduction='none'``, (N, V, ...) inputs, logits that the model also returns or uses elsewhere (they
+must exist whole then), an input that is not ``(..., C)`` flattened to (N, C).
+
+The linear's compute dtype (bf16 under autocast) is kept: x, W and b are cast to it explicitly, since
+a custom op sees autocast's inputs uncast. The gradients are computed in the forward when any of x, W,
+b can need one and grad mode is on at capture; an inference graph computes the loss only.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from opsmath.canonicalize import VIEWS, aten, dtype, is_cast, is_op, shape
+from opsmath.match import RewriteContext, node_line
+
+_REDUCTIONS = {1: "mean", 2: "sum"}
+_ROW_OPS = {aten.slice.Tensor, aten.contiguous.default}   # row selection (HF's shift) and copies
+
+
+def _arg(node: fx.Node, i: int, name: str, default):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+class LinearCrossEntropyPattern:
+    name = "linear_cross_entropy"
+
+    def apply(self, ctx: RewriteContext) -> None:
+        for n in list(ctx.graph.nodes):
+            if getattr(n, "_erased", False) or not is_op(n, {aten.cross_entropy_loss.default}):
+                continue
+            if not ctx.allowed(self.name, n):
+                continue
+            found = self._match(n)
+            if isinstance(found, str):
+                ctx.declined(self.name, n, found)
+                continue
+            self._emit(ctx, n, *found)
+
+    def _match(self, ce: fx.Node):
+        logits, target = ce.args[0], ce.args[1]
+        if _arg(ce, 2, "weight", None) is not None:
+            return "class weights are not supported"
+        reduction = _arg(ce, 3, "reduction", 1)
+        if reduction not in _REDUCTIONS:
+            return "reduction='none' needs the per-token losses"
+        if len(shape(logits)) != 2 or not isinstance(target, fx.Node) or len(shape(target)) != 1:
+            return f"input of shape {shape(logits)}: only (tokens, classes) is fused"
+        chain, node = [], logits
+        while is_op(node, VIEWS | _ROW_OPS) or is_cast(node):
+            if len(node.users) != 1:
+                return "the logits are used elsewhere, so they must exist whole"
+            if is_op(node, {aten.slice.Tensor}) and \
+                    (node.args[1] if len(node.args) > 1 else 0) % len(shape(node)) == len(shape(node)) - 1:
+                return "the logits are sliced along the classes"
+            if is_op(node, VIEWS) and (not shape(node) or shape(node)[-1] != shape(node.args[0])[-1]):
+                return "a view mixes the class dim with the rows"
+            chain.append(node)
+            node = node.args[0]
+        lin = node
+        if not is_op(lin, {aten.linear.default}):
+            return "the logits do not come from a linear layer"
+        if len(lin.users) != 1:
+            return "the logits are used elsewhere (e.g. returned), so they must exist whole"
+        x, w = lin.args[0], lin.args[1]
+        b = lin.args[2] if len(lin.args) > 2 else None
+        V = shape(logits)[1]
+        if len(shape(w)) != 2 or shape(w)[0] != V or not shape(x):
+            return f"the linear's weight {shape(w)} does not give the {V} classes"
+        if dtype(target) not in (torch.int64, torch.int32):
+            return "class-probability targets are not supported"
+        return lin, x, w, b, target, _REDUCTIONS[reduction], chain
+
+    def _emit(self, ctx, ce, lin, x, w, b, target, reduction, chain):
+        cdt = dtype(lin)
+        ignore_index = int(_arg(ce, 4, "ignore_index", -100))
+        smoothing = float(_arg(ce, 5, "label_smoothing", 0.0))
+        compute_grad = torch.is_grad_enabled() and any(
+            t is not None and ctx.may_require_grad(t) for t in (x, w, b))
+        before = [node_line(n) for n in [lin, *reversed(chain), ce]]
+        with ctx.graph.inserting_before(ce):
+            def cast(t):
+                return t if t is None or dtype(t) == cdt else ctx.call(aten.to.dtype, (t, cdt), ce)
+            rows = cast(x)
+            for op in reversed(chain):   # the rows' views and slices, replayed on x instead of logits
+                if is_op(op, {aten.slice.Tensor}):
+                    rows = ctx.call(aten.slice.Tensor, (rows, *op.args[1:]), ce, dict(op.kwargs))
+                elif is_op(op, VIEWS):
+                    rows = ctx.call(aten.reshape.default, (rows, [*shape(op)[:-1], shape(x)[-1]]), ce)
+            x2 = ctx.call(aten.reshape.default, (rows, [-1, shape(x)[-1]]), ce)
+            res = ctx.call(torch.ops.opsmath.linear_cross_entropy.default,
+                           (x2, cast(w), cast(b), target, ignore_index, smoothing, reduction, compute_grad), ce)
+            loss = ctx.call(operator.getitem, (res, 0), ce)
+            if dtype(ce) != torch.float32:
+                loss = ctx.call(aten.to.dtype, (loss, dtype(ce)), ce)
+        ce.replace_all_uses_with(loss)
+        ctx.erase_dead([ce])
+        N, V = shape(x2)[0], shape(w)[0]
+        desc = [f"{N} tokens x {V} classes", reduction]
+        if smoothing:
+            desc.append(f"label_smoothing={smoothing:g}")
+        if not compute_grad:
+            desc.append("loss only")
+        ctx.replaced(self.name, ce, [lin, *chain, ce], f"opsmath::linear_cross_entropy({', '.join(desc)})",
+                     before, tokens=N, classes=V, reduction=reduction, compute_grad=compute_grad,
+                     dtype=str(cdt).replace("torch.", ""), logits_bytes=4 * N * V)
+
+
+PATTERN = LinearCrossEntropyPattern()

@@ -1,0 +1,95 @@
+"""opsmath::linear_cross_entropy vs ``F.cross_entropy(F.linear(x, W, b), t)``: DESIGN.md's rule against
+float64, loss and dx/dW/db, odd sizes, several chunks, ignore_index, label smoothing, mean and sum;
+the Triton row kernel through the interpreter on CPU."""
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opsmath.kernels.linear_cross_entropy import (linear_cross_entropy, linear_cross_entropy_forward,
+                                                  linear_cross_entropy_op)
+from tolerance import assert_rule
+
+from conftest import DEVICE
+
+CASES = [  # N, C, V, bias, ignore, smoothing, reduction, chunk
+    (37, 24, 101, False, False, 0.0, "mean", None),
+    (150, 16, 257, True, True, 0.0, "mean", 64),
+    (150, 16, 257, True, True, 0.1, "sum", 40),
+    (65, 32, 5000, False, True, 0.05, "mean", 16),
+]
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def make(case, dtype, device):
+    N, C, V, bias, ignore, *_ = case
+    torch.manual_seed(0)
+    x = torch.randn(N, C, device=device, dtype=dtype)
+    w = torch.randn(V, C, device=device, dtype=dtype) / C ** 0.5
+    b = torch.randn(V, device=device, dtype=dtype) if bias else None
+    t = torch.randint(0, V, (N,), device=device)
+    if ignore:
+        t[::3] = -100
+    return x, w, b, t
+
+
+def eager(x, w, b, t, smoothing, reduction):
+    return F.cross_entropy(F.linear(x, w, b).float(), t, label_smoothing=smoothing, reduction=reduction)
+
+
+def grads_of(fn, x, w, b, dtype):
+    xs = [a.detach().to(dtype).requires_grad_() if a is not None else None for a in (x, w, b)]
+    loss = fn(*xs)
+    loss.backward()
+    return [loss.detach()] + [a.grad for a in xs if a is not None]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_matches_eager(case, dtype, path, request, monkeypatch):
+    if path == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    elif DEVICE == "cuda":
+        pytest.skip("CUDA tensors always take the Triton path")
+    *_, smoothing, reduction, chunk = case
+    x, w, b, t = make(case, dtype, DEVICE)
+    if chunk:  # force several chunks through the op
+        module = importlib.import_module("opsmath.kernels.linear_cross_entropy")  # not the function
+        monkeypatch.setattr(module, "chunk_rows", lambda V, N: chunk)
+    fused = grads_of(lambda x, w, b: linear_cross_entropy(x, w, b, t, -100, smoothing, reduction), x, w, b, dtype)
+    ref = grads_of(lambda x, w, b: eager(x, w, b, t, smoothing, reduction), x, w, b, torch.float64)
+    same = grads_of(lambda x, w, b: eager(x, w, b, t, smoothing, reduction), x, w, b, dtype)
+    for name, f, e, r in zip(["loss", "dx", "dw", "db"], fused, same, ref):
+        assert_rule(f, e, r, name=name)
+
+
+def test_scales_by_the_incoming_gradient_and_eval_mode():
+    x, w, b, t = make(CASES[1], torch.float32, DEVICE)
+    xs = [a.clone().requires_grad_() for a in (x, w, b)]
+    (3.0 * linear_cross_entropy(*xs, t)).backward()
+    xr = [a.clone().requires_grad_() for a in (x, w, b)]
+    (3.0 * eager(*xr, t, 0.0, "mean")).backward()
+    for a, r in zip(xs, xr):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        loss, dx, dw, db = linear_cross_entropy_op(x, w, b, t, -100, 0.0, "mean", False)
+    assert dx.numel() == dw.numel() == db.numel() == 0
+    torch.testing.assert_close(loss, eager(x, w, b, t, 0.0, "mean"), rtol=1e-5, atol=1e-6)
+
+
+def test_all_ignored_is_nan_like_torch_and_bad_reduction_raises():
+    x, w, b, t = make(CASES[0], torch.float32, DEVICE)
+    t[:] = -100
+    loss = linear_cross_entropy_forward(x, w, b, t, -100, 0.0, "mean", False)[0]
+    assert torch.isnan(loss) and torch.isnan(eager(x, w, b, t, 0.0, "mean"))
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy_op(x, w, b, t, -100, 0.0, "none", False)
+
+
+def test_opcheck():
+    x, w, b, t = make(CASES[1], torch.float32, DEVICE)
+    x.requires_grad_()
+    w.requires_grad_()
+    torch.library.opcheck(linear_cross_entropy_op, (x, w, b, t, -100, 0.0, "mean", True))

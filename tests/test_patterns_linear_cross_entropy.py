@@ -1,0 +1,102 @@
+"""The linear_cross_entropy rewrite: LM-head spellings fused (loss and grads equal eager), and the
+cases that must keep their logits declined with a reason."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import opsmath
+
+B, T, C, V = 2, 9, 16, 37
+
+
+class Head(nn.Module):
+    def __init__(self, spelling, bias=False):
+        super().__init__()
+        self.proj = nn.Linear(C, C)
+        self.lm_head = nn.Linear(C, V, bias=bias)
+        self.spelling = spelling
+
+    def forward(self, x, t):
+        h = self.proj(x)
+        s = self.spelling
+        if s == "nanogpt":        # logits.view(-1, V), targets.view(-1), ignore_index=-1
+            logits = self.lm_head(h)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1), ignore_index=-1)
+        if s == "llama_float":    # .float() before the loss, HF-style shift, reduction sum / count
+            logits = self.lm_head(h).float()
+            sl, st = logits[:, :-1].contiguous(), t[:, 1:].contiguous()
+            return F.cross_entropy(sl.view(-1, V), st.view(-1), reduction="sum") / st.numel()
+        if s == "flat_input":     # rows flattened before the head, label smoothing
+            return F.cross_entropy(self.lm_head(h.reshape(-1, C)), t.reshape(-1), label_smoothing=0.1)
+        if s == "returns_logits":
+            logits = self.lm_head(h)
+            return logits, F.cross_entropy(logits.view(-1, V), t.view(-1))
+        if s == "class_dim_1":    # (B, V, T) input
+            return F.cross_entropy(self.lm_head(h).transpose(1, 2), t)
+        if s == "reduction_none":
+            return F.cross_entropy(self.lm_head(h).view(-1, V), t.view(-1), reduction="none").mean()
+        if s == "class_weights":
+            return F.cross_entropy(self.lm_head(h).view(-1, V), t.view(-1), weight=torch.ones(V, device=h.device))
+        raise ValueError(s)
+
+
+def run(spelling, bias=False, amp=False):
+    torch.manual_seed(0)
+    ref = Head(spelling, bias)
+    model = opsmath.optimize(copy.deepcopy(ref))
+    x = torch.randn(B, T, C)
+    t = torch.randint(0, V, (B, T))
+    t[0, :3] = -1 if spelling == "nanogpt" else -100
+    outs = []
+    for m in (model, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = m(x, t)
+        loss = out[1] if isinstance(out, tuple) else out
+        loss.backward()
+        outs.append(loss)
+    return model, ref, outs
+
+
+@pytest.mark.parametrize("spelling,bias", [("nanogpt", False), ("llama_float", False), ("flat_input", True)])
+def test_fused_spellings_match_eager(spelling, bias):
+    model, ref, (loss, ref_loss) = run(spelling, bias)
+    matches = [m for m in opsmath.report(model).graphs[0].matches if m.pattern == "linear_cross_entropy"]
+    assert len(matches) == 1 and matches[0].details["compute_grad"]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_autocast_keeps_the_bf16_matmul():
+    model, ref, (loss, ref_loss) = run("nanogpt", amp=True)
+    m = [m for m in opsmath.report(model).graphs[0].matches if m.pattern == "linear_cross_entropy"][0]
+    assert m.details["dtype"] == "bfloat16"
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-3, atol=1e-3)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert ((p.grad - q.grad).norm() / q.grad.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("spelling,reason", [
+    ("returns_logits", "used elsewhere"), ("class_dim_1", "only (tokens, classes)"),
+    ("reduction_none", "reduction='none'"), ("class_weights", "class weights")])
+def test_declines_keep_eager_and_say_why(spelling, reason):
+    model, ref, (loss, ref_loss) = run(spelling)
+    g = opsmath.report(model).graphs[0]
+    assert not [m for m in g.matches if m.pattern == "linear_cross_entropy"]
+    assert any(d.pattern == "linear_cross_entropy" and reason in d.reason for d in g.declines)
+    torch.testing.assert_close(loss, ref_loss)
+
+
+def test_inference_graph_computes_the_loss_only():
+    torch.manual_seed(0)
+    ref = Head("nanogpt").eval()
+    model = opsmath.optimize(copy.deepcopy(ref))
+    x, t = torch.randn(B, T, C), torch.randint(0, V, (B, T))
+    with torch.no_grad():
+        loss = model(x, t)
+    m = [m for m in opsmath.report(model).graphs[0].matches if m.pattern == "linear_cross_entropy"][0]
+    assert not m.details["compute_grad"]
+    torch.testing.assert_close(loss, ref(x, t), rtol=1e-5, atol=1e-6)
