@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# One device call: install, GPU tests (bf16 through the Triton kernels), then the benchmarks.
-# Everything lands in $OUT (the device tool brings it back); run from the repository root.
-# SKIP_TESTS / SKIP_ATTN / SKIP_DAN / SKIP_PROFILE=1 leave a part out; TESTS picks test files.
+# One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
+# Run from the repository root; everything lands in $OUT (the device tool brings it back).
+#   STEPS="tests attention lce dan train memory llama"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
+export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
-[ -n "${SKIP_TESTS:-}" ] || OPSMATH_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x --tb=short \
-    -p no:warnings ${TESTS:-tests/test_models.py tests/test_kernel_dropout_add_norm.py tests/test_kernel_attention.py} \
-    2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-[ -n "${SKIP_ATTN:-}" ] || (cd benchmarks && timeout ${BENCH_TIMEOUT:-200} python3 attention.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/attention.log" | tail -45)
-[ -n "${SKIP_DAN:-}" ] || (cd benchmarks && timeout 120 python3 dropout_add_norm.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/dropout_add_norm.log" | tail -40)
-[ -n "${SKIP_PROFILE:-}" ] || (cd benchmarks && timeout 60 python3 profile_dropout_add_norm.py 2>&1 | tee "$OUT/profile_dan.log" | tail -40)
-[ -n "${SKIP_STEP:-}" ] || (cd benchmarks && timeout 150 python3 profile_step.py 2>&1 | tee "$OUT/profile_step.log" | tail -30)
+step() {  # step NAME TIMEOUT CMD...
+    local name=$1 limit=$2; shift 2
+    case " ${STEPS:-tests attention lce dan train memory llama} " in *" $name "*) ;; *) return ;; esac
+    echo "== $name"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "rc=$? ($name)"; grep -v -i "warn" "$OUT/$name.log" | tail -${TAIL:-30}
+}
+step tests ${TEST_TIMEOUT:-300} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
+    ${TESTS:-tests/test_models.py tests/test_kernel_dropout_add_norm.py tests/test_kernel_attention.py \
+    tests/test_attention_vendor.py tests/test_inductor.py tests/test_kernel_linear_cross_entropy.py \
+    tests/test_patterns_linear_cross_entropy.py}
+step attention 300 python3 benchmarks/attention.py ${BENCH_ARGS:-}
+step lce 120 python3 benchmarks/linear_cross_entropy.py
+step dan 120 python3 benchmarks/dropout_add_norm.py
+step train 400 python3 benchmarks/train.py --gpt
+step memory 400 python3 benchmarks/memory.py
+step llama 500 python3 benchmarks/train.py --llama --only "${LLAMA_ONLY:-eager,eager + SDPA,torch.compile + SDPA,opsmath.optimize}"
