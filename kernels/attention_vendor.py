@@ -113,7 +113,7 @@ def accurate_backends(run, q, k, v, bias, mask, vbias, dout) -> list[str]:
     b, m, vb, do = cut(bias), cut(mask), cut(vbias), cut(dout)
 
     def grads(name, dt):
-        x = [t.to(dt).requires_grad_() for t in sub]
+        x = [t.detach().clone().to(dt).requires_grad_() for t in sub]   # fresh leaves: no grad accumulation
         out = run(name, *x, b, m, vb, 0.0)
         out.backward(do.to(out.dtype))
         return [out.detach().float()] + [t.grad.float() for t in x]

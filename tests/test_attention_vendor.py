@@ -113,3 +113,19 @@ def test_choose_measures_and_caches(tmp_path, monkeypatch):
     entry = autotune.lookup("attention", vendor.bucket_key(torch.empty(4, 16, 1024, 64, dtype=torch.bfloat16),
                                                            torch.empty(4, 16, 1024, 64), False, False, True, 0.0))
     assert entry["choice"] == choice and "opsmath" in entry["ms"] and len(entry["ms"]) >= 2
+
+
+def test_accuracy_check_admits_exact_backends_and_rejects_wrong_ones(monkeypatch):
+    """``accurate_backends`` on CPU, with stand-in backends: one computes the function, one is off
+    by 1% in the output, one drops the gradient of K."""
+    monkeypatch.setattr(vendor, "BACKENDS", {"exact": None, "noisy": None, "no_dk": None})
+    q, k, v, bias, mask, causal, scale = inputs(CASES[2], torch.float32, "cpu")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def run(name, q, k, v, bias, mask, vbias, p):
+        if name == "no_dk":
+            k = k.detach()
+        out = attention_reference(q, k, v, bias, mask, float("-inf"), causal, scale, p, 0)[0]
+        return out * 1.01 if name == "noisy" else out
+    dout = torch.randn_like(q)
+    assert vendor.accurate_backends(run, q, k, v, bias, mask, None, dout) == ["exact"]
