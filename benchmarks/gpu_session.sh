@@ -22,6 +22,6 @@ step tests ${TEST_TIMEOUT:-300} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -
 step attention 300 python3 benchmarks/attention.py ${BENCH_ARGS:-}
 step lce 120 python3 benchmarks/linear_cross_entropy.py
 step dan 120 python3 benchmarks/dropout_add_norm.py
-step train 400 python3 benchmarks/train.py --gpt --only "${TRAIN_ONLY:-}"
-step memory 400 python3 benchmarks/memory.py
+step train ${TRAIN_TIMEOUT:-400} python3 benchmarks/train.py --gpt --only "${TRAIN_ONLY:-}"
+step memory ${MEMORY_TIMEOUT:-400} python3 benchmarks/memory.py ${MEMORY_ARGS:-}
 step llama 500 python3 benchmarks/train.py --llama --only "${LLAMA_ONLY:-eager,eager + SDPA,torch.compile + SDPA,opsmath.optimize}"

@@ -66,6 +66,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--inductor-rows", default="none,0.5",
                     help="budgets also run with Inductor (the CUDA default; each row compiles for ~40 s)")
+    ap.add_argument("--quick", action="store_true", help="fewer budgets and lengths (device time)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -96,7 +97,7 @@ def main():
     for f in (0.75, 0.5, 0.25):
         row(f"opsmath budget {f}", lambda f=f: ops(f), f)
     if base["peak"] is not None:
-        for frac in (0.8, 0.65, 0.5, 0.4):
+        for frac in ((0.65, 0.5) if args.quick else (0.8, 0.65, 0.5, 0.4)):
             b = int(base["peak"] * frac)
             r = row(f"opsmath budget {b / 2**30:.2f} GiB", lambda b=b: ops(b), b)
             if r["error"]:
@@ -106,7 +107,7 @@ def main():
         row(f"opsmath + Inductor budget {spec}", lambda b=budget: opsmath.optimize(
             build(cfg, device, "eager"), memory_budget=b, inductor=True), budget)
     row("per-block checkpoint", lambda: build(cfg, device, "per_block_checkpoint"))
-    for f in (0.75, 0.5, 0.25):
+    for f in ((0.5,) if args.quick else (0.75, 0.5, 0.25)):
         def compiled(f=f):
             torch._functorch.config.activation_memory_budget = f
             return torch.compile(build(cfg, device, "eager"))
@@ -117,7 +118,7 @@ def main():
             r["overhead_vs_opsmath_unconstrained"] = r["ms"] / base["ms"] - 1
 
     longest = {}
-    lengths = (128, 256) if args.smoke else (2048, 4096, 8192, 16384, 24576, 32768)
+    lengths = (128, 256) if args.smoke else ((2048, 4096, 8192, 16384, 24576) if args.quick else (2048, 4096, 8192, 16384, 24576, 32768))
     for name, variant, budget in (("eager", "eager", None), ("eager + SDPA", "sdpa", None),
                                   ("per-block checkpoint", "per_block_checkpoint", None),
                                   ("opsmath 8GiB", "eager", "8GiB")):

@@ -59,7 +59,14 @@ def vendor_eligible(device: torch.device, mask_fill: float, bias_requires_grad: 
 
 def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: float, is_causal: bool,
            scale: float, dropout_p: float) -> str:
-    """Measure and return the fastest correct implementation for these shapes (see module doc)."""
+    """Measure and return the fastest correct implementation for these shapes (see module doc).
+    Runs outside the caller's autocast (which would turn the fp32 reference into bf16) and grad mode."""
+    with torch.autocast(device.type, enabled=False), torch.enable_grad():
+        return _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale,
+                       dropout_p)
+
+
+def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale, dropout_p):
     from opsmath.autotune import pick
 
     from .attention import attention_op, attention_reference
