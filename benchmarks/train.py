@@ -135,7 +135,7 @@ def main():
                                              if not only or n in only])
     if not args.smoke:
         from _harness import write
-        print("wrote", write("train", out))
+        print("wrote", write("train-" + "-".join(kinds), out))
 
 
 if __name__ == "__main__":
