@@ -31,7 +31,7 @@ from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
 
 from .analysis import kernel_launches, saved_activation_bytes, saved_bytes_by_node, to_networkx
 from .capture import lower_to_aten
-from .plan import InfeasibleBudget, parse_budget, plan_and_emit
+from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
 from .match import Decline, Match, run_patterns
 
 
@@ -129,12 +129,13 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
             if state.analyze or state.memory_budget is not None else None
         after_saved = sum(by_node.values()) if by_node is not None and state.analyze else None
-        plan = None
+        plan = base = None
         if state.memory_budget is not None:
             if by_node is None:
                 log.warning("opsmath: graph %d could not be analyzed on fake tensors; no recompute planned "
                             "for memory_budget=%r", len(state.graphs), state.memory_budget)
             else:
+                base = clone_graph_module(ctx.gm) if parse_budget(state.memory_budget)[0] == "bytes" else None
                 # under Inductor the plan becomes recompute tags its partitioner must honor
                 plan = plan_and_emit(ctx.gm, by_node, state.memory_budget,
                                      _resident_bytes(list(example_inputs), model),
@@ -147,25 +148,80 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
             capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
             saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan)
         state.graphs.append(record)
-        fn = ctx.gm
-        if use_inductor:
-            try:
-                t1 = time.perf_counter()
-                fn = compile_fx(ctx.gm, list(example_inputs))
-                record.inductor, record.inductor_seconds = True, time.perf_counter() - t1
-            except Exception as e:  # Inductor failure: the emitted graph still runs, op by op
-                msg = f"graph {record.index}: Inductor failed ({type(e).__name__}: {str(e)[:300]}); " \
-                      "running the rewritten graph op by op"
-                log.warning("opsmath: %s", msg)
-                state.fallback_errors.append(msg)
-                fn = ctx.gm
+        fn = _finish(state, record, ctx.gm, list(example_inputs), use_inductor)
         record.capture_seconds = time.perf_counter() - t0
+        replan = [base, None]   # an absolute budget is checked once more, at the graph's second call
 
         def run(*args):
+            nonlocal fn
             record.calls += 1
+            if replan[0] is not None:
+                if record.calls == 1:   # the process's peak so far: step 1's own peak is what exceeds it
+                    replan[1] = _max_allocated(args)
+                elif record.calls == 2:
+                    g = _replan(state, record, replan[0], by_node, list(args), model, use_inductor, replan[1])
+                    replan[0] = None
+                    if g is not None:
+                        fn = _finish(state, record, g, list(args), use_inductor)
             return fn(*args)
         return run
     return opsmath_backend
+
+
+def _finish(state, record, gm, example_inputs, use_inductor):
+    """The callable that runs ``gm``: Inductor's compiled graph, or ``gm`` itself (op by op)."""
+    if not use_inductor:
+        return gm
+    try:
+        t1 = time.perf_counter()
+        fn = compile_fx(gm, example_inputs)
+        record.inductor, record.inductor_seconds = True, record.inductor_seconds + time.perf_counter() - t1
+        return fn
+    except Exception as e:  # Inductor failure: the emitted graph still runs, op by op
+        msg = f"graph {record.index}: Inductor failed ({type(e).__name__}: {str(e)[:300]}); " \
+              "running the rewritten graph op by op"
+        log.warning("opsmath: %s", msg)
+        state.fallback_errors.append(msg)
+        return gm
+
+
+def _max_allocated(args) -> Optional[int]:
+    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
+    return torch.cuda.max_memory_allocated(cuda[0].device) if cuda else None
+
+
+def _replan(state, record, base, by_node, args, model, use_inductor, peak_before):
+    """At the graph's second call, under an absolute budget: what the first plan assumed may have been
+    wrong. Optimizer state appears after the first step (AdamW: 8 bytes per parameter), so the resident
+    bytes are measured again; on CUDA the first step's measured peak is compared with the prediction and
+    the unexplained excess (workspaces, autocast's weight cache) is taken off the budget (measured as
+    ``max_memory_allocated`` when it rose during step 1, so the user's own peak statistics are untouched). When either
+    moved, the plan is made once more on a fresh copy of the rewritten graph, else nothing changes.
+    Returns the re-planned graph or None; an infeasible budget raises ``InfeasibleBudget``."""
+    old = record.plan
+    resident = _resident_bytes(args, model)
+    measured = _max_allocated(args)
+    if measured is None or peak_before is None or measured <= peak_before:
+        measured = None   # step 1 never exceeded an earlier peak of the process: its own is unknown
+    old.measured_peak = measured
+    over = max(0, measured - old.predicted_peak) if measured is not None else 0
+    slack = int(0.01 * parse_budget(state.memory_budget)[1])
+    if resident <= old.resident + slack and over <= slack:
+        return None
+    budget = int(parse_budget(state.memory_budget)[1]) - over
+    why = (f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB"
+           + (f"; first step measured {measured / 2**20:.1f} MiB, {over / 2**20:.1f} MiB over the prediction, "
+              f"taken off the budget" if over > slack else ""))
+    g = clone_graph_module(base)
+    try:
+        plan = plan_and_emit(g, by_node, budget, resident, how="tag" if use_inductor else "checkpoint")
+    except InfeasibleBudget as e:
+        raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after the first step "
+                               f"({why}): {e}") from None
+    plan.replanned, plan.measured_peak = why, measured
+    record.plan = plan
+    log.warning("opsmath: graph %d re-planned for memory_budget=%r: %s", record.index, state.memory_budget, why)
+    return g
 
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,

@@ -130,6 +130,7 @@ class Plan:
     recompute_seconds: float = 0.0
     planning_seconds: float = 0.0
     measured_peak: int | None = None
+    replanned: str = ""         # why the plan was re-made at the graph's second call, if it was
 
     def to_dict(self) -> dict:
         return dict(budget=str(self.budget), resident=self.resident, unconstrained=self.unconstrained,
@@ -138,11 +139,19 @@ class Plan:
                                  saved=self.segments[i].saved, inputs=self.segments[i].inputs,
                                  cost=self.segments[i].cost) for i in self.chosen],
                     recompute_seconds=self.recompute_seconds, planning_seconds=self.planning_seconds,
-                    measured_peak=self.measured_peak)
+                    measured_peak=self.measured_peak, replanned=self.replanned)
 
 
 class InfeasibleBudget(ValueError):
     pass
+
+
+def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes (and shallow-copied meta) can be re-planned without touching ``gm``."""
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return fx.GraphModule(gm, g)
 
 
 def forward_order(gm: fx.GraphModule) -> list[fx.Node]:

@@ -115,6 +115,10 @@ class Report(Rendered):
         t.append(f"activations {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
                  f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms); planned in "
                  f"{p.planning_seconds:.2f}s", style="magenta")
+        if p.measured_peak is not None:
+            t.append(f"\nmeasured peak {_mib(p.measured_peak)} (max_memory_allocated when the graph ran again)")
+        if p.replanned:
+            t.append(f"\nre-planned at the second call: {p.replanned}", style="yellow")
         for i in p.chosen[:6]:
             s = p.segments[i]
             t.append(f"\n  segment {i}: nodes {s.start}-{s.end}, saves {_mib(s.saved)}, keeps "

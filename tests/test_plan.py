@@ -1,6 +1,8 @@
 """Recompute planning under memory_budget (CPU): budgets parse, plans honor them, a smaller budget never
 gives a larger predicted peak, an infeasible budget is a clear error, and recompute leaves loss and every
 gradient identical to no recompute, dropout on."""
+import copy
+
 import pytest
 import torch
 
@@ -81,3 +83,56 @@ def test_report_shows_the_plan():
     assert "memory plan: budget 0.6" in text and "segments recomputed" in text
     assert max(len(line) for line in text.splitlines()) <= 80
     assert rep.to_dict()["graphs"][0]["plan"]["chosen"]
+
+
+def _grown_resident(monkeypatch, extra):
+    """Resident bytes as measured at the graph's first call, then ``extra`` more (optimizer state)."""
+    from opsmath import api
+    real, calls = api._resident_bytes, []
+
+    def resident(args, model):
+        calls.append(1)
+        return real(args, model) + (extra if len(calls) > 1 else 0)
+    monkeypatch.setattr(api, "_resident_bytes", resident)
+
+
+def test_second_call_replans_when_the_resident_memory_grew(monkeypatch):
+    """Optimizer state appears after step 1: the plan is re-made once for the new resident bytes, and
+    the step still computes what an unplanned step computes."""
+    _, _, rep = _run(1.0)
+    p = rep.graphs[0].plan
+    budget = int(p.resident + 0.85 * p.unconstrained)
+    _grown_resident(monkeypatch, int(0.1 * p.unconstrained))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    ref = copy.deepcopy(model)
+    opt = opsmath.optimize(model, memory_budget=budget)
+    opt(*batch).backward()
+    first = opsmath.report(opt).graphs[0].plan
+    model.zero_grad()
+    loss = opt(*batch)
+    loss.backward()
+    second = opsmath.report(opt).graphs[0].plan
+    assert "resident" in second.replanned and second is not first
+    assert second.resident > first.resident and second.predicted_peak <= budget
+    assert len(second.chosen) > len(first.chosen)
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    opt(*batch)   # once only: a third call keeps the plan
+    assert opsmath.report(opt).graphs[0].plan is second
+
+
+def test_second_call_raises_when_the_budget_no_longer_fits(monkeypatch):
+    _, _, rep = _run(1.0)
+    p = rep.graphs[0].plan
+    _grown_resident(monkeypatch, 10 * p.unconstrained)
+    torch._dynamo.reset()
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    opt = opsmath.optimize(model, memory_budget=int(p.resident + 0.85 * p.unconstrained))
+    opt(*batch).backward()
+    with pytest.raises(InfeasibleBudget, match="no longer fits after the first step"):
+        opt(*batch)
