@@ -292,13 +292,61 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, seed,
              (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
 
-def _launch_cfg(q: torch.Tensor, D: int):
+# Block configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) the tuner measures, by padded head dim;
+# the first is the default. Pruned by hand to shapes that fit Hopper's shared memory at that head dim.
+CONFIGS = {64: [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
+           128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 8, 3)],
+           256: [(64, 32, 8, 1), (32, 32, 4, 1), (64, 64, 8, 1)]}
+_FORCED: list = [None]   # a configuration the tuner is measuring (``forced_config``)
+
+
+def configs_for(D: int) -> list[tuple[int, int, int, int]]:
     block_d = max(16, next_pow2(D))
-    if not q.is_cuda:  # interpreter: small blocks keep CPU tests fast
+    return CONFIGS[min(max(block_d, 64), 256)]
+
+
+def config_name(cfg) -> str:
+    return "opsmath:{}x{}w{}s{}".format(*cfg)
+
+
+class forced_config:
+    """``with forced_config((BM, BN, warps, stages)):`` launches use that configuration."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __enter__(self):
+        self.prev, _FORCED[0] = _FORCED[0], self.cfg
+
+    def __exit__(self, *exc):
+        _FORCED[0] = self.prev
+
+
+def _launch_cfg(q: torch.Tensor, D: int, key: Optional[str] = None):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, warps, stages): forced by the tuner, else the configuration the tuner
+    chose for this shape bucket (``autotune`` cache, op "attention", choice ``opsmath:BMxBNwWsS``),
+    else the default for the head dim."""
+    block_d = max(16, next_pow2(D))
+    cfg = _FORCED[0]
+    if cfg is None and key is not None:
+        from opsmath.autotune import cached
+        choice = cached("attention", key)
+        if choice and choice.startswith("opsmath:"):
+            bm, rest = choice[len("opsmath:"):].split("x")
+            bn, rest = rest.split("w")
+            w, st = rest.split("s")
+            cfg = (int(bm), int(bn), int(w), int(st))
+    if cfg is None and not q.is_cuda:  # interpreter: small blocks keep CPU tests fast
         return 16, 16, block_d, 4, 1
-    if block_d >= 256:
-        return 64, 32, block_d, 8, 1
-    return 64, 64, block_d, 4, 2
+    cfg = cfg or configs_for(D)[0]
+    return cfg[0], cfg[1], block_d, cfg[2], cfg[3]
+
+
+def _bucket(q, k, bias, mask, is_causal, dropout_p) -> Optional[str]:
+    if not q.is_cuda:
+        return None
+    from .attention_vendor import bucket_key
+    return bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p)
 
 
 def _precision(q: torch.Tensor):
@@ -327,7 +375,7 @@ def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, d
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
     stats = torch.empty((B, H, Sq, 2), device=q.device, dtype=torch.float32)
     b, m, bs, ms = _aux(q, k, bias, mask)
-    BM, BN, BD, warps, stages = _launch_cfg(q, D)
+    BM, BN, BD, warps, stages = _launch_cfg(q, D, _bucket(q, k, bias, mask, is_causal, dropout_p))
     grid = (triton.cdiv(Sq, BM), B * H)
     _attn_fwd[grid](q, k, v, b, m, out, stats, int(seed),
                     *q.stride(), *k.stride(), *v.stride(), *bs, *ms, *out.stride(),
@@ -348,7 +396,7 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
     dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
     dbias = torch.empty((B, H, Sq, Sk), device=q.device, dtype=torch.float32) if bias_grad else q.new_empty(1)
     b, m, bs, ms = _aux(q, k, bias, mask)
-    BM, BN, BD, warps, stages = _launch_cfg(q, D)
+    BM, BN, BD, warps, stages = _launch_cfg(q, D, _bucket(q, k, bias, mask, is_causal, dropout_p))
     common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
                   HAS_DROPOUT=dropout_p > 0, PRECISION=_precision(q),
                   BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)

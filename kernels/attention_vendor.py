@@ -11,8 +11,8 @@ promise), causal goes to ``is_causal`` when there is no bias (else into the bias
 as ours), GQA to ``enable_gqa``. Their dropout draws its own (Philox) bits: the same distribution
 as ours and as eager's, not the same mask.
 
-``choose(...)`` measures forward+backward of every eligible candidate on random tensors of the real
-shapes (``opsmath_compiler/autotune.py``: once per GPU, versions, dtype and shape bucket; persisted),
+``choose(...)`` measures forward+backward of every eligible candidate (opsmath's kernel in each block
+configuration of ``attention.CONFIGS``, and the SDPA backends) on random tensors of the real shapes (``opsmath_compiler/autotune.py``: once per GPU, versions, dtype and shape bucket; persisted),
 checks each vendor's output against opsmath's kernel (dropout off) with the tolerance rule, and
 returns the fastest: ``"opsmath"`` or ``"sdpa_flash"`` / ``"sdpa_cudnn"`` / ``"sdpa_efficient"``.
 ``sdpa(...)`` is what the emitted graph calls for a vendor choice.
@@ -69,7 +69,7 @@ def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: f
 def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale, dropout_p):
     from opsmath.autotune import pick
 
-    from .attention import attention_op, attention_reference
+    from .attention import attention_op, attention_reference, config_name, configs_for, forced_config
     q, k, v, bias, mask = _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape)
     key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p)
     dout = torch.randn(q_shape, device=device, dtype=dtype)
@@ -85,14 +85,20 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
             return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, p, seed)[0]
         return sdpa(q, k, v, vbias, is_causal and vbias is None, scale, p, name)
 
-    def fwd_bwd(name):
-        return lambda: torch.autograd.grad(run(name, q, k, v, bias, mask, vbias, dropout_p), (q, k, v), dout)
+    def fwd_bwd(name, cfg=None):
+        def step():
+            with forced_config(cfg):
+                return torch.autograd.grad(run(name, q, k, v, bias, mask, vbias, dropout_p), (q, k, v), dout)
+        return step
 
-    candidates = {"opsmath": fwd_bwd("opsmath")}
+    configs = configs_for(q.shape[-1])   # opsmath's own kernel in each block configuration
+    candidates = {"opsmath": fwd_bwd("opsmath", configs[0])}
+    candidates.update({config_name(c): fwd_bwd("opsmath", c) for c in configs[1:]})
     if vendor_eligible(device, mask_fill, False):
         for name in accurate_backends(run, q, k, v, bias, mask, vbias, dout):
             candidates[name] = fwd_bwd(name)
-    return pick("attention", key, candidates)
+    choice = pick("attention", key, candidates)
+    return "opsmath" if choice.startswith("opsmath") else choice   # its block configuration: see _launch_cfg
 
 
 def _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape):

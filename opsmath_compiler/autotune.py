@@ -18,6 +18,7 @@ a transient rich progress bar on a terminal when tuning is under way.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,10 +41,21 @@ def cache_path() -> Path:
     return Path(root) / "tuning.json"
 
 
+@functools.lru_cache(maxsize=None)
 def machine_key(device: Optional[torch.device] = None) -> str:
     import triton
     gpu = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
     return f"{gpu} | torch {torch.__version__} | triton {triton.__version__}"
+
+
+def cached(op: str, key: str) -> Optional[str]:
+    """The stored choice for ``(op, key)`` on this machine, or None; read from disk once per process
+    (a miss is remembered too), so kernels may call it on every launch."""
+    machine = machine_key()
+    if (machine, op, key) not in _MEMORY:
+        entry = lookup(op, key, machine)
+        _MEMORY[(machine, op, key)] = entry["choice"] if entry else None
+    return _MEMORY[(machine, op, key)]
 
 
 def load() -> dict:
@@ -101,7 +113,7 @@ def pick(op: str, key: str, candidates: dict[str, Callable[[], object]],
         raise ValueError(f"no candidates to tune {op} [{key}]")
     machine = machine_key()
     mem = _MEMORY.get((machine, op, key))
-    if mem in candidates:
+    if mem is not None and mem in candidates:
         return mem
     cached = lookup(op, key, machine)
     if cached and cached["choice"] in candidates:

@@ -95,3 +95,16 @@ def test_unwritable_cache_dir_is_not_fatal(tmp_path, monkeypatch):
     monkeypatch.setenv("OPSMATH_CACHE_DIR", str(blocker / "sub"))   # a directory under a file
     autotune._MEMORY.clear()
     assert autotune.pick("op", "k", {"a": named("a")}, fake_measure({"a": 1.0}, [])) == "a"
+
+
+def test_attention_launch_uses_the_tuned_block_configuration(cache):
+    """A choice ``opsmath:BMxBNwWsS`` stored by the tuner is what the kernel launches with."""
+    import torch
+    from opsmath.kernels.attention import _launch_cfg, config_name, forced_config
+    q = torch.empty(2, 4, 100, 64)
+    autotune.store("attention", "k", dict(choice=config_name((128, 32, 8, 2))))
+    assert _launch_cfg(q, 64, "k") == (128, 32, 64, 8, 2)
+    autotune.store("attention", "k2", dict(choice="sdpa_cudnn"))
+    assert _launch_cfg(q, 64, "k2") == (16, 16, 64, 4, 1)       # CPU default when opsmath was not chosen
+    with forced_config((64, 32, 4, 3)):
+        assert _launch_cfg(q, 64, "k") == (64, 32, 64, 4, 3)   # the tuner measuring a candidate

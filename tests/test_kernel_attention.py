@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from opsmath.kernels._common import dropout_keep, flat_offsets
-from opsmath.kernels.attention import attention_op, attention_reference
+from opsmath.kernels.attention import CONFIGS, attention_op, attention_reference, forced_config
 from tolerance import assert_rule
 
 from conftest import DEVICE
@@ -91,6 +91,24 @@ def test_triton_matches_eager(case, dtype, triton_on_cpu, device):
     atol = 1e-5 if dtype == torch.float32 else 2e-3
     for name, f, e, r in zip(["out", "dq", "dk", "dv", "dbias"], fused, eager, ref):
         assert_rule(f, e, r, atol=atol, name=f"{name} {dtype}")
+
+
+TUNED = [(32, 16, 4, 1), (16, 32, 4, 1)] if DEVICE != "cuda" else sorted({c for cs in CONFIGS.values() for c in cs})
+
+
+@pytest.mark.parametrize("cfg", TUNED, ids=str)
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4]], ids=str)
+def test_every_block_configuration_matches_eager(case, cfg, triton_on_cpu, device):
+    """The tuner may launch any configuration: BLOCK_M != BLOCK_N, odd lengths, causal block skipping,
+    dropout, GQA and masks must stay exact under each (on CPU: small non-square blocks)."""
+    torch.manual_seed(1)
+    args = _inputs(case, torch.float32, device)
+    with forced_config(cfg):
+        fused = _run(_fused, args, torch.float32)
+    eager = _run(eager_attention, args, torch.float32)
+    ref = _run(eager_attention, args, torch.float64)
+    for name, f, e, r in zip(["out", "dq", "dk", "dv", "dbias"], fused, eager, ref):
+        assert_rule(f, e, r, atol=1e-5, name=f"{name} {cfg}")
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=str)
