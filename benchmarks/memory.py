@@ -117,7 +117,7 @@ def main():
         if base["ms"] and r["ms"]:
             r["overhead_vs_opsmath_unconstrained"] = r["ms"] / base["ms"] - 1
 
-    longest = {}
+    longest, tried = {}, []   # every length tried, with its peak or why it failed
     lengths = (128, 256) if args.smoke else ((2048, 4096, 8192, 16384, 24576) if args.quick else (2048, 4096, 8192, 16384, 24576, 32768))
     for name, variant, budget in (("eager", "eager", None), ("eager + SDPA", "sdpa", None),
                                   ("per-block checkpoint", "per_block_checkpoint", None),
@@ -130,7 +130,11 @@ def main():
             def fn(c=c, variant=variant, budget=budget):
                 m = build(c, device, variant)
                 return opsmath.optimize(m, memory_budget=budget, inductor=False) if budget else m
-            peak, ms, _, err = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1)
+            peak, ms, model, err = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1)
+            tried.append(dict(variant=name, length=L, peak=peak, ms=ms, predicted=predicted(model) if budget else None,
+                              error=None if err is None else f"{type(err).__name__}: {str(err)[:200]}"))
+            print(f"  {name} T={L}: peak {'-' if peak is None else f'{peak / 2**30:.2f} GiB'} "
+                  f"{tried[-1]['error'] or ''}", flush=True)
             if err is not None or (peak is not None and peak > 8 * 2**30):
                 break
             longest[name] = L
@@ -138,7 +142,7 @@ def main():
 
     if not args.smoke:
         from _harness import write
-        print("wrote", write("memory", dict(rows=rows, longest_in_8GiB=longest, config=cfg, batch=[B, T])))
+        print("wrote", write("memory", dict(rows=rows, longest_in_8GiB=longest, lengths_tried=tried, config=cfg, batch=[B, T])))
 
 
 if __name__ == "__main__":

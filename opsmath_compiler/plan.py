@@ -132,6 +132,26 @@ class Plan:
     measured_peak: int | None = None
     replanned: str = ""         # why the plan was re-made at the graph's second call, if it was
 
+    def timeline(self) -> list[tuple[str, int, int]]:
+        """Predicted memory over the step at segment granularity: ``(phase, segment, bytes)``.
+
+        Forward: after segment i, resident + what segments 0..i keep (a recomputed segment keeps only
+        its inputs). Backward, last segment first: a recomputed segment's activations are live again
+        while its gradients are computed (``"recompute"`` point), then its kept bytes are freed. The
+        maximum is at most ``predicted_peak``, which bounds it by the largest recomputation."""
+        chosen = set(self.chosen)
+        kept = [s.inputs if i in chosen else s.saved for i, s in enumerate(self.segments)]
+        points, live = [], self.resident
+        for i, k in enumerate(kept):
+            live += k
+            points.append(("forward", i, live))
+        for i in range(len(kept) - 1, -1, -1):
+            if i in chosen:
+                points.append(("recompute", i, live + self.segments[i].saved))
+            live -= kept[i]
+            points.append(("backward", i, live))
+        return points
+
     def to_dict(self) -> dict:
         return dict(budget=str(self.budget), resident=self.resident, unconstrained=self.unconstrained,
                     kept=self.kept, transient=self.transient, predicted_peak=self.predicted_peak,
@@ -139,7 +159,8 @@ class Plan:
                                  saved=self.segments[i].saved, inputs=self.segments[i].inputs,
                                  cost=self.segments[i].cost) for i in self.chosen],
                     recompute_seconds=self.recompute_seconds, planning_seconds=self.planning_seconds,
-                    measured_peak=self.measured_peak, replanned=self.replanned)
+                    measured_peak=self.measured_peak, replanned=self.replanned,
+                    timeline=[list(t) for t in self.timeline()])
 
 
 class InfeasibleBudget(ValueError):

@@ -20,6 +20,18 @@ from .rendering import Rendered
 _SNIPPET_LINES = 6
 
 
+def _sparkline(values: list[int], width: int) -> str:
+    """``values`` resampled to ``width`` columns (max per column) as block characters, zero at the base."""
+    if not values:
+        return ""
+    bars = "▁▂▃▄▅▆▇█"
+    n = len(values)
+    cols = [max(values[int(c * n / width):max(int((c + 1) * n / width), int(c * n / width) + 1)])
+            for c in range(min(width, n))]
+    top = max(cols) or 1
+    return "".join(bars[min(len(bars) - 1, int(v / top * (len(bars) - 1) + 0.5))] for v in cols)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
@@ -115,6 +127,8 @@ class Report(Rendered):
         t.append(f"activations {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
                  f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms); planned in "
                  f"{p.planning_seconds:.2f}s", style="magenta")
+        t.append("\nmemory over the step (predicted; forward, then backward): ")
+        t.append(_sparkline([b for _, _, b in p.timeline()], 48), style="cyan")
         if p.measured_peak is not None:
             t.append(f"\nmeasured peak {_mib(p.measured_peak)} (max_memory_allocated when the graph ran again)")
         if p.replanned:

@@ -136,3 +136,17 @@ def test_second_call_raises_when_the_budget_no_longer_fits(monkeypatch):
     opt(*batch).backward()
     with pytest.raises(InfeasibleBudget, match="no longer fits after the first step"):
         opt(*batch)
+
+
+def test_memory_timeline_is_bounded_by_the_predicted_peak():
+    for budget in (1.0, 0.6):
+        _, _, rep = _run(budget)
+        p = rep.graphs[0].plan
+        tl = p.timeline()
+        values = [b for _, _, b in tl]
+        fwd = [b for phase, _, b in tl if phase == "forward"]
+        assert max(values) <= p.predicted_peak
+        assert fwd == sorted(fwd) and fwd[-1] == p.resident + p.kept   # forward only accumulates
+        assert tl[-1] == ("backward", 0, p.resident)                     # everything freed at the end
+        assert sum(phase == "recompute" for phase, _, _ in tl) == len(p.chosen)
+    assert "memory over the step" in rep.render(width=80)
