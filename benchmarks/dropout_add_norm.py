@@ -63,7 +63,7 @@ def main():
                     t = bench(step)
                     row.update(ms=t["ms"], tbps=nbytes / t["ms"] / 1e9, peak_gib=t["peak_bytes"] / 2**30)
                     rows.append(row)
-                del x, r, w, b, dy, ref
+                x = r = w = b = dy = ref = None  # free before the next shape
                 torch.cuda.empty_cache()
     path = write("dropout_add_norm", dict(rows=rows))
     print(f"{'dtype':9} {'N':>5} {'norm':5} {'impl':15} {'TB/s':>6} {'ms':>7} {'GiB':>6} {'err':>9}")

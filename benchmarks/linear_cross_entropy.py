@@ -51,7 +51,7 @@ def main():
             print(f"N{N} C{C} V{V} {name:14} {r['ms']:7.3f} ms {row['tflops']:6.1f} TFLOP/s "
                   f"peak {row['peak_gib']:6.2f} GiB  err loss {row['err_loss']:.1e} dx {row['err_dx']:.1e} "
                   f"dW {row['err_dw']:.1e}", flush=True)
-        del x, w, x32, w32, ref
+        x = w = x32 = w32 = ref = None  # free before the next shape
         torch.cuda.empty_cache()
     print("wrote", write("linear_cross_entropy", dict(rows=rows)))
 

@@ -49,7 +49,7 @@ def main():
         rows.append(dict(impl=name, dtype=str(dtype).replace("torch.", ""), params=n, ms=r["ms"],
                          floor_ms=floor_ms, x_floor=r["ms"] / floor_ms, peak_gib=r["peak_bytes"] / 2**30))
         print(f"{name:40} {r['ms']:7.3f} ms   floor {floor_ms:6.3f} ms   {r['ms'] / floor_ms:5.2f}x floor")
-        del ps, opt
+        ps = opt = None  # free before the next variant
         torch.cuda.empty_cache()
 
     f32 = torch.float32
