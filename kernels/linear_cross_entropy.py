@@ -130,8 +130,10 @@ def _rows(z, t, ignore_index, smoothing, scale, compute_grad):
 
 
 def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: float, reduction: str,
-                                 compute_grad: bool, chunk: Optional[int] = None):
-    """(loss, dx, dW, db) as in the module doc; the gradients are empty tensors without compute_grad."""
+                                 compute_grad: bool, return_logits: bool = False, chunk: Optional[int] = None):
+    """(loss, dx, dW, db, logits) as in the module doc; the gradients are empty tensors without
+    ``compute_grad``, ``logits`` (N, V) in the compute dtype only with ``return_logits`` (when the model
+    also returns them: the fp32 copy, log-softmax and gradient still never exist whole)."""
     N, C = x.shape
     V = w.shape[0]
     chunk = chunk or chunk_rows(V, N)
@@ -142,9 +144,12 @@ def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: 
     dx = torch.empty_like(x) if compute_grad else x.new_empty(0)
     dw = torch.zeros(V, C, device=x.device, dtype=torch.float32) if compute_grad else w.new_empty(0)
     db = torch.zeros(V, device=x.device, dtype=torch.float32) if compute_grad and b is not None else w.new_empty(0)
+    logits = x.new_empty(N, V) if return_logits else x.new_empty(0)
     for s in range(0, N, chunk):
         xc = x[s:s + chunk]
         z = torch.addmm(b, xc, w.t()) if b is not None else xc @ w.t()       # (rows, V) compute dtype
+        if return_logits:
+            logits[s:s + chunk] = z
         losses[s:s + chunk] = _rows(z, target[s:s + chunk], ignore_index, smoothing, scale, compute_grad)
         if compute_grad:                                                      # z now holds G
             torch.mm(z, w, out=dx[s:s + chunk])
@@ -154,41 +159,58 @@ def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: 
     loss = losses.sum()
     if reduction == "mean":
         loss = loss / valid
-    return loss, dx, dw.to(w.dtype) if compute_grad else dw, db.to(b.dtype) if db.numel() else db
+    return (loss, dx, dw.to(w.dtype) if compute_grad else dw, db.to(b.dtype) if db.numel() else db, logits)
 
 
 @torch.library.custom_op("opsmath::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], target: torch.Tensor,
-                            ignore_index: int, label_smoothing: float, reduction: str, compute_grad: bool
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                            ignore_index: int, label_smoothing: float, reduction: str, compute_grad: bool,
+                            return_logits: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if reduction not in ("mean", "sum"):
         raise ValueError(f"opsmath::linear_cross_entropy takes reduction 'mean' or 'sum', got {reduction!r}")
-    return linear_cross_entropy_forward(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad)
+    return linear_cross_entropy_forward(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad,
+                                        return_logits)
 
 
 @linear_cross_entropy_op.register_fake
-def _(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad):
+def _(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad, return_logits=False):
     loss = x.new_empty((), dtype=torch.float32)
+    logits = x.new_empty(x.shape[0], w.shape[0]) if return_logits else x.new_empty(0)
     if not compute_grad:
-        return loss, x.new_empty(0), w.new_empty(0), w.new_empty(0)
-    return loss, torch.empty_like(x), torch.empty_like(w), b.new_empty(b.shape) if b is not None else w.new_empty(0)
+        return loss, x.new_empty(0), w.new_empty(0), w.new_empty(0), logits
+    db = b.new_empty(b.shape) if b is not None else w.new_empty(0)
+    return loss, torch.empty_like(x), torch.empty_like(w), db, logits
 
 
 def _setup_context(ctx, inputs, output):
-    _, dx, dw, db = output
-    ctx.save_for_backward(dx, dw, db)
+    x, w = inputs[0], inputs[1]
+    _, dx, dw, db, _ = output
+    ctx.return_logits = inputs[8] if len(inputs) > 8 else False
+    # the returned logits can carry a gradient of their own (a z-loss, a distillation term): then
+    # dx += G_l W and dW += G_l^T x, so x and W are kept too
+    ctx.save_for_backward(dx, dw, db, *((x, w) if ctx.return_logits else ()))
     ctx.has_bias = inputs[2] is not None
     ctx.compute_grad = inputs[7]
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dloss, *_):
+def _backward(ctx, dloss, _ddx, _ddw, _ddb, dlogits):
     if not ctx.compute_grad:
         raise RuntimeError("opsmath::linear_cross_entropy was called with compute_grad=False; "
                            "it has no gradient to give")
-    dx, dw, db = ctx.saved_tensors
-    g = dloss.to(torch.float32)
-    return ((dx * g).to(dx.dtype), (dw * g).to(dw.dtype), (db * g).to(db.dtype) if ctx.has_bias else None,
-            None, None, None, None, None)
+    dx, dw, db, *xw = ctx.saved_tensors
+    g = dloss.to(torch.float32) if dloss is not None else torch.zeros((), device=dx.device)
+    gx, gw = (dx * g).to(dx.dtype), (dw * g).to(dw.dtype)
+    gb = (db * g).to(db.dtype) if ctx.has_bias else None
+    if ctx.return_logits and dlogits is not None:   # (tracing may hand a zero gradient: still correct)
+        x, w = xw
+        gl = dlogits.to(dx.dtype)
+        gx = gx + gl @ w
+        gw = gw + (gl.t() @ x).to(gw.dtype)
+        if ctx.has_bias:
+            gb = gb + gl.sum(0, dtype=torch.float32).to(gb.dtype)
+    return gx, gw, gb, None, None, None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)

@@ -6,8 +6,10 @@ Anchor: ``aten.cross_entropy_loss`` on 2-D (N, V) input. Walking up from it thro
 the class dim last, row slices (HF's ``logits[:, :-1]`` shift), ``contiguous`` and dtype casts, each
 with no other user, must reach an ``aten.linear`` whose only user is that chain. The views and slices
 are replayed on the linear's input x, so only the rows the loss reads are computed. Declined (left alone, with the reason in the report): class weights,
-``reduction='none'``, (N, V, ...) inputs, logits that the model also returns or uses elsewhere (they
-must exist whole then), an input that is not ``(..., C)`` flattened to (N, C).
+``reduction='none'``, (N, V, ...) inputs, a cast or view of the logits that something else reads.
+When the model also returns the logits themselves (Hugging Face's ``CausalLMOutput.logits``), the op
+returns them too, in the compute dtype: the fp32 copy, log-softmax and gradient still never exist
+whole (declined if the loss reads a slice of them or something reads them before the loss).
 
 The linear's compute dtype (bf16 under autocast) is kept: x, W and b are cast to it explicitly, since
 a custom op sees autocast's inputs uncast. The gradients are computed in the forward when any of x, W,
@@ -55,10 +57,13 @@ class LinearCrossEntropyPattern:
             return "reduction='none' needs the per-token losses"
         if len(shape(logits)) != 2 or not isinstance(target, fx.Node) or len(shape(target)) != 1:
             return f"input of shape {shape(logits)}: only (tokens, classes) is fused"
-        chain, node = [], logits
+        chain, node, readers = [], logits, []
         while is_op(node, VIEWS | _ROW_OPS) or is_cast(node):
             if len(node.users) != 1:
-                return "the logits are used elsewhere, so they must exist whole"
+                if not (is_cast(node) and dtype(node) == dtype(node.args[0])):
+                    return "a cast or view of the logits is used elsewhere, so it must exist whole"
+                # an identity cast (``.float()`` of fp32 logits) is the logits: its readers are theirs
+                readers += [(u, node) for u in node.users if u is not (chain[-1] if chain else ce)]
             if is_op(node, {aten.slice.Tensor}) and \
                     (node.args[1] if len(node.args) > 1 else 0) % len(shape(node)) == len(shape(node)) - 1:
                 return "the logits are sliced along the classes"
@@ -69,8 +74,14 @@ class LinearCrossEntropyPattern:
         lin = node
         if not is_op(lin, {aten.linear.default}):
             return "the logits do not come from a linear layer"
-        if len(lin.users) != 1:
-            return "the logits are used elsewhere (e.g. returned), so they must exist whole"
+        loss_path = chain[-1] if chain else ce
+        others = [(u, lin) for u in lin.users if u is not loss_path] + readers
+        if others:   # the model also returns (or reads) the logits: the op returns them too
+            if any(is_op(n, {aten.slice.Tensor}) for n in chain):
+                return "the logits are used elsewhere and the loss reads a slice of them"
+            order = {n: i for i, n in enumerate(ce.graph.nodes)}
+            if any(order[u] < order[ce] for u, _ in others):
+                return "the logits are read before the loss is computed"
         x, w = lin.args[0], lin.args[1]
         b = lin.args[2] if len(lin.args) > 2 else None
         V = shape(logits)[1]
@@ -78,9 +89,9 @@ class LinearCrossEntropyPattern:
             return f"the linear's weight {shape(w)} does not give the {V} classes"
         if dtype(target) not in (torch.int64, torch.int32):
             return "class-probability targets are not supported"
-        return lin, x, w, b, target, _REDUCTIONS[reduction], chain
+        return lin, x, w, b, target, _REDUCTIONS[reduction], chain, others
 
-    def _emit(self, ctx, ce, lin, x, w, b, target, reduction, chain):
+    def _emit(self, ctx, ce, lin, x, w, b, target, reduction, chain, others):
         cdt = dtype(lin)
         ignore_index = int(_arg(ce, 4, "ignore_index", -100))
         smoothing = float(_arg(ce, 5, "label_smoothing", 0.0))
@@ -98,11 +109,16 @@ class LinearCrossEntropyPattern:
                     rows = ctx.call(aten.reshape.default, (rows, [*shape(op)[:-1], shape(x)[-1]]), ce)
             x2 = ctx.call(aten.reshape.default, (rows, [-1, shape(x)[-1]]), ce)
             res = ctx.call(torch.ops.opsmath.linear_cross_entropy.default,
-                           (x2, cast(w), cast(b), target, ignore_index, smoothing, reduction, compute_grad), ce)
+                           (x2, cast(w), cast(b), target, ignore_index, smoothing, reduction, compute_grad,
+                            bool(others)), ce)
             loss = ctx.call(operator.getitem, (res, 0), ce)
+            if others:
+                logits = ctx.call(aten.view.default, (ctx.call(operator.getitem, (res, 4), ce), list(shape(lin))), ce)
             if dtype(ce) != torch.float32:
                 loss = ctx.call(aten.to.dtype, (loss, dtype(ce)), ce)
         ce.replace_all_uses_with(loss)
+        for u, read in others:
+            u.replace_input_with(read, logits)
         ctx.erase_dead([ce])
         N, V = shape(x2)[0], shape(w)[0]
         desc = [f"{N} tokens x {V} classes", reduction]
@@ -110,9 +126,11 @@ class LinearCrossEntropyPattern:
             desc.append(f"label_smoothing={smoothing:g}")
         if not compute_grad:
             desc.append("loss only")
+        if others:
+            desc.append("logits returned")
         ctx.replaced(self.name, ce, [lin, *chain, ce], f"opsmath::linear_cross_entropy({', '.join(desc)})",
                      before, tokens=N, classes=V, reduction=reduction, compute_grad=compute_grad,
-                     dtype=str(cdt).replace("torch.", ""), logits_bytes=4 * N * V)
+                     dtype=str(cdt).replace("torch.", ""), logits_bytes=4 * N * V, returns_logits=bool(others))
 
 
 PATTERN = LinearCrossEntropyPattern()

@@ -71,7 +71,8 @@ def test_scales_by_the_incoming_gradient_and_eval_mode():
     for a, r in zip(xs, xr):
         torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
-        loss, dx, dw, db = linear_cross_entropy_op(x, w, b, t, -100, 0.0, "mean", False)
+        loss, dx, dw, db, logits = linear_cross_entropy_op(x, w, b, t, -100, 0.0, "mean", False)
+    assert logits.numel() == 0
     assert dx.numel() == dw.numel() == db.numel() == 0
     torch.testing.assert_close(loss, eager(x, w, b, t, 0.0, "mean"), rtol=1e-5, atol=1e-6)
 
@@ -85,8 +86,24 @@ def test_all_ignored_is_nan_like_torch_and_bad_reduction_raises():
         linear_cross_entropy_op(x, w, b, t, -100, 0.0, "none", False)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_opcheck(return_logits):
     x, w, b, t = make(CASES[1], torch.float32, DEVICE)
     x.requires_grad_()
     w.requires_grad_()
-    torch.library.opcheck(linear_cross_entropy_op, (x, w, b, t, -100, 0.0, "mean", True))
+    torch.library.opcheck(linear_cross_entropy_op, (x, w, b, t, -100, 0.0, "mean", True, return_logits))
+
+
+def test_returned_logits_and_their_own_gradient():
+    """With ``return_logits`` the op also returns the logits; a loss on them (here a z-loss) adds its
+    gradient through x and W exactly as eager autograd does."""
+    x, w, b, t = make(CASES[1], torch.float32, DEVICE)
+    xs = [a.clone().requires_grad_() for a in (x, w, b)]
+    loss, _, _, _, logits = linear_cross_entropy_op(*xs, t, -100, 0.0, "mean", True, True)
+    (loss + 1e-2 * torch.logsumexp(logits, -1).pow(2).mean()).backward()
+    xr = [a.clone().requires_grad_() for a in (x, w, b)]
+    z = F.linear(*xr)
+    (F.cross_entropy(z, t) + 1e-2 * torch.logsumexp(z, -1).pow(2).mean()).backward()
+    torch.testing.assert_close(logits, z.detach(), rtol=1e-5, atol=1e-5)
+    for a, r in zip(xs, xr):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)

@@ -31,9 +31,12 @@ class Head(nn.Module):
             return F.cross_entropy(sl.view(-1, V), st.view(-1), reduction="sum") / st.numel()
         if s == "flat_input":     # rows flattened before the head, label smoothing
             return F.cross_entropy(self.lm_head(h.reshape(-1, C)), t.reshape(-1), label_smoothing=0.1)
-        if s == "returns_logits":
+        if s == "returns_logits":     # HF: the output carries the logits and the loss
             logits = self.lm_head(h)
-            return logits, F.cross_entropy(logits.view(-1, V), t.view(-1))
+            return logits, F.cross_entropy(logits.float().view(-1, V), t.view(-1))
+        if s == "returns_sliced_logits":
+            logits = self.lm_head(h)
+            return logits, F.cross_entropy(logits[:, :-1].reshape(-1, V), t[:, 1:].reshape(-1))
         if s == "class_dim_1":    # (B, V, T) input
             return F.cross_entropy(self.lm_head(h).transpose(1, 2), t)
         if s == "reduction_none":
@@ -43,7 +46,7 @@ class Head(nn.Module):
         raise ValueError(s)
 
 
-def run(spelling, bias=False, amp=False):
+def run(spelling, bias=False, amp=False, logits_loss=False):
     torch.manual_seed(0)
     ref = Head(spelling, bias)
     model = opsmath.optimize(copy.deepcopy(ref))
@@ -55,12 +58,15 @@ def run(spelling, bias=False, amp=False):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             out = m(x, t)
         loss = out[1] if isinstance(out, tuple) else out
+        if logits_loss:   # a second loss on the returned logits: its gradient must flow through the op
+            loss = loss + 1e-2 * torch.logsumexp(out[0].float(), -1).pow(2).mean()
         loss.backward()
         outs.append(loss)
     return model, ref, outs
 
 
-@pytest.mark.parametrize("spelling,bias", [("nanogpt", False), ("llama_float", False), ("flat_input", True)])
+@pytest.mark.parametrize("spelling,bias", [("nanogpt", False), ("llama_float", False), ("flat_input", True),
+                                           ("returns_logits", True)])
 def test_fused_spellings_match_eager(spelling, bias):
     model, ref, (loss, ref_loss) = run(spelling, bias)
     matches = [m for m in opsmath.report(model).graphs[0].matches if m.pattern == "linear_cross_entropy"]
@@ -80,7 +86,7 @@ def test_autocast_keeps_the_bf16_matmul():
 
 
 @pytest.mark.parametrize("spelling,reason", [
-    ("returns_logits", "used elsewhere"), ("class_dim_1", "only (tokens, classes)"),
+    ("returns_sliced_logits", "reads a slice"), ("class_dim_1", "only (tokens, classes)"),
     ("reduction_none", "reduction='none'"), ("class_weights", "class weights")])
 def test_declines_keep_eager_and_say_why(spelling, reason):
     model, ref, (loss, ref_loss) = run(spelling)
@@ -100,3 +106,15 @@ def test_inference_graph_computes_the_loss_only():
     m = [m for m in opsmath.report(model).graphs[0].matches if m.pattern == "linear_cross_entropy"][0]
     assert not m.details["compute_grad"]
     torch.testing.assert_close(loss, ref(x, t), rtol=1e-5, atol=1e-6)
+
+
+def test_returned_logits_equal_eager_and_carry_their_gradient():
+    model, ref, (loss, ref_loss) = run("returns_logits", bias=True, logits_loss=True)
+    m = [m for m in opsmath.report(model).graphs[0].matches if m.pattern == "linear_cross_entropy"][0]
+    assert m.details["returns_logits"] and "logits returned" in m.replacement
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    torch.manual_seed(3)
+    x, t = torch.randn(B, T, C), torch.randint(0, V, (B, T))
+    torch.testing.assert_close(model(x, t)[0], ref(x, t)[0], rtol=1e-5, atol=1e-5)
