@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
-#   STEPS="tests attention lce dan train memory llama"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#   STEPS="tests attention lce dan train memory curve tune llama"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -10,7 +10,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 limit=$2; shift 2
-    case " ${STEPS:-tests attention lce dan train memory llama} " in *" $name "*) ;; *) return ;; esac
+    case " ${STEPS:-tests attention lce dan train memory curve tune llama} " in *" $name "*) ;; *) return ;; esac
     echo "== $name"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "rc=$? ($name)"; grep -v -i "warn" "$OUT/$name.log" | tail -${TAIL:-30}
@@ -24,4 +24,6 @@ step lce 120 python3 benchmarks/linear_cross_entropy.py
 step dan 120 python3 benchmarks/dropout_add_norm.py
 step train ${TRAIN_TIMEOUT:-400} python3 benchmarks/train.py --gpt --only "${TRAIN_ONLY:-}"
 step memory ${MEMORY_TIMEOUT:-400} python3 benchmarks/memory.py ${MEMORY_ARGS:-}
+step curve 300 python3 benchmarks/learning_curve.py
+step tune 200 python3 -m opsmath.cli tune --example gpt
 step llama 500 python3 benchmarks/train.py --llama --only "${LLAMA_ONLY:-eager,eager + SDPA,torch.compile + SDPA,opsmath.optimize}"

@@ -71,3 +71,15 @@ def test_cli_file_factory(tmp_path):
                          capture_output=True, text=True, check=True)
     data = json.loads(res.stdout)
     assert sum(m["pattern"] == "attention" for g in data["graphs"] for m in g["matches"]) == 2
+
+
+def test_cli_tune_needs_a_gpu_and_says_so():
+    import pytest
+    import torch
+    from opsmath.cli import main
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: tuning would run")
+    with pytest.raises(SystemExit, match="CUDA GPU"):
+        main(["tune", "--example", "gpt"])
+    with pytest.raises(SystemExit):
+        main(["tune"])   # neither a file nor an example: a usage error
