@@ -164,6 +164,7 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
                     g = _replan(state, record, replan[0], by_node, list(args), model, use_inductor, replan[1])
                     replan[0] = None
                     if g is not None:
+                        record.graph, record.after_code = g, g.code
                         fn = _finish(state, record, g, list(args), use_inductor)
             return fn(*args)
         return run

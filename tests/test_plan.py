@@ -110,11 +110,14 @@ def test_second_call_replans_when_the_resident_memory_grew(monkeypatch):
     opt = opsmath.optimize(model, memory_budget=budget)
     opt(*batch).backward()
     first = opsmath.report(opt).graphs[0].plan
+    first_code = opsmath.report(opt).graphs[0].after_code
     model.zero_grad()
     loss = opt(*batch)
     loss.backward()
     second = opsmath.report(opt).graphs[0].plan
     assert "resident" in second.replanned and second is not first
+    assert opsmath.report(opt).graphs[0].after_code.count("opsmath_recompute") > \
+        first_code.count("opsmath_recompute")
     assert second.resident > first.resident and second.predicted_peak <= budget
     assert len(second.chosen) > len(first.chosen)
     ref_loss = ref(*batch)
