@@ -292,40 +292,11 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, seed,
              (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
 
-# Block configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) the tuner measures, by padded head dim;
-# the first is the default. Pruned by hand to shapes that fit Hopper's shared memory at that head dim.
-CONFIGS = {64: [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
-           128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 8, 3)],
-           256: [(64, 32, 8, 1), (32, 32, 4, 1), (64, 64, 8, 1)]}
-_FORCED: list = [None]   # a configuration the tuner is measuring (``forced_config``)
-
-
-def configs_for(D: int) -> list[tuple[int, int, int, int]]:
-    block_d = max(16, next_pow2(D))
-    return CONFIGS[min(max(block_d, 64), 256)]
-
-
-def config_name(cfg) -> str:
-    return "opsmath:{}x{}w{}s{}".format(*cfg)
-
-
-class forced_config:
-    """``with forced_config((BM, BN, warps, stages)):`` launches use that configuration."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def __enter__(self):
-        self.prev, _FORCED[0] = _FORCED[0], self.cfg
-
-    def __exit__(self, *exc):
-        _FORCED[0] = self.prev
-
-
 def _launch_cfg(q: torch.Tensor, D: int, key: Optional[str] = None):
     """(BLOCK_M, BLOCK_N, BLOCK_D, warps, stages): forced by the tuner, else the configuration the tuner
     chose for this shape bucket (``autotune`` cache, op "attention", choice ``opsmath:BMxBNwWsS``),
     else the default for the head dim."""
+    from .attention_tuning import _FORCED, configs_for
     block_d = max(16, next_pow2(D))
     cfg = _FORCED[0]
     if cfg is None and key is not None:
@@ -345,7 +316,7 @@ def _launch_cfg(q: torch.Tensor, D: int, key: Optional[str] = None):
 def _bucket(q, k, bias, mask, is_causal, dropout_p) -> Optional[str]:
     if not q.is_cuda:
         return None
-    from .attention_vendor import bucket_key
+    from .attention_tuning import bucket_key
     return bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p)
 
 

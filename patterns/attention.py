@@ -348,7 +348,7 @@ class AttentionPattern:
                                (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed), sm)
                 out = ctx.call(operator.getitem, (res, 0), sm)
             else:
-                from opsmath.kernels.attention_vendor import fold_bias, sdpa
+                from opsmath.kernels.attention_tuning import fold_bias, sdpa
                 vb = None
                 if bias is not None or mask is not None:
                     vb = ctx.call(fold_bias, (bias, mask, plan.causal, shape(q)[-2], shape(k)[-2]), sm)
@@ -383,11 +383,11 @@ class AttentionPattern:
 def _backend_for(q: fx.Node, k: fx.Node, bias: Optional[fx.Node], mask: Optional[fx.Node], plan: _Plan,
                  bias_grad: bool) -> str:
     """``"opsmath"`` or the SDPA backend measured fastest for these shapes (CUDA only; see
-    ``kernels/attention_vendor.py``). ``OPSMATH_ATTENTION=opsmath`` (or a backend name) forces one."""
+    ``kernels/attention_tuning.py``). ``OPSMATH_ATTENTION=opsmath`` (or a backend name) forces one."""
     import logging
     import os
 
-    from opsmath.kernels import attention_vendor as vendor
+    from opsmath.kernels import attention_tuning as vendor
     qv, kv = q.meta["val"], k.meta["val"]
     forced = os.environ.get("OPSMATH_ATTENTION", "auto")
     if forced == "opsmath" or not vendor.vendor_eligible(qv.device, plan.fill, bias_grad):

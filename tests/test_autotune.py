@@ -100,7 +100,8 @@ def test_unwritable_cache_dir_is_not_fatal(tmp_path, monkeypatch):
 def test_attention_launch_uses_the_tuned_block_configuration(cache):
     """A choice ``opsmath:BMxBNwWsS`` stored by the tuner is what the kernel launches with."""
     import torch
-    from opsmath.kernels.attention import _launch_cfg, config_name, forced_config
+    from opsmath.kernels.attention import _launch_cfg
+    from opsmath.kernels.attention_tuning import config_name, forced_config
     q = torch.empty(2, 4, 100, 64)
     autotune.store("attention", "k", dict(choice=config_name((128, 32, 8, 2))))
     assert _launch_cfg(q, 64, "k") == (128, 32, 64, 8, 2)

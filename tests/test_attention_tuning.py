@@ -1,4 +1,4 @@
-"""The attention rewrite's vendor choice (``kernels/attention_vendor.py``): SDPA backends compute
+"""The attention rewrite's vendor choice (``kernels/attention_tuning.py``): SDPA backends compute
 ``opsmath::attention``'s function once masks, causal and GQA are translated; CUDA parts skip on CPU."""
 import math
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from opsmath.kernels import attention_vendor as vendor
+from opsmath.kernels import attention_tuning as vendor
 from opsmath.kernels.attention import attention_reference
 from tolerance import assert_rule
 

@@ -1,4 +1,5 @@
-"""The attention rewrite's per-shape choice between opsmath's kernel and PyTorch's SDPA backends.
+"""Attention tuning: the rewrite's per-shape choice among opsmath's kernel (in each of a few block
+configurations) and PyTorch's SDPA backends, and the block configuration opsmath's kernel launches with.
 
 ``opsmath::attention`` (``attention.py``) computes::
 
@@ -11,11 +12,14 @@ promise), causal goes to ``is_causal`` when there is no bias (else into the bias
 as ours), GQA to ``enable_gqa``. Their dropout draws its own (Philox) bits: the same distribution
 as ours and as eager's, not the same mask.
 
-``choose(...)`` measures forward+backward of every eligible candidate (opsmath's kernel in each block
-configuration of ``attention.CONFIGS``, and the SDPA backends) on random tensors of the real shapes (``opsmath_compiler/autotune.py``: once per GPU, versions, dtype and shape bucket; persisted),
-checks each vendor's output against opsmath's kernel (dropout off) with the tolerance rule, and
-returns the fastest: ``"opsmath"`` or ``"sdpa_flash"`` / ``"sdpa_cudnn"`` / ``"sdpa_efficient"``.
-``sdpa(...)`` is what the emitted graph calls for a vendor choice.
+``choose(...)`` measures forward+backward of every candidate on random tensors of the real shapes:
+opsmath's kernel in each configuration of ``CONFIGS`` for the head dim, and each SDPA backend that takes
+the inputs and passes ``accurate_backends`` (DESIGN.md's rule against an fp32 reference, output and
+gradients). The winner is stored by ``opsmath_compiler/autotune.py`` (per GPU, versions, dtype and shape
+bucket; persisted) and returned as ``"opsmath"`` or ``"sdpa_flash"`` / ``"sdpa_cudnn"`` /
+``"sdpa_efficient"``; when opsmath's kernel wins in a configuration ``opsmath:BMxBNwWsS``, its launches
+read that configuration back from the cache (``attention._launch_cfg``). ``sdpa(...)`` is what the
+emitted graph calls for a vendor choice.
 """
 from __future__ import annotations
 
@@ -28,6 +32,36 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
             "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+# Block configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) the tuner measures, by padded head dim;
+# the first is the default. Pruned by hand to shapes that fit Hopper's shared memory at that head dim.
+CONFIGS = {64: [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
+           128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 8, 3)],
+           256: [(64, 32, 8, 1), (32, 32, 4, 1), (64, 64, 8, 1)]}
+_FORCED: list = [None]   # a configuration the tuner is measuring (``forced_config``)
+
+
+def configs_for(D: int) -> list[tuple[int, int, int, int]]:
+    block_d = max(16, 1 << max(0, math.ceil(math.log2(max(D, 1)))))
+    return CONFIGS[min(max(block_d, 64), 256)]
+
+
+def config_name(cfg) -> str:
+    return "opsmath:{}x{}w{}s{}".format(*cfg)
+
+
+class forced_config:
+    """``with forced_config((BM, BN, warps, stages)):`` launches use that configuration."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __enter__(self):
+        self.prev, _FORCED[0] = _FORCED[0], self.cfg
+
+    def __exit__(self, *exc):
+        _FORCED[0] = self.prev
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
@@ -69,7 +103,7 @@ def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: f
 def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale, dropout_p):
     from opsmath.autotune import pick
 
-    from .attention import attention_op, attention_reference, config_name, configs_for, forced_config
+    from .attention import attention_op, attention_reference
     q, k, v, bias, mask = _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape)
     key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p)
     dout = torch.randn(q_shape, device=device, dtype=dtype)
@@ -148,8 +182,9 @@ def accurate_backends(run, q, k, v, bias, mask, vbias, dout) -> list[str]:
     return ok
 
 
-def eager_same_dtype(q, k, v, bias, mask, mask_fill, is_causal, scale):
-    """Attention as user code computes it in q's dtype (the DESIGN.md rule's yardstick), no dropout."""
+def eager_same_dtype(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p=0.0, seed=0):
+    """Attention as user code computes it, in q's dtype (DESIGN.md's same-dtype yardstick): scores and
+    P @ V in q's dtype, softmax in fp32 (or fp64), GQA by repeating K/V; dropout with opsmath's mask."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = (q @ k.transpose(-2, -1)) * scale
@@ -159,7 +194,11 @@ def eager_same_dtype(q, k, v, bias, mask, mask_fill, is_causal, scale):
         s = s.masked_fill(mask, mask_fill)
     if is_causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return torch.softmax(s.float(), -1).to(q.dtype) @ v
+    p = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), -1).to(q.dtype)
+    if dropout_p > 0:
+        from ._common import dropout_keep, flat_offsets
+        p = p * dropout_keep(seed, flat_offsets(p.shape, p.device), dropout_p) / (1 - dropout_p)
+    return p @ v
 
 
 def fold_bias(bias, mask, is_causal: bool, Sq: int, Sk: int):
