@@ -108,7 +108,31 @@ def measure(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40)
 def pick(op: str, key: str, candidates: dict[str, Callable[[], object]],
          measure_fn: Callable[[Callable[[], object]], float] = measure) -> str:
     """The fastest candidate's name for ``(op, key)``: from this process, then the disk cache, else
-    measured now (and stored). A cached choice that is not among ``candidates`` is re-tuned."""
+    measured now (and stored). A cached choice that is not among ``candidates`` is re-tuned.
+
+    Under ``torch.distributed`` every rank makes its own choice, then all take rank 0's (one small
+    broadcast, made whether or not the choice was cached, so ranks whose caches differ still meet in
+    the same collective): timing noise must not give ranks different kernels, and so different step
+    times and numerics."""
+    choice = _pick_local(op, key, candidates, measure_fn)
+    agreed = _agree(choice)
+    if agreed != choice:
+        machine = machine_key()
+        _MEMORY[(machine, op, key)] = agreed
+        log.info("opsmath: %s [%s]: rank 0 chose %s (this rank measured %s)", op, key, agreed, choice)
+    return agreed
+
+
+def _agree(choice: str) -> str:
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return choice
+    box = [choice]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _pick_local(op, key, candidates, measure_fn) -> str:
     if not candidates:
         raise ValueError(f"no candidates to tune {op} [{key}]")
     machine = machine_key()

@@ -95,3 +95,25 @@ def _profile_step(wrapped, idx, tgt, rank, out_dir):
         torch.save(dict(allreduce_starts=allreduce, bwd_start=bwd.time_range.start, bwd_end=bwd.time_range.end),
                    os.path.join(out_dir, "ddp_profile.pt"))
         prof.export_chrome_trace(os.path.join(out_dir, "ddp_trace.json"))
+
+
+def tune_agree(rank, world, port, out_dir):
+    """Ranks whose timings disagree, and whose caches differ (rank 1 already has an entry), still
+    end up with rank 0's choice for every tuned op."""
+    from opsmath import autotune
+    os.environ["OPSMATH_CACHE_DIR"] = os.path.join(out_dir, f"cache{rank}")
+    _setup(rank, world, port)
+    if rank == 1:
+        autotune.store("op", "cached-on-rank-1", dict(choice="b"))
+    fast = "a" if rank == 0 else "b"
+    measure = (lambda fn: 1.0 if fn.__name__ == fast else 2.0)
+
+    def named(n):
+        def fn():
+            return None
+        fn.__name__ = n
+        return fn
+    cands = {"a": named("a"), "b": named("b")}
+    got = [autotune.pick("op", key, cands, measure) for key in ("measured-by-all", "cached-on-rank-1")]
+    torch.save(got, os.path.join(out_dir, f"tune{rank}.pt"))
+    dist.destroy_process_group()

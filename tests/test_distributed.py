@@ -73,3 +73,8 @@ def test_ddp_allreduce_overlaps_backward(runs):
     assert len(starts) >= 2, "expected several gradient buckets"
     # the first bucket's all-reduce starts while backward is still running
     assert prof["bwd_start"] < starts[0] < prof["bwd_end"]
+
+
+def test_tuning_choices_agree_across_ranks(tmp_path):
+    mp.spawn(dist_worker.tune_agree, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+    assert torch.load(tmp_path / "tune0.pt") == torch.load(tmp_path / "tune1.pt") == ["a", "a"]
