@@ -110,10 +110,12 @@ def pick(op: str, key: str, candidates: dict[str, Callable[[], object]],
     """The fastest candidate's name for ``(op, key)``: from this process, then the disk cache, else
     measured now (and stored). A cached choice that is not among ``candidates`` is re-tuned.
 
-    Under ``torch.distributed`` every rank makes its own choice, then all take rank 0's (one small
-    broadcast, made whether or not the choice was cached, so ranks whose caches differ still meet in
-    the same collective): timing noise must not give ranks different kernels, and so different step
-    times and numerics."""
+    With ``OPSMATH_TUNE_SYNC=1`` under ``torch.distributed``, every rank makes its own choice, then all
+    take rank 0's (one small broadcast, made whether or not the choice was cached, so ranks whose caches
+    differ still meet in the same collective), so timing noise cannot give ranks different kernels.
+    It is opt-in because it is a collective: a graph captured on one rank only (evaluation on rank 0)
+    would wait for the others forever. Without it each rank keeps its own (always accurate) choice;
+    sharing one pre-tuned cache file (``opsmath tune``) gives every rank the same choices too."""
     choice = _pick_local(op, key, candidates, measure_fn)
     agreed = _agree(choice)
     if agreed != choice:
@@ -125,7 +127,8 @@ def pick(op: str, key: str, candidates: dict[str, Callable[[], object]],
 
 def _agree(choice: str) -> str:
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if os.environ.get("OPSMATH_TUNE_SYNC") != "1" or not (dist.is_available() and dist.is_initialized()) \
+            or dist.get_world_size() == 1:
         return choice
     box = [choice]
     dist.broadcast_object_list(box, src=0)

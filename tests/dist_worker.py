@@ -97,11 +97,12 @@ def _profile_step(wrapped, idx, tgt, rank, out_dir):
         prof.export_chrome_trace(os.path.join(out_dir, "ddp_trace.json"))
 
 
-def tune_agree(rank, world, port, out_dir):
-    """Ranks whose timings disagree, and whose caches differ (rank 1 already has an entry), still
-    end up with rank 0's choice for every tuned op."""
+def tune_agree(rank, world, port, out_dir, sync):
+    """Ranks whose timings disagree, and whose caches differ (rank 1 already has an entry): with
+    OPSMATH_TUNE_SYNC=1 they end up with rank 0's choice for every tuned op, else each keeps its own."""
     from opsmath import autotune
     os.environ["OPSMATH_CACHE_DIR"] = os.path.join(out_dir, f"cache{rank}")
+    os.environ["OPSMATH_TUNE_SYNC"] = sync
     _setup(rank, world, port)
     if rank == 1:
         autotune.store("op", "cached-on-rank-1", dict(choice="b"))
