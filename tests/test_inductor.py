@@ -1,6 +1,7 @@
 """Inductor composition: the rewritten graph compiled by Inductor (``optimize(inductor=True)``, the
 default on CUDA), the memory plan passed to its partitioner as recompute tags, and an outer
 ``torch.compile(opsmath.optimize(model))``. On CPU Inductor emits C++ (needs a compiler)."""
+import copy
 import shutil
 
 import pytest
@@ -82,3 +83,34 @@ def test_outer_torch_compile_runs_opsmath_without_graph_breaks():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
+    """An absolute budget re-planned at the second call (resident grew: optimizer state) is compiled
+    by Inductor again, with the new recompute tags; the step's numbers do not change."""
+    from opsmath import api
+    ref, model, batch = pair(dropout=0.0)
+    probe = opsmath.optimize(copy.deepcopy(ref), memory_budget=1.0, inductor=True)
+    probe(*batch).backward()
+    p = opsmath.report(probe).graphs[0].plan
+    torch._dynamo.reset()
+    real, calls = api._resident_bytes, []
+
+    def resident(args, m):
+        calls.append(1)
+        return real(args, m) + (int(0.15 * p.unconstrained) if len(calls) > 1 else 0)
+    monkeypatch.setattr(api, "_resident_bytes", resident)
+    model = opsmath.optimize(model, memory_budget=int(p.resident + 0.9 * p.unconstrained), inductor=True)
+    model(*batch).backward()
+    model.zero_grad()
+    first = opsmath.report(model).graphs[0].plan
+    loss = model(*batch)
+    loss.backward()
+    rec = opsmath.report(model).graphs[0]
+    assert rec.plan is not first and rec.plan.replanned and len(rec.plan.chosen) > len(first.chosen)
+    assert rec.inductor
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
