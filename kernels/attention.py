@@ -296,17 +296,15 @@ def _launch_cfg(q: torch.Tensor, D: int, key: Optional[str] = None):
     """(BLOCK_M, BLOCK_N, BLOCK_D, warps, stages): forced by the tuner, else the configuration the tuner
     chose for this shape bucket (``autotune`` cache, op "attention", choice ``opsmath:BMxBNwWsS``),
     else the default for the head dim."""
-    from .attention_tuning import _FORCED, configs_for
+    from .attention_tuning import _FORCED, OWN_ONLY, configs_for, parse_config
     block_d = max(16, next_pow2(D))
     cfg = _FORCED[0]
     if cfg is None and key is not None:
         from opsmath.autotune import cached
-        choice = cached("attention", key)
-        if choice and choice.startswith("opsmath:"):
-            bm, rest = choice[len("opsmath:"):].split("x")
-            bn, rest = rest.split("w")
-            w, st = rest.split("s")
-            cfg = (int(bm), int(bn), int(w), int(st))
+        for choice in (cached("attention", key), cached("attention", key + OWN_ONLY)):
+            cfg = parse_config(choice)
+            if cfg is not None:
+                break
     if cfg is None and not q.is_cuda:  # interpreter: small blocks keep CPU tests fast
         return 16, 16, block_d, 4, 1
     cfg = cfg or configs_for(D)[0]

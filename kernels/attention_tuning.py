@@ -24,12 +24,14 @@ emitted graph calls for a vendor choice.
 from __future__ import annotations
 
 import math
+import re
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+OWN_ONLY = " own-only"   # key suffix of choices made without the vendor kernels (see choose)
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
             "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 
@@ -49,6 +51,12 @@ def configs_for(D: int) -> list[tuple[int, int, int, int]]:
 
 def config_name(cfg) -> str:
     return "opsmath:{}x{}w{}s{}".format(*cfg)
+
+
+def parse_config(name: Optional[str]) -> Optional[tuple[int, int, int, int]]:
+    """``config_name``'s inverse; None for anything else (a vendor choice, no choice)."""
+    m = re.fullmatch(r"opsmath:(\d+)x(\d+)w(\d+)s(\d+)", name or "")
+    return tuple(int(g) for g in m.groups()) if m else None
 
 
 class forced_config:
@@ -92,20 +100,22 @@ def vendor_eligible(device: torch.device, mask_fill: float, bias_requires_grad: 
 
 
 def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: float, is_causal: bool,
-           scale: float, dropout_p: float) -> str:
-    """Measure and return the fastest correct implementation for these shapes (see module doc).
+           scale: float, dropout_p: float, vendors: bool = True) -> str:
+    """Measure and return the fastest correct implementation for these shapes (see module doc);
+    ``vendors=False`` (a bias that needs its gradient) tunes opsmath's block configurations only.
     Runs outside the caller's autocast (which would turn the fp32 reference into bf16) and grad mode."""
     with torch.autocast(device.type, enabled=False), torch.enable_grad():
         return _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale,
-                       dropout_p)
+                       dropout_p, vendors)
 
 
-def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale, dropout_p):
+def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale, dropout_p,
+            vendors):
     from opsmath.autotune import pick
 
     from .attention import attention_op, attention_reference
     q, k, v, bias, mask = _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape)
-    key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p)
+    key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p) + ("" if vendors else OWN_ONLY)
     dout = torch.randn(q_shape, device=device, dtype=dtype)
     seed = torch.tensor(1234, dtype=torch.int64)
     vbias = fold_bias(bias, mask, is_causal, q.shape[2], k.shape[2])
@@ -128,7 +138,7 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
     configs = configs_for(q.shape[-1])   # opsmath's own kernel in each block configuration
     candidates = {"opsmath": fwd_bwd("opsmath", configs[0])}
     candidates.update({config_name(c): fwd_bwd("opsmath", c) for c in configs[1:]})
-    if vendor_eligible(device, mask_fill, False):
+    if vendors and vendor_eligible(device, mask_fill, False):
         for name in accurate_backends(run, q, k, v, bias, mask, vbias, dout):
             candidates[name] = fwd_bwd(name)
     choice = pick("attention", key, candidates)

@@ -390,15 +390,16 @@ def _backend_for(q: fx.Node, k: fx.Node, bias: Optional[fx.Node], mask: Optional
     from opsmath.kernels import attention_tuning as vendor
     qv, kv = q.meta["val"], k.meta["val"]
     forced = os.environ.get("OPSMATH_ATTENTION", "auto")
-    if forced == "opsmath" or not vendor.vendor_eligible(qv.device, plan.fill, bias_grad):
+    if forced == "opsmath" or qv.device.type != "cuda":
         return "opsmath"
-    if forced in vendor.BACKENDS:
+    vendors_ok = vendor.vendor_eligible(qv.device, plan.fill, bias_grad)
+    if forced in vendor.BACKENDS and vendors_ok:
         return forced
-    try:
+    try:   # opsmath's block configurations are tuned even where no vendor kernel may stand in
         return vendor.choose(tuple(qv.shape), tuple(kv.shape), qv.dtype, qv.device,
                              tuple(bias.meta["val"].shape) if bias is not None else None,
                              tuple(mask.meta["val"].shape) if mask is not None else None,
-                             plan.fill, plan.causal, plan.scale, plan.dropout_p)
+                             plan.fill, plan.causal, plan.scale, plan.dropout_p, vendors=vendors_ok)
     except Exception as e:  # tuning must never break a capture: our own kernel is always valid
         logging.getLogger("opsmath").warning("opsmath: attention backend tuning failed (%s); using opsmath's kernel", e)
         return "opsmath"
