@@ -60,7 +60,8 @@ class LinearCrossEntropyPattern:
         chain, node, readers = [], logits, []
         while is_op(node, VIEWS | _ROW_OPS) or is_cast(node):
             if len(node.users) != 1:
-                if not (is_cast(node) and dtype(node) == dtype(node.args[0])):
+                if not (is_cast(node) and dtype(node) == dtype(node.args[0])
+                        and is_op(node.args[0], {aten.linear.default})):
                     return "a cast or view of the logits is used elsewhere, so it must exist whole"
                 # an identity cast (``.float()`` of fp32 logits) is the logits: its readers are theirs
                 readers += [(u, node) for u in node.users if u is not (chain[-1] if chain else ce)]
@@ -87,8 +88,8 @@ class LinearCrossEntropyPattern:
         V = shape(logits)[1]
         if len(shape(w)) != 2 or shape(w)[0] != V or not shape(x):
             return f"the linear's weight {shape(w)} does not give the {V} classes"
-        if dtype(target) not in (torch.int64, torch.int32):
-            return "class-probability targets are not supported"
+        if dtype(target) != torch.int64:
+            return "only class-index (int64) targets are fused"
         return lin, x, w, b, target, _REDUCTIONS[reduction], chain, others
 
     def _emit(self, ctx, ce, lin, x, w, b, target, reduction, chain, others):
