@@ -372,8 +372,9 @@ class AttentionPattern:
             desc.append(f"dropout={plan.dropout_p:g}")
         if plan.rep > 1:
             desc.append(f"gqa {H}/{H // plan.rep}")
-        op = "opsmath::attention" if backend == "opsmath" else f"{backend} (fastest measured)"
-        ctx.replaced(self.name, sm, replaced, f"{op}({', '.join(desc)})", before, backend=backend,
+        text = f"opsmath::attention({', '.join(desc)})" if backend == "opsmath" else \
+            f"{backend}({', '.join(desc)}), measured fastest"
+        ctx.replaced(self.name, sm, replaced, text, before, backend=backend,
                      causal=plan.causal, scale=plan.scale, dropout_p=plan.dropout_p, gqa_rep=plan.rep,
                      has_bias=bool(plan.biases), has_mask=bool(plan.masks), batch=B, heads=H,
                      q_len=shape(sm)[-2], k_len=shape(sm)[-1], head_dim=shape(plan.q)[-1],
