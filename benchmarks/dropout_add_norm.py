@@ -29,12 +29,28 @@ def ours(x, r, w, b, rms, p):
                                x.dtype)[0]
 
 
+def liger():
+    """Liger-Kernel's versions where it has them (``pip install liger_kernel-*.whl --no-deps`` on the GPU
+    machine; its wheel is pure Python): LayerNorm after an eager dropout + add, and its fused add +
+    RMSNorm (no dropout: it has none, so that row runs at p = 0 whatever the case says)."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_add_rms_norm, liger_layer_norm
+    except ImportError:
+        return {}
+
+    def run(x, r, w, b, rms, p):
+        if rms:
+            return liger_fused_add_rms_norm(x, r, w, 1e-6, in_place=False)[0]
+        return liger_layer_norm(r + F.dropout(x, p), w, b, 1e-6)
+    return {"liger": run}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
-    impls = {"eager": eager, "opsmath_kernel": ours}
+    impls = {"eager": eager, "opsmath_kernel": ours, **liger()}
     if args.compile:
         impls["compile_eager"] = torch.compile(eager)
     rows = []

@@ -8,6 +8,11 @@ export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+# Liger-Kernel for the memory-bound comparisons: its pure-Python wheel, brought along untracked
+# (pip download liger-kernel --no-deps -d benchmarks/wheels; the folder is git-ignored, so pass it to
+# the device tool with carry=["benchmarks/wheels"]), installed without dependencies
+ls benchmarks/wheels/liger_kernel-*.whl >/dev/null 2>&1 && \
+    python3 -m pip install -q --no-deps benchmarks/wheels/liger_kernel-*.whl >> "$OUT/install.log" 2>&1
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 limit=$2; shift 2
     case " ${STEPS:-tests attention lce dan train memory curve tune llama} " in *" $name "*) ;; *) return ;; esac
