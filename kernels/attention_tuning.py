@@ -104,9 +104,13 @@ def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: f
     """Measure and return the fastest correct implementation for these shapes (see module doc);
     ``vendors=False`` (a bias that needs its gradient) tunes opsmath's block configurations only.
     Runs outside the caller's autocast (which would turn the fp32 reference into bf16) and grad mode."""
-    with torch.autocast(device.type, enabled=False), torch.enable_grad():
-        return _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale,
-                       dropout_p, vendors)
+    try:
+        with torch.autocast(device.type, enabled=False), torch.enable_grad():
+            return _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale,
+                           dropout_p, vendors)
+    finally:   # the random inputs and the fp32 reference are gone: give their blocks back
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale, dropout_p,
