@@ -114,7 +114,23 @@ def _ce_rows_kernel(Z, T, Loss, Scale, stride_z, V, ignore_index, smoothing,
             tl.store(z_row + cols, (g * scale).to(Z.dtype.element_ty), mask=inb)
 
 
-def _rows(z, t, ignore_index, smoothing, scale, compute_grad):
+def grad_scale(target: torch.Tensor, ignore_index: int, reduction: str):
+    """(#valid rows, the gradient's scale s as a 1-element fp32 tensor: 1/#valid for mean, 1 for sum);
+    kept on the device, so no host sync."""
+    valid = (target != ignore_index).sum()
+    scale = (1.0 / valid.float()) if reduction == "mean" else torch.ones((), device=target.device)
+    return valid, scale.reshape(1).to(torch.float32)
+
+
+def reduce(losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-row losses to the loss: their sum, divided by #valid for mean (0/0 = nan, as torch)."""
+    loss = losses.sum()
+    return loss / valid if reduction == "mean" else loss
+
+
+def rows(z, t, ignore_index, smoothing, scale, compute_grad):
+    """Per-row loss of the logits rows ``z`` (rows, V), contiguous along V; with ``compute_grad`` ``z``
+    is overwritten with G (module doc). Triton on CUDA, the PyTorch reference on CPU."""
     if not use_triton(z):
         return _rows_reference(z, t, ignore_index, smoothing, scale, compute_grad)
     loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
@@ -137,9 +153,7 @@ def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: 
     N, C = x.shape
     V = w.shape[0]
     chunk = chunk or chunk_rows(V, N)
-    valid = (target != ignore_index).sum()
-    scale = (1.0 / valid.float()) if reduction == "mean" else torch.ones((), device=x.device)
-    scale = scale.reshape(1).to(torch.float32)
+    valid, scale = grad_scale(target, ignore_index, reduction)
     losses = torch.empty(N, device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x) if compute_grad else x.new_empty(0)
     dw = torch.zeros(V, C, device=x.device, dtype=torch.float32) if compute_grad else w.new_empty(0)
@@ -150,16 +164,13 @@ def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: 
         z = torch.addmm(b, xc, w.t()) if b is not None else xc @ w.t()       # (rows, V) compute dtype
         if return_logits:
             logits[s:s + chunk] = z
-        losses[s:s + chunk] = _rows(z, target[s:s + chunk], ignore_index, smoothing, scale, compute_grad)
+        losses[s:s + chunk] = rows(z, target[s:s + chunk], ignore_index, smoothing, scale, compute_grad)
         if compute_grad:                                                      # z now holds G
             torch.mm(z, w, out=dx[s:s + chunk])
             dw = _accumulate(dw, z.t(), xc)
             if b is not None:
                 db += z.sum(0, dtype=torch.float32)
-    loss = losses.sum()
-    if reduction == "mean":
-        loss = loss / valid
-    return (loss, dx, dw.to(w.dtype) if compute_grad else dw, db.to(b.dtype) if db.numel() else db, logits)
+    return (reduce(losses, valid, reduction), dx, dw.to(w.dtype) if compute_grad else dw, db.to(b.dtype) if db.numel() else db, logits)
 
 
 @torch.library.custom_op("opsmath::linear_cross_entropy", mutates_args=())

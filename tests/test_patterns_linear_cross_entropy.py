@@ -118,3 +118,36 @@ def test_returned_logits_equal_eager_and_carry_their_gradient():
     torch.manual_seed(3)
     x, t = torch.randn(B, T, C), torch.randint(0, V, (B, T))
     torch.testing.assert_close(model(x, t)[0], ref(x, t)[0], rtol=1e-5, atol=1e-5)
+
+
+class LossOnly(nn.Module):
+    """The loss on logits the graph receives (Hugging Face GPT-2's second graph): cross_entropy alone."""
+
+    def forward(self, logits, t):
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), t.view(-1), label_smoothing=0.05)
+
+
+def test_cross_entropy_on_given_logits_reads_them_in_their_dtype():
+    torch.manual_seed(0)
+    model = opsmath.optimize(LossOnly())
+    logits = torch.randn(B, T, V, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, V, (B, T))
+    t[0, :2] = -100
+    loss = model(logits, t)
+    loss.backward()
+    g = opsmath.report(model).graphs[0]
+    m = [m for m in g.matches if m.pattern == "cross_entropy"]
+    assert len(m) == 1 and "read in bfloat16" in m[0].replacement
+    assert "aten.to" not in g.after_code            # the fp32 copy of the logits is gone
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = LossOnly()(ref_logits, t)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    assert logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad.float(), rtol=1e-2, atol=1e-4)
+
+
+def test_linear_heads_stay_with_linear_cross_entropy():
+    model, _, _ = run("nanogpt")
+    patterns = [m.pattern for m in opsmath.report(model).graphs[0].matches]
+    assert "linear_cross_entropy" in patterns and "cross_entropy" not in patterns

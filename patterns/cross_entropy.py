@@ -1,0 +1,89 @@
+"""Cross-entropy on logits: ``cross_entropy(logits[.float()].view(-1, V), t)`` to ``opsmath::cross_entropy``
+(``kernels/cross_entropy.py``), for the losses ``linear_cross_entropy`` could not take: logits that are
+a graph input (Hugging Face GPT-2 computes its loss in a second graph), that come from something other
+than a linear layer, or that the model also returns with a slice in the loss.
+
+Anchor: ``aten.cross_entropy_loss`` on 2-D (N, V) input with int64 class targets, no class weights,
+reduction mean or sum. Upward through views that keep the class dim last and upcasts (``.float()``),
+each with no other user, to the logits in their own dtype, which the op reads directly: their fp32 copy
+is never made. Runs after ``linear_cross_entropy`` (which takes the LM-head cases whole).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from opsmath.canonicalize import VIEWS, aten, dtype, is_cast, is_op, shape
+from opsmath.match import RewriteContext, node_line
+
+from .linear_cross_entropy import _REDUCTIONS, _arg
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class CrossEntropyPattern:
+    name = "cross_entropy"
+
+    def apply(self, ctx: RewriteContext) -> None:
+        for n in list(ctx.graph.nodes):
+            if getattr(n, "_erased", False) or not is_op(n, {aten.cross_entropy_loss.default}):
+                continue
+            if not ctx.allowed(self.name, n):
+                continue
+            found = self._match(n)
+            if isinstance(found, str):
+                ctx.declined(self.name, n, found)
+                continue
+            self._emit(ctx, n, *found)
+
+    def _match(self, ce: fx.Node):
+        logits, target = ce.args[0], ce.args[1]
+        if _arg(ce, 2, "weight", None) is not None:
+            return "class weights are not supported"
+        reduction = _arg(ce, 3, "reduction", 1)
+        if reduction not in _REDUCTIONS:
+            return "reduction='none' needs the per-token losses"
+        if len(shape(logits)) != 2 or not isinstance(target, fx.Node) or len(shape(target)) != 1:
+            return f"input of shape {shape(logits)}: only (tokens, classes) is fused"
+        if dtype(target) != torch.int64:
+            return "only class-index (int64) targets are fused"
+        chain, node = [], logits
+        while len(node.users) == 1 and (
+                (is_op(node, VIEWS) and shape(node) and shape(node)[-1] == shape(node.args[0])[-1])
+                or (is_cast(node) and dtype(node.args[0]) in _FLOATS
+                    and torch.finfo(dtype(node)).bits >= torch.finfo(dtype(node.args[0])).bits)):
+            chain.append(node)
+            node = node.args[0]
+        if dtype(node) not in _FLOATS:
+            return f"logits of dtype {dtype(node)}"
+        return node, target, _REDUCTIONS[reduction], chain
+
+    def _emit(self, ctx: RewriteContext, ce: fx.Node, base: fx.Node, target: fx.Node, reduction: str, chain):
+        V = shape(ce.args[0])[1]
+        ignore_index = int(_arg(ce, 4, "ignore_index", -100))
+        smoothing = float(_arg(ce, 5, "label_smoothing", 0.0))
+        compute_grad = torch.is_grad_enabled() and ctx.may_require_grad(base)
+        before = [node_line(n) for n in [*reversed(chain), ce]]
+        with ctx.graph.inserting_before(ce):
+            z = ctx.call(aten.reshape.default, (base, [-1, V]), ce)
+            res = ctx.call(torch.ops.opsmath.cross_entropy.default,
+                           (z, target, ignore_index, smoothing, reduction, compute_grad), ce)
+            loss = ctx.call(operator.getitem, (res, 0), ce)
+            if dtype(ce) != torch.float32:
+                loss = ctx.call(aten.to.dtype, (loss, dtype(ce)), ce)
+        ce.replace_all_uses_with(loss)
+        ctx.erase_dead([ce])
+        N = shape(z)[0]
+        desc = [f"{N} tokens x {V} classes", reduction, f"read in {str(dtype(base)).replace('torch.', '')}"]
+        if smoothing:
+            desc.append(f"label_smoothing={smoothing:g}")
+        if not compute_grad:
+            desc.append("loss only")
+        ctx.replaced(self.name, ce, [*chain, ce], f"opsmath::cross_entropy({', '.join(desc)})", before,
+                     tokens=N, classes=V, reduction=reduction, compute_grad=compute_grad,
+                     dtype=str(dtype(base)).replace("torch.", ""))
+
+
+PATTERN = CrossEntropyPattern()

@@ -1,0 +1,75 @@
+"""opsmath::cross_entropy vs ``F.cross_entropy(logits.float(), t)``: DESIGN.md's rule against float64,
+loss and dlogits, odd vocabularies, ignore_index, label smoothing, mean and sum; the Triton row kernel
+through the interpreter on CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opsmath.kernels.cross_entropy import cross_entropy, cross_entropy_op
+from tolerance import assert_rule
+
+from conftest import DEVICE
+
+CASES = [  # N, V, ignore, smoothing, reduction, non-contiguous
+    (37, 101, False, 0.0, "mean", False),
+    (64, 5000, True, 0.1, "sum", False),
+    (33, 257, True, 0.0, "mean", True),
+]
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def make(case, dtype):
+    N, V, ignore, _, _, strided = case
+    torch.manual_seed(0)
+    z = 3 * torch.randn(N, V * (2 if strided else 1), device=DEVICE, dtype=dtype)
+    z = z[:, ::2] if strided else z
+    t = torch.randint(0, V, (N,), device=DEVICE)
+    if ignore:
+        t[::4] = -100
+    return z, t
+
+
+def run(fn, z, dtype):
+    x = z.detach().to(dtype).requires_grad_()
+    loss = fn(x)
+    loss.backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_matches_eager(case, dtype, path, request):
+    if path == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    elif DEVICE == "cuda":
+        pytest.skip("CUDA tensors always take the Triton path")
+    _, _, _, smoothing, reduction, _ = case
+    z, t = make(case, dtype)
+
+    def eager(x):
+        return F.cross_entropy(x.float(), t, label_smoothing=smoothing, reduction=reduction)
+    fused = run(lambda x: cross_entropy(x, t, -100, smoothing, reduction), z, dtype)
+    same = run(eager, z, dtype)
+    ref = run(lambda x: F.cross_entropy(x, t, label_smoothing=smoothing, reduction=reduction), z, torch.float64)
+    for name, f, e, r in zip(["loss", "dlogits"], fused, same, ref):
+        assert_rule(f, e, r, name=name)
+    assert fused[1].dtype == dtype
+
+
+def test_input_untouched_eval_mode_and_errors():
+    z, t = make(CASES[0], torch.float32)
+    before = z.clone()
+    loss, g = cross_entropy_op(z, t, -100, 0.0, "mean", True)
+    assert torch.equal(z, before) and g.shape == z.shape
+    with torch.no_grad():
+        loss2, g2 = cross_entropy_op(z, t, -100, 0.0, "mean", False)
+    assert g2.numel() == 0
+    torch.testing.assert_close(loss2, F.cross_entropy(z, t))
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy_op(z, t, -100, 0.0, "none", False)
+
+
+def test_opcheck():
+    z, t = make(CASES[0], torch.float32)
+    torch.library.opcheck(cross_entropy_op, (z.requires_grad_(), t, -100, 0.0, "mean", True))
