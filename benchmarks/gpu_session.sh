@@ -23,7 +23,7 @@ step() {  # step NAME TIMEOUT CMD...
 step tests ${TEST_TIMEOUT:-300} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
     ${TESTS:-tests/test_models.py tests/test_kernel_dropout_add_norm.py tests/test_kernel_attention.py \
     tests/test_attention_tuning.py tests/test_inductor.py tests/test_kernel_linear_cross_entropy.py \
-    tests/test_patterns_linear_cross_entropy.py}
+    tests/test_patterns_linear_cross_entropy.py tests/test_kernel_cross_entropy.py tests/test_autotune.py}
 step attention 300 python3 benchmarks/attention.py ${BENCH_ARGS:-}
 step lce 120 python3 benchmarks/linear_cross_entropy.py
 step dan 120 python3 benchmarks/dropout_add_norm.py
