@@ -18,37 +18,16 @@ import torch.fx as fx
 from opsmath.canonicalize import VIEWS, aten, dtype, is_cast, is_op, shape
 from opsmath.match import RewriteContext, node_line
 
-from .linear_cross_entropy import _REDUCTIONS, _arg
+from .linear_cross_entropy import CrossEntropyAnchored, LossArgs
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class CrossEntropyPattern:
+class CrossEntropyPattern(CrossEntropyAnchored):
     name = "cross_entropy"
 
-    def apply(self, ctx: RewriteContext) -> None:
-        for n in list(ctx.graph.nodes):
-            if getattr(n, "_erased", False) or not is_op(n, {aten.cross_entropy_loss.default}):
-                continue
-            if not ctx.allowed(self.name, n):
-                continue
-            found = self._match(n)
-            if isinstance(found, str):
-                ctx.declined(self.name, n, found)
-                continue
-            self._emit(ctx, n, *found)
-
-    def _match(self, ce: fx.Node):
-        logits, target = ce.args[0], ce.args[1]
-        if _arg(ce, 2, "weight", None) is not None:
-            return "class weights are not supported"
-        reduction = _arg(ce, 3, "reduction", 1)
-        if reduction not in _REDUCTIONS:
-            return "reduction='none' needs the per-token losses"
-        if len(shape(logits)) != 2 or not isinstance(target, fx.Node) or len(shape(target)) != 1:
-            return f"input of shape {shape(logits)}: only (tokens, classes) is fused"
-        if dtype(target) != torch.int64:
-            return "only class-index (int64) targets are fused"
+    def _match(self, ce: fx.Node, args: LossArgs):
+        logits = args.logits
         chain, node = [], logits
         while len(node.users) == 1 and (
                 (is_op(node, VIEWS) and shape(node) and shape(node)[-1] == shape(node.args[0])[-1])
@@ -58,12 +37,11 @@ class CrossEntropyPattern:
             node = node.args[0]
         if dtype(node) not in _FLOATS:
             return f"logits of dtype {dtype(node)}"
-        return node, target, _REDUCTIONS[reduction], chain
+        return args, node, chain
 
-    def _emit(self, ctx: RewriteContext, ce: fx.Node, base: fx.Node, target: fx.Node, reduction: str, chain):
+    def _emit(self, ctx: RewriteContext, ce: fx.Node, args: LossArgs, base: fx.Node, chain):
         V = shape(ce.args[0])[1]
-        ignore_index = int(_arg(ce, 4, "ignore_index", -100))
-        smoothing = float(_arg(ce, 5, "label_smoothing", 0.0))
+        target, reduction, ignore_index, smoothing = args.target, args.reduction, args.ignore_index, args.smoothing
         compute_grad = torch.is_grad_enabled() and ctx.may_require_grad(base)
         before = [node_line(n) for n in [*reversed(chain), ce]]
         with ctx.graph.inserting_before(ce):

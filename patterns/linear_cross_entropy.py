@@ -18,6 +18,7 @@ b can need one and grad mode is on at capture; an inference graph computes the l
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -33,8 +34,20 @@ def _arg(node: fx.Node, i: int, name: str, default):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
-class LinearCrossEntropyPattern:
-    name = "linear_cross_entropy"
+@dataclass
+class LossArgs:
+    """What a fused cross-entropy needs from an ``aten.cross_entropy_loss`` node."""
+    logits: fx.Node             # (N, V)
+    target: fx.Node             # (N,) int64
+    reduction: str              # "mean" | "sum"
+    ignore_index: int
+    smoothing: float
+
+
+class CrossEntropyAnchored:
+    """The driver both cross-entropy families share: every ``aten.cross_entropy_loss`` the user allows,
+    its arguments checked once (``loss_args``), then the family's ``_match`` and ``_emit``."""
+    name = ""
 
     def apply(self, ctx: RewriteContext) -> None:
         for n in list(ctx.graph.nodes):
@@ -42,21 +55,36 @@ class LinearCrossEntropyPattern:
                 continue
             if not ctx.allowed(self.name, n):
                 continue
-            found = self._match(n)
+            found = loss_args(n)
+            if not isinstance(found, str):
+                found = self._match(n, found)
             if isinstance(found, str):
                 ctx.declined(self.name, n, found)
                 continue
             self._emit(ctx, n, *found)
 
-    def _match(self, ce: fx.Node):
-        logits, target = ce.args[0], ce.args[1]
-        if _arg(ce, 2, "weight", None) is not None:
-            return "class weights are not supported"
-        reduction = _arg(ce, 3, "reduction", 1)
-        if reduction not in _REDUCTIONS:
-            return "reduction='none' needs the per-token losses"
-        if len(shape(logits)) != 2 or not isinstance(target, fx.Node) or len(shape(target)) != 1:
-            return f"input of shape {shape(logits)}: only (tokens, classes) is fused"
+
+def loss_args(ce: fx.Node):
+    """``LossArgs`` of a cross-entropy either family can fuse, or why not."""
+    logits, target = ce.args[0], ce.args[1]
+    if _arg(ce, 2, "weight", None) is not None:
+        return "class weights are not supported"
+    reduction = _arg(ce, 3, "reduction", 1)
+    if reduction not in _REDUCTIONS:
+        return "reduction='none' needs the per-token losses"
+    if len(shape(logits)) != 2 or not isinstance(target, fx.Node) or len(shape(target)) != 1:
+        return f"input of shape {shape(logits)}: only (tokens, classes) is fused"
+    if dtype(target) != torch.int64:
+        return "only class-index (int64) targets are fused"
+    return LossArgs(logits, target, _REDUCTIONS[reduction], int(_arg(ce, 4, "ignore_index", -100)),
+                    float(_arg(ce, 5, "label_smoothing", 0.0)))
+
+
+class LinearCrossEntropyPattern(CrossEntropyAnchored):
+    name = "linear_cross_entropy"
+
+    def _match(self, ce: fx.Node, args: LossArgs):
+        logits = args.logits
         chain, node, readers = [], logits, []
         while is_op(node, VIEWS | _ROW_OPS) or is_cast(node):
             if len(node.users) != 1:
@@ -88,14 +116,11 @@ class LinearCrossEntropyPattern:
         V = shape(logits)[1]
         if len(shape(w)) != 2 or shape(w)[0] != V or not shape(x):
             return f"the linear's weight {shape(w)} does not give the {V} classes"
-        if dtype(target) != torch.int64:
-            return "only class-index (int64) targets are fused"
-        return lin, x, w, b, target, _REDUCTIONS[reduction], chain, others
+        return args, lin, x, w, b, chain, others
 
-    def _emit(self, ctx, ce, lin, x, w, b, target, reduction, chain, others):
+    def _emit(self, ctx, ce, args: LossArgs, lin, x, w, b, chain, others):
         cdt = dtype(lin)
-        ignore_index = int(_arg(ce, 4, "ignore_index", -100))
-        smoothing = float(_arg(ce, 5, "label_smoothing", 0.0))
+        target, reduction, ignore_index, smoothing = args.target, args.reduction, args.ignore_index, args.smoothing
         compute_grad = torch.is_grad_enabled() and any(
             t is not None and ctx.may_require_grad(t) for t in (x, w, b))
         before = [node_line(n) for n in [lin, *reversed(chain), ce]]
