@@ -39,13 +39,25 @@ class SDPAAttention(torch.nn.Module):
         return a.resid_dropout(a.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
 
-def build(cfg, device, variant):
+def build(cfg, device, variant, shared_mask=False):
+    """GPT ``variant`` ("eager": hand-written attention, "sdpa", "per_block_checkpoint") on ``device``.
+
+    ``shared_mask``: nanoGPT gives every layer its own fp32 ``tril`` buffer, 12 * T^2 * 4 bytes (3 GiB at
+    T 8192, 27 GiB at 24576), resident whatever runs the step. For the long-sequence runs every variant
+    instead shares one bool ``tril`` (T^2 bytes; the same function), and the SDPA variant has none."""
     torch.manual_seed(0)
     model = GPT(**cfg).to(device)
+    if shared_mask:
+        T = cfg["block_size"]
+        tril = torch.ones(T, T, dtype=torch.bool, device=device).tril().view(1, 1, T, T)
+        for b in model.h:
+            b.attn.bias = tril       # the same tensor in every layer (a buffer of each)
     if variant == "per_block_checkpoint":
         model.h = torch.nn.ModuleList([PerBlockCheckpoint(b) for b in model.h])
     elif variant == "sdpa":
         for b in model.h:
+            if shared_mask:
+                del b.attn.bias
             b.attn = SDPAAttention(b.attn)
     return model
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
-#   STEPS="tests attention lce dan train memory curve tune llama"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#   STEPS="tests attention lce dan train gap recompute memory long curve tune llama"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -15,7 +15,7 @@ ls benchmarks/wheels/liger_kernel-*.whl >/dev/null 2>&1 && \
     python3 -m pip install -q --no-deps benchmarks/wheels/liger_kernel-*.whl >> "$OUT/install.log" 2>&1
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 limit=$2; shift 2
-    case " ${STEPS:-tests attention lce dan train memory curve tune llama} " in *" $name "*) ;; *) return ;; esac
+    case " ${STEPS:-tests attention lce dan train gap recompute memory long curve tune llama} " in *" $name "*) ;; *) return ;; esac
     echo "== $name"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "rc=$? ($name)"; grep -v -i "warn" "$OUT/$name.log" | tail -${TAIL:-30}
@@ -28,7 +28,10 @@ step attention 300 python3 benchmarks/attention.py ${BENCH_ARGS:-}
 step lce 120 python3 benchmarks/linear_cross_entropy.py
 step dan 120 python3 benchmarks/dropout_add_norm.py
 step train ${TRAIN_TIMEOUT:-400} python3 benchmarks/train.py --gpt --only "${TRAIN_ONLY:-}"
+step gap 240 python3 benchmarks/profile_gap.py --pair "${GAP_PAIR:-torch.compile + SDPA,opsmath.optimize}"
+step recompute 200 python3 benchmarks/profile_gap.py --pair "opsmath op-by-op,opsmath budget 0.5" --tag recompute
 step memory ${MEMORY_TIMEOUT:-400} python3 benchmarks/memory.py ${MEMORY_ARGS:-}
+step long ${LONG_TIMEOUT:-400} python3 benchmarks/memory.py --long-only --quick ${LONG_ARGS:-}
 step curve 300 python3 benchmarks/learning_curve.py
 step tune 200 python3 -m opsmath.cli tune --example gpt
 step llama 500 python3 benchmarks/train.py --llama --only "${LLAMA_ONLY:-eager,eager + SDPA,torch.compile + SDPA,opsmath.optimize}"

@@ -14,6 +14,7 @@ median step time, overhead vs unconstrained opsmath. Then the longest sequence (
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -24,8 +25,10 @@ from opsmath.plan import InfeasibleBudget
 from _models import build
 
 
-def measure(model_fn, batch, device, amp, steps=3):
-    """(peak bytes over a step after warm-up or None on CPU, median step ms, exception or None)."""
+def measure(model_fn, batch, device, amp, steps=3, warmup=1):
+    """(peak bytes over the timed steps after ``warmup`` steps or None on CPU, median step ms, model,
+    exception or None). An absolute budget is re-planned (and recompiled) at the second call: its rows
+    warm up for two steps so that the timed steps run the final plan."""
     try:
         model = model_fn()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
@@ -36,7 +39,8 @@ def measure(model_fn, batch, device, amp, steps=3):
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        step()  # warm-up: capture, planning, optimizer state
+        for _ in range(warmup):   # capture, planning, optimizer state (and the re-plan)
+            step()
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -50,8 +54,11 @@ def measure(model_fn, batch, device, amp, steps=3):
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
         return peak, statistics.median(times), model, None
     except (torch.OutOfMemoryError, InfeasibleBudget) as e:
+        e.__traceback__ = None   # its frames hold the failed step's model and tensors
         return None, None, None, e
     finally:
+        model = opt = None
+        gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
 
@@ -64,10 +71,19 @@ def predicted(model) -> int | None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--inductor-rows", default="none,0.5",
-                    help="budgets also run with Inductor (the CUDA default; each row compiles for ~40 s)")
+    ap.add_argument("--paths", default="inductor,op-by-op",
+                    help="opsmath paths the budget sweep runs: inductor (the CUDA default), op-by-op")
     ap.add_argument("--quick", action="store_true", help="fewer budgets and lengths (device time)")
+    ap.add_argument("--long-only", action="store_true", help="only the longest sequence in 8 GiB")
+    ap.add_argument("--lengths", default="", help="comma-separated sequence lengths to try")
+    ap.add_argument("--variants", default="", help="comma-separated longest-sequence variants (default all)")
+    ap.add_argument("--fractions", default="", help="fractional budgets of the sweep, comma-separated")
+    ap.add_argument("--absolute", default="", help="absolute budgets of the sweep as fractions of the "
+                                                  "unconstrained peak, comma-separated")
+    ap.add_argument("--no-anchors", action="store_true", help="the sweep without its comparison rows")
     args = ap.parse_args()
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.fractions, args.absolute = ([float(x) for x in a.split(",") if x] for a in (args.fractions, args.absolute))
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         cfg, B, T, amp = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.1), 2, 64, False
@@ -77,10 +93,11 @@ def main():
     batch = (idx, torch.roll(idx, -1, 1))
     rows = []
 
-    def row(name, fn, budget=None):
+    def row(name, fn, budget=None, base_ms=None):
         torch._dynamo.reset()
-        peak, ms, model, err = measure(fn, batch, device, amp)
-        rows.append(dict(name=name, budget=None if budget is None else str(budget), peak=peak, ms=ms,
+        absolute = budget is not None and not isinstance(budget, float)
+        peak, ms, model, err = measure(fn, batch, device, amp, warmup=2 if absolute else 1)
+        rows.append(dict(name=name, budget=None if budget is None else str(budget), peak=peak, ms=ms, base_ms=base_ms,
                          predicted=predicted(model) if budget is not None else None,
                          error=None if err is None else f"{type(err).__name__}: {str(err)[:120]}"))
         r = rows[-1]
@@ -89,60 +106,85 @@ def main():
               f"{'-' if ms is None else f'{ms:.1f}'} ms  {r['error'] or ''}", flush=True)
         return r
 
+    if not args.long_only:
+        sweep(args, cfg, device, batch, row)
+    for r in rows:
+        if r["ms"] and r.get("base_ms"):
+            r["overhead_vs_opsmath_unconstrained"] = r["ms"] / r["base_ms"] - 1
+    longest, tried = longest_in_8gib(args, cfg, device, amp)
+
+    if not args.smoke:
+        from _harness import write
+        print("wrote", write("memory" + ("-long" if args.long_only else ""), dict(rows=rows, longest_in_8GiB=longest, lengths_tried=tried, config=cfg, batch=[B, T])))
+
+
+def sweep(args, cfg, device, batch, row):
+    """Budgets from unconstrained down to infeasible on each opsmath path, then the anchors."""
     row("eager", lambda: build(cfg, device, "eager"))
-    # The sweep runs the rewritten graph op by op (inductor=False): the plan's own checkpoints, whose
-    # predicted peak is what the planner promises; a few budgets also run under Inductor.
-    ops = (lambda budget: opsmath.optimize(build(cfg, device, "eager"), memory_budget=budget, inductor=False))
-    base = row("opsmath (no budget)", lambda: ops(None))
-    for f in (0.75, 0.5, 0.25):
-        row(f"opsmath budget {f}", lambda f=f: ops(f), f)
-    if base["peak"] is not None:
-        for frac in ((0.65, 0.5) if args.quick else (0.8, 0.65, 0.5, 0.4)):
-            b = int(base["peak"] * frac)
-            r = row(f"opsmath budget {b / 2**30:.2f} GiB", lambda b=b: ops(b), b)
-            if r["error"]:
-                break
-    for spec in [s for s in args.inductor_rows.split(",") if s]:
-        budget = None if spec == "none" else float(spec)
-        row(f"opsmath + Inductor budget {spec}", lambda b=budget: opsmath.optimize(
-            build(cfg, device, "eager"), memory_budget=b, inductor=True), budget)
+    for path in [p for p in args.paths.split(",") if p]:
+        inductor = path == "inductor"
+        tag = "opsmath" + (" + Inductor" if inductor else " op-by-op")
+        ops = (lambda budget, i=inductor: opsmath.optimize(build(cfg, device, "eager"), memory_budget=budget,
+                                                           inductor=i))
+        base = row(f"{tag} (no budget)", lambda: ops(None))
+        for f in args.fractions or ((0.5, 0.25) if args.quick else (0.75, 0.5, 0.25)):
+            row(f"{tag} budget {f}", lambda f=f: ops(f), f, base["ms"])
+        if base["peak"] is not None:
+            for frac in args.absolute or ((0.75, 0.6) if args.quick else (0.85, 0.75, 0.65, 0.55)):
+                b = int(base["peak"] * frac)
+                r = row(f"{tag} budget {b / 2**30:.2f} GiB", lambda b=b: ops(b), b, base["ms"])
+                if r["error"]:
+                    break
+    if args.no_anchors:
+        return
     row("per-block checkpoint", lambda: build(cfg, device, "per_block_checkpoint"))
-    for f in ((0.5,) if args.quick else (0.75, 0.5, 0.25)):
+    for f in ((0.5, 0.25) if args.quick else (0.75, 0.5, 0.25)):
         def compiled(f=f):
             torch._functorch.config.activation_memory_budget = f
             return torch.compile(build(cfg, device, "eager"))
         row(f"torch.compile activation_memory_budget {f}", compiled)
     torch._functorch.config.activation_memory_budget = 1.0
-    for r in rows:
-        if base["ms"] and r["ms"]:
-            r["overhead_vs_opsmath_unconstrained"] = r["ms"] / base["ms"] - 1
 
+
+def longest_in_8gib(args, cfg, device, amp):
+    """Longest T (B=1) whose step's measured peak stays within 8 GiB, per variant. Every variant shares
+    one bool causal mask (``build(shared_mask=True)``): nanoGPT's per-layer fp32 masks alone exceed 8 GiB
+    past T 12k. Anchors go up from the shortest length until one fails; opsmath goes down from the longest
+    until one fits (each of its tries captures and compiles, ~1 min)."""
     longest, tried = {}, []   # every length tried, with its peak or why it failed
-    lengths = (128, 256) if args.smoke else ((2048, 4096, 8192, 16384, 24576) if args.quick else (2048, 4096, 8192, 16384, 24576, 32768))
-    for name, variant, budget in (("eager", "eager", None), ("eager + SDPA", "sdpa", None),
-                                  ("per-block checkpoint", "per_block_checkpoint", None),
-                                  ("opsmath 8GiB", "eager", "8GiB")):
-        for L in lengths:
+    lengths = [int(x) for x in args.lengths.split(",") if x] or (
+        [128, 256] if args.smoke else [2048, 4096, 8192, 16384, 24576, 32768])
+    for name, variant, budget, inductor in (
+            ("eager", "eager", None, None), ("eager + SDPA", "sdpa", None, None),
+            ("per-block checkpoint", "per_block_checkpoint", None, None),
+            ("opsmath 8GiB", "eager", "8GiB", None),
+            ("opsmath 8GiB op-by-op", "eager", "8GiB", False)):
+        if (args.quick and name == "opsmath 8GiB op-by-op") or (args.variants and name not in args.variants):
+            continue
+        for L in (sorted(lengths, reverse=True) if budget else lengths):
             c = dict(cfg, block_size=L)
             tok = torch.randint(0, cfg["vocab_size"], (1, L), device=device)
             torch._dynamo.reset()
 
-            def fn(c=c, variant=variant, budget=budget):
-                m = build(c, device, variant)
-                return opsmath.optimize(m, memory_budget=budget, inductor=False) if budget else m
-            peak, ms, model, err = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1)
+            def fn(c=c, variant=variant, budget=budget, inductor=inductor):
+                m = build(c, device, variant, shared_mask=True)
+                return opsmath.optimize(m, memory_budget=budget, inductor=inductor) if budget else m
+            t0 = time.perf_counter()
+            peak, ms, model, err = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1,
+                                           warmup=2 if budget else 1)
+            fits = err is None and (peak is None or peak <= 8 * 2**30)
             tried.append(dict(variant=name, length=L, peak=peak, ms=ms, predicted=predicted(model) if budget else None,
+                              wall_s=time.perf_counter() - t0,
                               error=None if err is None else f"{type(err).__name__}: {str(err)[:200]}"))
+            model = None   # not alive while the next length is measured
             print(f"  {name} T={L}: peak {'-' if peak is None else f'{peak / 2**30:.2f} GiB'} "
-                  f"{tried[-1]['error'] or ''}", flush=True)
-            if err is not None or (peak is not None and peak > 8 * 2**30):
+                  f"{'-' if ms is None else f'{ms:.0f} ms'} {tried[-1]['error'] or ''}", flush=True)
+            if fits:
+                longest[name] = max(L, longest.get(name, 0))
+            if fits == bool(budget):   # anchors stop at the first failure, opsmath at the first fit
                 break
-            longest[name] = L
         print(f"longest sequence in 8 GiB, {name}: {longest.get(name)}", flush=True)
-
-    if not args.smoke:
-        from _harness import write
-        print("wrote", write("memory", dict(rows=rows, longest_in_8GiB=longest, lengths_tried=tried, config=cfg, batch=[B, T])))
+    return longest, tried
 
 
 if __name__ == "__main__":

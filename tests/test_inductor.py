@@ -114,3 +114,21 @@ def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_budget_keeps_the_chunked_loss_that_inductor_otherwise_gets():
+    """Without a budget linear-CE is left to Inductor (faster there); under a budget it stays, since
+    Inductor's version keeps the whole logits tensor for backward."""
+    fired = {}
+    for budget in (None, 1.0):
+        ref, model, batch = pair(dropout=0.0)
+        model = opsmath.optimize(model, memory_budget=budget, inductor=True)
+        loss = model(*batch)
+        loss.backward()
+        ref_loss = ref(*batch)
+        ref_loss.backward()
+        fired[budget] = opsmath.report(model).graphs[0].after_ops["opsmath.linear_cross_entropy"]
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert fired == {None: 0, 1.0: 1}, fired

@@ -153,3 +153,21 @@ def test_memory_timeline_is_bounded_by_the_predicted_peak():
         assert tl[-1] == ("backward", 0, p.resident)                     # everything freed at the end
         assert sum(phase == "recompute" for phase, _, _ in tl) == len(p.chosen)
     assert "memory over the step" in rep.render(width=80)
+
+
+def test_fractional_budget_keeps_its_plan_and_updates_its_prediction(monkeypatch):
+    """A fraction of the activations does not depend on what else is resident: at the second call the
+    plan stays, and its predicted peak counts the resident bytes measured then (optimizer state)."""
+    extra = 12345678
+    _grown_resident(monkeypatch, extra)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    opt = opsmath.optimize(model, memory_budget=0.5)
+    opt(*batch).backward()
+    rec = opsmath.report(opt).graphs[0]
+    first, code, peak = rec.plan, rec.after_code, rec.plan.predicted_peak
+    opt(*batch).backward()
+    rec = opsmath.report(opt).graphs[0]
+    assert rec.plan is first and rec.after_code == code and not first.replanned
+    assert first.predicted_peak == peak + extra
