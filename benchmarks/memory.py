@@ -77,13 +77,14 @@ def main():
     ap.add_argument("--long-only", action="store_true", help="only the longest sequence in 8 GiB")
     ap.add_argument("--lengths", default="", help="comma-separated sequence lengths to try")
     ap.add_argument("--variants", default="", help="comma-separated longest-sequence variants (default all)")
-    ap.add_argument("--fractions", default="", help="fractional budgets of the sweep, comma-separated")
-    ap.add_argument("--absolute", default="", help="absolute budgets of the sweep as fractions of the "
+    ap.add_argument("--fractions", default=None, help="fractional budgets of the sweep, comma-separated")
+    ap.add_argument("--absolute", default=None, help="absolute budgets of the sweep as fractions of the "
                                                   "unconstrained peak, comma-separated")
     ap.add_argument("--no-anchors", action="store_true", help="the sweep without its comparison rows")
     args = ap.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
-    args.fractions, args.absolute = ([float(x) for x in a.split(",") if x] for a in (args.fractions, args.absolute))
+    args.fractions, args.absolute = (None if a is None else [float(x) for x in a.split(",") if x]
+                                     for a in (args.fractions, args.absolute))   # "" runs none of them
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         cfg, B, T, amp = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.1), 2, 64, False
@@ -127,10 +128,11 @@ def sweep(args, cfg, device, batch, row):
         ops = (lambda budget, i=inductor: opsmath.optimize(build(cfg, device, "eager"), memory_budget=budget,
                                                            inductor=i))
         base = row(f"{tag} (no budget)", lambda: ops(None))
-        for f in args.fractions or ((0.5, 0.25) if args.quick else (0.75, 0.5, 0.25)):
+        for f in args.fractions if args.fractions is not None else ((0.5, 0.25) if args.quick else (0.75, 0.5, 0.25)):
             row(f"{tag} budget {f}", lambda f=f: ops(f), f, base["ms"])
         if base["peak"] is not None:
-            for frac in args.absolute or ((0.75, 0.6) if args.quick else (0.85, 0.75, 0.65, 0.55)):
+            for frac in args.absolute if args.absolute is not None else (
+                    (0.75, 0.6) if args.quick else (0.85, 0.75, 0.65, 0.55)):
                 b = int(base["peak"] * frac)
                 r = row(f"{tag} budget {b / 2**30:.2f} GiB", lambda b=b: ops(b), b, base["ms"])
                 if r["error"]:

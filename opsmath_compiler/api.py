@@ -163,8 +163,8 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
             nonlocal fn
             record.calls += 1
             if replan[0] is not None:
-                if record.calls == 1:   # the process's peak so far: step 1's own peak is what exceeds it
-                    replan[1] = _max_allocated(args)
+                if record.calls == 1:   # step 1's own peak is measured from here
+                    replan[1] = _start_peak(args, parse_budget(state.memory_budget)[0] == "bytes")
                 elif record.calls == 2:
                     g = _replan(state, record, replan[0], by_node, list(args), model, use_inductor, replan[1])
                     replan[0] = None
@@ -191,6 +191,18 @@ def _finish(state, record, gm, example_inputs, use_inductor):
         log.warning("opsmath: %s", msg)
         state.fallback_errors.append(msg)
         return gm
+
+
+def _start_peak(args, reset: bool) -> Optional[int]:
+    """Where step 1's peak measurement starts. Under an absolute budget CUDA's peak statistic is reset
+    here (``reset_peak_memory_stats``), so the first step is measured even when something earlier in
+    the process peaked higher; this is documented in ``optimize``. Otherwise the process's peak so far
+    is kept, and step 1 is measured only if it exceeds it."""
+    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
+    if reset and cuda:
+        torch.cuda.reset_peak_memory_stats(cuda[0].device)
+        return torch.cuda.memory_allocated(cuda[0].device)
+    return _max_allocated(args)
 
 
 def _max_allocated(args) -> Optional[int]:
@@ -254,7 +266,9 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             predicted peak (resident weights, grads, optimizer state and inputs included), or a float in
             (0, 1]: that fraction of the unconstrained activation memory. Recompute is planned per
             captured graph (``plan.py``); an infeasible budget raises ``InfeasibleBudget`` naming the
-            smallest feasible one.
+            smallest feasible one. At a graph's second call the plan is checked against what step 1
+            measured (resident bytes, CUDA peak) and made again if needed; to measure step 1, an
+            absolute budget resets ``torch.cuda`` peak memory statistics at the graph's first call.
         patterns: names of pattern families to apply (default: all, see ``opsmath.patterns.NAMES``).
         skip: names (``"attention"``) or single occurrences (``"attention@softmax_3"``) to leave alone.
         analyze: predict saved activation bytes before/after for the report (one extra fake-tensor

@@ -1,0 +1,115 @@
+"""opsmath::swiglu and opsmath::bias_gelu against PyTorch: DESIGN.md's rule against float64 on the
+output and every gradient, odd widths, row-strided inputs (the halves of one ``chunk``), both GELU forms;
+the Triton kernels through the interpreter on CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opsmath.kernels.bias_gelu import bias_gelu
+from opsmath.kernels.swiglu import swiglu
+from tolerance import assert_rule
+
+from conftest import DEVICE
+
+DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+SHAPES = [(3, 7, 33), (5, 1100), (64, 2048)]   # odd widths, a width over one block
+
+
+def _path(path, request):
+    if path == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    elif DEVICE == "cuda":
+        pytest.skip("CUDA tensors always take the Triton path")
+
+
+def _grads(fn, inputs, dtype, dy):
+    xs = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    out = fn(*xs)
+    out.backward(dy.to(dtype))
+    return [out.detach()] + [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["separate", "chunk"])
+def test_swiglu_matches_eager(shape, dtype, path, chunked, request):
+    _path(path, request)
+    torch.manual_seed(0)
+    H = shape[-1]
+    if chunked:   # one projection split in two: row-strided views, read without a copy
+        ab = 3 * torch.randn(*shape[:-1], 2 * H, device=DEVICE)
+        inputs = [ab]
+        split = (lambda f: lambda t: f(*t.chunk(2, dim=-1)))  # noqa: E731
+    else:
+        inputs = [3 * torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)]
+        split = (lambda f: f)  # noqa: E731
+    dy = torch.randn(shape, device=DEVICE)
+    fused = _grads(split(swiglu), inputs, dtype, dy)
+    eager = _grads(split(lambda a, b: F.silu(a) * b), inputs, dtype, dy)
+    ref = _grads(split(lambda a, b: F.silu(a) * b), inputs, torch.float64, dy)
+    for name, f, e, r in zip(["y", "da", "db"], fused, eager, ref):
+        assert_rule(f, e, r, name=name)
+    assert fused[0].dtype == dtype
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_matches_eager(shape, dtype, path, approximate, request):
+    _path(path, request)
+    torch.manual_seed(0)
+    x, b = 2 * torch.randn(shape, device=DEVICE), torch.randn(shape[-1], device=DEVICE)
+    dy = torch.randn(shape, device=DEVICE)
+    fused = _grads(lambda x, b: bias_gelu(x, b, approximate), [x, b], dtype, dy)   # dropout 0
+    eager = _grads(lambda x, b: F.gelu(x + b, approximate=approximate), [x, b], dtype, dy)
+    ref = _grads(lambda x, b: F.gelu(x + b, approximate=approximate), [x, b], torch.float64, dy)
+    for name, f, e, r in zip(["y", "dx", "dbias"], fused, eager, ref):
+        assert_rule(f, e, r, name=name)
+
+
+def test_bias_gelu_fp32_bias_on_low_precision_input(triton_on_cpu):
+    """Under autocast the GEMM's output is bf16 and the bias an fp32 parameter: y in bf16, dbias fp32."""
+    x = torch.randn(9, 40, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(40, device=DEVICE, requires_grad=True)
+    y = bias_gelu(x, b)
+    y.sum().backward()
+    assert y.dtype == torch.bfloat16 and b.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    ref = F.gelu(x.detach().double() + b.detach().double())
+    assert (y.double() - ref).abs().max().item() < 2e-2
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="one shape"):
+        swiglu(torch.randn(2, 3), torch.randn(2, 4))
+    with pytest.raises(ValueError, match="bias of shape"):
+        bias_gelu(torch.randn(2, 3), torch.randn(4))
+    with pytest.raises(ValueError, match="approximate"):
+        bias_gelu(torch.randn(2, 3), torch.randn(3), "sigmoid")
+    with pytest.raises(ValueError, match="dropout_p"):
+        bias_gelu(torch.randn(2, 3), torch.randn(3), "none", 1.0)
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_bias_gelu_dropout_mask_regenerated_and_fraction_dropped(path, request):
+    """The Triton mask equals the reference hash bit for bit, backward applies the same mask as forward
+    (no mask stored), and the fraction dropped is within 0.01 of p."""
+    from opsmath.kernels._common import dropout_keep, flat_offsets
+    _path(path, request)
+    torch.manual_seed(0)
+    p, seed = 0.1, torch.tensor(1234)
+    x = torch.randn(96, 257, device=DEVICE, requires_grad=True)
+    b = torch.randn(257, device=DEVICE, requires_grad=True)
+    dy = torch.randn(96, 257, device=DEVICE)
+    out = bias_gelu(x, b, "tanh", p, seed)
+    out.backward(dy)
+    keep = dropout_keep(1234, flat_offsets(x.shape, x.device), p)
+    xr, br = x.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = F.gelu(xr + br, approximate="tanh") * keep / (1 - p)
+    ref.backward(dy.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.grad.double(), br.grad, rtol=1e-5, atol=1e-5)
+    assert abs((~keep).double().mean().item() - p) < 0.01
+    assert (x.grad[~keep] == 0).all() and (out[~keep] == 0).all()   # dropped in both passes
