@@ -1,8 +1,11 @@
 """Rewrite families, one file each. ``ALL`` is the order the driver applies them in."""
 from .attention import PATTERN as ATTENTION
+from .bias_gelu import PATTERN as BIAS_GELU
 from .cross_entropy import PATTERN as CROSS_ENTROPY
 from .linear_cross_entropy import PATTERN as LINEAR_CROSS_ENTROPY
 from .norms import PATTERN as DROPOUT_ADD_NORM
+from .swiglu import PATTERN as SWIGLU
 
-ALL = [ATTENTION, DROPOUT_ADD_NORM, LINEAR_CROSS_ENTROPY, CROSS_ENTROPY]   # cross_entropy takes what LCE left
+ALL = [ATTENTION, DROPOUT_ADD_NORM, LINEAR_CROSS_ENTROPY, CROSS_ENTROPY,   # cross_entropy takes what LCE left
+       SWIGLU, BIAS_GELU]
 NAMES = [p.name for p in ALL]

@@ -19,7 +19,7 @@ def _optimized_gpt():
 
 def test_report_fields_and_80_columns():
     rep = opsmath.report(_optimized_gpt())
-    assert {m.pattern for m in rep.matches} == {"attention", "dropout_add_norm", "linear_cross_entropy"}
+    assert {m.pattern for m in rep.matches} == {"attention", "dropout_add_norm", "linear_cross_entropy", "bias_gelu"}
     for m in rep.matches:
         assert m.location.startswith("examples.py:") and m.nodes and m.before
     text = rep.render(width=80)

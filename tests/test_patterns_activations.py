@@ -1,0 +1,136 @@
+"""The swiglu and bias_gelu rewrites on the spellings models use: found, rewritten, outputs and
+gradients equal to eager; declined (eager kept, reason given) where an intermediate must exist."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import opsmath
+
+
+class SwiGLU(nn.Module):           # LLaMA: down(silu(gate(x)) * up(x))
+    def __init__(self, d=16, h=24):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class ChunkedSwiGLU(nn.Module):    # one projection split in two, b * silu(a) order
+    def __init__(self, d=16, h=24):
+        super().__init__()
+        self.w, self.down = nn.Linear(d, 2 * h), nn.Linear(h, d)
+
+    def forward(self, x):
+        a, b = self.w(x).chunk(2, dim=-1)
+        return self.down(b * nn.SiLU()(a))
+
+
+class SiluKept(SwiGLU):             # silu(a) also returned: must exist
+    def forward(self, x):
+        s = F.silu(self.gate(x))
+        return self.down(s * self.up(x)) + s.sum()
+
+
+class GeluMLP(nn.Module):          # nanoGPT / timm Mlp (fc1 -> act -> drop -> fc2)
+    def __init__(self, d=16, h=40, approximate="none", p=0.0):
+        super().__init__()
+        self.fc, self.proj, self.drop = nn.Linear(d, h), nn.Linear(h, d), nn.Dropout(p)
+        self.approximate = approximate
+
+    def forward(self, x):
+        return self.proj(self.drop(F.gelu(self.fc(x), approximate=self.approximate)))
+
+
+class GeluAddBias(nn.Module):      # bias added by hand: gelu(x @ W.T + b)
+    def __init__(self, d=16, h=40):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(h, d) / 4), nn.Parameter(torch.randn(h))
+
+    def forward(self, x):
+        return F.gelu(x @ self.w.t() + self.b, approximate="tanh").sum(-1)
+
+
+class PreactKept(GeluMLP):          # the pre-activation also read: must exist
+    def forward(self, x):
+        h = self.fc(x)
+        return self.proj(F.gelu(h)) + h.mean()
+
+
+def run(model, pattern, x=None):
+    torch.manual_seed(0)
+    ref = copy.deepcopy(model)
+    opt = opsmath.optimize(model, patterns=[pattern], inductor=False)
+    x = torch.randn(2, 7, 16) if x is None else x
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    out, ref_out = opt(xs[0]), ref(xs[1])
+    out.sum().backward()
+    ref_out.sum().backward()
+    return opsmath.report(opt).graphs[0], (out, ref_out), (xs, model, ref)
+
+
+@pytest.mark.parametrize("cls", [SwiGLU, ChunkedSwiGLU])
+def test_swiglu_fires_and_matches(cls):
+    torch._dynamo.reset()
+    g, (out, ref_out), (xs, model, ref) = run(cls(), "swiglu")
+    assert g.after_ops["opsmath.swiglu"] == 1 and not g.after_ops.get("aten.silu"), g.after_code
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls,approximate", [(GeluMLP, "none"), (GeluMLP, "tanh"), (GeluAddBias, "tanh")])
+def test_bias_gelu_fires_and_matches(cls, approximate):
+    torch._dynamo.reset()
+    model = cls(approximate=approximate) if cls is GeluMLP else cls()
+    g, (out, ref_out), (xs, model, ref) = run(model, "bias_gelu")
+    m = next(m for m in g.matches if m.pattern == "bias_gelu")
+    assert m.details["approximate"] == approximate and not g.after_ops.get("aten.gelu"), g.after_code
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+
+
+class GeluDrop(GeluMLP):
+    def forward(self, x):
+        return self.drop(F.gelu(self.fc(x)))
+
+
+def test_bias_gelu_takes_the_dropout_after_it():
+    """timm's Mlp: the dropout joins the op (no mask stored). Kept elements are eager's activation over
+    (1 - p), the fraction dropped is p, a torch seed makes it repeatable, and eval mode equals eager."""
+    torch._dynamo.reset()
+    model = GeluDrop(h=512, p=0.25)
+    ref = copy.deepcopy(model)
+    opt = opsmath.optimize(model, patterns=["bias_gelu"], inductor=False)
+    x = torch.randn(8, 9, 16)
+    torch.manual_seed(3)
+    a = opt(x)
+    torch.manual_seed(3)
+    b = opt(x)
+    g = opsmath.report(opt).graphs[0]
+    m = next(m for m in g.matches if m.pattern == "bias_gelu")
+    assert m.details["dropout_p"] == 0.25 and not g.after_ops.get("aten.dropout")
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    h = F.gelu(ref.fc(x)).detach()
+    kept = a != 0
+    torch.testing.assert_close(a[kept], h[kept] / 0.75, rtol=1e-5, atol=1e-6)
+    assert abs(1 - kept.double().mean().item() - 0.25) < 0.01
+    opt.eval()
+    ref.eval()
+    torch.testing.assert_close(opt(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls,pattern,reason", [(SiluKept, "swiglu", "silu(a) is also read"),
+                                                (PreactKept, "bias_gelu", "pre-activation is also read")])
+def test_declines_keep_eager_and_say_why(cls, pattern, reason):
+    torch._dynamo.reset()
+    g, (out, ref_out), _ = run(cls(), pattern)
+    assert not [m for m in g.matches if m.pattern == pattern]
+    assert any(reason in d.reason for d in g.declines if d.pattern == pattern), g.declines
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
