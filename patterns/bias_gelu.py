@@ -1,12 +1,17 @@
-"""Bias-GELU: ``gelu(linear(x, W, b))`` or ``gelu(h + b)``, optionally followed by dropout (timm's
-``Mlp``: fc1 -> act -> drop), to ``linear(x, W)`` (no bias) + ``opsmath::bias_gelu`` (``kernels/bias_gelu.py``),
-whose backward gives dx and the bias gradient in one pass and regenerates the dropout mask.
+"""Bias-GELU: ``gelu(linear(x, W, b))``, ``gelu(addmm(b, x, W))`` (HF GPT-2's ``Conv1D``) or
+``gelu(h + b)``, optionally followed by dropout (timm's ``Mlp``: fc1 -> act -> drop), to the GEMM without
+its bias + ``opsmath::bias_gelu`` (``kernels/bias_gelu.py``), whose backward gives dx and the bias gradient
+in one pass and regenerates the dropout mask.
 
-Anchor: ``aten.gelu`` (erf or tanh form) whose input is a ``linear`` with a bias, or an ``add`` of a 1-D
-tensor as wide as the last dim, with the GELU as its only reader; then a ``dropout`` that is the GELU's only
-reader joins the op. Declines when the pre-activation is read elsewhere (it must then exist).
+Anchor: ``aten.gelu`` (erf or tanh form), or the tanh form written out in elementwise ops (HF's
+``gelu_new``: ``0.5 * h * (1 + tanh(sqrt(2/pi) * (h + 0.044715 * h**3)))``), whose input is one of the
+biased GEMMs above or an ``add`` of a 1-D tensor as wide as the last dim, read by nothing else; then a
+``dropout`` that is the GELU's only reader joins the op. Declines when the pre-activation is read
+elsewhere (it must then exist).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx as fx
@@ -15,6 +20,47 @@ from opsmath.canonicalize import aten, dropout_info, dtype, is_op, shape
 from opsmath.match import RewriteContext, node_line
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_K = math.sqrt(2.0 / math.pi)
+
+
+def _times_const(node, c: float):
+    """x if ``node`` is ``x * c`` (either order), else None."""
+    if not is_op(node, {aten.mul.Tensor}) or len(node.args) != 2:
+        return None
+    a, b = node.args
+    for x, k in ((a, b), (b, a)):
+        if isinstance(x, fx.Node) and isinstance(k, (int, float)) and math.isclose(k, c, rel_tol=1e-6):
+            return x
+    return None
+
+
+def _plus_const(node, c: float):
+    if not is_op(node, {aten.add.Tensor}) or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = node.args
+    for x, k in ((a, b), (b, a)):
+        if isinstance(x, fx.Node) and isinstance(k, (int, float)) and math.isclose(k, c, rel_tol=1e-6):
+            return x
+    return None
+
+
+def spelled_tanh_gelu(node):
+    """(h, nodes) if ``node`` computes ``0.5 * h * (1 + tanh(sqrt(2/pi) * (h + 0.044715 * h**3)))``,
+    Hugging Face's ``NewGELUActivation`` (``gelu_new``, GPT-2) written out in elementwise ops."""
+    if not is_op(node, {aten.mul.Tensor}) or len(node.args) != 2:
+        return None
+    for half, rest in (node.args, node.args[::-1]):
+        h, t = _times_const(half, 0.5), _plus_const(rest, 1.0)
+        if h is None or not is_op(t, {aten.tanh.default}):
+            continue
+        inner = _times_const(t.args[0], _K)
+        if not is_op(inner, {aten.add.Tensor}) or len(inner.args) != 2:
+            continue
+        for hh, cube in (inner.args, inner.args[::-1]):
+            p3 = _times_const(cube, 0.044715)
+            if hh is h and is_op(p3, {aten.pow.Tensor_Scalar}) and p3.args[0] is h and p3.args[1] == 3:
+                return h, [node, half, rest, t, t.args[0], inner, cube, p3]
+    return None
 
 
 class BiasGeluPattern:
@@ -22,9 +68,17 @@ class BiasGeluPattern:
 
     def apply(self, ctx: RewriteContext) -> None:
         for n in list(ctx.graph.nodes):
-            if getattr(n, "_erased", False) or not is_op(n, {aten.gelu.default}):
+            if getattr(n, "_erased", False):
                 continue
-            found = self._match(n)
+            if is_op(n, {aten.gelu.default}):
+                approximate = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
+                h, inner = n.args[0], [n]
+            else:
+                spelled = spelled_tanh_gelu(n)
+                if spelled is None:
+                    continue
+                (h, inner), approximate = spelled, "tanh"
+            found = self._bias_of(h, set(inner))
             if found is None:
                 continue
             if isinstance(found, str):
@@ -32,56 +86,77 @@ class BiasGeluPattern:
             elif not ctx.allowed(self.name, n):
                 ctx.declined(self.name, n, "skipped by the user")
             else:
-                self._emit(ctx, n, *found)
+                self._emit(ctx, n, inner, approximate, *found)
 
     @staticmethod
-    def _match(gelu: fx.Node):
-        """(pre-activation node, x or h, W or None, bias) or a reason to decline, or None (no bias)."""
-        h = gelu.args[0]
+    def _bias_of(h: fx.Node, inner: set):
+        """(pre-activation nodes, how, operands, bias) or a reason to decline, or None (no bias).
+        ``how``: "linear" (x, W), "addmm" (x2d, W, view shape or None) or "add" (h0)."""
+        view = None
+        if is_op(h, {aten.view.default, aten.reshape.default}) and is_op(h.args[0], {aten.addmm.default}) \
+                and shape(h)[-1:] == shape(h.args[0])[-1:]:
+            view, mm = h, h.args[0]
+        else:
+            mm = h
         if is_op(h, {aten.linear.default}) and len(h.args) > 2 and h.args[2] is not None:
-            x, w, b = h.args[:3]
+            pre, how, ops, b = [h], "linear", h.args[:2], h.args[2]
+        elif is_op(mm, {aten.addmm.default}) and mm.kwargs.get("beta", 1) == 1 and mm.kwargs.get("alpha", 1) == 1 \
+                and len(shape(mm.args[0])) == 1:
+            pre, how, ops, b = [mm] + ([view] if view is not None else []), "addmm", \
+                (mm.args[1], mm.args[2], list(shape(view)) if view is not None else None), mm.args[0]
         elif is_op(h, {aten.add.Tensor}) and len(h.args) == 2 and h.kwargs.get("alpha", 1) == 1:
             x, b = h.args
             if not isinstance(b, fx.Node) or len(shape(b)) != 1:
                 x, b = b, x
-            w = None
             if not isinstance(b, fx.Node) or len(shape(b)) != 1 or shape(b)[0] != shape(h)[-1] \
                     or shape(x) != shape(h):
                 return None
+            pre, how, ops = [h], "add", (x,)
         else:
             return None
         if dtype(h) not in _FLOATS:
             return None
-        if len(h.users) != 1:
+        if any(u not in inner for u in h.users) or any(len(m.users) != 1 for m in pre[:-1]):
             return "the pre-activation is also read elsewhere, so it must exist"
-        return h, x, w, b
+        return pre, how, ops, b
 
-    def _emit(self, ctx: RewriteContext, gelu: fx.Node, h: fx.Node, x: fx.Node, w, b: fx.Node) -> None:
-        approximate = gelu.kwargs.get("approximate", gelu.args[1] if len(gelu.args) > 1 else "none")
+    def _emit(self, ctx: RewriteContext, out: fx.Node, inner: list, approximate: str, pre: list, how: str,
+              ops, b: fx.Node) -> None:
         drop, p = None, 0.0
-        if len(gelu.users) == 1:
-            d = next(iter(gelu.users))
+        if len(out.users) == 1:
+            d = next(iter(out.users))
             info = dropout_info(d)
-            if info is not None and info[0] is gelu:
+            if info is not None and info[0] is out:
                 drop, p = d, info[1]
-        out = drop or gelu
-        before = [node_line(m) for m in (h, gelu, drop) if m is not None]
-        with ctx.graph.inserting_before(gelu):
-            pre = ctx.call(aten.linear.default, (x, w), h) if w is not None else x
+        last = drop or out
+        h = pre[-1]
+        replaced = [*pre, *reversed(inner)] + ([drop] if drop is not None else [])
+        before = [node_line(m) for m in replaced]
+        with ctx.graph.inserting_before(out):
+            if how == "linear":
+                x = ctx.call(aten.linear.default, tuple(ops), h)
+            elif how == "addmm":
+                x = ctx.call(aten.mm.default, tuple(ops[:2]), h)
+                if ops[2] is not None:
+                    x = ctx.call(aten.view.default, (x, ops[2]), h)
+            else:
+                x = ops[0]
             if p > 0:
                 from opsmath.kernels._common import new_seed
-                seed = ctx.call(new_seed, (), gelu)
+                seed = ctx.call(new_seed, (), out)
             else:
-                seed = ctx.call(aten.scalar_tensor.default, (0,), gelu, {"dtype": torch.int64})
-            y = ctx.call(torch.ops.opsmath.bias_gelu.default, (pre, b, approximate, p, seed), gelu)
-        out.replace_all_uses_with(y)
-        ctx.erase_dead([out])
+                seed = ctx.call(aten.scalar_tensor.default, (0,), out, {"dtype": torch.int64})
+            y = ctx.call(torch.ops.opsmath.bias_gelu.default, (x, b, approximate, p, seed), out)
+        last.replace_all_uses_with(y)
+        ctx.erase_dead([last])
         desc = [f"{shape(h)[-1]} wide", approximate if approximate == "tanh" else "erf"]
+        if len(inner) > 1:
+            desc.append("spelled out")
         if drop is not None:
             desc.append(f"dropout={p:g}" if p else "dropout off")
-        ctx.replaced(self.name, gelu, [m for m in (h, gelu, drop) if m is not None],
-                     f"{'linear without bias + ' if w is not None else ''}opsmath::bias_gelu({', '.join(desc)})",
-                     before, width=shape(h)[-1], approximate=approximate, dropout_p=p,
+        head = {"linear": "linear without bias + ", "addmm": "mm + "}.get(how, "")
+        ctx.replaced(self.name, out, replaced, f"{head}opsmath::bias_gelu({', '.join(desc)})", before,
+                     width=shape(h)[-1], approximate=approximate, dropout_p=p, spelled_out=len(inner) > 1,
                      dtype=str(dtype(h)).replace("torch.", ""))
 
 

@@ -113,8 +113,9 @@ MODELS = {  # name: factory -> (model, inputs, attention layers, at least this m
 
 
 # swiglu / bias_gelu rewrites on the op-by-op path (CPU; under Inductor these are left to it). HF GPT-2's
-# "gelu_new" is spelled out in elementwise ops (no aten.gelu) and T5 uses ReLU: none there.
+# "gelu_new" is spelled out in elementwise ops after a Conv1D addmm; T5 uses ReLU: none there.
 ACTIVATIONS = {"nanogpt": ("bias_gelu", 2), "llama_handwritten": ("swiglu", 2), "hf_bert_padding": ("bias_gelu", 3),
+               "hf_gpt2": ("bias_gelu", 2),
                "hf_llama_gqa": ("swiglu", 2), "hf_mistral_mqa": ("swiglu", 2), "hf_qwen2": ("swiglu", 2),
                "hf_vit": ("bias_gelu", 2)}
 

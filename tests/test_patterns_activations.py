@@ -1,6 +1,7 @@
 """The swiglu and bias_gelu rewrites on the spellings models use: found, rewritten, outputs and
 gradients equal to eager; declined (eager kept, reason given) where an intermediate must exist."""
 import copy
+import math
 
 import pytest
 import torch
@@ -54,6 +55,26 @@ class GeluAddBias(nn.Module):      # bias added by hand: gelu(x @ W.T + b)
         return F.gelu(x @ self.w.t() + self.b, approximate="tanh").sum(-1)
 
 
+class Conv1D(nn.Module):           # HF GPT-2's linear: addmm(bias, x2d, weight) on a (in, out) weight
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(nx, nf) / 4), nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], -1)
+
+
+class GPT2MLP(nn.Module):          # c_fc -> gelu_new written out -> c_proj
+    def __init__(self, d=16, h=40):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(h, d), Conv1D(d, h)
+
+    def forward(self, x):
+        h = self.c_fc(x)
+        a = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        return self.c_proj(a)
+
+
 class PreactKept(GeluMLP):          # the pre-activation also read: must exist
     def forward(self, x):
         h = self.fc(x)
@@ -83,13 +104,15 @@ def test_swiglu_fires_and_matches(cls):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("cls,approximate", [(GeluMLP, "none"), (GeluMLP, "tanh"), (GeluAddBias, "tanh")])
+@pytest.mark.parametrize("cls,approximate", [(GeluMLP, "none"), (GeluMLP, "tanh"), (GeluAddBias, "tanh"),
+                                              (GPT2MLP, "tanh")])
 def test_bias_gelu_fires_and_matches(cls, approximate):
     torch._dynamo.reset()
     model = cls(approximate=approximate) if cls is GeluMLP else cls()
     g, (out, ref_out), (xs, model, ref) = run(model, "bias_gelu")
     m = next(m for m in g.matches if m.pattern == "bias_gelu")
     assert m.details["approximate"] == approximate and not g.after_ops.get("aten.gelu"), g.after_code
+    assert m.details["spelled_out"] == (cls is GPT2MLP) and not g.after_ops.get("aten.tanh"), g.after_code
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
