@@ -48,9 +48,11 @@ log = logging.getLogger("opsmath")
 # tokens x vocab 50304; the cross-entropy half of that is what Inductor fuses, so cross_entropy on given
 # logits is left to it too, by that evidence rather than its own measurement). Skipped by default under
 # Inductor; ``patterns=[...]`` still applies them, and the op-by-op path (CPU, ``inductor=False``) keeps them.
-# swiglu and bias_gelu are pointwise ops Inductor fuses with their neighbours in both directions (the
-# pattern it handles best), so by the dropout_add_norm evidence they are left to it too (not measured).
-INDUCTOR_FUSES_BETTER = {"dropout_add_norm", "linear_cross_entropy", "cross_entropy", "swiglu", "bias_gelu"}
+# swiglu, bias_gelu and scaled_softmax are pointwise ops and a row reduction Inductor fuses with their
+# neighbours (what it handles best), so by the dropout_add_norm evidence they are left to it too (not
+# measured inside a model).
+INDUCTOR_FUSES_BETTER = {"dropout_add_norm", "linear_cross_entropy", "cross_entropy", "swiglu", "bias_gelu",
+                         "scaled_softmax"}
 # Under a memory budget the chunked loss stays: Inductor's version still holds the whole logits tensor
 # (tokens x vocab) for backward, the largest activation of a long-sequence LM step.
 KEPT_UNDER_BUDGET = {"linear_cross_entropy"}

@@ -113,3 +113,52 @@ def test_bias_gelu_dropout_mask_regenerated_and_fraction_dropped(path, request):
     torch.testing.assert_close(b.grad.double(), br.grad, rtol=1e-5, atol=1e-5)
     assert abs((~keep).double().mean().item() - p) < 0.01
     assert (x.grad[~keep] == 0).all() and (out[~keep] == 0).all()   # dropped in both passes
+
+
+SOFTMAX_CASES = {   # x shape, bias shape or None, scale, bias needs grad
+    "router": ((37, 8), None, 1 / 0.7, False),
+    "padding": ((2, 3, 5, 33), (2, 1, 1, 33), 0.125, False),
+    "causal": ((2, 3, 9, 9), (1, 1, 9, 9), 0.25, False),
+    "learned_bias": ((2, 3, 7, 12), (1, 3, 7, 12), 0.5, True),
+    "wide_rows": ((3, 5000), (5000,), 1.0, True),
+}
+
+
+@pytest.mark.parametrize("case", list(SOFTMAX_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_scaled_softmax_matches_eager(case, dtype, path, request):
+    from opsmath.kernels.softmax import scaled_softmax
+    _path(path, request)
+    torch.manual_seed(0)
+    xs, bs, scale, bias_grad = SOFTMAX_CASES[case]
+    x = 3 * torch.randn(xs, device=DEVICE)
+    bias = None
+    if bs is not None:
+        bias = torch.randn(bs, device=DEVICE)
+        if case in ("padding", "causal"):   # masks: -inf where not attended, never a whole row
+            keep = torch.rand(bs, device=DEVICE) > 0.3 if case == "padding" else \
+                torch.ones(bs[-2:], dtype=torch.bool, device=DEVICE).tril().expand(bs)
+            keep[..., 0] = True
+            bias = torch.where(keep, bias, float("-inf"))
+    dy = torch.randn(xs, device=DEVICE)
+
+    def run(fn, dt):
+        xx = x.detach().clone().to(dt).requires_grad_()
+        bb = None if bias is None else bias.detach().clone().to(dt).requires_grad_(bias_grad)
+        out = fn(xx, bb)
+        out.backward(dy.to(dt))
+        return [out.detach(), xx.grad] + ([bb.grad] if bias_grad else [])
+    eager = (lambda xx, bb: torch.softmax(xx * scale + (0 if bb is None else bb), -1))  # noqa: E731
+    fused = run(lambda xx, bb: scaled_softmax(xx, bb, scale), dtype)
+    same, ref = run(eager, dtype), run(eager, torch.float64)
+    for name, f, e, r in zip(["y", "dx", "dbias"], fused, same, ref):
+        assert_rule(f, e, r, name=name)
+
+
+def test_scaled_softmax_bad_bias_is_a_clear_error():
+    from opsmath.kernels.softmax import scaled_softmax
+    with pytest.raises(ValueError, match="broadcast"):
+        scaled_softmax(torch.randn(2, 5), torch.randn(3))
+    with pytest.raises(ValueError, match="enlarge"):
+        scaled_softmax(torch.randn(1, 5), torch.randn(4, 5))

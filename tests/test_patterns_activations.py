@@ -157,3 +157,59 @@ def test_declines_keep_eager_and_say_why(cls, pattern, reason):
     assert not [m for m in g.matches if m.pattern == pattern]
     assert any(reason in d.reason for d in g.declines if d.pattern == pattern), g.declines
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+
+
+class Router(nn.Module):           # MoE gate: softmax(logits / T)
+    def __init__(self, d=16, experts=8, temperature=0.7):
+        super().__init__()
+        self.gate, self.t = nn.Linear(d, experts), temperature
+
+    def forward(self, x):
+        return torch.softmax(self.gate(x) / self.t, dim=-1) @ torch.arange(8.0)
+
+
+class ReturnedProbs(nn.Module):    # attention whose probabilities are also returned: attention declines
+    def __init__(self, d=16, heads=2, masked=False):
+        super().__init__()
+        self.qkv, self.h, self.masked = nn.Linear(d, 3 * d), heads, masked
+        self.bias = nn.Parameter(torch.randn(1, heads, 1, 7) / 2)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.h, -1).transpose(1, 2) for t in self.qkv(x).split(C, -1))
+        s = q @ k.transpose(-1, -2) * (C // self.h) ** -0.5
+        if self.masked:
+            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        else:
+            s = s + self.bias
+        p = torch.softmax(s, -1)
+        return (p @ v).sum() + (p * p).sum()
+
+
+@pytest.mark.parametrize("cls,kw,how", [(Router, {}, None), (ReturnedProbs, {}, "bias"),
+                                        (ReturnedProbs, {"masked": True}, "mask")])
+def test_scaled_softmax_fires_and_matches(cls, kw, how):
+    torch._dynamo.reset()
+    model = cls(**kw)
+    g, (out, ref_out), (xs, model, ref) = run(model, "scaled_softmax", torch.randn(2, 7, 16))
+    m = next(m for m in g.matches if m.pattern == "scaled_softmax")
+    assert m.details["bias"] == how and not g.after_ops.get("aten.softmax"), g.after_code
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_softmax_is_left_to_attention():
+    """With every family on, a plain attention is the attention pattern's; scaled_softmax takes nothing."""
+    torch._dynamo.reset()
+
+    class Attn(ReturnedProbs):
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = (t.view(B, T, self.h, -1).transpose(1, 2) for t in self.qkv(x).split(C, -1))
+            return (torch.softmax(q @ k.transpose(-1, -2) * 0.25 + self.bias, -1) @ v).sum()
+    opt = opsmath.optimize(Attn(), inductor=False)
+    opt(torch.randn(2, 7, 16)).backward()
+    rep = opsmath.report(opt)
+    assert rep.count("attention") == 1 and rep.count("scaled_softmax") == 0
