@@ -23,7 +23,9 @@ emitted graph calls for a vendor choice.
 """
 from __future__ import annotations
 
+import logging
 import math
+import os
 import re
 from typing import Optional
 
@@ -97,6 +99,26 @@ def vendor_eligible(device: torch.device, mask_fill: float, bias_requires_grad: 
     """Whether SDPA backends may stand in: CUDA, masks that fold into a -inf bias, no bias gradient
     (not every backend returns one)."""
     return device.type == "cuda" and not bias_requires_grad and mask_fill == float("-inf")
+
+
+def backend_for(q: torch.Tensor, k: torch.Tensor, bias_shape, mask_shape, mask_fill: float, is_causal: bool,
+                scale: float, dropout_p: float, bias_requires_grad: bool) -> str:
+    """What the attention rewrite emits for ``q``/``k`` (capture-time fake tensors: shapes, dtype, device):
+    ``"opsmath"`` or the SDPA backend measured fastest (CUDA only). ``OPSMATH_ATTENTION=opsmath`` (or a
+    backend name, where vendors may stand in) forces one. A tuning failure falls back to opsmath's own
+    kernel, which is always valid: tuning never breaks a capture."""
+    forced = os.environ.get("OPSMATH_ATTENTION", "auto")
+    if forced == "opsmath" or q.device.type != "cuda":
+        return "opsmath"
+    vendors_ok = vendor_eligible(q.device, mask_fill, bias_requires_grad)
+    if forced in BACKENDS and vendors_ok:
+        return forced
+    try:   # opsmath's block configurations are tuned even where no vendor kernel may stand in
+        return choose(tuple(q.shape), tuple(k.shape), q.dtype, q.device, bias_shape, mask_shape, mask_fill,
+                      is_causal, scale, dropout_p, vendors=vendors_ok)
+    except Exception as e:
+        logging.getLogger("opsmath").warning("opsmath: attention backend tuning failed (%s); using opsmath's kernel", e)
+        return "opsmath"
 
 
 def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: float, is_causal: bool,

@@ -114,6 +114,10 @@ def _leads_to_matmul(node, depth: int = 12) -> bool:
     return False
 
 
+def _shape_or_none(node) -> Optional[tuple]:
+    return tuple(node.meta["val"].shape) if node is not None else None
+
+
 def _fill_value(ctx, x) -> Optional[float]:
     """A mask's fill as a float: a Python number or a constant 0-d/1-element tensor."""
     if isinstance(x, (int, float)):
@@ -337,7 +341,10 @@ class AttentionPattern:
                 mask = term if mask is None else ctx.call(aten.logical_or.default, (mask, term), sm)
             if mask is not None:
                 mask = to4d(mask, max(len(shape(m)) for m, _ in plan.masks))
-            backend = _backend_for(q, k, bias, mask, plan, bias is not None and ctx.may_require_grad(bias))
+            from opsmath.kernels.attention_tuning import backend_for
+            backend = backend_for(q.meta["val"], k.meta["val"], _shape_or_none(bias), _shape_or_none(mask),
+                                  plan.fill, plan.causal, plan.scale, plan.dropout_p,
+                                  bias is not None and ctx.may_require_grad(bias))
             if backend == "opsmath":
                 if plan.dropout_p > 0:
                     from opsmath.kernels._common import new_seed
@@ -379,31 +386,6 @@ class AttentionPattern:
                      has_bias=bool(plan.biases), has_mask=bool(plan.masks), batch=B, heads=H,
                      q_len=shape(sm)[-2], k_len=shape(sm)[-1], head_dim=shape(plan.q)[-1],
                      dtype=str(dtype(plan.qk)).replace("torch.", ""))
-
-
-def _backend_for(q: fx.Node, k: fx.Node, bias: Optional[fx.Node], mask: Optional[fx.Node], plan: _Plan,
-                 bias_grad: bool) -> str:
-    """``"opsmath"`` or the SDPA backend measured fastest for these shapes (CUDA only; see
-    ``kernels/attention_tuning.py``). ``OPSMATH_ATTENTION=opsmath`` (or a backend name) forces one."""
-    import logging
-    import os
-
-    from opsmath.kernels import attention_tuning as vendor
-    qv, kv = q.meta["val"], k.meta["val"]
-    forced = os.environ.get("OPSMATH_ATTENTION", "auto")
-    if forced == "opsmath" or qv.device.type != "cuda":
-        return "opsmath"
-    vendors_ok = vendor.vendor_eligible(qv.device, plan.fill, bias_grad)
-    if forced in vendor.BACKENDS and vendors_ok:
-        return forced
-    try:   # opsmath's block configurations are tuned even where no vendor kernel may stand in
-        return vendor.choose(tuple(qv.shape), tuple(kv.shape), qv.dtype, qv.device,
-                             tuple(bias.meta["val"].shape) if bias is not None else None,
-                             tuple(mask.meta["val"].shape) if mask is not None else None,
-                             plan.fill, plan.causal, plan.scale, plan.dropout_p, vendors=vendors_ok)
-    except Exception as e:  # tuning must never break a capture: our own kernel is always valid
-        logging.getLogger("opsmath").warning("opsmath: attention backend tuning failed (%s); using opsmath's kernel", e)
-        return "opsmath"
 
 
 PATTERN = AttentionPattern()
