@@ -1,0 +1,21 @@
+"""The GPU benchmark scripts run end to end at toy size on CPU (``--smoke``): device time is scarce, so a
+script that would crash there is caught here. They measure nothing in this mode and write no results."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+
+@pytest.mark.parametrize("args", [
+    ["train.py", "--smoke"],
+    ["activations.py", "--smoke"],
+    ["learning_curve.py", "--smoke"],
+    ["memory.py", "--smoke", "--quick", "--paths", "op-by-op", "--lengths", "64,128"],
+], ids=lambda a: a[0])
+def test_benchmark_script_smoke(args, tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), OPSMATH_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, *args], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
