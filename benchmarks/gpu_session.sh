@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
-#   STEPS="tests attention lce dan act train gap recompute memory long curve tune llama"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#   STEPS="tests attention lce ce dan act train gap recompute memory long curve tune llama"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -15,7 +15,7 @@ ls benchmarks/wheels/liger_kernel-*.whl >/dev/null 2>&1 && \
     python3 -m pip install -q --no-deps benchmarks/wheels/liger_kernel-*.whl >> "$OUT/install.log" 2>&1
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 limit=$2; shift 2
-    case " ${STEPS:-tests attention lce dan act train gap recompute memory long curve tune llama} " in *" $name "*) ;; *) return ;; esac
+    case " ${STEPS:-tests attention lce ce dan act train gap recompute memory long curve tune llama} " in *" $name "*) ;; *) return ;; esac
     echo "== $name"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "rc=$? ($name)"; grep -v -i "warn" "$OUT/$name.log" | tail -${TAIL:-30}
@@ -27,6 +27,7 @@ step tests ${TEST_TIMEOUT:-300} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -
     tests/test_kernel_activations.py tests/test_patterns_activations.py}
 step attention 300 python3 benchmarks/attention.py ${BENCH_ARGS:-}
 step lce 120 python3 benchmarks/linear_cross_entropy.py
+step ce 150 python3 benchmarks/cross_entropy.py
 step dan 120 python3 benchmarks/dropout_add_norm.py
 step act 200 python3 benchmarks/activations.py
 step train ${TRAIN_TIMEOUT:-400} python3 benchmarks/train.py --gpt --only "${TRAIN_ONLY:-}"

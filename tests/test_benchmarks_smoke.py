@@ -12,6 +12,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 @pytest.mark.parametrize("args", [
     ["train.py", "--smoke"],
     ["activations.py", "--smoke"],
+    ["cross_entropy.py", "--smoke"],
     ["learning_curve.py", "--smoke"],
     ["memory.py", "--smoke", "--quick", "--paths", "op-by-op", "--lengths", "64,128"],
 ], ids=lambda a: a[0])
