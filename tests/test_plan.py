@@ -171,3 +171,20 @@ def test_fractional_budget_keeps_its_plan_and_updates_its_prediction(monkeypatch
     rec = opsmath.report(opt).graphs[0]
     assert rec.plan is first and rec.after_code == code and not first.replanned
     assert first.predicted_peak == peak + extra
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA peak statistics")
+def test_first_step_is_measured_even_after_a_higher_peak_in_the_process():
+    """An absolute budget resets CUDA's peak statistic at the graph's first call, so step 1's own peak is
+    measured (and checked at the second call) although something earlier in the process peaked higher."""
+    torch._dynamo.reset()
+    big = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")   # an earlier, higher peak
+    del big
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    model, batch = model.cuda(), tuple(t.cuda() for t in batch)
+    opt = opsmath.optimize(model, memory_budget="8GiB")
+    for _ in range(2):
+        opt(*batch).backward()
+    plan = opsmath.report(opt).graphs[0].plan
+    assert plan.measured_peak is not None and plan.measured_peak < 2**30, plan.measured_peak
