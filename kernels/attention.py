@@ -107,29 +107,77 @@ def _tile(base, rows, n_rows, offs_d, D, s_row, s_d):
 def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
             H, SQ, SK, scale, mask_fill, seed, p_drop,
             HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-            HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+            HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr):
     """Scores block S (BM, BN) fp32 with bias/mask/causal applied, whether each entry is masked,
-    and the dropout keep-mask (all-true when there is no dropout)."""
+    and the dropout keep-mask (all-true when there is no dropout). ``CHECK=False`` is for blocks the
+    caller knows lie wholly inside the keys and below the causal diagonal: no bounds or causal test."""
     s = tl.dot(q, k, input_precision=PRECISION) * scale
     inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
     if HAS_BIAS:
         bp = Bias + b * sbb + h * sbh + rows[:, None].to(tl.int64) * sbm + cols[None, :].to(tl.int64) * sbn
         s += tl.load(bp, mask=inb, other=0.0).to(tl.float32)
-    invalid = cols[None, :] >= SK
-    if IS_CAUSAL:
-        invalid = invalid | (cols[None, :] > rows[:, None])
+    if CHECK:
+        invalid = cols[None, :] >= SK
+        if IS_CAUSAL:
+            invalid = invalid | (cols[None, :] > rows[:, None])
+    else:
+        invalid = cols[None, :] < 0     # nothing: the block is wholly valid
     masked = invalid
     if HAS_MASK:
         mp = Mask + b * smb + h * smh + rows[:, None].to(tl.int64) * smm + cols[None, :].to(tl.int64) * smn
         user = tl.load(mp, mask=inb, other=0) != 0
         s = tl.where(user, mask_fill, s)
         masked = masked | user
-    s = tl.where(invalid, float("-inf"), s)
+    if CHECK:
+        s = tl.where(invalid, float("-inf"), s)
     keep = inb
     if HAS_DROPOUT:
         offs = ((b * H + h) * SQ + rows[:, None].to(tl.int64)) * SK + cols[None, :].to(tl.int64)
         keep = keep_mask(seed, offs, p_drop)
     return s, masked, keep
+
+
+@triton.jit
+def _key_ranges(pid_m, SK, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(hi, full) for a query block: key blocks from ``full`` to ``hi`` need the bounds/causal test;
+    those before ``full`` lie inside the keys and wholly below the diagonal (every column <= the
+    block's first row), and those from ``hi`` on wholly above it (skipped)."""
+    if IS_CAUSAL:
+        hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)
+        full = tl.minimum(((pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, (SK // BLOCK_N) * BLOCK_N)
+    else:
+        hi = SK
+        full = (SK // BLOCK_N) * BLOCK_N
+    return hi, full
+
+
+@triton.jit
+def _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, start, end, offs_n, offs_d, dmask,
+                skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                H, SQ, SK, D, scale, mask_fill, seed, p_drop,
+                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax over the key blocks [start, end) of one query block."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        # K^T loaded directly as (BLOCK_D, BLOCK_N): loading K and tl.trans-ing it measured 34-39%
+        # slower at D=64 on the H200 (BENCHMARKS.md, attention run 2)
+        kt = tl.load(K + b * skb + g * skh + cols[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
+                     mask=(cols[None, :] < SK) & dmask[:, None], other=0.0)
+        s, masked, keep = _scores(q, kt, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                                  H, SQ, SK, scale, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION, CHECK)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp finite
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            p = tl.where(keep, p * (1.0 / (1.0 - p_drop)), 0.0)
+        v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -153,28 +201,15 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = SK
-    if IS_CAUSAL:
-        hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)  # blocks wholly above the diagonal are skipped
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        # K^T loaded directly as (BLOCK_D, BLOCK_N): loading K and tl.trans-ing it measured 34-39%
-        # slower at D=64 on the H200 (BENCHMARKS.md, attention run 2)
-        kt = tl.load(K + b * skb + g * skh + cols[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
-                     mask=(cols[None, :] < SK) & dmask[:, None], other=0.0)
-        s, masked, keep = _scores(q, kt, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                                  H, SQ, SK, scale, mask_fill, seed, p_drop,
-                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp finite
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if HAS_DROPOUT:
-            p = tl.where(keep, p * (1.0 / (1.0 - p_drop)), 0.0)
-        v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    hi, full = _key_ranges(pid_m, SK, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, 0, full, offs_n, offs_d, dmask,
+                                skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                                H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                                HAS_DROPOUT, PRECISION, False, BLOCK_N)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, full, hi, offs_n, offs_d, dmask,
+                                skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                                H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                                HAS_DROPOUT, PRECISION, True, BLOCK_N)
     out = acc / l_i[:, None]
     rmask = rows < SQ
     tl.store(Out + b * sob + h * soh + rows[:, None].to(tl.int64) * som + offs_d[None, :] * sod,
@@ -182,6 +217,37 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
     srow = (pid_bh.to(tl.int64) * SQ + rows) * 2
     tl.store(Stats + srow, m_i, mask=rmask)
     tl.store(Stats + srow + 1, tl.log(l_i), mask=rmask)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, start, end, offs_m, offs_d,
+                 sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                 H, SQ, SK, D, scale, mask_fill, seed, p_drop,
+                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dK/dV contributions of query head h's row blocks [start, end) to one key block."""
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + offs_m
+        q = _tile(Q + b * sqb + h * sqh, rows, SQ, offs_d, D, sqm, sqd)
+        do = _tile(DO + (b * H + h) * SQ * D, rows, SQ, offs_d, D, D, 1)
+        srow = ((b * H + h) * SQ + rows) * 2
+        m_row = tl.load(Stats + srow, mask=rows < SQ, other=0.0)
+        logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
+        delta = tl.load(Delta + (b * H + h) * SQ + rows, mask=rows < SQ, other=0.0)
+        s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
+                                  smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION, CHECK)
+        p = tl.where(rows[:, None] < SQ, tl.exp((s - m_row[:, None]) - logl[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if HAS_DROPOUT:
+            pd = tl.where(keep, p * (1.0 / (1.0 - p_drop)), 0.0)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
+        else:
+            pd = p
+        dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision=PRECISION)
+        ds = tl.where(masked, 0.0, p * (dp - delta[:, None]))
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -207,35 +273,55 @@ def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, seed,
     v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    n0 = pid_n * BLOCK_N
     lo = 0
+    full = 0
     if IS_CAUSAL:
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # query rows above this block see none of it
+        lo = (n0 // BLOCK_M) * BLOCK_M  # query rows above this block see none of it
+        # from here on every row of a query block sees every column of this key block
+        full = ((n0 + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    if n0 + BLOCK_N > SK:
+        full = SQ                       # a partial key block: every query block tests the bounds
     for r in range(0, REP):
         h = g * REP + r
-        for start_m in range(lo, SQ, BLOCK_M):
-            rows = start_m + offs_m
-            q = _tile(Q + b * sqb + h * sqh, rows, SQ, offs_d, D, sqm, sqd)
-            do = _tile(DO + (b * H + h) * SQ * D, rows, SQ, offs_d, D, D, 1)
-            srow = ((b * H + h) * SQ + rows) * 2
-            m_row = tl.load(Stats + srow, mask=rows < SQ, other=0.0)
-            logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
-            delta = tl.load(Delta + (b * H + h) * SQ + rows, mask=rows < SQ, other=0.0)
-            s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
-                                      smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
-                                      HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION)
-            p = tl.where(rows[:, None] < SQ, tl.exp((s - m_row[:, None]) - logl[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            if HAS_DROPOUT:
-                pd = tl.where(keep, p * (1.0 / (1.0 - p_drop)), 0.0)
-                dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
-            else:
-                pd = p
-            dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision=PRECISION)
-            ds = tl.where(masked, 0.0, p * (dp - delta[:, None]))
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, lo, tl.minimum(full, SQ),
+                              offs_m, offs_d, sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                              H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                              HAS_DROPOUT, PRECISION, True, BLOCK_M)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, full, SQ,
+                              offs_m, offs_d, sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                              H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                              HAS_DROPOUT, PRECISION, False, BLOCK_M)
     out_off = (b * HKV + g) * SK * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
     tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, start, end,
+               offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+               H, SQ, SK, D, scale, mask_fill, seed, p_drop,
+               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+               CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ (and dbias) contributions of the key blocks [start, end) to one query block."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k = _tile(K + b * skb + g * skh, cols, SK, offs_d, D, skn, skd)
+        v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
+        s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
+                                  smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION, CHECK)
+        p = tl.exp((s - m_row[:, None]) - logl[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if HAS_DROPOUT:
+            dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
+        ds = tl.where(masked, 0.0, p * (dp - delta[:, None]))
+        if BIAS_GRAD:
+            inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
+            tl.store(DBias + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * SK + cols[None, :], ds, mask=inb)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -262,25 +348,15 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, seed,
     logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
     delta = tl.load(Delta + pid_bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = SK
-    if IS_CAUSAL:
-        hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = _tile(K + b * skb + g * skh, cols, SK, offs_d, D, skn, skd)
-        v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
-        s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
-                                  smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
-                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION)
-        p = tl.exp((s - m_row[:, None]) - logl[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        if HAS_DROPOUT:
-            dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
-        ds = tl.where(masked, 0.0, p * (dp - delta[:, None]))
-        if BIAS_GRAD:
-            inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
-            tl.store(DBias + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * SK + cols[None, :], ds, mask=inb)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    hi, full = _key_ranges(pid_m, SK, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, 0, full,
+                    offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                    H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT,
+                    BIAS_GRAD, PRECISION, False, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, full, hi,
+                    offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                    H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT,
+                    BIAS_GRAD, PRECISION, True, BLOCK_N)
     if IS_CAUSAL and BIAS_GRAD:
         # blocks skipped above the diagonal still need their (zero) bias gradient written
         for start_n in range(hi, SK, BLOCK_N):
