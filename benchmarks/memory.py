@@ -63,6 +63,14 @@ def measure(model_fn, batch, device, amp, steps=3, warmup=1):
             torch.cuda.empty_cache()
 
 
+def plans(model) -> list:
+    """Each captured graph's plan: the segments chosen for recompute, their modelled cost, the re-plan."""
+    if model is None:
+        return []
+    return [{k: v for k, v in g.plan.to_dict().items() if k != "timeline"}
+            for g in opsmath.report(model).graphs if g.plan is not None]
+
+
 def predicted(model) -> int | None:
     plans = [g.plan for g in opsmath.report(model).graphs if g.plan is not None] if model is not None else []
     return max(p.predicted_peak for p in plans) if plans else None
@@ -100,6 +108,7 @@ def main():
         peak, ms, model, err = measure(fn, batch, device, amp, warmup=2 if absolute else 1)
         rows.append(dict(name=name, budget=None if budget is None else str(budget), peak=peak, ms=ms, base_ms=base_ms,
                          predicted=predicted(model) if budget is not None else None,
+                         plans=plans(model) if budget is not None else [],
                          error=None if err is None else f"{type(err).__name__}: {str(err)[:120]}"))
         r = rows[-1]
         gib = (lambda b: "-" if b is None else f"{b / 2**30:.2f}")
