@@ -109,8 +109,8 @@ class BiasGeluPattern:
             if not isinstance(b, fx.Node) or len(shape(b)) != 1:
                 x, b = b, x
             if not isinstance(b, fx.Node) or len(shape(b)) != 1 or shape(b)[0] != shape(h)[-1] \
-                    or shape(x) != shape(h):
-                return None
+                    or shape(x) != shape(h) or dtype(x) != dtype(h):
+                return None   # a broadcasting or dtype-promoting add is not this op
             pre, how, ops = [h], "add", (x,)
         else:
             return None

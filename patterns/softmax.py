@@ -43,8 +43,8 @@ class ScaledSoftmaxPattern:
             if is_op(n, {aten._softmax.default}) and n.args[2]:
                 continue   # half_to_float: the output dtype differs from the input's
             found = self._match(z)
-            if found is None:
-                continue
+            if found is None or (not isinstance(found, str) and dtype(n) != dtype(found[0])):
+                continue   # softmax(..., dtype=...) converts: the fused op keeps its input's dtype
             if isinstance(found, str):
                 ctx.declined(self.name, n, found)
             elif not ctx.allowed(self.name, n):

@@ -213,3 +213,17 @@ def test_attention_softmax_is_left_to_attention():
     opt(torch.randn(2, 7, 16)).backward()
     rep = opsmath.report(opt)
     assert rep.count("attention") == 1 and rep.count("scaled_softmax") == 0
+
+
+def test_softmax_with_a_dtype_argument_is_left_alone():
+    """``softmax(x * c, -1, dtype=float64)`` converts; the fused op would keep x's dtype: no rewrite."""
+    torch._dynamo.reset()
+
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.softmax(x * 0.5, dim=-1, dtype=torch.float64)
+    opt = opsmath.optimize(M(), inductor=False)
+    x = torch.randn(3, 5)
+    y = opt(x)
+    assert y.dtype == torch.float64 and opsmath.report(opt).count("scaled_softmax") == 0
+    torch.testing.assert_close(y, torch.softmax(x * 0.5, -1, dtype=torch.float64))
