@@ -63,6 +63,16 @@ def spelled_tanh_gelu(node):
     return None
 
 
+def _feeds_gemms(node, depth: int = 4) -> bool:
+    """Whether every reader of ``node`` (through views) is a GEMM. Under CUDA autocast the written-out
+    GELU's ``pow`` runs in fp32, so eager's result is fp32 where the fused op's is the GEMM's dtype; a GEMM
+    reader casts it back under autocast either way, so only then is the rewrite the same function."""
+    gemms = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default}
+    views = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+    return bool(node.users) and depth > 0 and all(
+        is_op(u, gemms) or (is_op(u, views) and _feeds_gemms(u, depth - 1)) for u in node.users)
+
+
 class BiasGeluPattern:
     name = "bias_gelu"
 
@@ -75,7 +85,7 @@ class BiasGeluPattern:
                 h, inner = n.args[0], [n]
             else:
                 spelled = spelled_tanh_gelu(n)
-                if spelled is None:
+                if spelled is None or not _feeds_gemms(n):
                     continue
                 (h, inner), approximate = spelled, "tanh"
             found = self._bias_of(h, set(inner))
