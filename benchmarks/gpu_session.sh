@@ -33,8 +33,8 @@ step act 200 python3 benchmarks/activations.py
 step train ${TRAIN_TIMEOUT:-400} python3 benchmarks/train.py --gpt --only "${TRAIN_ONLY:-}"
 step gap 240 python3 benchmarks/profile_gap.py --pair "${GAP_PAIR:-torch.compile + SDPA,opsmath.optimize}"
 step recompute 200 python3 benchmarks/profile_gap.py --pair "opsmath op-by-op,opsmath budget 0.5" --tag recompute
-step memory ${MEMORY_TIMEOUT:-400} python3 benchmarks/memory.py ${MEMORY_ARGS:-}
-step long ${LONG_TIMEOUT:-400} python3 benchmarks/memory.py --long-only --quick ${LONG_ARGS:-}
+step memory ${MEMORY_TIMEOUT:-400} python3 benchmarks/memory.py ${MEMORY_ARGS:---quick --paths inductor --no-long}
+step long ${LONG_TIMEOUT:-400} python3 benchmarks/memory.py --long-only ${LONG_ARGS:---variants "opsmath 8GiB" --lengths 40960,32768}
 step curve 300 python3 benchmarks/learning_curve.py
 step tune 200 python3 -m opsmath.cli tune --example gpt
 step llama 500 python3 benchmarks/train.py --llama --only "${LLAMA_ONLY:-eager,eager + SDPA,torch.compile + SDPA,opsmath.optimize}"

@@ -83,6 +83,7 @@ def main():
                     help="opsmath paths the budget sweep runs: inductor (the CUDA default), op-by-op")
     ap.add_argument("--quick", action="store_true", help="fewer budgets and lengths (device time)")
     ap.add_argument("--long-only", action="store_true", help="only the longest sequence in 8 GiB")
+    ap.add_argument("--no-long", action="store_true", help="the budget sweep without the longest sequence")
     ap.add_argument("--lengths", default="", help="comma-separated sequence lengths to try")
     ap.add_argument("--variants", default="", help="comma-separated longest-sequence variants (default all)")
     ap.add_argument("--fractions", default=None, help="fractional budgets of the sweep, comma-separated")
@@ -121,7 +122,7 @@ def main():
     for r in rows:
         if r["ms"] and r.get("base_ms"):
             r["overhead_vs_opsmath_unconstrained"] = r["ms"] / r["base_ms"] - 1
-    longest, tried = longest_in_8gib(args, cfg, device, amp)
+    longest, tried = longest_in_8gib(args, cfg, device, amp) if not args.no_long else ({}, [])
 
     if not args.smoke:
         from _harness import write
