@@ -262,7 +262,9 @@ def _replan(state, record, base, by_node, args, model, use_inductor, peak_before
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
              inductor=None, **options) -> torch.nn.Module:
-    """Rewrite ``model``'s attention and dropout-add-norm subgraphs into fused kernels, lazily.
+    """Rewrite ``model``'s fusable subgraphs (attention, dropout-add-norm, the LM-head loss, cross-entropy,
+    SwiGLU, bias-GELU, scaled softmax: ``opsmath.patterns.NAMES``) into fused kernels, lazily, at the
+    first call; on CUDA the families Inductor does better are left to it (``INDUCTOR_FUSES_BETTER``).
 
     Args:
         model: any ``nn.Module``; it is compiled in place and returned (same object).
@@ -273,7 +275,8 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             smallest feasible one. At a graph's second call the plan is checked against what step 1
             measured (resident bytes, CUDA peak) and made again if needed; to measure step 1, an
             absolute budget resets ``torch.cuda`` peak memory statistics at the graph's first call.
-        patterns: names of pattern families to apply (default: all, see ``opsmath.patterns.NAMES``).
+        patterns: names of pattern families to apply (default: all, see ``opsmath.patterns.NAMES``,
+            less ``INDUCTOR_FUSES_BETTER`` when Inductor compiles the graph; given explicitly, exactly these).
         skip: names (``"attention"``) or single occurrences (``"attention@softmax_3"``) to leave alone.
         analyze: predict saved activation bytes before/after for the report (one extra fake-tensor
             run of each captured graph at capture time).
