@@ -46,9 +46,12 @@ def train(rank, world, port, mode, out_dir):
     _setup(rank, world, port)
     model, batches = _data()
     # FSDP2 also plans recompute (a budget every plan meets), to see it count sharded parameters
-    opt_model = opsmath.optimize(model, memory_budget=1.0 if mode == "fsdp" else None)
-    if mode == "ddp":
+    opt_model = opsmath.optimize(model, memory_budget=1.0 if mode == "fsdp" else None,
+                                 inductor=True if mode == "ddp_inductor" else None)
+    if mode in ("ddp", "ddp_inductor"):
         from torch.nn.parallel import DistributedDataParallel as DDP
+        # dynamo's DDP graph splitting (Inductor path) wants the first bucket no larger than the others
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int(0.05 * 2**20)
         wrapped = DDP(opt_model, bucket_cap_mb=0.05)   # several buckets, so overlap is visible
     else:
         from torch.distributed.fsdp import fully_shard
