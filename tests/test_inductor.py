@@ -132,3 +132,24 @@ def test_budget_keeps_the_chunked_loss_that_inductor_otherwise_gets():
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     assert fired == {None: 0, 1.0: 1}, fired
+
+
+@pytest.mark.parametrize("family", ["swiglu", "bias_gelu", "scaled_softmax"])
+def test_activation_families_compile_under_inductor_when_asked(family):
+    """Left to Inductor by default, but ``patterns=[...]`` applies them there too: the ops are opaque
+    extern kernels with fake implementations, and the step equals eager."""
+    from test_patterns_activations import GPT2MLP, ReturnedProbs, SwiGLU
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = {"swiglu": SwiGLU, "bias_gelu": GPT2MLP, "scaled_softmax": ReturnedProbs}[family]()
+    ref = copy.deepcopy(model)
+    opt = opsmath.optimize(model, patterns=[family], inductor=True)
+    x = torch.randn(2, 7, 16)
+    out, ref_out = opt(x), ref(x)
+    out.sum().backward()
+    ref_out.sum().backward()
+    rec = opsmath.report(opt).graphs[0]
+    assert rec.inductor and rec.after_ops[f"opsmath.{family}"] == 1 and not opsmath.report(opt).fallback_errors
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
