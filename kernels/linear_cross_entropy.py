@@ -62,13 +62,17 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
 
 
 def _rows_reference(z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: float,
-                    scale: torch.Tensor, compute_grad: bool) -> torch.Tensor:
-    """Loss per row (fp32) of the logits chunk ``z`` (rows, V); overwrites ``z`` with G when asked."""
+                    scale: torch.Tensor, compute_grad: bool, out=None, lse_out=None, lse=None) -> torch.Tensor:
+    """Loss per row (fp32) of the logits chunk ``z`` (rows, V); writes G into ``out`` (default: over
+    ``z``) when asked; ``lse_out`` receives each row's log-sum-exp; a given ``lse`` skips computing it."""
     zf = z.float()
     V = z.shape[1]
-    lse = torch.logsumexp(zf, 1)
     valid = t != ignore_index
     tt = torch.where(valid, t, 0)
+    if lse is None:
+        lse = torch.logsumexp(zf, 1)
+        if lse_out is not None:
+            lse_out.copy_(lse)
     zt = zf.gather(1, tt[:, None])[:, 0]
     loss = (1 - smoothing) * (lse - zt) + smoothing * (lse - zf.mean(1))
     loss = torch.where(valid, loss, 0.0)
@@ -76,42 +80,49 @@ def _rows_reference(z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothi
         g = torch.exp(zf - lse[:, None])
         g.scatter_add_(1, tt[:, None], torch.full_like(zt[:, None], -(1 - smoothing)))
         g = (g - smoothing / V) * torch.where(valid, scale, 0.0)[:, None]
-        z.copy_(g)
+        (z if out is None else out).copy_(g)
     return loss
 
 
 @triton.jit
-def _ce_rows_kernel(Z, T, Loss, Scale, stride_z, V, ignore_index, smoothing,
-                    COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_rows_kernel(Z, T, Loss, Scale, G, Lse, stride_z, stride_g, V, ignore_index, smoothing,
+                    COMPUTE_GRAD: tl.constexpr, WRITE_LSE: tl.constexpr, LSE_GIVEN: tl.constexpr,
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     t = tl.load(T + row)
-    m = tl.full((BLOCK,), -1e30, tl.float32)   # finite: lanes past V never make exp(-inf + inf)
-    s = tl.zeros((BLOCK,), tl.float32)
-    zsum = tl.zeros((BLOCK,), tl.float32)
-    zt = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inb = cols < V
-        z = tl.load(z_row + cols, mask=inb, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, z)
-        s = s * tl.exp(m - m_new) + tl.where(inb, tl.exp(z - m_new), 0.0)
-        m = m_new
-        zsum += tl.where(inb, z, 0.0)
-        zt += tl.where(cols == t, z, 0.0)
-    mx = tl.max(m, 0)
-    lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), 0))
     valid = t != ignore_index
-    loss = (1 - smoothing) * (lse - tl.sum(zt, 0)) + smoothing * (lse - tl.sum(zsum, 0) / V)
-    tl.store(Loss + row, tl.where(valid, loss, 0.0))
+    if LSE_GIVEN:      # gradient only, from the forward's log-sum-exp: one read of z, one write of G
+        lse = tl.load(Lse + row)
+    else:
+        m = tl.full((BLOCK,), -1e30, tl.float32)   # finite: lanes past V never make exp(-inf + inf)
+        s = tl.zeros((BLOCK,), tl.float32)
+        zsum = tl.zeros((BLOCK,), tl.float32)
+        zt = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inb = cols < V
+            z = tl.load(z_row + cols, mask=inb, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, z)
+            s = s * tl.exp(m - m_new) + tl.where(inb, tl.exp(z - m_new), 0.0)
+            m = m_new
+            zsum += tl.where(inb, z, 0.0)
+            zt += tl.where(cols == t, z, 0.0)
+        mx = tl.max(m, 0)
+        lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), 0))
+        loss = (1 - smoothing) * (lse - tl.sum(zt, 0)) + smoothing * (lse - tl.sum(zsum, 0) / V)
+        tl.store(Loss + row, tl.where(valid, loss, 0.0))
+        if WRITE_LSE:
+            tl.store(Lse + row, lse)
     if COMPUTE_GRAD:
         scale = tl.where(valid, tl.load(Scale), 0.0)
+        g_row = G + row * stride_g
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inb = cols < V
             z = tl.load(z_row + cols, mask=inb, other=0.0).to(tl.float32)
             g = tl.exp(z - lse) - tl.where(cols == t, 1 - smoothing, 0.0) - smoothing / V
-            tl.store(z_row + cols, (g * scale).to(Z.dtype.element_ty), mask=inb)
+            tl.store(g_row + cols, (g * scale).to(G.dtype.element_ty), mask=inb)
 
 
 def grad_scale(target: torch.Tensor, ignore_index: int, reduction: str):
@@ -128,15 +139,21 @@ def reduce(losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.T
     return loss / valid if reduction == "mean" else loss
 
 
-def rows(z, t, ignore_index, smoothing, scale, compute_grad):
-    """Per-row loss of the logits rows ``z`` (rows, V), contiguous along V; with ``compute_grad`` ``z``
-    is overwritten with G (module doc). Triton on CUDA, the PyTorch reference on CPU."""
+def rows(z, t, ignore_index, smoothing, scale, compute_grad, out=None, lse_out=None, lse=None):
+    """Per-row loss of the logits rows ``z`` (rows, V), contiguous along V. With ``compute_grad`` G
+    (module doc) is written into ``out``, by default over ``z`` itself. ``lse_out`` (rows,) fp32 receives
+    each row's log-sum-exp; a given ``lse`` makes it a gradient-only pass (the returned losses are then
+    not computed). Triton on CUDA, the PyTorch reference on CPU."""
     if not use_triton(z):
-        return _rows_reference(z, t, ignore_index, smoothing, scale, compute_grad)
+        return _rows_reference(z, t, ignore_index, smoothing, scale, compute_grad, out, lse_out, lse)
     loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
+    g = z if out is None else out
+    lse_buf = lse if lse is not None else lse_out
     block = min(4096, next_pow2(z.shape[1]))
-    _ce_rows_kernel[(z.shape[0],)](z, t, loss, scale, z.stride(0), z.shape[1], ignore_index, float(smoothing),
-                                   COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    _ce_rows_kernel[(z.shape[0],)](z, t, loss, scale, g, lse_buf if lse_buf is not None else loss,
+                                   z.stride(0), g.stride(0), z.shape[1], ignore_index, float(smoothing),
+                                   COMPUTE_GRAD=compute_grad, WRITE_LSE=lse_out is not None and lse is None,
+                                   LSE_GIVEN=lse is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return loss
 
 

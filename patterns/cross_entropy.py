@@ -42,12 +42,11 @@ class CrossEntropyPattern(CrossEntropyAnchored):
     def _emit(self, ctx: RewriteContext, ce: fx.Node, args: LossArgs, base: fx.Node, chain):
         V = shape(ce.args[0])[1]
         target, reduction, ignore_index, smoothing = args.target, args.reduction, args.ignore_index, args.smoothing
-        compute_grad = torch.is_grad_enabled() and ctx.may_require_grad(base)
         before = [node_line(n) for n in [*reversed(chain), ce]]
         with ctx.graph.inserting_before(ce):
             z = ctx.call(aten.reshape.default, (base, [-1, V]), ce)
             res = ctx.call(torch.ops.opsmath.cross_entropy.default,
-                           (z, target, ignore_index, smoothing, reduction, compute_grad), ce)
+                           (z, target, ignore_index, smoothing, reduction), ce)
             loss = ctx.call(operator.getitem, (res, 0), ce)
             if dtype(ce) != torch.float32:
                 loss = ctx.call(aten.to.dtype, (loss, dtype(ce)), ce)
@@ -57,10 +56,8 @@ class CrossEntropyPattern(CrossEntropyAnchored):
         desc = [f"{N} tokens x {V} classes", reduction, f"read in {str(dtype(base)).replace('torch.', '')}"]
         if smoothing:
             desc.append(f"label_smoothing={smoothing:g}")
-        if not compute_grad:
-            desc.append("loss only")
         ctx.replaced(self.name, ce, [*chain, ce], f"opsmath::cross_entropy({', '.join(desc)})", before,
-                     tokens=N, classes=V, reduction=reduction, compute_grad=compute_grad,
+                     tokens=N, classes=V, reduction=reduction,
                      dtype=str(dtype(base)).replace("torch.", ""))
 
 
