@@ -161,20 +161,23 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         state.graphs.append(record)
         fn = _finish(state, record, ctx.gm, list(example_inputs), use_inductor)
         record.capture_seconds = time.perf_counter() - t0
-        replan = [base, None]   # a budget is checked once more, at the graph's second call
+        absolute = state.memory_budget is not None and parse_budget(state.memory_budget)[0] == "bytes"
+        start = [None]   # where the current step's peak measurement began (absolute budgets, CUDA)
 
         def run(*args):
             nonlocal fn
             record.calls += 1
-            if replan[0] is not None:
-                if record.calls == 1:   # step 1's own peak is measured from here
-                    replan[1] = _start_peak(args, parse_budget(state.memory_budget)[0] == "bytes")
-                elif record.calls == 2:
-                    g = _replan(state, record, replan[0], by_node, list(args), model, use_inductor, replan[1])
-                    replan[0] = None
-                    if g is not None:
-                        record.graph, record.after_code = g, g.code
-                        fn = _finish(state, record, g, list(args), use_inductor)
+            g = None
+            if base is not None and record.calls <= 3:
+                if record.calls == 2:    # step 1 measured: re-plan for what it showed
+                    g = _replan(state, record, base, by_node, list(args), model, use_inductor, start[0])
+                elif record.calls == 3 and absolute:   # the plan's own first step: tightened once if over
+                    g = _tighten(state, record, base, by_node, list(args), model, use_inductor, start[0])
+                if g is not None:
+                    record.graph, record.after_code = g, g.code
+                    fn = _finish(state, record, g, list(args), use_inductor)
+                if record.calls < 3:    # measure the step about to run
+                    start[0] = _start_peak(args, absolute)
             return fn(*args)
         return run
     return opsmath_backend
@@ -198,10 +201,10 @@ def _finish(state, record, gm, example_inputs, use_inductor):
 
 
 def _start_peak(args, reset: bool) -> Optional[int]:
-    """Where step 1's peak measurement starts. Under an absolute budget CUDA's peak statistic is reset
-    here (``reset_peak_memory_stats``), so the first step is measured even when something earlier in
-    the process peaked higher; this is documented in ``optimize``. Otherwise the process's peak so far
-    is kept, and step 1 is measured only if it exceeds it."""
+    """Where a step's peak measurement starts (the graph's first and second calls). Under an absolute
+    budget CUDA's peak statistic is reset here (``reset_peak_memory_stats``), so the step is measured
+    even when something earlier in the process peaked higher; this is documented in ``optimize``.
+    Otherwise the process's peak so far is kept, and the step is measured only if it exceeds it."""
     cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
     if reset and cuda:
         torch.cuda.reset_peak_memory_stats(cuda[0].device)
@@ -222,7 +225,7 @@ def _replan(state, record, base, by_node, args, model, use_inductor, peak_before
     wrong. Optimizer state appears after the first step (AdamW: 8 bytes per parameter), so the resident
     bytes are measured again; on CUDA the first step's measured peak is compared with the prediction and
     the unexplained excess (workspaces, autocast's weight cache) is taken off the budget (measured as
-    ``max_memory_allocated`` when it rose during step 1, so the user's own peak statistics are untouched). When either
+    ``max_memory_allocated`` from the reset at the first call, see ``_start_peak``). When either
     moved, the plan is made once more on a fresh copy of the rewritten graph, else nothing changes.
     The excess measured in step 1 varies a little from step to step (on the H200, GPT-2-small under
     Inductor: 192 MiB in step 1, about 215 MiB later), so a re-plan for an excess also keeps a margin of
@@ -248,11 +251,35 @@ def _replan(state, record, base, by_node, args, model, use_inductor, peak_before
     why = (f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB"
            + (f"; first step measured {measured / 2**20:.1f} MiB, {over / 2**20:.1f} MiB over the prediction, "
               f"taken off the budget" if over > slack else ""))
+    return _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured, "first")
+
+
+def _tighten(state, record, base, by_node, args, model, use_inductor, peak_before):
+    """At the graph's third call, under an absolute budget: the step that just ran was the final plan's
+    first. If its measured peak exceeded the budget, the plan is made once more with the excess (and
+    the margin) taken off. Returns the re-planned graph or None."""
+    measured = _max_allocated(args)
+    if measured is None or peak_before is None:
+        return None
+    old, value = record.plan, parse_budget(state.memory_budget)[1]
+    old.measured_peak = measured
+    if measured <= value:
+        return None
+    over = measured - int(value)
+    budget = int(parse_budget(old.budget)[1]) - over - int(_REPLAN_MARGIN * value)
+    why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
+           f"{over / 2**20:.1f} MiB over the budget: tightened")
+    return _plan_again(state, record, base, by_node, budget, _resident_bytes(args, model), use_inductor, why,
+                       measured, "second")
+
+
+def _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured, step):
+    """Plan ``base`` (a fresh copy of the rewritten graph) again for ``budget`` bytes; record why."""
     g = clone_graph_module(base)
     try:
         plan = plan_and_emit(g, by_node, budget, resident, how="tag" if use_inductor else "checkpoint")
     except InfeasibleBudget as e:
-        raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after the first step "
+        raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after the {step} step "
                                f"({why}): {e}") from None
     plan.replanned, plan.measured_peak = why, measured
     record.plan = plan
@@ -273,8 +300,10 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             (0, 1]: that fraction of the unconstrained activation memory. Recompute is planned per
             captured graph (``plan.py``); an infeasible budget raises ``InfeasibleBudget`` naming the
             smallest feasible one. At a graph's second call the plan is checked against what step 1
-            measured (resident bytes, CUDA peak) and made again if needed; to measure step 1, an
-            absolute budget resets ``torch.cuda`` peak memory statistics at the graph's first call.
+            measured (resident bytes, CUDA peak) and made again if needed, and at its third call,
+            if the step before went over an absolute budget, tightened once more; to measure those
+            steps, an absolute budget resets ``torch.cuda`` peak memory statistics at the graph's
+            first and second calls.
         patterns: names of pattern families to apply (default: all, see ``opsmath.patterns.NAMES``,
             less ``INDUCTOR_FUSES_BETTER`` when Inductor compiles the graph; given explicitly, exactly these).
         skip: names (``"attention"``) or single occurrences (``"attention@softmax_3"``) to leave alone.

@@ -188,3 +188,34 @@ def test_first_step_is_measured_even_after_a_higher_peak_in_the_process():
         opt(*batch).backward()
     plan = opsmath.report(opt).graphs[0].plan
     assert plan.measured_peak is not None and plan.measured_peak < 2**30, plan.measured_peak
+
+
+def test_third_call_tightens_once_when_the_planned_step_went_over(monkeypatch):
+    """Under an absolute budget the step after the (re-)plan is measured too; if it went over the
+    budget, the plan is made once more with the excess taken off, and the numbers do not change."""
+    from opsmath import api
+    _, _, rep = _run(1.0, dropout=0.0)
+    p = rep.graphs[0].plan
+    budget = int(p.resident + 0.9 * p.unconstrained)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    ref = copy.deepcopy(model)
+    peaks = iter([0, budget + int(0.1 * p.unconstrained)])   # step 1 as predicted, step 2 over
+    monkeypatch.setattr(api, "_start_peak", lambda args, absolute: 0)
+    monkeypatch.setattr(api, "_max_allocated", lambda args: next(peaks))
+    opt = opsmath.optimize(model, memory_budget=budget)
+    for _ in range(2):
+        opt(*batch).backward()
+        model.zero_grad()
+    first = opsmath.report(opt).graphs[0].plan
+    loss = opt(*batch)
+    loss.backward()
+    third = opsmath.report(opt).graphs[0].plan
+    assert third is not first and "tightened" in third.replanned and len(third.chosen) > len(first.chosen)
+    assert third.predicted_peak <= budget - int(0.1 * p.unconstrained)
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
