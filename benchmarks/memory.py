@@ -27,8 +27,8 @@ from _models import build
 
 def measure(model_fn, batch, device, amp, steps=3, warmup=1):
     """(peak bytes over the timed steps after ``warmup`` steps or None on CPU, median step ms, model,
-    exception or None). An absolute budget is re-planned (and recompiled) at the second call: its rows
-    warm up for two steps so that the timed steps run the final plan."""
+    exception or None). An absolute budget may be re-planned (and recompiled) at the second and third
+    calls: its rows warm up for three steps so that the timed steps run the final plan."""
     try:
         model = model_fn()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
@@ -106,7 +106,7 @@ def main():
     def row(name, fn, budget=None, base_ms=None):
         torch._dynamo.reset()
         absolute = budget is not None and not isinstance(budget, float)
-        peak, ms, model, err = measure(fn, batch, device, amp, warmup=2 if absolute else 1)
+        peak, ms, model, err = measure(fn, batch, device, amp, warmup=3 if absolute else 1)
         rows.append(dict(name=name, budget=None if budget is None else str(budget), peak=peak, ms=ms, base_ms=base_ms,
                          predicted=predicted(model) if budget is not None else None,
                          plans=plans(model) if budget is not None else [],
@@ -183,7 +183,7 @@ def longest_in_8gib(args, cfg, device, amp):
                 return opsmath.optimize(m, memory_budget=budget, inductor=inductor) if budget else m
             t0 = time.perf_counter()
             peak, ms, model, err = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1,
-                                           warmup=2 if budget else 1)
+                                           warmup=3 if budget else 1)
             fits = err is None and (peak is None or peak <= 8 * 2**30)
             tried.append(dict(variant=name, length=L, peak=peak, ms=ms, predicted=predicted(model) if budget else None,
                               wall_s=time.perf_counter() - t0,
