@@ -79,6 +79,7 @@ class GraphRecord:
     plan: object = None                     # the recompute Plan under memory_budget (plan.py), if any
     inductor: bool = False                  # whether the emitted graph was compiled by Inductor
     inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
+    left_to_inductor: list = field(default_factory=list)   # families not applied: Inductor does them better
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
@@ -87,6 +88,7 @@ class GraphRecord:
                     capture_seconds=self.capture_seconds, calls=self.calls, launches=list(self.launches),
                     saved_bytes=list(self.saved_bytes), plan=self.plan.to_dict() if self.plan else None,
                     inductor=self.inductor, inductor_seconds=self.inductor_seconds,
+                    left_to_inductor=list(self.left_to_inductor),
                     before_code=self.before_code, after_code=self.after_code)
 
 
@@ -131,7 +133,7 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         before_nx = to_networkx(captured.gm)
         tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
         use_inductor = state.inductor if state.inductor is not None else any(t.is_cuda for t in tensors)
-        patterns = state.patterns
+        patterns, left = state.patterns, set()
         if use_inductor and state.default_patterns:
             left = INDUCTOR_FUSES_BETTER - (KEPT_UNDER_BUDGET if state.memory_budget is not None else set())
             patterns = [p for p in patterns if p.name not in left]
@@ -157,7 +159,8 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
             index=len(state.graphs), training=model.training, input_shapes=shapes,
             before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops, after_ops=op_counts(ctx.gm), matches=ctx.matches, declines=ctx.declines,
             capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
-            saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan)
+            saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan,
+            left_to_inductor=sorted(p.name for p in state.patterns if p.name in left))
         state.graphs.append(record)
         fn = _finish(state, record, ctx.gm, list(example_inputs), use_inductor)
         record.capture_seconds = time.perf_counter() - t0

@@ -43,8 +43,11 @@ def test_inductor_matches_eager_and_keeps_the_rewrites():
     loss.backward()
     ref_loss = ref(*batch)
     ref_loss.backward()
-    rec = opsmath.report(model).graphs[0]
+    rep = opsmath.report(model)
+    rec = rep.graphs[0]
     assert rec.inductor and rec.after_ops["opsmath.attention"] == 2
+    assert rec.left_to_inductor == sorted(opsmath.api.INDUCTOR_FUSES_BETTER)
+    assert "left to it: bias_gelu, cross_entropy, dropout_add_norm" in rep.render(width=200)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
