@@ -23,25 +23,24 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _K = math.sqrt(2.0 / math.pi)
 
 
-def _times_const(node, c: float):
-    """x if ``node`` is ``x * c`` (either order), else None."""
-    if not is_op(node, {aten.mul.Tensor}) or len(node.args) != 2:
+def _with_const(node, target, c: float):
+    """x if ``node`` is ``target(x, c)`` or ``target(c, x)`` for the Python number c (``mul`` or ``add``
+    without alpha), else None."""
+    if not is_op(node, {target}) or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
         return None
     a, b = node.args
     for x, k in ((a, b), (b, a)):
         if isinstance(x, fx.Node) and isinstance(k, (int, float)) and math.isclose(k, c, rel_tol=1e-6):
             return x
     return None
+
+
+def _times_const(node, c: float):
+    return _with_const(node, aten.mul.Tensor, c)
 
 
 def _plus_const(node, c: float):
-    if not is_op(node, {aten.add.Tensor}) or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
-        return None
-    a, b = node.args
-    for x, k in ((a, b), (b, a)):
-        if isinstance(x, fx.Node) and isinstance(k, (int, float)) and math.isclose(k, c, rel_tol=1e-6):
-            return x
-    return None
+    return _with_const(node, aten.add.Tensor, c)
 
 
 def spelled_tanh_gelu(node):
