@@ -13,8 +13,9 @@ S, N) causal); y in x's dtype, fp32 math. A row whose entries are all -inf gives
 
 Eager writes scale * x and then + bias before the softmax reads them back (three passes and two
 temporaries forward, two passes backward plus the scale's); here forward reads x (and the bias through
-its broadcast strides, never expanded) and writes y, and backward reads y and dy and writes dx. Rows
-wider than one block are processed in chunks with an online max and sum.
+its broadcast strides, never expanded) and writes y, and backward reads y and dy and writes dx. A row
+of up to 4096 is read once and kept in registers; wider rows are processed in chunks with an online
+max and sum (and read twice).
 """
 from __future__ import annotations
 
@@ -38,50 +39,69 @@ def _bias_ptrs(b_ptr, row, D1, D2, s0, s1, s2, s3, cols):
 
 
 @triton.jit
-def _softmax_fwd(x_ptr, b_ptr, y_ptr, N, D1, D2, s0, s1, s2, s3, scale, HAS_BIAS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    m_i = tl.full((BLOCK,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, N, BLOCK):   # online max and sum, per lane
-        cols = start + tl.arange(0, BLOCK)
-        m = cols < N
-        z = tl.load(x_ptr + row * N + cols, mask=m, other=float("-inf")).to(tl.float32) * scale
-        if HAS_BIAS:
-            z += tl.load(_bias_ptrs(b_ptr, row, D1, D2, s0, s1, s2, s3, cols), mask=m, other=0.0).to(tl.float32)
-        m_new = tl.maximum(m_i, z)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.exp(z - m_safe)
-        m_i = m_new
-    mx = tl.max(m_i, 0)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    total = tl.sum(l_i * tl.exp(m_i - mx_safe), 0)
-    for start in range(0, N, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        m = cols < N
-        z = tl.load(x_ptr + row * N + cols, mask=m, other=float("-inf")).to(tl.float32) * scale
-        if HAS_BIAS:
-            z += tl.load(_bias_ptrs(b_ptr, row, D1, D2, s0, s1, s2, s3, cols), mask=m, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * N + cols, (tl.exp(z - mx) / total).to(y_ptr.dtype.element_ty), mask=m)
+def _scores_block(x_ptr, b_ptr, row, cols, N, D1, D2, s0, s1, s2, s3, scale, HAS_BIAS: tl.constexpr):
+    """scale * x + bias for the columns ``cols`` of one row, fp32, -inf past the row's end."""
+    m = cols < N
+    z = tl.load(x_ptr + row * N + cols, mask=m, other=float("-inf")).to(tl.float32) * scale
+    if HAS_BIAS:
+        z += tl.load(_bias_ptrs(b_ptr, row, D1, D2, s0, s1, s2, s3, cols), mask=m, other=0.0).to(tl.float32)
+    return z
 
 
 @triton.jit
-def _softmax_bwd(y_ptr, dy_ptr, dx_ptr, N, scale, BLOCK: tl.constexpr):
+def _softmax_fwd(x_ptr, b_ptr, y_ptr, N, D1, D2, s0, s1, s2, s3, scale, HAS_BIAS: tl.constexpr,
+                 ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, N, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if ONE_BLOCK:      # the row fits one block: read once, keep it in registers
+        cols = tl.arange(0, BLOCK)
+        z = _scores_block(x_ptr, b_ptr, row, cols, N, D1, D2, s0, s1, s2, s3, scale, HAS_BIAS)
+        mx = tl.max(z, 0)
+        e = tl.exp(z - mx)
+        tl.store(y_ptr + row * N + cols, (e / tl.sum(e, 0)).to(y_ptr.dtype.element_ty), mask=cols < N)
+    else:
+        m_i = tl.full((BLOCK,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, N, BLOCK):   # online max and sum, per lane
+            cols = start + tl.arange(0, BLOCK)
+            z = _scores_block(x_ptr, b_ptr, row, cols, N, D1, D2, s0, s1, s2, s3, scale, HAS_BIAS)
+            m_new = tl.maximum(m_i, z)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.exp(z - m_safe)
+            m_i = m_new
+        mx = tl.max(m_i, 0)
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        total = tl.sum(l_i * tl.exp(m_i - mx_safe), 0)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            z = _scores_block(x_ptr, b_ptr, row, cols, N, D1, D2, s0, s1, s2, s3, scale, HAS_BIAS)
+            tl.store(y_ptr + row * N + cols, (tl.exp(z - mx) / total).to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _softmax_bwd(y_ptr, dy_ptr, dx_ptr, N, scale, ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if ONE_BLOCK:
+        cols = tl.arange(0, BLOCK)
         m = cols < N
         y = tl.load(y_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
-        acc += y * dy
-    s = tl.sum(acc, 0)
-    for start in range(0, N, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        m = cols < N
-        y = tl.load(y_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + row * N + cols, (scale * y * (dy - s)).to(dx_ptr.dtype.element_ty), mask=m)
+        tl.store(dx_ptr + row * N + cols, (scale * y * (dy - tl.sum(y * dy, 0))).to(dx_ptr.dtype.element_ty),
+                 mask=m)
+    else:
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < N
+            y = tl.load(y_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+            acc += y * dy
+        s = tl.sum(acc, 0)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < N
+            y = tl.load(y_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * N + cols, (scale * y * (dy - s)).to(dx_ptr.dtype.element_ty), mask=m)
 
 
 def _block(N: int) -> int:
@@ -104,7 +124,7 @@ def softmax_forward_triton(x, bias, scale):
         b, strides = x, [0, 0, 0, 0]
     block = _block(N)
     _softmax_fwd[(rows,)](x, b, y, N, lead[-2], lead[-1], *strides, float(scale), HAS_BIAS=bias is not None,
-                          BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                          ONE_BLOCK=N <= block, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return y
 
 
@@ -115,7 +135,8 @@ def softmax_backward_triton(y, dy, scale):
     rows = y.numel() // N if N else 0
     if rows:
         block = _block(N)
-        _softmax_bwd[(rows,)](y, dy, dx, N, float(scale), BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        _softmax_bwd[(rows,)](y, dy, dx, N, float(scale), ONE_BLOCK=N <= block, BLOCK=block,
+                              num_warps=4 if block <= 1024 else 8)
     return dx
 
 
