@@ -6,8 +6,8 @@ first; what is left are routers, temperature-scaled distributions and attention 
 returned (``output_attentions``) or otherwise read, so attention could not be fused.
 
 Anchor: ``aten.softmax`` / ``aten._softmax`` on the last dim. Upward: an optional additive tensor that
-broadcasts to the scores or a ``masked_fill`` with -inf / a very negative value (becoming an additive
-bias on the mask's own shape), then scalar multiplications or divisions. A plain softmax is left alone
+broadcasts to the scores or a ``masked_fill`` with -inf (becoming an additive bias on the mask's own
+shape; a finite fill is not additive, so it is left alone), then scalar multiplications or divisions. A plain softmax is left alone
 (it is one kernel already). Each intermediate must have no other reader.
 """
 from __future__ import annotations
@@ -67,7 +67,10 @@ class ScaledSoftmaxPattern:
                 chain.append(z)
         elif is_op(node, {aten.masked_fill.Scalar}) and isinstance(node.args[1], fx.Node):
             fill = node.args[2]
-            if isinstance(fill, (int, float)) and fill <= -1e4 and _broadcasts_to(shape(node.args[1]), shape(node)):
+            # only -inf: a finite fill sets the score (a fully masked row becomes uniform), which an
+            # additive bias would not reproduce
+            if isinstance(fill, (int, float)) and fill == float("-inf") and \
+                    _broadcasts_to(shape(node.args[1]), shape(node)):
                 bias, node = (node.args[1], float(fill)), node.args[0]
                 chain.append(z)
         x, scale = strip_scales(node)

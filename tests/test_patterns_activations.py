@@ -227,3 +227,19 @@ def test_softmax_with_a_dtype_argument_is_left_alone():
     y = opt(x)
     assert y.dtype == torch.float64 and opsmath.report(opt).count("scaled_softmax") == 0
     torch.testing.assert_close(y, torch.softmax(x * 0.5, -1, dtype=torch.float64))
+
+
+def test_softmax_masked_with_a_finite_fill_is_left_alone():
+    """``masked_fill(s, mask, -1e4)`` sets scores (a fully masked row turns uniform); an additive bias
+    would not, so that spelling is not rewritten and a fully masked row stays uniform."""
+    torch._dynamo.reset()
+
+    class M(nn.Module):
+        def forward(self, x, mask):
+            return torch.softmax((x * 0.5).masked_fill(mask, -1e4), -1)
+    opt = opsmath.optimize(M(), inductor=False)
+    x, mask = torch.randn(3, 6), torch.zeros(3, 6, dtype=torch.bool)
+    mask[1] = True
+    y = opt(x, mask)
+    assert opsmath.report(opt).count("scaled_softmax") == 0
+    torch.testing.assert_close(y[1], torch.full((6,), 1 / 6))
