@@ -37,4 +37,4 @@ step memory ${MEMORY_TIMEOUT:-400} python3 benchmarks/memory.py ${MEMORY_ARGS:--
 step long ${LONG_TIMEOUT:-400} python3 benchmarks/memory.py --long-only ${LONG_ARGS:---variants "opsmath 8GiB" --lengths 40960,32768}
 step curve 300 python3 benchmarks/learning_curve.py
 step tune 200 python3 -m opsmath.cli tune --example gpt
-step llama 500 python3 benchmarks/train.py --llama --only "${LLAMA_ONLY:-eager,eager + SDPA,torch.compile + SDPA,opsmath.optimize}"
+step llama 500 python3 benchmarks/train.py --llama --only "${LLAMA_ONLY:-eager + SDPA,torch.compile + SDPA,opsmath.optimize,opsmath.optimize (every family)}"

@@ -101,6 +101,9 @@ def variants(kind, device="cuda"):
         "opsmath.optimize": (lambda: opsmath.optimize(hand()), torch_adamw),
         "opsmath.optimize (attention only)": (lambda: opsmath.optimize(hand(), patterns=["attention"]),
                                               torch_adamw),
+        # every family applied under Inductor too: the evidence for (or against) INDUCTOR_FUSES_BETTER
+        "opsmath.optimize (every family)": (lambda: opsmath.optimize(hand(), patterns=opsmath.patterns.NAMES),
+                                            torch_adamw),
         "opsmath.optimize + opsmath AdamW": (lambda: opsmath.optimize(hand()), ops_adamw),
         "torch.compile(opsmath.optimize)": (lambda: torch.compile(opsmath.optimize(hand())), torch_adamw),
     }
