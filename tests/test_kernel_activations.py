@@ -13,6 +13,8 @@ from conftest import DEVICE
 
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
 SHAPES = [(3, 7, 33), (5, 1100), (64, 2048)]   # odd widths, a width over one block
+if DEVICE == "cuda":   # model-sized rows only a GPU runs in reasonable time (LLaMA-1.1B MLP, GPT-2 MLP)
+    SHAPES += [(4096, 5632), (2, 1024, 3072)]
 
 
 def _path(path, request):
@@ -122,6 +124,8 @@ SOFTMAX_CASES = {   # x shape, bias shape or None, scale, bias needs grad
     "learned_bias": ((2, 3, 7, 12), (1, 3, 7, 12), 0.5, True),
     "wide_rows": ((3, 5000), (5000,), 1.0, True),
 }
+if DEVICE == "cuda":   # returned attention probabilities of a GPT-2-sized layer, padded
+    SOFTMAX_CASES["gpt2_probs"] = ((4, 12, 1024, 1024), (4, 1, 1, 1024), 0.125, False)
 
 
 @pytest.mark.parametrize("case", list(SOFTMAX_CASES))
