@@ -171,11 +171,13 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
             nonlocal fn
             record.calls += 1
             g = None
-            if base is not None and record.calls <= 3:
+            if base is not None and record.calls <= _WATCH_CALLS:
                 if record.calls == 2:    # step 1 measured: re-plan for what it showed
                     g = _replan(state, record, base, by_node, list(args), model, use_inductor, start[0])
                 elif record.calls == 3 and absolute:   # the plan's own first step: tightened once if over
                     g = _tighten(state, record, base, by_node, list(args), model, use_inductor, start[0])
+                elif record.calls > 2:   # optimizer state that appears late (gradient accumulation)
+                    g = _replan(state, record, base, by_node, list(args), model, use_inductor, None)
                 if g is not None:
                     record.graph, record.after_code = g, g.code
                     fn = _finish(state, record, g, list(args), use_inductor)
@@ -221,12 +223,16 @@ def _max_allocated(args) -> Optional[int]:
 
 
 _REPLAN_MARGIN = 0.02
+# calls of a graph during which its plan is re-checked against the resident bytes: with gradient
+# accumulation over k micro-batches the optimizer state appears only after call k
+_WATCH_CALLS = 16
 
 
 def _replan(state, record, base, by_node, args, model, use_inductor, peak_before):
-    """At the graph's second call, under an absolute budget: what the first plan assumed may have been
-    wrong. Optimizer state appears after the first step (AdamW: 8 bytes per parameter), so the resident
-    bytes are measured again; on CUDA the first step's measured peak is compared with the prediction and
+    """At the graph's second call (and, for the resident bytes alone, its later calls up to
+    ``_WATCH_CALLS``), under an absolute budget: what the first plan assumed may have been wrong.
+    Optimizer state appears after the first optimizer step (AdamW: 8 bytes per parameter), so the
+    resident bytes are measured again; on CUDA the first step's measured peak is compared with the prediction and
     the unexplained excess (workspaces, autocast's weight cache) is taken off the budget (measured as
     ``max_memory_allocated`` from the reset at the first call, see ``_start_peak``). When either
     moved, the plan is made once more on a fresh copy of the rewritten graph, else nothing changes.
@@ -237,10 +243,11 @@ def _replan(state, record, base, by_node, args, model, use_inductor, peak_before
     Returns the re-planned graph or None; an infeasible budget raises ``InfeasibleBudget``."""
     old = record.plan
     resident = _resident_bytes(args, model)
-    measured = _max_allocated(args)
-    if measured is None or peak_before is None or measured <= peak_before:
+    measured = _max_allocated(args) if peak_before is not None else None
+    if measured is not None and measured <= peak_before:
         measured = None   # step 1 never exceeded an earlier peak of the process: its own is unknown
-    old.measured_peak = measured
+    if measured is not None:
+        old.measured_peak = measured
     kind, value = parse_budget(state.memory_budget)
     if kind == "fraction":
         old.predicted_peak += resident - old.resident
@@ -250,11 +257,13 @@ def _replan(state, record, base, by_node, args, model, use_inductor, peak_before
     slack = int(0.01 * value)
     if resident <= old.resident + slack and over <= slack:
         return None
-    budget = int(value) - (over + int(_REPLAN_MARGIN * value) if over > slack else 0)
-    why = (f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB"
+    # the budget the current plan was made for: the user's, less what earlier re-plans took off
+    budget = int(parse_budget(old.budget)[1]) - (over + int(_REPLAN_MARGIN * value) if over > slack else 0)
+    why = (f"{old.replanned + '; ' if old.replanned else ''}"
+           f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB at call {record.calls}"
            + (f"; first step measured {measured / 2**20:.1f} MiB, {over / 2**20:.1f} MiB over the prediction, "
               f"taken off the budget" if over > slack else ""))
-    return _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured, "first")
+    return _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured)
 
 
 def _tighten(state, record, base, by_node, args, model, use_inductor, peak_before):
@@ -273,17 +282,17 @@ def _tighten(state, record, base, by_node, args, model, use_inductor, peak_befor
     why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
            f"{over / 2**20:.1f} MiB over the budget: tightened")
     return _plan_again(state, record, base, by_node, budget, _resident_bytes(args, model), use_inductor, why,
-                       measured, "second")
+                       measured)
 
 
-def _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured, step):
+def _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured):
     """Plan ``base`` (a fresh copy of the rewritten graph) again for ``budget`` bytes; record why."""
     g = clone_graph_module(base)
     try:
         plan = plan_and_emit(g, by_node, budget, resident, how="tag" if use_inductor else "checkpoint")
     except InfeasibleBudget as e:
-        raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after the {step} step "
-                               f"({why}): {e}") from None
+        raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
+                               f"{record.calls - 1} ({why}): {e}") from None
     plan.replanned, plan.measured_peak = why, measured
     record.plan = plan
     log.warning("opsmath: graph %d re-planned for memory_budget=%r: %s", record.index, state.memory_budget, why)

@@ -137,7 +137,7 @@ def test_second_call_raises_when_the_budget_no_longer_fits(monkeypatch):
     model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
     opt = opsmath.optimize(model, memory_budget=int(p.resident + 0.85 * p.unconstrained))
     opt(*batch).backward()
-    with pytest.raises(InfeasibleBudget, match="no longer fits after the first step"):
+    with pytest.raises(InfeasibleBudget, match="no longer fits after step 1"):
         opt(*batch)
 
 
@@ -219,3 +219,30 @@ def test_third_call_tightens_once_when_the_planned_step_went_over(monkeypatch):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_late_optimizer_state_is_replanned_under_gradient_accumulation(monkeypatch):
+    """With gradient accumulation over 3 micro-batches the optimizer state appears before the fourth
+    call, not the second: the resident bytes are re-checked at later calls too and the plan follows."""
+    from opsmath import api
+    _, _, rep = _run(1.0, dropout=0.0)
+    p = rep.graphs[0].plan
+    budget = int(p.resident + 0.85 * p.unconstrained)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    real, stepped = api._resident_bytes, [False]
+
+    def resident(args, m):   # the optimizer's first step (after 3 micro-batches) adds its state
+        return real(args, m) + (int(0.1 * p.unconstrained) if stepped[0] else 0)
+    monkeypatch.setattr(api, "_resident_bytes", resident)
+    opt = opsmath.optimize(model, memory_budget=budget)
+    plans = []
+    for i in range(5):
+        opt(*batch).backward()
+        plans.append(opsmath.report(opt).graphs[0].plan)
+        stepped[0] = stepped[0] or i == 2
+    assert plans[0] is plans[1] is plans[2]          # nothing moved during the first micro-batches
+    assert plans[3] is not plans[2] and "at call 4" in plans[3].replanned
+    assert len(plans[3].chosen) > len(plans[2].chosen) and plans[3].predicted_peak <= budget
+    assert plans[4] is plans[3]
