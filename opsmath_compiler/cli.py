@@ -3,6 +3,7 @@
     opsmath report --example gpt             # bundled nanoGPT: optimize, one training step, report
     opsmath report path/to/file.py:factory   # your model: factory() -> (model, batch) or model
     opsmath report ... --json                # the report as JSON
+    opsmath report ... --memory-budget 0.5   # with a recompute plan ("6GiB", bytes, or a fraction)
     opsmath tune path/to/file.py:factory     # on a GPU: pre-tune every rewritten op for the model's shapes
 
 A factory returns ``(model, batch)`` with ``model(*batch)`` returning the loss (or a tensor whose sum
@@ -51,14 +52,30 @@ def _build(args):
     raise SystemExit("the factory must return a model or (model, batch)")
 
 
+def _budget(text: str | None):
+    """``--memory-budget`` as ``optimize`` takes it: a fraction ("0.5"), bytes ("6000000000") or a size."""
+    if text is None:
+        return None
+    try:
+        return float(text) if "." in text and text.replace(".", "", 1).isdigit() else int(text)
+    except ValueError:
+        return text   # "6GiB", "512MiB": parse_budget reads it (and names what it cannot)
+
+
 def _report(args) -> int:
     import opsmath
 
     torch.manual_seed(args.seed)
     model, batch = _build(args)
     model.train()
-    opt = opsmath.optimize(model)
-    out = opt(*batch)
+    from .plan import InfeasibleBudget
+    try:
+        opt = opsmath.optimize(model, memory_budget=_budget(args.memory_budget))
+        out = opt(*batch)
+    except (InfeasibleBudget, ValueError) as e:
+        if args.memory_budget is None or not ("memory_budget" in str(e) or isinstance(e, InfeasibleBudget)):
+            raise
+        raise SystemExit(f"opsmath report: {e}") from None
     loss = out if out.dim() == 0 else out.float().sum()
     loss.backward()
     rep = opsmath.report(opt)
@@ -109,6 +126,8 @@ def main(argv=None) -> int:
     rp.add_argument("--json", action="store_true", help="print the report as JSON")
     rp.add_argument("--width", type=int, default=None, help="terminal width (default: auto)")
     rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--memory-budget", help="plan recompute under this budget and show the plan: a fraction "
+                                            "of the activations (0.5), bytes, or a size (6GiB)")
     tp = sub.add_parser("tune", help="on a GPU: optimize a model, tune its rewritten ops, fill the cache")
     tp.add_argument("target", nargs="?", help="<file.py>:<factory>")
     tp.add_argument("--example", help="a bundled example: gpt or llama")

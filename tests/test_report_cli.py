@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import opsmath
@@ -83,3 +84,12 @@ def test_cli_tune_needs_a_gpu_and_says_so():
         main(["tune", "--example", "gpt"])
     with pytest.raises(SystemExit):
         main(["tune"])   # neither a file nor an example: a usage error
+
+
+def test_cli_memory_budget_shows_the_plan_and_rejects_bad_budgets(capsys):
+    assert cli.main(["report", "--example", "gpt", "--width", "100", "--memory-budget", "0.6"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan: budget 0.6" in out and "segments recomputed" in out
+    for bad, says in (("lots", "cannot read memory_budget"), ("0.01", "smallest feasible")):
+        with pytest.raises(SystemExit, match=says):
+            cli.main(["report", "--example", "gpt", "--memory-budget", bad])
