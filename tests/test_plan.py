@@ -85,6 +85,16 @@ def test_report_shows_the_plan():
     assert rep.to_dict()["graphs"][0]["plan"]["chosen"]
 
 
+def _probe_then_fresh(dropout=0.1):
+    """The test GPT's plan at budget 1.0 (its resident and activation bytes, from which a test derives
+    its budget), then a fresh, seeded copy of the model (dropout off) and its batch."""
+    _, _, rep = _run(1.0, dropout=dropout)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    return rep.graphs[0].plan, model, batch
+
+
 def _grown_resident(monkeypatch, extra):
     """Resident bytes as measured at the graph's first call, then ``extra`` more (optimizer state)."""
     from opsmath import api
@@ -99,13 +109,9 @@ def _grown_resident(monkeypatch, extra):
 def test_second_call_replans_when_the_resident_memory_grew(monkeypatch):
     """Optimizer state appears after step 1: the plan is re-made once for the new resident bytes, and
     the step still computes what an unplanned step computes."""
-    _, _, rep = _run(1.0)
-    p = rep.graphs[0].plan
+    p, model, batch = _probe_then_fresh()
     budget = int(p.resident + 0.85 * p.unconstrained)
     _grown_resident(monkeypatch, int(0.1 * p.unconstrained))
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
     ref = copy.deepcopy(model)
     opt = opsmath.optimize(model, memory_budget=budget)
     opt(*batch).backward()
@@ -130,11 +136,8 @@ def test_second_call_replans_when_the_resident_memory_grew(monkeypatch):
 
 
 def test_second_call_raises_when_the_budget_no_longer_fits(monkeypatch):
-    _, _, rep = _run(1.0)
-    p = rep.graphs[0].plan
+    p, model, batch = _probe_then_fresh()
     _grown_resident(monkeypatch, 10 * p.unconstrained)
-    torch._dynamo.reset()
-    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
     opt = opsmath.optimize(model, memory_budget=int(p.resident + 0.85 * p.unconstrained))
     opt(*batch).backward()
     with pytest.raises(InfeasibleBudget, match="no longer fits after step 1"):
@@ -194,12 +197,8 @@ def test_third_call_tightens_once_when_the_planned_step_went_over(monkeypatch):
     """Under an absolute budget the step after the (re-)plan is measured too; if it went over the
     budget, the plan is made once more with the excess taken off, and the numbers do not change."""
     from opsmath import api
-    _, _, rep = _run(1.0, dropout=0.0)
-    p = rep.graphs[0].plan
+    p, model, batch = _probe_then_fresh(dropout=0.0)
     budget = int(p.resident + 0.9 * p.unconstrained)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
     ref = copy.deepcopy(model)
     peaks = iter([0, budget + int(0.1 * p.unconstrained)])   # step 1 as predicted, step 2 over
     monkeypatch.setattr(api, "_start_peak", lambda args, absolute: 0)
@@ -225,12 +224,8 @@ def test_late_optimizer_state_is_replanned_under_gradient_accumulation(monkeypat
     """With gradient accumulation over 3 micro-batches the optimizer state appears before the fourth
     call, not the second: the resident bytes are re-checked at later calls too and the plan follows."""
     from opsmath import api
-    _, _, rep = _run(1.0, dropout=0.0)
-    p = rep.graphs[0].plan
+    p, model, batch = _probe_then_fresh(dropout=0.0)
     budget = int(p.resident + 0.85 * p.unconstrained)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
     real, stepped = api._resident_bytes, [False]
 
     def resident(args, m):   # the optimizer's first step (after 3 micro-batches) adds its state
