@@ -143,12 +143,14 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
             if state.analyze or state.memory_budget is not None else None
         after_saved = sum(by_node.values()) if by_node is not None and state.analyze else None
         plan = base = None
+        absolute = state.memory_budget is not None and parse_budget(state.memory_budget)[0] == "bytes"
         if state.memory_budget is not None:
             if by_node is None:
                 log.warning("opsmath: graph %d could not be analyzed on fake tensors; no recompute planned "
                             "for memory_budget=%r", len(state.graphs), state.memory_budget)
             else:
-                base = clone_graph_module(ctx.gm)
+                # an absolute budget may be re-planned later, on a fresh copy of the unplanned graph
+                base = clone_graph_module(ctx.gm) if absolute else None
                 # under Inductor the plan becomes recompute tags its partitioner must honor
                 plan = plan_and_emit(ctx.gm, by_node, state.memory_budget,
                                      _resident_bytes(list(example_inputs), model),
@@ -164,14 +166,13 @@ def _make_backend(state: OptimizeState, model: torch.nn.Module):
         state.graphs.append(record)
         fn = _finish(state, record, ctx.gm, list(example_inputs), use_inductor)
         record.capture_seconds = time.perf_counter() - t0
-        absolute = state.memory_budget is not None and parse_budget(state.memory_budget)[0] == "bytes"
         start = [None]   # where the current step's peak measurement began (absolute budgets, CUDA)
 
         def run(*args):
             nonlocal fn
             record.calls += 1
             g = None
-            if base is not None and record.calls <= _WATCH_CALLS:
+            if plan is not None and record.calls <= _WATCH_CALLS:
                 if record.calls == 2:    # step 1 measured: re-plan for what it showed
                     g = _replan(state, record, base, by_node, list(args), model, use_inductor, start[0])
                 elif record.calls == 3 and absolute:   # the plan's own first step: tightened once if over
