@@ -18,8 +18,14 @@ def env() -> dict:
                 torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
 
 
-def bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
-    """Median milliseconds of ``fn()`` and the peak memory it allocates above what was resident."""
+def bench(fn, warmup_ms: float = 25, rep_ms: float = 100, device: bool = False) -> dict:
+    """Median milliseconds of ``fn()`` and the peak memory it allocates above what was resident.
+
+    ``ms`` is wall time per call as the stream sees it (CUDA events, L2 flushed between calls), so a call
+    whose host side (Python dispatch, autograd, kernel launches) outlasts its kernels is measured at its
+    host time. With ``device=True`` the row also gets ``gpu_ms``: the summed time of the kernels one call
+    runs (torch.profiler), i.e. what the op costs inside a training step whose host runs ahead of the GPU.
+    """
     from triton.testing import do_bench
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -29,7 +35,28 @@ def bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     ms = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    return dict(ms=ms, peak_bytes=peak)
+    out = dict(ms=ms, peak_bytes=peak)
+    if device:
+        out["gpu_ms"] = sum(kernel_ms(fn).values())
+    return out
+
+
+def kernel_ms(fn, calls: int = 10) -> dict:
+    """{kernel name: device milliseconds per call of ``fn``}, from torch.profiler's CUDA activity only
+    (memsets and copies included; host time and the gaps between kernels not)."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA or getattr(e, "self_device_time_total", 0) > 0:
+            per[e.key] += e.self_device_time_total / 1e3 / calls
+    return dict(per)
 
 
 def write(name: str, payload: dict) -> str:

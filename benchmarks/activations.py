@@ -97,9 +97,11 @@ def main():
                             for t in inputs:
                                 t.grad = None
                             fn(*inputs).backward(dy)
-                        t = bench(step) if dev == "cuda" else dict(ms=float("nan"), peak_bytes=0)
-                        row.update(ms=t["ms"], tbps=tensors * M * N * inputs[0].element_size() / t["ms"] / 1e9,
-                                   peak_gib=t["peak_bytes"] / 2**30)
+                        t = bench(step, device=True) if dev == "cuda" else dict(ms=float("nan"), gpu_ms=float("nan"),
+                                                                                peak_bytes=0)
+                        nbytes = tensors * M * N * inputs[0].element_size()
+                        row.update(ms=t["ms"], tbps=nbytes / t["ms"] / 1e9, peak_gib=t["peak_bytes"] / 2**30,
+                                   gpu_ms=t["gpu_ms"], tbps_gpu=nbytes / t["gpu_ms"] / 1e9)
                     except Exception as e:  # recorded, not fatal
                         row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                     rows.append(row)
@@ -107,13 +109,14 @@ def main():
                 if dev == "cuda":
                     torch.cuda.empty_cache()
     path = write("activations", dict(rows=rows)) if not args.smoke else "(smoke: nothing written)"
-    print(f"{'op':15} {'dtype':9} {'N':>5} {'impl':8} {'TB/s':>6} {'ms':>7} {'GiB':>6} {'err':>9} {'err_grad':>9}")
+    print(f"{'op':15} {'dtype':9} {'N':>5} {'impl':8} {'TB/s':>6} {'ms':>7} {'gpuTB/s':>7} {'gpu ms':>7} {'GiB':>6} "
+          f"{'err':>9} {'err_grad':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['op']:15} {r['dtype']:9} {r['N']:5} {r['impl']:8} {r['error'][:70]}")
             continue
         print(f"{r['op']:15} {r['dtype']:9} {r['N']:5} {r['impl']:8} {r['tbps']:6.2f} {r['ms']:7.3f} "
-              f"{r['peak_gib']:6.2f} {r['err_out']:9.2e} {r['err_grad']:9.2e}")
+              f"{r['tbps_gpu']:7.2f} {r['gpu_ms']:7.3f} {r['peak_gib']:6.2f} {r['err_out']:9.2e} {r['err_grad']:9.2e}")
     print("wrote", path)
 
 

@@ -63,9 +63,10 @@ def main():
                         z.grad = None
                         fn(z, t).backward()
                     if dev == "cuda":
-                        r = bench(step)
-                        row.update(ms=r["ms"], peak_gib=r["peak_bytes"] / 2**30,
-                                   tbps=2 * N * V * z.element_size() / r["ms"] / 1e9)
+                        r = bench(step, device=True)
+                        nbytes = 2 * N * V * z.element_size()
+                        row.update(ms=r["ms"], peak_gib=r["peak_bytes"] / 2**30, tbps=nbytes / r["ms"] / 1e9,
+                                   gpu_ms=r["gpu_ms"], tbps_gpu=nbytes / r["gpu_ms"] / 1e9)
                     else:
                         step()
                 except Exception as e:  # recorded, not fatal
@@ -73,6 +74,7 @@ def main():
                 rows.append(row)
                 print(f"N{N} V{V} {row['dtype']:9} {name:14} " + (row["error"] if "error" in row else
                       f"{row.get('ms', float('nan')):7.3f} ms {row.get('tbps', float('nan')):6.2f} TB/s "
+                      f"gpu {row.get('gpu_ms', float('nan')):7.3f} ms {row.get('tbps_gpu', float('nan')):6.2f} TB/s "
                       f"peak {row.get('peak_gib', float('nan')):6.2f} GiB  err loss {row['err_loss']:.1e} "
                       f"grad {row['err_grad']:.1e}"), flush=True)
             z = z64 = ref = None

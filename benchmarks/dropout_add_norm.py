@@ -76,16 +76,18 @@ def main():
                     def step():
                         x.grad = r.grad = w.grad = b.grad = None
                         fn(x, r, w, b, rms, 0.1).backward(dy)
-                    t = bench(step)
-                    row.update(ms=t["ms"], tbps=nbytes / t["ms"] / 1e9, peak_gib=t["peak_bytes"] / 2**30)
+                    t = bench(step, device=True)
+                    row.update(ms=t["ms"], tbps=nbytes / t["ms"] / 1e9, peak_gib=t["peak_bytes"] / 2**30,
+                               gpu_ms=t["gpu_ms"], tbps_gpu=nbytes / t["gpu_ms"] / 1e9)
                     rows.append(row)
                 x = r = w = b = dy = ref = None  # free before the next shape
                 torch.cuda.empty_cache()
     path = write("dropout_add_norm", dict(rows=rows))
-    print(f"{'dtype':9} {'N':>5} {'norm':5} {'impl':15} {'TB/s':>6} {'ms':>7} {'GiB':>6} {'err':>9}")
+    print(f"{'dtype':9} {'N':>5} {'norm':5} {'impl':15} {'TB/s':>6} {'ms':>7} {'gpuTB/s':>7} {'gpu ms':>7} "
+          f"{'GiB':>6} {'err':>9}")
     for r in rows:
         print(f"{r['dtype']:9} {r['N']:5} {r['norm']:5} {r['impl']:15} {r['tbps']:6.2f} {r['ms']:7.3f} "
-              f"{r['peak_gib']:6.2f} {r['err_out']:9.2e}")
+              f"{r['tbps_gpu']:7.2f} {r['gpu_ms']:7.3f} {r['peak_gib']:6.2f} {r['err_out']:9.2e}")
     print("wrote", path)
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import opsmath
+from _harness import kernel_ms
 from _models import GPT2_SMALL, build
 from train import variants
 
@@ -52,17 +51,10 @@ def kernels_per_step(name, batch, steps=3):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        host = (time.perf_counter() - t0) * 1e3 / steps
-    per = defaultdict(float)
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA or getattr(e, "self_device_time_total", 0) > 0:
-            per[e.key] += e.self_device_time_total / 1e3 / steps
-    return dict(per), host, torch.cuda.max_memory_allocated() / 2**30
+    t0 = time.perf_counter()
+    per = kernel_ms(step, steps)
+    host = (time.perf_counter() - t0) * 1e3 / steps
+    return per, host, torch.cuda.max_memory_allocated() / 2**30
 
 
 def main():

@@ -51,8 +51,10 @@ def _gelu_and_grad(z, TANH: tl.constexpr):
 def _dropout_scale(seed, offs, p, HAS_DROPOUT: tl.constexpr):
     """keep / (1 - p) for int64 flat offsets (1.0 without dropout)."""
     if HAS_DROPOUT:
-        return tl.where(keep_mask(seed, offs, p), 1.0 / (1.0 - p), 0.0)
-    return 1.0
+        scale = tl.where(keep_mask(seed, offs, p), 1.0 / (1.0 - p), 0.0)
+    else:  # one return of one type: compiled Triton rejects a block on one path and a scalar on the other
+        scale = tl.full(offs.shape, 1.0, tl.float32)
+    return scale
 
 
 @triton.jit
