@@ -139,11 +139,11 @@ def main():
     todo += [("dropout0.1 causal", 4, 16, 16, 2048, 128, True, 0.1, False, impls),
              ("padding mask", 4, 16, 16, 2048, 128, False, 0.0, True, impls),
              ("GQA 32x8 causal", 2, 32, 8, 2048, 128, True, 0.0, False, impls)]
-    rows = []
+    rows, path = [], "(no case matched)"
     for spec in todo:
         if args.cases in spec[0]:
             rows += case(*spec)
-    path = write("attention", dict(rows=rows))
+            path = write("attention", dict(rows=rows))   # after every case: a timeout keeps what ran
     print(f"{'case':28} {'impl':15} {'TFLOP/s':>8} {'ms':>8} {'GiB':>6} {'err_out':>9} {'err_dq':>9}")
     for r in rows:
         if "error" in r:
