@@ -14,7 +14,9 @@ Shapes: x (N, C), W (V, C), b (V,) or None, target (N,) int64 -> loss (), dx (N,
 The rows go through in chunks of ``chunk`` tokens (about 512 MiB of logits each): a cuBLAS GEMM writes
 the chunk's logits in the compute dtype, one Triton program per row reads them twice (online max and
 sum, then the gradient) and overwrites them with ``G`` in place, so the gradient never needs a second
-logits-sized buffer; two more GEMMs add the chunk's share of dx and dW (dW accumulated in fp32).
+logits-sized buffer; two more GEMMs add the chunk's share of dx and dW (dW accumulated in fp32, in place,
+in row blocks that are rounded and freed one by one at the end: see ``_dw_blocks``). One chunk buffer
+is reused for every chunk's logits.
 Because the loss is a scalar at the end of the graph, the gradients are computed in the forward (as
 Liger-Kernel does) and backward only scales them by the incoming gradient: no logits are recomputed.
 With ``compute_grad=False`` (eval graphs) only the loss is computed.
@@ -41,19 +43,52 @@ def chunk_rows(V: int, N: int) -> int:
     return max(64, min(N, CHUNK_BYTES // (2 * V)))
 
 
-_ADDMM_FP32_OUT = [True]   # cuBLAS bf16 x bf16 -> fp32 accumulate (torch >= 2.8 on CUDA); probed once
+_ADDMM_FP32_INPLACE: dict = {}   # device index -> whether addmm(acc, a, b, out_dtype=fp32, out=acc) is right
+DW_BLOCK_BYTES = 256 * 2**20      # fp32 dW is accumulated in row blocks of about this size (see _dw_blocks)
+DW_BLOCK_MIN_ROWS = 4096
 
 
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``acc += a @ b`` with fp32 ``acc`` and low-precision ``a``, ``b``, in one GEMM when possible
-    (no rounding of the partial product to bf16, no extra V x C temporaries)."""
-    if acc.is_cuda and a.dtype != torch.float32 and _ADDMM_FP32_OUT[0]:
+def _inplace_fp32_addmm_ok(device: torch.device) -> bool:
+    """Whether cuBLAS's low-precision x low-precision -> fp32 ``addmm`` (torch >= 2.8) accepts its own
+    input as ``out``, checked once per device on a small case against fp32 math: a build without it
+    (or one that got the aliasing wrong) falls back to a safe, slower path instead of a wrong dW."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _ADDMM_FP32_INPLACE:
+        ok = False
         try:
-            return torch.addmm(acc, a, b, out_dtype=torch.float32)
+            g = torch.Generator(device=device).manual_seed(0)
+            a = torch.randn(64, 48, device=device, generator=g).bfloat16()
+            b = torch.randn(48, 32, device=device, generator=g).bfloat16()
+            acc = torch.randn(64, 32, device=device, generator=g)
+            want = acc + a.float() @ b.float()
+            got = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            ok = got.data_ptr() == acc.data_ptr() and torch.allclose(acc, want, rtol=1e-3, atol=1e-3)
         except (RuntimeError, TypeError):
-            _ADDMM_FP32_OUT[0] = False
-    acc += (a @ b).float()
-    return acc
+            ok = False
+        _ADDMM_FP32_INPLACE[key] = ok
+    return _ADDMM_FP32_INPLACE[key]
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place, with fp32 ``acc``: one GEMM that accumulates the low-precision product
+    in fp32 and writes into ``acc`` itself when cuBLAS can (no second accumulator, no rounding of the
+    partial product); otherwise the product is added in place (rounded to ``a``'s dtype first, as
+    eager's bf16 GEMM output is)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and _inplace_fp32_addmm_ok(acc.device):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(a @ b)
+
+
+def _dw_blocks(V: int, C: int) -> list[tuple[int, int]]:
+    """Row ranges of dW, each about ``DW_BLOCK_BYTES`` in fp32 (at least 4096 rows, so each per-chunk
+    GEMM stays large). dW is accumulated block by block so that, at the end, each fp32 block can be
+    freed as soon as it is rounded to the weight's dtype: the fp32 accumulator and the rounded copy
+    never exist whole at the same time (at V 128k, C 4096 that is 2.1 GB + 1.05 GB otherwise)."""
+    rows = max(DW_BLOCK_MIN_ROWS, DW_BLOCK_BYTES // (4 * max(C, 1)))
+    return [(v, min(V, v + rows)) for v in range(0, V, rows)] or [(0, 0)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,21 +208,37 @@ def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: 
     valid, scale = grad_scale(target, ignore_index, reduction)
     losses = torch.empty(N, device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x) if compute_grad else x.new_empty(0)
-    dw = torch.zeros(V, C, device=x.device, dtype=torch.float32) if compute_grad else w.new_empty(0)
+    blocks = _dw_blocks(V, C) if compute_grad else []
+    dws = [torch.zeros(v1 - v0, C, device=x.device, dtype=torch.float32) for v0, v1 in blocks]
     db = torch.zeros(V, device=x.device, dtype=torch.float32) if compute_grad and b is not None else w.new_empty(0)
     logits = x.new_empty(N, V) if return_logits else x.new_empty(0)
+    zbuf = x.new_empty(min(chunk, N), V) if N else x.new_empty(0, V)   # one chunk of logits, reused
     for s in range(0, N, chunk):
         xc = x[s:s + chunk]
-        z = torch.addmm(b, xc, w.t()) if b is not None else xc @ w.t()       # (rows, V) compute dtype
+        z = zbuf[:xc.shape[0]]
+        if b is not None:                                                     # (rows, V) compute dtype
+            torch.addmm(b, xc, w.t(), out=z)
+        else:
+            torch.mm(xc, w.t(), out=z)
         if return_logits:
             logits[s:s + chunk] = z
         losses[s:s + chunk] = rows(z, target[s:s + chunk], ignore_index, smoothing, scale, compute_grad)
         if compute_grad:                                                      # z now holds G
             torch.mm(z, w, out=dx[s:s + chunk])
-            dw = _accumulate(dw, z.t(), xc)
+            for (v0, v1), acc in zip(blocks, dws):
+                _accumulate(acc, z[:, v0:v1].t(), xc)
             if b is not None:
                 db += z.sum(0, dtype=torch.float32)
-    return (reduce(losses, valid, reduction), dx, dw.to(w.dtype) if compute_grad else dw, db.to(b.dtype) if db.numel() else db, logits)
+    z = zbuf = None
+    if compute_grad:   # round block by block, freeing each fp32 block as soon as it is rounded
+        parts = []
+        while dws:
+            parts.append(dws.pop(0).to(w.dtype))
+        dw = torch.cat(parts) if len(parts) > 1 else parts[0]
+        parts = None
+    else:
+        dw = w.new_empty(0)
+    return (reduce(losses, valid, reduction), dx, dw, db.to(b.dtype) if db.numel() else db, logits)
 
 
 @torch.library.custom_op("opsmath::linear_cross_entropy", mutates_args=())

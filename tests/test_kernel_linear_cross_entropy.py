@@ -53,8 +53,10 @@ def test_matches_eager(case, dtype, path, request, monkeypatch):
         pytest.skip("CUDA tensors always take the Triton path")
     *_, smoothing, reduction, chunk = case
     x, w, b, t = make(case, dtype, DEVICE)
-    if chunk:  # force several chunks through the op
+    if chunk:  # force several chunks through the op, and dW accumulated in three row blocks
         monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.chunk_rows", lambda V, N: chunk)
+        monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.DW_BLOCK_MIN_ROWS", 1)
+        monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.DW_BLOCK_BYTES", 4 * x.shape[1] * -(-w.shape[0] // 3))
     fused = grads_of(lambda x, w, b: linear_cross_entropy(x, w, b, t, -100, smoothing, reduction), x, w, b, dtype)
     ref = grads_of(lambda x, w, b: eager(x, w, b, t, smoothing, reduction), x, w, b, torch.float64)
     same = grads_of(lambda x, w, b: eager(x, w, b, t, smoothing, reduction), x, w, b, dtype)
@@ -107,3 +109,26 @@ def test_returned_logits_and_their_own_gradient():
     torch.testing.assert_close(logits, z.detach(), rtol=1e-5, atol=1e-5)
     for a, r in zip(xs, xr):
         torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_dw_blocks_cover_the_vocabulary_once():
+    from opsmath.kernels.linear_cross_entropy import _dw_blocks
+    for V, C in [(1, 8), (4095, 768), (50304, 768), (128256, 4096), (0, 16)]:
+        blocks = _dw_blocks(V, C)
+        assert blocks[0][0] == 0 and blocks[-1][1] == V
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+        assert all(v1 - v0 >= min(V, 4096) for v0, v1 in blocks[:-1])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS bf16 -> fp32 addmm")
+def test_fp32_accumulation_in_place_is_available_and_right():
+    """The fast path: dW's fp32 accumulator is its own GEMM output (no second V x C fp32 buffer)."""
+    from opsmath.kernels.linear_cross_entropy import _accumulate, _inplace_fp32_addmm_ok
+    assert _inplace_fp32_addmm_ok(torch.device("cuda"))
+    acc = torch.randn(300, 70, device="cuda")
+    a, b = torch.randn(300, 129, device="cuda").bfloat16(), torch.randn(129, 70, device="cuda").bfloat16()
+    want = acc + a.double().matmul(b.double()).float()
+    ptr = acc.data_ptr()
+    _accumulate(acc, a, b)
+    assert acc.data_ptr() == ptr
+    torch.testing.assert_close(acc, want, rtol=1e-4, atol=1e-3)
