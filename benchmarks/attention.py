@@ -1,7 +1,9 @@
 """Attention fwd+bwd on the GPU: opsmath's Triton kernel vs eager matmul-softmax-matmul, torch.compile of
 it (``--compile``), each SDPA backend and the opsmath rewrite of hand-written attention (whichever kernel
 it measured fastest: its own or an SDPA backend), same inputs, bf16. TFLOP/s counts 4*B*H*S^2*D*3.5 (fwd+bwd),
-halved when causal. Numerics: relative error of the output and dQ against an fp32 SDPA (math) run.
+halved when causal, by wall time (``ms``: what a lone call costs, host included) and by device time
+(``gpu_ms``: the kernels' sum, what the call costs in a step whose host runs ahead). Numerics: relative
+error of the output and dQ against an fp32 SDPA (math) run.
 
     python benchmarks/attention.py [--quick] [--compile]
 """
@@ -111,8 +113,9 @@ def case(name, B, H, Hkv, S, D, causal, p, padding, impls):
             out = step()
             if ref is not None:
                 row.update(err_out=rel_err(out, ref[0]), err_dq=rel_err(q.grad, ref[1]))
-            r = bench(step)
-            row.update(ms=r["ms"], tflops=flops / r["ms"] / 1e9, peak_gib=r["peak_bytes"] / 2**30)
+            r = bench(step, device=True)
+            row.update(ms=r["ms"], tflops=flops / r["ms"] / 1e9, peak_gib=r["peak_bytes"] / 2**30,
+                       gpu_ms=r["gpu_ms"], tflops_gpu=flops / r["gpu_ms"] / 1e9)
             if hasattr(fn, "picked"):
                 row["picked"] = fn.picked.get("backend")
         except Exception as e:  # a backend that does not support the case: recorded, not fatal
@@ -144,12 +147,14 @@ def main():
         if args.cases in spec[0]:
             rows += case(*spec)
             path = write("attention", dict(rows=rows))   # after every case: a timeout keeps what ran
-    print(f"{'case':28} {'impl':15} {'TFLOP/s':>8} {'ms':>8} {'GiB':>6} {'err_out':>9} {'err_dq':>9}")
+    print(f"{'case':28} {'impl':15} {'TFLOP/s':>8} {'ms':>8} {'gpu TF/s':>8} {'gpu ms':>8} {'GiB':>6} "
+          f"{'err_out':>9} {'err_dq':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['case']:28} {r['impl']:15} {r['error'][:60]}")
         else:
-            print(f"{r['case']:28} {r['impl']:15} {r['tflops']:8.1f} {r['ms']:8.3f} {r['peak_gib']:6.2f} "
+            print(f"{r['case']:28} {r['impl']:15} {r['tflops']:8.1f} {r['ms']:8.3f} {r['tflops_gpu']:8.1f} "
+                  f"{r['gpu_ms']:8.3f} {r['peak_gib']:6.2f} "
                   f"{r.get('err_out', float('nan')):9.2e} {r.get('err_dq', float('nan')):9.2e} {r.get('picked', '')}")
     print("wrote", path)
 

@@ -28,7 +28,7 @@ step tests ${TEST_TIMEOUT:-300} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -
 step attention 300 python3 benchmarks/attention.py ${BENCH_ARGS:-}
 step lce 120 python3 benchmarks/linear_cross_entropy.py
 step ce 150 python3 benchmarks/cross_entropy.py
-step dan 120 python3 benchmarks/dropout_add_norm.py
+step dan 150 python3 benchmarks/dropout_add_norm.py --compile
 step act 200 python3 benchmarks/activations.py
 step train ${TRAIN_TIMEOUT:-400} python3 benchmarks/train.py --gpt --only "${TRAIN_ONLY:-}"
 step gap 240 python3 benchmarks/profile_gap.py --pair "${GAP_PAIR:-torch.compile + SDPA,opsmath.optimize}"
