@@ -12,8 +12,9 @@ Shapes: x (..., N), bias (N,) -> out (..., N) in x's dtype; dbias in bias's dtyp
 The pattern (``patterns/bias_gelu.py``) takes the bias out of ``linear(x, W, b) -> gelu``: the GEMM runs
 without it and this op adds it on the way into the GELU. Forward moves what the GELU alone moved (read
 x, write y); backward computes dx and the bias gradient in one pass over dy and x instead of writing dx
-and reading it again for the bias sum. dbias is reduced without atomics: each program sums a block of
-``_ROWS`` rows into an fp32 partial row, and a small torch sum adds the partials. With dropout (timm's
+and reading it again for the bias sum. Both kernels work on (TILE_M, BLOCK_N) tiles of about 4096 elements.
+dbias is reduced without atomics: each backward program sums a block of ``_ROWS`` rows into an fp32
+partial row, and a small torch sum adds the partials. With dropout (timm's
 ``Mlp``: fc1 -> act -> drop) no mask is stored: backward regenerates it from the seed, so what is saved
 is x and the seed, against eager's pre-activation, GELU output and boolean mask.
 """
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from ._common import dropout_keep, flat_offsets, keep_mask, next_pow2, use_triton
 
-_ROWS = 32
+_ROWS = 16   # rows per backward program: its dbias partial is 1/_ROWS of a row tensor, in fp32
 _SQRT1_2 = 1 / math.sqrt(2.0)
 _K = math.sqrt(2.0 / math.pi)
 
@@ -58,55 +59,63 @@ def _dropout_scale(seed, offs, p, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _bias_gelu_fwd(x_ptr, b_ptr, y_ptr, M, N, seed, p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+def _bias_gelu_fwd(x_ptr, b_ptr, y_ptr, M, N, seed, p, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    TANH: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    r0 = tl.program_id(0) * ROWS
+    """One (TILE_M, BLOCK_N) tile per program, loaded at once: enough bytes in flight per SM to keep
+    HBM busy (one row at a time was not)."""
+    rows = (tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cm = cols < N
-    bias = tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-    for i in range(ROWS):
-        row = (r0 + i).to(tl.int64)
-        m = cm & ((cols * 0 + row) < M)
-        z = tl.load(x_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32) + bias
-        y, _ = _gelu_and_grad(z, TANH)
-        y = y * _dropout_scale(seed, row * N + cols, p, HAS_DROPOUT)
-        tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+    m = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows[:, None] * N + cols[None, :]
+    bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias[None, :]
+    y, _ = _gelu_and_grad(z, TANH)
+    y = y * _dropout_scale(seed, offs, p, HAS_DROPOUT)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _bias_gelu_bwd(dy_ptr, x_ptr, b_ptr, dx_ptr, dbp_ptr, M, N, seed, p, ROWS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, TANH: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    r0 = tl.program_id(0) * ROWS
+                   TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, TANH: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """ROWS rows per program in (TILE_M, BLOCK_N) tiles; the program's fp32 partial of dbias (its rows
+    summed) goes to row ``program_id(0)`` of ``dbp``."""
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < N
     bias = tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in range(ROWS):
-        row = (r0 + i).to(tl.int64)
-        m = cm & ((cols * 0 + row) < M)
-        z = tl.load(x_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32) + bias
-        g = tl.load(dy_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+    for i in range(ROWS // TILE_M):
+        rows = (tl.program_id(0) * ROWS + i * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
+        m = (rows[:, None] < M) & cm[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias[None, :]
+        g = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
         _, d = _gelu_and_grad(z, TANH)
-        dx = tl.where(m, g * d * _dropout_scale(seed, row * N + cols, p, HAS_DROPOUT), 0.0)
-        tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
-        acc += dx
+        dx = tl.where(m, g * d * _dropout_scale(seed, offs, p, HAS_DROPOUT), 0.0)
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        acc += tl.sum(dx, 0)
     tl.store(dbp_ptr + tl.program_id(0).to(tl.int64) * N + cols, acc, mask=cm)
 
 
+_TILE = 4096   # elements per tile (TILE_M x BLOCK_N): 16 per thread per tensor at 8 warps
+
+
 def _launch(x, N):
+    """(M, BLOCK_N, TILE_M, ROWS per backward program)."""
     M = x.numel() // N if N else 0
     block_n = min(1024, next_pow2(N))
-    return M, block_n, (triton.cdiv(M, _ROWS), triton.cdiv(N, block_n))
+    tile_m = max(1, _TILE // block_n)
+    return M, block_n, tile_m, max(_ROWS, tile_m)
 
 
 def bias_gelu_forward_triton(x, bias, approximate, dropout_p=0.0, seed=0):
     N = x.shape[-1]
     x = x.contiguous()
     y = torch.empty_like(x)
-    M, block_n, grid = _launch(x, N)
+    M, block_n, tile_m, _ = _launch(x, N)
     if M:
-        _bias_gelu_fwd[grid](x, bias.contiguous(), y, M, N, int(seed), float(dropout_p), ROWS=_ROWS,
-                             BLOCK_N=block_n, TANH=approximate == "tanh", HAS_DROPOUT=dropout_p > 0, num_warps=4)
+        grid = (triton.cdiv(M, tile_m), triton.cdiv(N, block_n))
+        _bias_gelu_fwd[grid](x, bias.contiguous(), y, M, N, int(seed), float(dropout_p), TILE_M=tile_m,
+                             BLOCK_N=block_n, TANH=approximate == "tanh", HAS_DROPOUT=dropout_p > 0, num_warps=8)
     return y
 
 
@@ -114,11 +123,15 @@ def bias_gelu_backward_triton(dy, x, bias, approximate, dropout_p=0.0, seed=0):
     N = x.shape[-1]
     x, dy = x.contiguous(), dy.contiguous()
     dx = torch.empty_like(x)
-    M, block_n, grid = _launch(x, N)
-    dbp = torch.zeros((max(grid[0], 1), N), device=x.device, dtype=torch.float32)
+    M, block_n, tile_m, rows = _launch(x, N)
+    grid = (triton.cdiv(M, rows), triton.cdiv(N, block_n))
+    dbp = torch.empty((max(grid[0], 1), N), device=x.device, dtype=torch.float32)
     if M:
-        _bias_gelu_bwd[grid](dy, x, bias.contiguous(), dx, dbp, M, N, int(seed), float(dropout_p), ROWS=_ROWS,
-                             BLOCK_N=block_n, TANH=approximate == "tanh", HAS_DROPOUT=dropout_p > 0, num_warps=4)
+        _bias_gelu_bwd[grid](dy, x, bias.contiguous(), dx, dbp, M, N, int(seed), float(dropout_p), ROWS=rows,
+                             TILE_M=tile_m, BLOCK_N=block_n, TANH=approximate == "tanh",
+                             HAS_DROPOUT=dropout_p > 0, num_warps=8)
+    else:
+        dbp.zero_()
     return dx, dbp.sum(0).to(bias.dtype)
 
 
