@@ -126,6 +126,7 @@ SOFTMAX_CASES = {   # x shape, bias shape or None, scale, bias needs grad
     "causal": ((2, 3, 9, 9), (1, 1, 9, 9), 0.25, False),
     "learned_bias": ((2, 3, 7, 12), (1, 3, 7, 12), 0.5, True),
     "wide_rows": ((3, 5000), (5000,), 1.0, True),
+    "wider_than_a_block": ((3, 9000), (9000,), 1.0, True),   # chunked online max/sum (rows > 8192)
 }
 if DEVICE == "cuda":   # returned attention probabilities of a GPT-2-sized layer, padded
     SOFTMAX_CASES["gpt2_probs"] = ((4, 12, 1024, 1024), (4, 1, 1, 1024), 0.125, False)
