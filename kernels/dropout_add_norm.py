@@ -93,43 +93,47 @@ def dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, e
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _dan_fwd(X, R, W, B, Out, Hout, Stats, seed, N, eps, p_drop,
+def _dan_fwd(X, R, W, B, Out, Hout, Stats, seed, M, N, eps, p_drop,
              HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+             TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """TILE_M rows per program (several when rows are narrow, so each program moves ~4096 elements)."""
+    rows = (tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
     cmask = cols < N
-    off = row * N + cols
-    x = tl.load(X + off, mask=cmask, other=0.0)
-    r = tl.load(R + off, mask=cmask, other=0.0)
+    m = rmask[:, None] & cmask[None, :]
+    off = rows[:, None] * N + cols[None, :]
+    x = tl.load(X + off, mask=m, other=0.0)
+    r = tl.load(R + off, mask=m, other=0.0)
     if HAS_DROPOUT:
         x = tl.where(keep_mask(seed, off, p_drop), x * (1.0 / (1.0 - p_drop)), 0.0).to(x.dtype)
     h = (r + x).to(Hout.dtype.element_ty)  # rounded as eager's add would round it
-    tl.store(Hout + off, h, mask=cmask)
+    tl.store(Hout + off, h, mask=m)
     hf = h.to(tl.float32)
     if IS_RMS:
-        mu = tl.sum(hf * 0.0, 0)  # a 0-d fp32 zero, typed like the LayerNorm branch's mean
-        var = tl.sum(hf * hf, 0) / N
+        mu = tl.sum(hf * 0.0, 1)  # fp32 zeros per row, typed like the LayerNorm branch's mean
+        var = tl.sum(hf * hf, 1) / N
     else:
-        mu = tl.sum(hf, 0) / N
-        d = tl.where(cmask, hf - mu, 0.0)
-        var = tl.sum(d * d, 0) / N
+        mu = tl.sum(hf, 1) / N
+        d = tl.where(m, hf - mu[:, None], 0.0)
+        var = tl.sum(d * d, 1) / N
     rstd = 1.0 / tl.sqrt(var + eps)
-    y = (hf - mu) * rstd
+    y = (hf - mu[:, None]) * rstd[:, None]
     if HAS_W:
-        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
-        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
-    tl.store(Out + off, y.to(Out.dtype.element_ty), mask=cmask)
-    tl.store(Stats + row * 2, mu)
-    tl.store(Stats + row * 2 + 1, rstd)
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + off, y.to(Out.dtype.element_ty), mask=m)
+    tl.store(Stats + rows * 2, mu, mask=rmask)
+    tl.store(Stats + rows * 2 + 1, rstd, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["seed"])
 def _dan_bwd(DOut, DH, Hin, W, Stats, DX, DR, DWp, DBp, seed, M, N, p_drop,
              HAS_W: tl.constexpr, HAS_DH: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """Program `pid` handles rows pid, pid + G, ... and writes its partial dweight/dbias row."""
+             TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program `pid` handles row tiles pid, pid + G, ... (TILE_M rows each) and writes its partial
+    dweight/dbias row."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -140,35 +144,46 @@ def _dan_bwd(DOut, DH, Hin, W, Stats, DX, DR, DWp, DBp, seed, M, N, p_drop,
         w = tl.full([BLOCK_N], 1.0, tl.float32)
     dw = tl.zeros([BLOCK_N], tl.float32)
     db = tl.zeros([BLOCK_N], tl.float32)
-    for i in range(0, tl.cdiv(M - pid, G)):
-        row = pid.to(tl.int64) + i * G
-        off = row * N + cols
-        dy = tl.load(DOut + off, mask=cmask, other=0.0).to(tl.float32)
-        h = tl.load(Hin + off, mask=cmask, other=0.0).to(tl.float32)
-        mu = tl.load(Stats + row * 2)
-        rstd = tl.load(Stats + row * 2 + 1)
-        xhat = tl.where(cmask, (h - mu) * rstd, 0.0)
-        g = dy * w
-        c2 = tl.sum(g * xhat, 0) / N
+    for i in range(0, tl.cdiv(tl.cdiv(M, TILE_M) - pid, G)):
+        rows = ((pid + i * G).to(tl.int64) * TILE_M + tl.arange(0, TILE_M))
+        rmask = rows < M
+        m = rmask[:, None] & cmask[None, :]
+        off = rows[:, None] * N + cols[None, :]
+        dy = tl.load(DOut + off, mask=m, other=0.0).to(tl.float32)
+        h = tl.load(Hin + off, mask=m, other=0.0).to(tl.float32)
+        mu = tl.load(Stats + rows * 2, mask=rmask, other=0.0)
+        rstd = tl.load(Stats + rows * 2 + 1, mask=rmask, other=0.0)
+        xhat = tl.where(m, (h - mu[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c2 = tl.sum(g * xhat, 1) / N
         if IS_RMS:
-            dh = (g - xhat * c2) * rstd
+            dh = (g - xhat * c2[:, None]) * rstd[:, None]
         else:
-            c1 = tl.sum(g, 0) / N
-            dh = (g - c1 - xhat * c2) * rstd
+            c1 = tl.sum(g, 1) / N
+            dh = (g - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
         if HAS_DH:
-            dh += tl.load(DH + off, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(DR + off, dh.to(DR.dtype.element_ty), mask=cmask)
+            dh += tl.load(DH + off, mask=m, other=0.0).to(tl.float32)
+        tl.store(DR + off, dh.to(DR.dtype.element_ty), mask=m)
         if HAS_DROPOUT:
             dh = tl.where(keep_mask(seed, off, p_drop), dh * (1.0 / (1.0 - p_drop)), 0.0)
-        tl.store(DX + off, dh.to(DX.dtype.element_ty), mask=cmask)
-        dw += dy * xhat
-        db += dy
+        tl.store(DX + off, dh.to(DX.dtype.element_ty), mask=m)
+        dw += tl.sum(dy * xhat, 0)
+        db += tl.sum(dy, 0)
     tl.store(DWp + pid.to(tl.int64) * N + cols, dw, mask=cmask)
     tl.store(DBp + pid.to(tl.int64) * N + cols, db, mask=cmask)
 
 
-def _warps(block_n: int) -> int:
-    return max(1, min(16, block_n // 256))
+_TILE = 4096   # elements a program moves per tensor per step: rows narrower than this go several at a time
+
+
+def _warps(elements: int) -> int:
+    return max(1, min(16, elements // 256))
+
+
+def _tiling(N: int) -> tuple[int, int]:
+    """(TILE_M, BLOCK_N) for rows of width N."""
+    block_n = next_pow2(N)
+    return max(1, _TILE // block_n), block_n
 
 
 def dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, dropout_p, seed, out_dtype):
@@ -178,12 +193,14 @@ def dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, drop
     out = torch.empty((M, N), device=x.device, dtype=out_dtype)
     h = torch.empty((M, N), device=x.device, dtype=x.dtype)
     stats = torch.empty((M, 2), device=x.device, dtype=torch.float32)
-    block_n = next_pow2(N)
+    tile_m, block_n = _tiling(N)
     dummy = x2.new_empty(1)
-    _dan_fwd[(M,)](x2, r2, weight if weight is not None else dummy, bias if bias is not None else dummy,
-                   out, h, stats, int(seed), N, float(eps), float(dropout_p),
-                   HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=bool(is_rms),
-                   HAS_DROPOUT=dropout_p > 0, BLOCK_N=block_n, num_warps=_warps(block_n))
+    if M:
+        _dan_fwd[(triton.cdiv(M, tile_m),)](
+            x2, r2, weight if weight is not None else dummy, bias if bias is not None else dummy,
+            out, h, stats, int(seed), M, N, float(eps), float(dropout_p),
+            HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=bool(is_rms),
+            HAS_DROPOUT=dropout_p > 0, TILE_M=tile_m, BLOCK_N=block_n, num_warps=_warps(tile_m * block_n))
     return out.view(x.shape), h.view(x.shape), stats
 
 
@@ -194,17 +211,22 @@ def dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rm
     dh2 = dh_out.reshape(-1, N).contiguous() if dh_out is not None else dout2
     dx = torch.empty((M, N), device=h.device, dtype=h.dtype)
     dr = torch.empty((M, N), device=h.device, dtype=h.dtype)
+    tile_m, block_n = _tiling(N)
+    tiles = triton.cdiv(M, tile_m)
     if h.is_cuda:
-        G = min(M, torch.cuda.get_device_properties(h.device).multi_processor_count * 4)
+        G = min(tiles, torch.cuda.get_device_properties(h.device).multi_processor_count * 4)
     else:
-        G = min(M, 4)
-    dwp = torch.empty((G, N), device=h.device, dtype=torch.float32)
-    dbp = torch.empty((G, N), device=h.device, dtype=torch.float32)
-    block_n = next_pow2(N)
-    _dan_bwd[(G,)](dout2, dh2, h.reshape(-1, N), weight if weight is not None else dout2, stats, dx, dr,
-                   dwp, dbp, int(seed), M, N, float(dropout_p),
-                   HAS_W=weight is not None, HAS_DH=dh_out is not None, IS_RMS=bool(is_rms),
-                   HAS_DROPOUT=dropout_p > 0, BLOCK_N=block_n, num_warps=_warps(block_n))
+        G = min(tiles, 4)
+    G = max(G, 1)
+    alloc = torch.empty if M else torch.zeros   # every program writes its partial row
+    dwp = alloc((G, N), device=h.device, dtype=torch.float32)
+    dbp = alloc((G, N), device=h.device, dtype=torch.float32)
+    if M:
+        _dan_bwd[(G,)](dout2, dh2, h.reshape(-1, N), weight if weight is not None else dout2, stats, dx, dr,
+                       dwp, dbp, int(seed), M, N, float(dropout_p),
+                       HAS_W=weight is not None, HAS_DH=dh_out is not None, IS_RMS=bool(is_rms),
+                       HAS_DROPOUT=dropout_p > 0, TILE_M=tile_m, BLOCK_N=block_n,
+                       num_warps=_warps(tile_m * block_n))
     dw = dwp.sum(0).to(weight.dtype) if weight is not None else None
     db = dbp.sum(0).to(bias.dtype) if bias is not None else None
     return dx.view(h.shape), dr.view(h.shape), dw, db

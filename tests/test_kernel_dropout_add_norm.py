@@ -35,6 +35,8 @@ CASES = [  # rows, width, rms, p, affine, residual used later
     ((3, 100), False, 0.5, False, True),
     ((9, 33), True, 0.0, False, False),
     ((4, 3, 129), False, 0.1, True, True),
+    ((301, 130), True, 0.2, True, False),     # 19 tiles of 16 rows over 4 programs: the strided tile loop
+    ((150, 1000), False, 0.1, True, True),    # 4 rows per tile, a partial last tile
 ]
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
 PAIRS = [(c, dt) for c in CASES for dt in DTYPES]
