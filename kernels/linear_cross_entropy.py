@@ -109,7 +109,9 @@ def _rows_reference(z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothi
         if lse_out is not None:
             lse_out.copy_(lse)
     zt = zf.gather(1, tt[:, None])[:, 0]
-    loss = (1 - smoothing) * (lse - zt) + smoothing * (lse - zf.mean(1))
+    loss = (1 - smoothing) * (lse - zt)
+    if smoothing:   # only then: a -inf logit (a vocabulary mask) would make 0 * inf = nan
+        loss = loss + smoothing * (lse - zf.mean(1))
     loss = torch.where(valid, loss, 0.0)
     if compute_grad:
         g = torch.exp(zf - lse[:, None])
@@ -130,22 +132,25 @@ def _ce_rows_kernel(Z, T, Loss, Scale, G, Lse, stride_z, stride_g, V, ignore_ind
     if LSE_GIVEN:      # gradient only, from the forward's log-sum-exp: one read of z, one write of G
         lse = tl.load(Lse + row)
     else:
-        m = tl.full((BLOCK,), -1e30, tl.float32)   # finite: lanes past V never make exp(-inf + inf)
-        s = tl.zeros((BLOCK,), tl.float32)
+        # online max and sum with one running (max, sum) per row, rescaled once per block: one exp per
+        # logit (a running pair per lane would need two)
+        m = -1e30          # finite: a block of -inf logits never makes exp(-inf + inf)
+        s = 0.0
         zsum = tl.zeros((BLOCK,), tl.float32)
         zt = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inb = cols < V
             z = tl.load(z_row + cols, mask=inb, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, z)
-            s = s * tl.exp(m - m_new) + tl.where(inb, tl.exp(z - m_new), 0.0)
+            m_new = tl.maximum(m, tl.max(z, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)   # lanes past V: exp(-inf) = 0
             m = m_new
             zsum += tl.where(inb, z, 0.0)
             zt += tl.where(cols == t, z, 0.0)
-        mx = tl.max(m, 0)
-        lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), 0))
-        loss = (1 - smoothing) * (lse - tl.sum(zt, 0)) + smoothing * (lse - tl.sum(zsum, 0) / V)
+        lse = m + tl.log(s)
+        # the smoothing term only when smoothing > 0: with a -inf logit it is 0 * inf = nan
+        loss = (1 - smoothing) * (lse - tl.sum(zt, 0)) + \
+            tl.where(smoothing > 0, smoothing * (lse - tl.sum(zsum, 0) / V), 0.0)
         tl.store(Loss + row, tl.where(valid, loss, 0.0))
         if WRITE_LSE:
             tl.store(Lse + row, lse)

@@ -92,3 +92,24 @@ def test_incoming_gradient_scales_and_graph_reuse(path, request):
     (-0.5 * loss).backward()
     (2.5 * F.cross_entropy(xr, t, label_smoothing=0.1, reduction="sum")).backward()
     torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_masked_vocabulary_with_a_whole_block_of_minus_inf(path, request):
+    """Logits of -inf (a vocabulary mask), a whole 4096-wide block of them: the online max/sum must not
+    turn them into NaN; loss and gradient equal eager's."""
+    if path == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    elif DEVICE == "cuda":
+        pytest.skip("CUDA tensors always take the Triton path")
+    torch.manual_seed(0)
+    z = 3 * torch.randn(6, 5000, device=DEVICE)
+    z[:, :4096] = float("-inf")
+    z[:, 4500:4600] = float("-inf")
+    t = torch.randint(4096, 4500, (6,), device=DEVICE)
+    fused = run(lambda x: cross_entropy(x, t, -100, 0.0, "mean"), z, torch.float32)
+    ref = run(lambda x: F.cross_entropy(x, t), z, torch.float64)
+    same = run(lambda x: F.cross_entropy(x, t), z, torch.float32)
+    assert torch.isfinite(fused[0]) and torch.isfinite(fused[1]).all()
+    for name, f, e, r in zip(["loss", "dlogits"], fused, same, ref):
+        assert_rule(f, e, r, name=name)
