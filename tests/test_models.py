@@ -63,6 +63,24 @@ def qwen2_gqa_bias():
     return m, dict(input_ids=ids, labels=ids), 2, 4
 
 
+def mixtral_moe():
+    """A mixture of experts (top-2 of 4): routing, per-expert gather/scatter, batched expert weights."""
+    m = _hf("MixtralForCausalLM", "MixtralConfig", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, vocab_size=100, num_local_experts=4,
+            num_experts_per_tok=2)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=ids), 2, 4
+
+
+def qwen2_moe():
+    """Routed experts plus a gated shared expert."""
+    m = _hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, vocab_size=100, num_experts=4, num_experts_per_tok=2)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=ids), 2, 4
+
+
 def hf_vit():
     m = _hf("ViTForImageClassification", "ViTConfig", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
             intermediate_size=64, image_size=32, patch_size=8, num_labels=5, hidden_dropout_prob=0.0,
@@ -108,7 +126,7 @@ def timm_vit():
 MODELS = {  # name: factory -> (model, inputs, attention layers, at least this many norm rewrites)
     "nanogpt": nanogpt, "llama_handwritten": llama_handwritten, "hf_gpt2": gpt2, "hf_bert_padding": bert_padding,
     "hf_llama_gqa": llama_gqa, "hf_mistral_mqa": mistral_gqa, "hf_qwen2": qwen2_gqa_bias, "hf_vit": hf_vit,
-    "hf_t5": t5_relative_bias, "timm_vit": timm_vit,
+    "hf_t5": t5_relative_bias, "timm_vit": timm_vit, "hf_mixtral_moe": mixtral_moe, "hf_qwen2_moe": qwen2_moe,
 }
 
 
@@ -117,7 +135,7 @@ MODELS = {  # name: factory -> (model, inputs, attention layers, at least this m
 ACTIVATIONS = {"nanogpt": ("bias_gelu", 2), "llama_handwritten": ("swiglu", 2), "hf_bert_padding": ("bias_gelu", 3),
                "hf_gpt2": ("bias_gelu", 2),
                "hf_llama_gqa": ("swiglu", 2), "hf_mistral_mqa": ("swiglu", 2), "hf_qwen2": ("swiglu", 2),
-               "hf_vit": ("bias_gelu", 2)}
+               "hf_vit": ("bias_gelu", 2), "hf_mixtral_moe": ("swiglu", 2), "hf_qwen2_moe": ("swiglu", 4)}
 
 
 def _loss(model, inputs):
