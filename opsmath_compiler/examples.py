@@ -3,6 +3,8 @@
 ``gpt``: a nanoGPT-style decoder (hand-written causal attention with a ``tril`` buffer, pre-LN,
 dropout on attention probabilities and residual branches). ``llama``: a LLaMA-style decoder written by
 hand (RMSNorm as ``x * rsqrt(mean(x^2) + eps) * w``, RoPE, GQA through ``repeat_kv``, SwiGLU).
+``dit``: a diffusion transformer as the DiT repository writes it (timm-style attention by hand, adaLN
+modulation of affine-free LayerNorms, gated residuals, tanh-GELU MLP) with the noise-prediction loss.
 Each factory returns ``(model, example_batch)`` where ``model(*batch)`` returns the loss.
 """
 from __future__ import annotations
@@ -181,6 +183,75 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+def _modulate(x, shift, scale):
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class DiTAttention(nn.Module):
+    """timm's ``Attention`` on its non-fused path: one qkv projection, q pre-scaled, softmax by hand."""
+
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.num_heads, self.scale = num_heads, (dim // num_heads) ** -0.5
+        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(B, N, C))
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.attn = DiTAttention(hidden, heads)
+        self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(approximate="tanh"), nn.Linear(4 * hidden, hidden))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden))
+
+    def forward(self, x, c):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(_modulate(self.norm1(x), shift_msa, scale_msa))
+        return x + gate_mlp.unsqueeze(1) * self.mlp(_modulate(self.norm2(x), shift_mlp, scale_mlp))
+
+
+class DiT(nn.Module):
+    """Class-conditional DiT on latents (C, H, W); ``forward(x0, t, y, noise)`` is the training loss:
+    noise the latents at timesteps ``t`` (cosine schedule) and regress the noise (MSE)."""
+
+    def __init__(self, img=16, patch=4, channels=4, hidden=64, depth=2, heads=4, classes=10):
+        super().__init__()
+        self.patch = patch
+        self.x_embed = nn.Conv2d(channels, hidden, patch, patch)
+        self.pos = nn.Parameter(torch.zeros(1, (img // patch) ** 2, hidden))
+        self.t_embed = nn.Sequential(nn.Linear(256, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.y_embed = nn.Embedding(classes + 1, hidden)
+        self.blocks = nn.ModuleList(DiTBlock(hidden, heads) for _ in range(depth))
+        self.norm_final = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.final_mod = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+        self.final = nn.Linear(hidden, patch * patch * channels)
+
+    def denoise(self, x, t, y):
+        B, C, H, W = x.shape
+        half = 128
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=x.device) / half)
+        args = t[:, None].float() * freqs[None]
+        c = self.t_embed(torch.cat([torch.cos(args), torch.sin(args)], -1)) + self.y_embed(y)
+        h = self.x_embed(x).flatten(2).transpose(1, 2) + self.pos
+        for blk in self.blocks:
+            h = blk(h, c)
+        shift, scale = self.final_mod(c).chunk(2, dim=1)
+        h = self.final(_modulate(self.norm_final(h), shift, scale))
+        p = self.patch
+        return h.reshape(B, H // p, W // p, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
+
+    def forward(self, x0, t, y, noise):
+        a = torch.cos(t.float() / 1000 * math.pi / 2)[:, None, None, None]
+        return F.mse_loss(self.denoise(a * x0 + (1 - a * a).sqrt() * noise, t, y), noise)
+
+
 def gpt(batch_size=4, seq_len=64, **kw):
     """A small nanoGPT and one batch of random tokens."""
     model = GPT(block_size=max(seq_len, 64), **kw)
@@ -195,4 +266,11 @@ def llama(batch_size=4, seq_len=64, **kw):
     return model, (tok, torch.roll(tok, -1, dims=1))
 
 
-EXAMPLES = {"gpt": gpt, "llama": llama}
+def dit(batch_size=4, img=16, **kw):
+    """A small class-conditional DiT and one batch: latents, timesteps, labels, noise."""
+    model = DiT(img=img, **kw)
+    return model, (torch.randn(batch_size, 4, img, img), torch.randint(0, 1000, (batch_size,)),
+                   torch.randint(0, 10, (batch_size,)), torch.randn(batch_size, 4, img, img))
+
+
+EXAMPLES = {"gpt": gpt, "llama": llama, "dit": dit}

@@ -100,6 +100,11 @@ def nanogpt():
     return m, (idx, tgt), 2, 3
 
 
+def dit_handwritten():
+    m, batch = examples.dit(batch_size=2)
+    return m, batch, 2, 3
+
+
 def llama_handwritten():
     m, batch = examples.llama(batch_size=2, seq_len=32)
     return m, batch, 2, 3
@@ -127,6 +132,7 @@ MODELS = {  # name: factory -> (model, inputs, attention layers, at least this m
     "nanogpt": nanogpt, "llama_handwritten": llama_handwritten, "hf_gpt2": gpt2, "hf_bert_padding": bert_padding,
     "hf_llama_gqa": llama_gqa, "hf_mistral_mqa": mistral_gqa, "hf_qwen2": qwen2_gqa_bias, "hf_vit": hf_vit,
     "hf_t5": t5_relative_bias, "timm_vit": timm_vit, "hf_mixtral_moe": mixtral_moe, "hf_qwen2_moe": qwen2_moe,
+    "dit_handwritten": dit_handwritten,
 }
 
 
@@ -135,7 +141,8 @@ MODELS = {  # name: factory -> (model, inputs, attention layers, at least this m
 ACTIVATIONS = {"nanogpt": ("bias_gelu", 2), "llama_handwritten": ("swiglu", 2), "hf_bert_padding": ("bias_gelu", 3),
                "hf_gpt2": ("bias_gelu", 2),
                "hf_llama_gqa": ("swiglu", 2), "hf_mistral_mqa": ("swiglu", 2), "hf_qwen2": ("swiglu", 2),
-               "hf_vit": ("bias_gelu", 2), "hf_mixtral_moe": ("swiglu", 2), "hf_qwen2_moe": ("swiglu", 4)}
+               "hf_vit": ("bias_gelu", 2), "hf_mixtral_moe": ("swiglu", 2), "hf_qwen2_moe": ("swiglu", 4),
+               "dit_handwritten": ("bias_gelu", 2)}
 
 
 def _loss(model, inputs):
