@@ -25,7 +25,7 @@ step tests ${TEST_TIMEOUT:-300} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -
     tests/test_attention_tuning.py tests/test_inductor.py tests/test_kernel_linear_cross_entropy.py \
     tests/test_patterns_linear_cross_entropy.py tests/test_kernel_cross_entropy.py tests/test_autotune.py \
     tests/test_kernel_activations.py tests/test_patterns_activations.py tests/test_plan.py}
-step attention 300 python3 benchmarks/attention.py ${BENCH_ARGS:-}
+step attention ${ATTN_TIMEOUT:-420} python3 benchmarks/attention.py ${BENCH_ARGS:-}
 step lce 120 python3 benchmarks/linear_cross_entropy.py
 step ce 150 python3 benchmarks/cross_entropy.py
 step dan 150 python3 benchmarks/dropout_add_norm.py --compile
