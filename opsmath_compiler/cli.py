@@ -52,16 +52,6 @@ def _build(args):
     raise SystemExit("the factory must return a model or (model, batch)")
 
 
-def _budget(text: str | None):
-    """``--memory-budget`` as ``optimize`` takes it: a fraction ("0.5"), bytes ("6000000000") or a size."""
-    if text is None:
-        return None
-    try:
-        return float(text) if "." in text and text.replace(".", "", 1).isdigit() else int(text)
-    except ValueError:
-        return text   # "6GiB", "512MiB": parse_budget reads it (and names what it cannot)
-
-
 def _report(args) -> int:
     import opsmath
 
@@ -70,7 +60,7 @@ def _report(args) -> int:
     model.train()
     from .plan import InfeasibleBudget
     try:
-        opt = opsmath.optimize(model, memory_budget=_budget(args.memory_budget))
+        opt = opsmath.optimize(model, memory_budget=args.memory_budget)
         out = opt(*batch)
     except (InfeasibleBudget, ValueError) as e:
         if args.memory_budget is None or not ("memory_budget" in str(e) or isinstance(e, InfeasibleBudget)):

@@ -13,14 +13,18 @@ from opsmath.plan import InfeasibleBudget, parse_budget
 
 @pytest.mark.parametrize("text,expected", [
     ("6GB", 6e9), ("6GiB", 6 * 2**30), ("512MiB", 512 * 2**20), ("1.5 gb", 1.5e9), ("4096", 4096.0),
-    ("2g", 2e9), (123456, 123456.0)])
+    ("2g", 2e9), (123456, 123456.0), (6e9, 6e9), ("6e9", 6e9), ("1e3MiB", 1000 * 2**20)])
 def test_parse_bytes(text, expected):
     assert parse_budget(text) == ("bytes", expected)
 
 
 def test_parse_fraction_and_errors():
     assert parse_budget(0.5) == ("fraction", 0.5)
-    for bad in (0.0, 1.5, -3, "six gigs", "5XB", True):
+    assert parse_budget("0.5") == ("fraction", 0.5)          # as a config file or a CLI flag gives it
+    assert parse_budget("50%") == ("fraction", 0.5)
+    assert parse_budget(" .25 ") == ("fraction", 0.25)
+    assert parse_budget("1.0") == ("fraction", 1.0) and parse_budget("1.5e9") == ("bytes", 1.5e9)
+    for bad in (0.0, 1.5, -3, "six gigs", "5XB", True, "150%", "0%", "0GB", "2.5", ""):
         with pytest.raises(ValueError):
             parse_budget(bad)
     with pytest.raises(ValueError, match="memory_budget"):
