@@ -311,8 +311,9 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
         memory_budget: bytes (an int, or an integral float such as ``6e9``) or a size (``"6GB"``,
             ``"6GiB"``, ``"512MiB"``) bounding the step's predicted peak (resident weights, grads,
             optimizer state and inputs included), or a fraction in (0, 1] (``0.5``, ``"0.5"``,
-            ``"50%"``) of the unconstrained activation memory. Recompute is planned per captured graph (``plan.py``); an infeasible budget raises ``InfeasibleBudget`` naming the
-            smallest feasible one. At a graph's second call the plan is checked against what step 1
+            ``"50%"``) of the unconstrained activation memory. Recompute is planned per captured
+            graph (``plan.py``); an infeasible budget raises ``InfeasibleBudget`` naming the smallest
+            feasible one. At a graph's second call the plan is checked against what step 1
             measured (resident bytes, CUDA peak) and made again if needed, and at its third call,
             if the step before went over an absolute budget, tightened once more; to measure those
             steps, an absolute budget resets ``torch.cuda`` peak memory statistics at the graph's
