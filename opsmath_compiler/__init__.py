@@ -9,11 +9,12 @@ Exploring and checking: ``opsmath.explore(model, *inputs)`` (candidates, skip/en
 ``opsmath.profile(eager, optimized, *inputs)`` (kernels, time per op class, peak memory).
 """
 from .api import optimize
+from .plan import InfeasibleBudget
 from .explore import Exploration, explore
 from .profile import ProfileResult, profile
 from .report import Report, report
 from .verify import VerifyResult, verify
 
-__all__ = ["optimize", "report", "Report", "explore", "Exploration", "verify", "VerifyResult", "profile",
-           "ProfileResult"]
+__all__ = ["optimize", "InfeasibleBudget", "report", "Report", "explore", "Exploration", "verify", "VerifyResult",
+           "profile", "ProfileResult"]
 __version__ = "0.1.0"
