@@ -83,6 +83,17 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+ROW_TILE = 4096   # elements a row-wise kernel moves per tensor per step: narrower rows go several at a time
+
+
+def row_tile(N: int, max_block_n: int | None = None) -> tuple[int, int]:
+    """(TILE_M, BLOCK_N) for rows of width N: BLOCK_N covers the row (capped at ``max_block_n`` when the
+    kernel loops over column blocks), TILE_M rows per step so a tile holds about ``ROW_TILE`` elements
+    (enough bytes in flight per program; one narrow row at a time is not)."""
+    block_n = next_pow2(N) if max_block_n is None else min(max_block_n, next_pow2(N))
+    return max(1, ROW_TILE // block_n), block_n
+
+
 @triton.jit
 def _fmix32_tl(h):
     h = h ^ (h >> 16)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, flat_offsets, keep_mask, next_pow2, use_triton
+from ._common import dropout_keep, flat_offsets, keep_mask, row_tile, use_triton
 
 _ROWS = 16   # rows per backward program: its dbias partial is 1/_ROWS of a row tensor, in fp32
 _SQRT1_2 = 1 / math.sqrt(2.0)
@@ -96,14 +96,11 @@ def _bias_gelu_bwd(dy_ptr, x_ptr, b_ptr, dx_ptr, dbp_ptr, M, N, seed, p, ROWS: t
     tl.store(dbp_ptr + tl.program_id(0).to(tl.int64) * N + cols, acc, mask=cm)
 
 
-_TILE = 4096   # elements per tile (TILE_M x BLOCK_N): 16 per thread per tensor at 8 warps
-
-
 def _launch(x, N):
-    """(M, BLOCK_N, TILE_M, ROWS per backward program)."""
+    """(M, BLOCK_N, TILE_M, ROWS per backward program); tiles of ``ROW_TILE`` elements run at 8 warps
+    (16 per thread per tensor)."""
     M = x.numel() // N if N else 0
-    block_n = min(1024, next_pow2(N))
-    tile_m = max(1, _TILE // block_n)
+    tile_m, block_n = row_tile(N, max_block_n=1024)
     return M, block_n, tile_m, max(_ROWS, tile_m)
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, flat_offsets, keep_mask, next_pow2, use_triton
+from ._common import dropout_keep, flat_offsets, keep_mask, row_tile, use_triton
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch reference
@@ -173,17 +173,8 @@ def _dan_bwd(DOut, DH, Hin, W, Stats, DX, DR, DWp, DBp, seed, M, N, p_drop,
     tl.store(DBp + pid.to(tl.int64) * N + cols, db, mask=cmask)
 
 
-_TILE = 4096   # elements a program moves per tensor per step: rows narrower than this go several at a time
-
-
 def _warps(elements: int) -> int:
     return max(1, min(16, elements // 256))
-
-
-def _tiling(N: int) -> tuple[int, int]:
-    """(TILE_M, BLOCK_N) for rows of width N."""
-    block_n = next_pow2(N)
-    return max(1, _TILE // block_n), block_n
 
 
 def dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, dropout_p, seed, out_dtype):
@@ -193,7 +184,7 @@ def dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, drop
     out = torch.empty((M, N), device=x.device, dtype=out_dtype)
     h = torch.empty((M, N), device=x.device, dtype=x.dtype)
     stats = torch.empty((M, 2), device=x.device, dtype=torch.float32)
-    tile_m, block_n = _tiling(N)
+    tile_m, block_n = row_tile(N)
     dummy = x2.new_empty(1)
     if M:
         _dan_fwd[(triton.cdiv(M, tile_m),)](
@@ -211,7 +202,7 @@ def dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rm
     dh2 = dh_out.reshape(-1, N).contiguous() if dh_out is not None else dout2
     dx = torch.empty((M, N), device=h.device, dtype=h.dtype)
     dr = torch.empty((M, N), device=h.device, dtype=h.dtype)
-    tile_m, block_n = _tiling(N)
+    tile_m, block_n = row_tile(N)
     tiles = triton.cdiv(M, tile_m)
     if h.is_cuda:
         G = min(tiles, torch.cuda.get_device_properties(h.device).multi_processor_count * 4)
