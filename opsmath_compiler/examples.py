@@ -238,7 +238,8 @@ class DiT(nn.Module):
         half = 128
         freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=x.device) / half)
         args = t[:, None].float() * freqs[None]
-        c = self.t_embed(torch.cat([torch.cos(args), torch.sin(args)], -1)) + self.y_embed(y)
+        t_freq = torch.cat([torch.cos(args), torch.sin(args)], -1).to(x.dtype)   # fp32 math, model's dtype out
+        c = self.t_embed(t_freq) + self.y_embed(y)
         h = self.x_embed(x).flatten(2).transpose(1, 2) + self.pos
         for blk in self.blocks:
             h = blk(h, c)
@@ -248,7 +249,7 @@ class DiT(nn.Module):
         return h.reshape(B, H // p, W // p, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
 
     def forward(self, x0, t, y, noise):
-        a = torch.cos(t.float() / 1000 * math.pi / 2)[:, None, None, None]
+        a = torch.cos(t.float() / 1000 * math.pi / 2)[:, None, None, None].to(x0.dtype)
         return F.mse_loss(self.denoise(a * x0 + (1 - a * a).sqrt() * noise, t, y), noise)
 
 
