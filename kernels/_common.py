@@ -86,6 +86,31 @@ def next_pow2(n: int) -> int:
 ROW_TILE = 4096   # elements a row-wise kernel moves per tensor per step: narrower rows go several at a time
 
 
+def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
+    """The launch configuration of a row-wise kernel for one shape bucket, chosen by measurement.
+
+    ``configs`` maps a name to a configuration, the default first; ``run(config)`` launches the kernel
+    once on the caller's tensors (writing only outputs the real launch overwrites). On a GPU each
+    configuration is timed once per (GPU, torch/triton versions, ``op``, ``key``) through
+    ``opsmath.autotune.pick`` and the winner is kept on disk, so later processes launch it without measuring. Under the interpreter, while a CUDA
+    graph is being captured (nothing may be timed) or with ``OPSMATH_TUNE_KERNELS=0`` the cached
+    choice, else the default, is used. Why measure: on the H200 one tile shape was the fastest of the
+    candidates at some (dtype, width) and 30% slower at others (BENCHMARKS.md, session 5)."""
+    names = list(configs)
+    default = configs[names[0]]
+    if len(names) == 1 or device.type != "cuda":
+        return default
+    from opsmath.autotune import cached, pick
+    if torch.cuda.is_current_stream_capturing() or os.environ.get("OPSMATH_TUNE_KERNELS") == "0":
+        return configs.get(cached(op, key), default)
+    return configs[pick(op, key, {name: (lambda c=c: run(c)) for name, c in configs.items()})]
+
+
+def size_bucket(n: int) -> int:
+    """``n`` rounded up to a power of two: rows of one bucket share a tuned configuration."""
+    return next_pow2(max(int(n), 1))
+
+
 def row_tile(N: int, max_block_n: int | None = None) -> tuple[int, int]:
     """(TILE_M, BLOCK_N) for rows of width N: BLOCK_N covers the row (capped at ``max_block_n`` when the
     kernel loops over column blocks), TILE_M rows per step so a tile holds about ``ROW_TILE`` elements

@@ -12,23 +12,24 @@ Shapes: x (..., N), bias (N,) -> out (..., N) in x's dtype; dbias in bias's dtyp
 The pattern (``patterns/bias_gelu.py``) takes the bias out of ``linear(x, W, b) -> gelu``: the GEMM runs
 without it and this op adds it on the way into the GELU. Forward moves what the GELU alone moved (read
 x, write y); backward computes dx and the bias gradient in one pass over dy and x instead of writing dx
-and reading it again for the bias sum. Both kernels work on (TILE_M, BLOCK_N) tiles of about 4096 elements.
-dbias is reduced without atomics: each backward program sums a block of ``_ROWS`` rows into an fp32
-partial row, and a small torch sum adds the partials. With dropout (timm's
+and reading it again for the bias sum. Both kernels loop over (TILE_M, BLOCK_N) tiles, ROWS rows per
+program; the tile, rows and warps are measured per shape (``_configs``, ``_common.tuned_config``).
+dbias is reduced without atomics: each backward program sums its rows into an fp32 partial row, and a
+small torch sum adds the partials. With dropout (timm's
 ``Mlp``: fc1 -> act -> drop) no mask is stored: backward regenerates it from the seed, so what is saved
 is x and the seed, against eager's pre-activation, GELU output and boolean mask.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, flat_offsets, keep_mask, row_tile, use_triton
+from ._common import dropout_keep, flat_offsets, keep_mask, row_tile, size_bucket, tuned_config, use_triton
 
-_ROWS = 16   # rows per backward program: its dbias partial is 1/_ROWS of a row tensor, in fp32
 _SQRT1_2 = 1 / math.sqrt(2.0)
 _K = math.sqrt(2.0 / math.pi)
 
@@ -59,19 +60,19 @@ def _dropout_scale(seed, offs, p, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _bias_gelu_fwd(x_ptr, b_ptr, y_ptr, M, N, seed, p, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   TANH: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """One (TILE_M, BLOCK_N) tile per program, loaded at once: enough bytes in flight per SM to keep
-    HBM busy (one row at a time was not)."""
-    rows = (tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
+def _bias_gelu_fwd(x_ptr, b_ptr, y_ptr, M, N, seed, p, ROWS: tl.constexpr, TILE_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, TANH: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """ROWS rows per program, one (TILE_M, BLOCK_N) tile per loop step."""
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = (rows[:, None] < M) & (cols[None, :] < N)
-    offs = rows[:, None] * N + cols[None, :]
     bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias[None, :]
-    y, _ = _gelu_and_grad(z, TANH)
-    y = y * _dropout_scale(seed, offs, p, HAS_DROPOUT)
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+    for i in range(ROWS // TILE_M):
+        rows = (tl.program_id(0) * ROWS + i * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
+        m = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None] * N + cols[None, :]
+        z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias[None, :]
+        y, _ = _gelu_and_grad(z, TANH)
+        y = y * _dropout_scale(seed, offs, p, HAS_DROPOUT)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -96,39 +97,71 @@ def _bias_gelu_bwd(dy_ptr, x_ptr, b_ptr, dx_ptr, dbp_ptr, M, N, seed, p, ROWS: t
     tl.store(dbp_ptr + tl.program_id(0).to(tl.int64) * N + cols, acc, mask=cm)
 
 
-def _launch(x, N):
-    """(M, BLOCK_N, TILE_M, ROWS per backward program); tiles of ``ROW_TILE`` elements run at 8 warps
-    (16 per thread per tensor)."""
-    M = x.numel() // N if N else 0
+class _Cfg(NamedTuple):
+    """A launch: (TILE_M, BLOCK_N) tiles, ROWS rows per program (a multiple of TILE_M), num_warps."""
+    tile_m: int
+    block_n: int
+    rows: int
+    warps: int
+
+
+def _configs(N: int, backward: bool) -> dict[str, _Cfg]:
+    """Candidates, the default first: tiles of ``ROW_TILE`` elements at 8 warps (the backward's dbias
+    partial sums 16 rows), half tiles at 4 warps, and one row per loop step over 32 rows at 4 warps
+    (session 4's kernels). On the H200 (session 5) the first was fastest in fp32 at every width and in
+    bf16 up to 1024, the last in bf16 at 4096 and 8192, so the choice is measured per shape."""
     tile_m, block_n = row_tile(N, max_block_n=1024)
-    return M, block_n, tile_m, max(_ROWS, tile_m)
+    half = max(1, tile_m // 2)
+    cands = [_Cfg(tile_m, block_n, max(16, tile_m) if backward else tile_m, 8),
+             _Cfg(half, block_n, max(16, half) if backward else half, 4),
+             _Cfg(1, block_n, 32, 4)]
+    return {f"{c.tile_m}x{c.block_n}r{c.rows}w{c.warps}": c for c in cands}
+
+
+def _config(op, x, N, approximate, dropout_p, run) -> _Cfg:
+    M = x.numel() // N
+    key = f"{str(x.dtype)[6:]} N={N} M<={size_bucket(M)} {approximate} dropout={dropout_p > 0}"
+    return tuned_config(op, key, _configs(N, op.endswith("bwd")), run, x.device)
+
+
+def _fwd(x, bias, y, M, N, seed, p, approximate, cfg: _Cfg):
+    grid = (triton.cdiv(M, cfg.rows), triton.cdiv(N, cfg.block_n))
+    _bias_gelu_fwd[grid](x, bias, y, M, N, int(seed), float(p), ROWS=cfg.rows, TILE_M=cfg.tile_m,
+                         BLOCK_N=cfg.block_n, TANH=approximate == "tanh", HAS_DROPOUT=p > 0, num_warps=cfg.warps)
+
+
+def _bwd(dy, x, bias, dx, M, N, seed, p, approximate, cfg: _Cfg):
+    """Launches the backward; returns the (programs, N) fp32 dbias partials."""
+    grid = (triton.cdiv(M, cfg.rows), triton.cdiv(N, cfg.block_n))
+    dbp = torch.empty((grid[0], N), device=x.device, dtype=torch.float32)
+    _bias_gelu_bwd[grid](dy, x, bias, dx, dbp, M, N, int(seed), float(p), ROWS=cfg.rows, TILE_M=cfg.tile_m,
+                         BLOCK_N=cfg.block_n, TANH=approximate == "tanh", HAS_DROPOUT=p > 0, num_warps=cfg.warps)
+    return dbp
 
 
 def bias_gelu_forward_triton(x, bias, approximate, dropout_p=0.0, seed=0):
     N = x.shape[-1]
-    x = x.contiguous()
+    x, bias = x.contiguous(), bias.contiguous()
     y = torch.empty_like(x)
-    M, block_n, tile_m, _ = _launch(x, N)
+    M = x.numel() // N if N else 0
     if M:
-        grid = (triton.cdiv(M, tile_m), triton.cdiv(N, block_n))
-        _bias_gelu_fwd[grid](x, bias.contiguous(), y, M, N, int(seed), float(dropout_p), TILE_M=tile_m,
-                             BLOCK_N=block_n, TANH=approximate == "tanh", HAS_DROPOUT=dropout_p > 0, num_warps=8)
+        def run(cfg):
+            _fwd(x, bias, y, M, N, seed, dropout_p, approximate, cfg)
+        run(_config("bias_gelu_fwd", x, N, approximate, dropout_p, run))
     return y
 
 
 def bias_gelu_backward_triton(dy, x, bias, approximate, dropout_p=0.0, seed=0):
     N = x.shape[-1]
-    x, dy = x.contiguous(), dy.contiguous()
+    x, dy, bias = x.contiguous(), dy.contiguous(), bias.contiguous()
     dx = torch.empty_like(x)
-    M, block_n, tile_m, rows = _launch(x, N)
-    grid = (triton.cdiv(M, rows), triton.cdiv(N, block_n))
-    dbp = torch.empty((max(grid[0], 1), N), device=x.device, dtype=torch.float32)
-    if M:
-        _bias_gelu_bwd[grid](dy, x, bias.contiguous(), dx, dbp, M, N, int(seed), float(dropout_p), ROWS=rows,
-                             TILE_M=tile_m, BLOCK_N=block_n, TANH=approximate == "tanh",
-                             HAS_DROPOUT=dropout_p > 0, num_warps=8)
-    else:
-        dbp.zero_()
+    M = x.numel() // N if N else 0
+    if not M:
+        return dx, torch.zeros_like(bias)
+
+    def run(cfg):
+        return _bwd(dy, x, bias, dx, M, N, seed, dropout_p, approximate, cfg)
+    dbp = run(_config("bias_gelu_bwd", x, N, approximate, dropout_p, run))
     return dx, dbp.sum(0).to(bias.dtype)
 
 

@@ -17,6 +17,7 @@ transformers keep the residual stream. Backward, with g = dout * weight::
 
 dx is one pass over the rows; dweight/dbias are per-program partial sums over a strided set of rows
 (no atomics) reduced by a second, small torch sum. The dropout mask is regenerated from the seed.
+Narrow rows may go several to a program (TILE_M); how many is measured per shape (``_configs``).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, flat_offsets, keep_mask, row_tile, use_triton
+from ._common import (dropout_keep, flat_offsets, keep_mask, next_pow2, row_tile, size_bucket, tuned_config,
+                      use_triton)
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch reference
@@ -177,6 +179,21 @@ def _warps(elements: int) -> int:
     return max(1, min(16, elements // 256))
 
 
+def _configs(N: int) -> dict[str, int]:
+    """Rows per tile (TILE_M) to measure, the default first: one row per program or loop step (the
+    fastest on the H200 at widths 768 and 1024 in session 5, by up to 3x in bf16), two rows, and tiles
+    of ``ROW_TILE`` elements. From width 4096 on there is one candidate: a row is the tile."""
+    tile_m, _ = row_tile(N)
+    return {f"{t}rows": t for t in dict.fromkeys((1, min(2, tile_m), tile_m))}
+
+
+def _config(op, x, N, is_rms, has_w, has_b, dropout_p, run) -> int:
+    M = x.numel() // N
+    key = (f"{str(x.dtype)[6:]} N={N} M<={size_bucket(M)} {'rms' if is_rms else 'layer'} w={has_w} b={has_b} "
+           f"dropout={dropout_p > 0}")
+    return tuned_config(op, key, _configs(N), run, x.device)
+
+
 def dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, dropout_p, seed, out_dtype):
     N = x.shape[-1]
     x2, r2 = x.reshape(-1, N).contiguous(), residual.reshape(-1, N).contiguous()
@@ -184,14 +201,17 @@ def dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, drop
     out = torch.empty((M, N), device=x.device, dtype=out_dtype)
     h = torch.empty((M, N), device=x.device, dtype=x.dtype)
     stats = torch.empty((M, 2), device=x.device, dtype=torch.float32)
-    tile_m, block_n = row_tile(N)
+    block_n = next_pow2(N)
     dummy = x2.new_empty(1)
-    if M:
+
+    def run(tile_m):
         _dan_fwd[(triton.cdiv(M, tile_m),)](
             x2, r2, weight if weight is not None else dummy, bias if bias is not None else dummy,
             out, h, stats, int(seed), M, N, float(eps), float(dropout_p),
             HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=bool(is_rms),
             HAS_DROPOUT=dropout_p > 0, TILE_M=tile_m, BLOCK_N=block_n, num_warps=_warps(tile_m * block_n))
+    if M:
+        run(_config("dropout_add_norm_fwd", x2, N, is_rms, weight is not None, bias is not None, dropout_p, run))
     return out.view(x.shape), h.view(x.shape), stats
 
 
@@ -202,22 +222,25 @@ def dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rm
     dh2 = dh_out.reshape(-1, N).contiguous() if dh_out is not None else dout2
     dx = torch.empty((M, N), device=h.device, dtype=h.dtype)
     dr = torch.empty((M, N), device=h.device, dtype=h.dtype)
-    tile_m, block_n = row_tile(N)
-    tiles = triton.cdiv(M, tile_m)
-    if h.is_cuda:
-        G = min(tiles, torch.cuda.get_device_properties(h.device).multi_processor_count * 4)
-    else:
-        G = min(tiles, 4)
-    G = max(G, 1)
-    alloc = torch.empty if M else torch.zeros   # every program writes its partial row
-    dwp = alloc((G, N), device=h.device, dtype=torch.float32)
-    dbp = alloc((G, N), device=h.device, dtype=torch.float32)
-    if M:
-        _dan_bwd[(G,)](dout2, dh2, h.reshape(-1, N), weight if weight is not None else dout2, stats, dx, dr,
-                       dwp, dbp, int(seed), M, N, float(dropout_p),
-                       HAS_W=weight is not None, HAS_DH=dh_out is not None, IS_RMS=bool(is_rms),
-                       HAS_DROPOUT=dropout_p > 0, TILE_M=tile_m, BLOCK_N=block_n,
-                       num_warps=_warps(tile_m * block_n))
+    block_n = next_pow2(N)
+    programs = torch.cuda.get_device_properties(h.device).multi_processor_count * 4 if h.is_cuda else 4
+
+    def run(tile_m):
+        """Launches G programs over the row tiles; returns their (G, N) fp32 dweight, dbias partials."""
+        G = max(1, min(triton.cdiv(M, tile_m), programs))
+        alloc = torch.empty if M else torch.zeros   # every program writes its partial row
+        dwp = alloc((G, N), device=h.device, dtype=torch.float32)
+        dbp = alloc((G, N), device=h.device, dtype=torch.float32)
+        if M:
+            _dan_bwd[(G,)](dout2, dh2, h.reshape(-1, N), weight if weight is not None else dout2, stats, dx, dr,
+                           dwp, dbp, int(seed), M, N, float(dropout_p),
+                           HAS_W=weight is not None, HAS_DH=dh_out is not None, IS_RMS=bool(is_rms),
+                           HAS_DROPOUT=dropout_p > 0, TILE_M=tile_m, BLOCK_N=block_n,
+                           num_warps=_warps(tile_m * block_n))
+        return dwp, dbp
+    tile_m = _config("dropout_add_norm_bwd", h, N, is_rms, weight is not None, bias is not None, dropout_p, run) \
+        if M else 1
+    dwp, dbp = run(tile_m)
     dw = dwp.sum(0).to(weight.dtype) if weight is not None else None
     db = dbp.sum(0).to(bias.dtype) if bias is not None else None
     return dx.view(h.shape), dr.view(h.shape), dw, db

@@ -109,3 +109,38 @@ def test_attention_launch_uses_the_tuned_block_configuration(cache):
     assert _launch_cfg(q, 64, "k2") == (16, 16, 64, 4, 1)       # CPU default when opsmath was not chosen
     with forced_config((64, 32, 4, 3)):
         assert _launch_cfg(q, 64, "k") == (64, 32, 64, 4, 3)   # the tuner measuring a candidate
+
+
+def test_row_kernel_configuration_is_measured_once_per_shape_bucket(cache, monkeypatch):
+    """``kernels._common.tuned_config``: every candidate launched and timed on a GPU, the winner cached;
+    the default on CPU, and the cached choice (never a measurement) during CUDA graph capture."""
+    import torch
+
+    from opsmath.kernels._common import tuned_config
+    launched, timed = [], []
+    real_pick = autotune.pick
+
+    def measure(fn):
+        fn()
+        timed.append(launched[-1])
+        return {"a": 3.0, "b": 1.0, "c": 2.0}[launched[-1]]
+    monkeypatch.setattr(autotune, "pick", lambda op, key, cands: real_pick(op, key, cands, measure))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    configs = {"a": (1, 4), "b": (2, 8), "c": (4, 8)}
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert tuned_config("op_fwd", "bf16 N=768", configs, launched.append, cpu) == (1, 4)
+    assert launched == []
+    run = lambda cfg: launched.append({v: k for k, v in configs.items()}[cfg])  # noqa: E731
+    assert tuned_config("op_fwd", "bf16 N=768", configs, run, gpu) == (2, 8)
+    assert timed == ["a", "b", "c"]
+    assert tuned_config("op_fwd", "bf16 N=768", configs, run, gpu) == (2, 8)
+    assert timed == ["a", "b", "c"]   # remembered
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert tuned_config("op_fwd", "bf16 N=768", configs, run, gpu) == (2, 8)
+    assert tuned_config("op_fwd", "bf16 N=1024", configs, run, gpu) == (1, 4)   # never tuned: the default
+    assert timed == ["a", "b", "c"]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("OPSMATH_TUNE_KERNELS", "0")
+    assert tuned_config("op_fwd", "bf16 N=4096", configs, run, gpu) == (1, 4)
+    assert timed == ["a", "b", "c"]
+    assert tuned_config("op_fwd", "any", {"only": (1, 1)}, run, gpu) == (1, 1)   # one candidate: nothing to time

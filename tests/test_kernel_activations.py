@@ -71,6 +71,24 @@ def test_bias_gelu_matches_eager(shape, dtype, path, approximate, request):
         assert_rule(f, e, r, name=name)
 
 
+@pytest.mark.parametrize("shape", [(37, 100), (5, 1100), (70, 3000)], ids=str)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_every_tuning_candidate_matches_eager(shape, approximate, triton_on_cpu, monkeypatch):
+    """Each launch configuration the tuner may pick (``bias_gelu._configs``: tiles, rows per program,
+    warps), forced in turn, forward and backward with dropout, against the reference."""
+    from opsmath.kernels import bias_gelu as bg
+    torch.manual_seed(0)
+    x, b = 2 * torch.randn(shape, device=DEVICE), torch.randn(shape[-1], device=DEVICE)
+    dy = torch.randn(shape, device=DEVICE)
+    args = (approximate, 0.2, 5)   # dropout 0.2, seed 5
+    ref = (bg.bias_gelu_reference(x, b, *args), *bg.bias_gelu_backward_reference(dy, x, b, *args))
+    for i in range(3):
+        monkeypatch.setattr(bg, "tuned_config", lambda op, key, configs, run, device: list(configs.values())[i])
+        got = (bg.bias_gelu_forward_triton(x, b, *args), *bg.bias_gelu_backward_triton(dy, x, b, *args))
+        for name, g, r in zip(["y", "dx", "dbias"], got, ref):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} config {i}: {m}")
+
+
 def test_bias_gelu_fp32_bias_on_low_precision_input(triton_on_cpu):
     """Under autocast the GEMM's output is bf16 and the bias an fp32 parameter: y in bf16, dbias fp32."""
     x = torch.randn(9, 40, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)

@@ -71,6 +71,18 @@ def test_triton_matches_eager(case, dtype, triton_on_cpu, device):
         assert_rule(a, b, c, atol=atol, name=f"{name} {dtype}")
 
 
+@pytest.mark.parametrize("case", [CASES[-1], ((9, 200), True, 0.3, True, True)], ids=str)
+def test_every_tuning_candidate_matches_eager(case, triton_on_cpu, device, monkeypatch):
+    """Each rows-per-tile the tuner may pick (``dropout_add_norm._configs``), forced in turn."""
+    from opsmath.kernels import dropout_add_norm as dan
+    e, ref = _run(eager, case, torch.float32, device), _run(eager, case, torch.float64, device)
+    for tile_m in dan._configs(case[0][-1]).values():
+        monkeypatch.setattr(dan, "tuned_config", lambda op, key, configs, run, device: tile_m)
+        for name, a, b, c in zip(["out", "h", "dx", "dresidual", "dweight", "dbias"],
+                                 _run(fused, case, torch.float32, device), e, ref):
+            assert_rule(a, b, c, atol=1e-5, name=f"{name} TILE_M={tile_m}")
+
+
 @pytest.mark.parametrize("case", CASES[:5], ids=str)
 def test_reference_matches_autograd(case):
     f = _run(fused, case, torch.float64, "cpu")

@@ -93,6 +93,17 @@ def _exercise(dtype):
         b = leaf(48) if affine and not rms else None
         out, h, _ = dropout_add_norm_op(leaf(6, 48), leaf(6, 48), w, b, rms, 1e-5, p, seed, dtype)
         backward(out.float().sum() + h.float().sum())
+    # every launch configuration the row-kernel tuner may pick (kernels/_common.tuned_config)
+    from unittest import mock
+
+    from opsmath.kernels import bias_gelu as bg, dropout_add_norm as dan
+    for i in range(3):
+        pick = lambda op, key, configs, run, device: list(configs.values())[i]  # noqa: E731
+        with mock.patch.object(bg, "tuned_config", pick), mock.patch.object(dan, "tuned_config", pick):
+            backward(bias_gelu(leaf(5, 40), leaf(40), "none", 0.1, seed))
+            out, h, _ = dropout_add_norm_op(leaf(6, 48), leaf(6, 48), leaf(48), leaf(48), False, 1e-5, 0.1, seed,
+                                            dtype)
+            backward(out.float().sum() + h.float().sum())
     t = torch.randint(0, 300, (8,))
     for smoothing in (0.0, 0.1):
         backward(cross_entropy(leaf(8, 300), t, -100, smoothing, "mean"))
