@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from opsmath.autotune import kernel_ms   # device time per kernel; profile_gap.py uses it from here too
+
 
 def env() -> dict:
     import triton
@@ -39,24 +41,6 @@ def bench(fn, warmup_ms: float = 25, rep_ms: float = 100, device: bool = False) 
     if device:
         out["gpu_ms"] = sum(kernel_ms(fn).values())
     return out
-
-
-def kernel_ms(fn, calls: int = 10) -> dict:
-    """{kernel name: device milliseconds per call of ``fn``}, from torch.profiler's CUDA activity only
-    (memsets and copies included; host time and the gaps between kernels not)."""
-    from collections import defaultdict
-
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    per = defaultdict(float)
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA or getattr(e, "self_device_time_total", 0) > 0:
-            per[e.key] += e.self_device_time_total / 1e3 / calls
-    return dict(per)
 
 
 def write(name: str, payload: dict) -> str:

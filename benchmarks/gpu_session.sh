@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
-#   STEPS="tests attention lce ce dan act train gap recompute memory long curve tune llama"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#   STEPS="tests attn_tests attention lce ce dan act train gap recompute memory long curve tune llama"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -15,16 +15,20 @@ ls benchmarks/wheels/liger_kernel-*.whl >/dev/null 2>&1 && \
     python3 -m pip install -q --no-deps benchmarks/wheels/liger_kernel-*.whl >> "$OUT/install.log" 2>&1
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 limit=$2; shift 2
-    case " ${STEPS:-tests attention lce ce dan act train gap recompute memory long curve tune llama} " in *" $name "*) ;; *) return ;; esac
+    case " ${STEPS:-tests attn_tests attention lce ce dan act train gap recompute memory long curve tune llama} " in *" $name "*) ;; *) return ;; esac
     echo "== $name"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "rc=$? ($name)"; grep -v -i "warn" "$OUT/$name.log" | tail -${TAIL:-30}
 }
-step tests ${TEST_TIMEOUT:-300} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
-    ${TESTS:-tests/test_models.py tests/test_kernel_dropout_add_norm.py tests/test_kernel_attention.py \
-    tests/test_attention_tuning.py tests/test_inductor.py tests/test_kernel_linear_cross_entropy.py \
-    tests/test_patterns_linear_cross_entropy.py tests/test_kernel_cross_entropy.py tests/test_autotune.py \
-    tests/test_kernel_activations.py tests/test_patterns_activations.py tests/test_plan.py}
+# the GPU tests take more than one 10-minute call (session 5: the attention kernel tests alone run ~10 s
+# each, compiling a kernel variant per flag combination), so they are two steps
+step tests ${TEST_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
+    --durations=10 ${TESTS:-tests/test_models.py tests/test_kernel_dropout_add_norm.py tests/test_inductor.py \
+    tests/test_kernel_linear_cross_entropy.py tests/test_patterns_linear_cross_entropy.py \
+    tests/test_kernel_cross_entropy.py tests/test_autotune.py tests/test_kernel_activations.py \
+    tests/test_patterns_activations.py tests/test_plan.py}
+step attn_tests ${TEST_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
+    --durations=10 tests/test_kernel_attention.py tests/test_attention_tuning.py
 step attention ${ATTN_TIMEOUT:-420} python3 benchmarks/attention.py ${BENCH_ARGS:-}
 step lce 120 python3 benchmarks/linear_cross_entropy.py
 step ce 150 python3 benchmarks/cross_entropy.py

@@ -144,3 +144,21 @@ def test_row_kernel_configuration_is_measured_once_per_shape_bucket(cache, monke
     assert tuned_config("op_fwd", "bf16 N=4096", configs, run, gpu) == (1, 4)
     assert timed == ["a", "b", "c"]
     assert tuned_config("op_fwd", "any", {"only": (1, 1)}, run, gpu) == (1, 1)   # one candidate: nothing to time
+
+
+def test_candidates_are_ranked_by_kernel_time_not_launch_time(monkeypatch):
+    """``autotune.measure``: device (kernel) time per call from the profiler; wall time only when a
+    profiler is already running (the user's) or reports no kernels."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(autotune, "wall_ms", lambda fn, warmup_ms=10, rep_ms=40: 5.0)   # host-bound: ties
+    kernels = {"k1": 0.25, "k2": 0.5}
+    monkeypatch.setattr(autotune, "kernel_ms", lambda fn, calls: dict(kernels))
+    monkeypatch.setattr(torch.autograd, "_profiler_enabled", lambda: False)
+    assert autotune.measure(lambda: None) == 0.75
+    kernels.clear()
+    assert autotune.measure(lambda: None) == 5.0
+    kernels["k1"] = 0.25
+    monkeypatch.setattr(torch.autograd, "_profiler_enabled", lambda: True)
+    assert autotune.measure(lambda: None) == 5.0
+    assert autotune.machine_key().endswith("| kernel time")   # choices ranked by wall time are not reused
