@@ -103,7 +103,12 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
     from opsmath.autotune import cached, pick
     if torch.cuda.is_current_stream_capturing() or os.environ.get("OPSMATH_TUNE_KERNELS") == "0":
         return configs.get(cached(op, key), default)
-    return configs[pick(op, key, {name: (lambda c=c: run(c)) for name, c in configs.items()})]
+    try:
+        return configs[pick(op, key, {name: (lambda c=c: run(c)) for name, c in configs.items()})]
+    except Exception as e:   # tuning must never stop training: the default configuration is always valid
+        import logging
+        logging.getLogger("opsmath").warning("opsmath: tuning %s [%s] failed (%s); using the default", op, key, e)
+        return default
 
 
 def size_bucket(n: int) -> int:

@@ -162,3 +162,15 @@ def test_candidates_are_ranked_by_kernel_time_not_launch_time(monkeypatch):
     monkeypatch.setattr(torch.autograd, "_profiler_enabled", lambda: True)
     assert autotune.measure(lambda: None) == 5.0
     assert autotune.machine_key().endswith("| kernel time")   # choices ranked by wall time are not reused
+
+
+def test_row_kernel_tuning_failure_falls_back_to_the_default(cache, monkeypatch):
+    import torch
+
+    from opsmath.kernels._common import tuned_config
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def broken(op, key, cands):
+        raise RuntimeError("every candidate failed")
+    monkeypatch.setattr(autotune, "pick", broken)
+    assert tuned_config("op_bwd", "k", {"a": 1, "b": 2}, lambda c: None, torch.device("cuda")) == 1
