@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 import torch.fx as fx
@@ -101,6 +101,17 @@ class RewriteContext:
         """Whether the user (``optimize(..., skip=...)``) lets this occurrence be rewritten: ``skip``
         holds family names (``"attention"``) or single occurrences (``"attention@softmax_3"``)."""
         return pattern not in self.skip and f"{pattern}@{anchor.name}" not in self.skip
+
+    def offer(self, pattern: str, anchor: fx.Node, plan, emit: Callable[[], None]) -> None:
+        """One occurrence a pattern analysed: ``plan`` is either the reason to leave it alone (a str)
+        or what to emit. ``emit()`` runs unless the reason exists or the user skipped the occurrence;
+        a declined occurrence is recorded for the report."""
+        if isinstance(plan, str):
+            self.declined(pattern, anchor, plan)
+        elif not self.allowed(pattern, anchor):
+            self.declined(pattern, anchor, "skipped by the user")
+        else:
+            emit()
 
     def declined(self, pattern: str, node: fx.Node, reason: str) -> None:
         loc, code = source_location(node)

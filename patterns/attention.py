@@ -136,12 +136,7 @@ class AttentionPattern:
             plan = self._analyze(ctx, sm)
             if plan is None:
                 continue
-            if isinstance(plan, str):
-                ctx.declined(self.name, sm, plan)
-            elif not ctx.allowed(self.name, sm):
-                ctx.declined(self.name, sm, "skipped by the user")
-            else:
-                self._emit(ctx, sm, plan)
+            ctx.offer(self.name, sm, plan, lambda: self._emit(ctx, sm, plan))
 
     # ------------------------------------------------------------------------------------------
     def _analyze(self, ctx: RewriteContext, sm: fx.Node) -> Union[None, str, _Plan]:

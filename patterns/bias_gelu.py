@@ -90,12 +90,7 @@ class BiasGeluPattern:
             found = self._bias_of(h, set(inner))
             if found is None:
                 continue
-            if isinstance(found, str):
-                ctx.declined(self.name, n, found)
-            elif not ctx.allowed(self.name, n):
-                ctx.declined(self.name, n, "skipped by the user")
-            else:
-                self._emit(ctx, n, inner, approximate, *found)
+            ctx.offer(self.name, n, found, lambda: self._emit(ctx, n, inner, approximate, *found))
 
     @staticmethod
     def _bias_of(h: fx.Node, inner: set):

@@ -79,12 +79,7 @@ class DropoutAddNormPattern:
                 ctx.declined(self.name, n, plan)
                 continue
             plan = self._check_order(ctx, plan)
-            if isinstance(plan, str):
-                ctx.declined(self.name, n, plan)
-            elif not ctx.allowed(self.name, plan.out):
-                ctx.declined(self.name, plan.out, "skipped by the user")
-            else:
-                self._emit(ctx, plan)
+            ctx.offer(self.name, n if isinstance(plan, str) else plan.out, plan, lambda: self._emit(ctx, plan))
 
     # ------------------------------------------------------------------------------------------
     def _library_norm(self, n: fx.Node) -> Union[None, str, _Plan]:

@@ -45,12 +45,7 @@ class ScaledSoftmaxPattern:
             found = self._match(z)
             if found is None or (not isinstance(found, str) and dtype(n) != dtype(found[0])):
                 continue   # softmax(..., dtype=...) converts: the fused op keeps its input's dtype
-            if isinstance(found, str):
-                ctx.declined(self.name, n, found)
-            elif not ctx.allowed(self.name, n):
-                ctx.declined(self.name, n, "skipped by the user")
-            else:
-                self._emit(ctx, n, *found)
+            ctx.offer(self.name, n, found, lambda: self._emit(ctx, n, *found))
 
     @staticmethod
     def _match(z: fx.Node):

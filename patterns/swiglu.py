@@ -35,13 +35,12 @@ class SwiGLUPattern:
             if not isinstance(b, fx.Node) or dtype(a) not in _FLOATS or dtype(b) not in _FLOATS:
                 continue
             if len(silu.users) != 1:
-                ctx.declined(self.name, n, "silu(a) is also read elsewhere, so it must exist")
+                found = "silu(a) is also read elsewhere, so it must exist"
             elif shape(a) != shape(b) or not shape(a):
-                ctx.declined(self.name, n, f"silu(a) {shape(a)} and b {shape(b)} broadcast")
-            elif not ctx.allowed(self.name, n):
-                ctx.declined(self.name, n, "skipped by the user")
+                found = f"silu(a) {shape(a)} and b {shape(b)} broadcast"
             else:
-                self._emit(ctx, n, silu, a, b)
+                found = (silu, a, b)
+            ctx.offer(self.name, n, found, lambda: self._emit(ctx, n, *found))
 
     def _emit(self, ctx: RewriteContext, mul: fx.Node, silu: fx.Node, a: fx.Node, b: fx.Node) -> None:
         before = [node_line(silu), node_line(mul)]
