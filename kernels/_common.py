@@ -92,10 +92,11 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
     ``configs`` maps a name to a configuration, the default first; ``run(config)`` launches the kernel
     once on the caller's tensors (writing only outputs the real launch overwrites). On a GPU each
     configuration is timed once per (GPU, torch/triton versions, ``op``, ``key``) through
-    ``opsmath.autotune.pick`` and the winner is kept on disk, so later processes launch it without measuring. Under the interpreter, while a CUDA
-    graph is being captured (nothing may be timed) or with ``OPSMATH_TUNE_KERNELS=0`` the cached
-    choice, else the default, is used. Why measure: on the H200 one tile shape was the fastest of the
-    candidates at some (dtype, width) and 30% slower at others (BENCHMARKS.md, session 5)."""
+    ``opsmath.autotune.pick`` and the winner is kept on disk, so later processes launch it without
+    measuring. Under the interpreter, while a CUDA graph is being captured (nothing may be timed) or with
+    ``OPSMATH_TUNE_KERNELS=0`` the cached choice, else the default, is used. Why measure: on the H200 one
+    tile shape was the fastest of the candidates at some (dtype, width) and 30% slower at others
+    (BENCHMARKS.md, session 5)."""
     names = list(configs)
     default = configs[names[0]]
     if len(names) == 1 or device.type != "cuda":

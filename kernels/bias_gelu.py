@@ -21,6 +21,7 @@ is x and the seed, against eager's pre-activation, GELU output and boolean mask.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -105,6 +106,7 @@ class _Cfg(NamedTuple):
     warps: int
 
 
+@functools.lru_cache(maxsize=None)   # called at every launch
 def _configs(N: int, backward: bool) -> dict[str, _Cfg]:
     """Candidates, the default first: tiles of ``ROW_TILE`` elements at 8 warps (the backward's dbias
     partial sums 16 rows), half tiles at 4 warps, and one row per loop step over 32 rows at 4 warps

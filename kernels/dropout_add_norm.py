@@ -21,6 +21,7 @@ Narrow rows may go several to a program (TILE_M); how many is measured per shape
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -179,6 +180,7 @@ def _warps(elements: int) -> int:
     return max(1, min(16, elements // 256))
 
 
+@functools.lru_cache(maxsize=None)   # called at every launch
 def _configs(N: int) -> dict[str, int]:
     """Rows per tile (TILE_M) to measure, the default first: one row per program or loop step (the
     fastest on the H200 at widths 768 and 1024 in session 5, by up to 3x in bf16), two rows, and tiles
