@@ -161,14 +161,30 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
                 return torch.autograd.grad(run(name, q, k, v, bias, mask, vbias, dropout_p), (q, k, v), dout)
         return step
 
-    configs = configs_for(q.shape[-1])   # opsmath's own kernel in each block configuration
-    candidates = {"opsmath": fwd_bwd("opsmath", configs[0])}
-    candidates.update({config_name(c): fwd_bwd("opsmath", c) for c in configs[1:]})
+    candidates = {}   # measured in this order: the vendors, then opsmath's kernel in each block configuration
     if vendors and vendor_eligible(device, mask_fill, False):
         for name in accurate_backends(run, q, k, v, bias, mask, vbias, dout):
             candidates[name] = fwd_bwd(name)
-    choice = pick("attention", key, candidates)
+    configs = configs_for(q.shape[-1])
+    candidates["opsmath"] = fwd_bwd("opsmath", configs[0])
+    candidates.update({config_name(c): fwd_bwd("opsmath", c) for c in configs[1:]})
+    choice = pick("attention", key, candidates, skip=own_configs_cannot_win)
     return "opsmath" if choice.startswith("opsmath") else choice   # its block configuration: see _launch_cfg
+
+
+# The most any block configuration of opsmath's kernel has gained over its default (H200, session 4:
+# D64, 1.43 -> 0.95 ms). Once the default is slower than the best vendor by this much, the other
+# configurations cannot win, and compiling and timing them (~10 s each on a cold Triton cache: most of
+# the 42.6 s GPT-2's first step spent capturing in session 5) is skipped.
+OWN_CONFIG_GAIN = 1.5
+
+
+def own_configs_cannot_win(name: str, times: dict[str, float]) -> bool:
+    """``pick``'s skip rule: leave out opsmath's non-default block configurations when its default
+    configuration took ``OWN_CONFIG_GAIN`` times the fastest vendor kernel's time or more."""
+    vendor = [t for n, t in times.items() if not n.startswith("opsmath")]
+    return name.startswith("opsmath:") and "opsmath" in times and bool(vendor) \
+        and times["opsmath"] >= OWN_CONFIG_GAIN * min(vendor)
 
 
 def _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape):

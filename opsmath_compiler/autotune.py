@@ -152,9 +152,12 @@ def measure(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40)
 
 
 def pick(op: str, key: str, candidates: dict[str, Callable[[], object]],
-         measure_fn: Callable[[Callable[[], object]], float] = measure) -> str:
+         measure_fn: Callable[[Callable[[], object]], float] = measure, *,
+         skip: Optional[Callable[[str, dict[str, float]], bool]] = None) -> str:
     """The fastest candidate's name for ``(op, key)``: from this process, then the disk cache, else
     measured now (and stored). A cached choice that is not among ``candidates`` is re-tuned.
+    Candidates are measured in order; ``skip(name, times so far)`` may leave one out unmeasured (one
+    that cannot win given what was measured: its compile and timing are saved).
 
     With ``OPSMATH_TUNE_SYNC=1`` under ``torch.distributed``, every rank makes its own choice, then all
     take rank 0's (one small broadcast, made whether or not the choice was cached, so ranks whose caches
@@ -162,7 +165,7 @@ def pick(op: str, key: str, candidates: dict[str, Callable[[], object]],
     It is opt-in because it is a collective: a graph captured on one rank only (evaluation on rank 0)
     would wait for the others forever. Without it each rank keeps its own (always accurate) choice;
     sharing one pre-tuned cache file (``opsmath tune``) gives every rank the same choices too."""
-    choice = _pick_local(op, key, candidates, measure_fn)
+    choice = _pick_local(op, key, candidates, measure_fn, skip)
     agreed = _agree(choice)
     if agreed != choice:
         machine = machine_key()
@@ -181,7 +184,7 @@ def _agree(choice: str) -> str:
     return box[0]
 
 
-def _pick_local(op, key, candidates, measure_fn) -> str:
+def _pick_local(op, key, candidates, measure_fn, skip=None) -> str:
     if not candidates:
         raise ValueError(f"no candidates to tune {op} [{key}]")
     machine = machine_key()
@@ -192,18 +195,22 @@ def _pick_local(op, key, candidates, measure_fn) -> str:
     if cached and cached["choice"] in candidates:
         _MEMORY[(machine, op, key)] = cached["choice"]
         return cached["choice"]
-    times, errors = {}, {}
+    times, errors, skipped = {}, {}, []
     with _progress(f"tuning {op} [{key}]", len(candidates)) as advance:
         for name, fn in candidates.items():
-            try:
-                times[name] = measure_fn(fn)
-            except Exception as e:  # a backend that rejects these inputs is not a candidate
-                errors[name] = f"{type(e).__name__}: {str(e)[:160]}"
+            if skip is not None and skip(name, dict(times)):
+                skipped.append(name)
+            else:
+                try:
+                    times[name] = measure_fn(fn)
+                except Exception as e:  # a backend that rejects these inputs is not a candidate
+                    errors[name] = f"{type(e).__name__}: {str(e)[:160]}"
             advance()
     if not times:
         raise RuntimeError(f"every candidate failed for {op} [{key}]: {errors}")
     choice = min(times, key=times.get)
-    store(op, key, dict(choice=choice, ms={k: round(v, 5) for k, v in times.items()}, errors=errors), machine)
+    store(op, key, dict(choice=choice, ms={k: round(v, 5) for k, v in times.items()}, errors=errors,
+                        **(dict(skipped=skipped) if skipped else {})), machine)
     _MEMORY[(machine, op, key)] = choice
     log.info("opsmath: %s [%s] -> %s (%s)", op, key, choice, times)
     return choice

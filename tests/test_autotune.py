@@ -174,3 +174,20 @@ def test_row_kernel_tuning_failure_falls_back_to_the_default(cache, monkeypatch)
         raise RuntimeError("every candidate failed")
     monkeypatch.setattr(autotune, "pick", broken)
     assert tuned_config("op_bwd", "k", {"a": 1, "b": 2}, lambda c: None, torch.device("cuda")) == 1
+
+
+def test_pick_skips_candidates_that_cannot_win(cache):
+    """The attention tuner's skip rule: opsmath's other block configurations are not compiled or timed
+    once its default took 1.5x the best vendor kernel's time; they are when it is close."""
+    from opsmath.kernels.attention_tuning import own_configs_cannot_win
+    order = ["sdpa_cudnn", "sdpa_flash", "opsmath", "opsmath:128x64w8s3", "opsmath:64x32w4s3"]
+    for own, expect_measured in ((1.2, order[:3]), (0.8, order)):
+        calls = []
+        times = {"sdpa_cudnn": 0.6, "sdpa_flash": 1.1, "opsmath": own, "opsmath:128x64w8s3": 0.7,
+                 "opsmath:64x32w4s3": 1.0}
+        choice = autotune.pick("attention", f"k{own}", {n: named(n) for n in order}, fake_measure(times, calls),
+                               skip=own_configs_cannot_win)
+        assert calls == expect_measured and choice == "sdpa_cudnn"
+    entry = autotune.lookup("attention", "k1.2")
+    assert entry["skipped"] == order[3:] and set(entry["ms"]) == set(order[:3])
+    assert not own_configs_cannot_win("opsmath:128x64w8s3", {"opsmath": 9.0})   # own-only tuning: no vendor
