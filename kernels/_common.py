@@ -105,7 +105,9 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
     if torch.cuda.is_current_stream_capturing() or os.environ.get("OPSMATH_TUNE_KERNELS") == "0":
         return configs.get(cached(op, key), default)
     try:
-        return configs[pick(op, key, {name: (lambda c=c: run(c)) for name, c in configs.items()})]
+        # each rank keeps its own choice (no collective: this may run inside backward); a launch
+        # configuration changes only the order of the fp32 partial sums, not what is computed
+        return configs[pick(op, key, {name: (lambda c=c: run(c)) for name, c in configs.items()}, sync=False)]
     except Exception as e:   # tuning must never stop training: the default configuration is always valid
         import logging
         logging.getLogger("opsmath").warning("opsmath: tuning %s [%s] failed (%s); using the default", op, key, e)

@@ -153,7 +153,7 @@ def measure(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40)
 
 def pick(op: str, key: str, candidates: dict[str, Callable[[], object]],
          measure_fn: Callable[[Callable[[], object]], float] = measure, *,
-         skip: Optional[Callable[[str, dict[str, float]], bool]] = None) -> str:
+         skip: Optional[Callable[[str, dict[str, float]], bool]] = None, sync: bool = True) -> str:
     """The fastest candidate's name for ``(op, key)``: from this process, then the disk cache, else
     measured now (and stored). A cached choice that is not among ``candidates`` is re-tuned.
     Candidates are measured in order; ``skip(name, times so far)`` may leave one out unmeasured (one
@@ -164,8 +164,12 @@ def pick(op: str, key: str, candidates: dict[str, Callable[[], object]],
     differ still meet in the same collective), so timing noise cannot give ranks different kernels.
     It is opt-in because it is a collective: a graph captured on one rank only (evaluation on rank 0)
     would wait for the others forever. Without it each rank keeps its own (always accurate) choice;
-    sharing one pre-tuned cache file (``opsmath tune``) gives every rank the same choices too."""
+    sharing one pre-tuned cache file (``opsmath tune``) gives every rank the same choices too.
+    ``sync=False`` never makes that collective: for choices made at a kernel's first launch, which may be
+    inside backward (the autograd thread, beside DDP's own collectives)."""
     choice = _pick_local(op, key, candidates, measure_fn, skip)
+    if not sync:
+        return choice
     agreed = _agree(choice)
     if agreed != choice:
         machine = machine_key()

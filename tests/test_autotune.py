@@ -124,7 +124,10 @@ def test_row_kernel_configuration_is_measured_once_per_shape_bucket(cache, monke
         fn()
         timed.append(launched[-1])
         return {"a": 3.0, "b": 1.0, "c": 2.0}[launched[-1]]
-    monkeypatch.setattr(autotune, "pick", lambda op, key, cands: real_pick(op, key, cands, measure))
+    def pick(op, key, cands, sync=True):
+        assert not sync   # never a collective at a kernel's first launch
+        return real_pick(op, key, cands, measure, sync=sync)
+    monkeypatch.setattr(autotune, "pick", pick)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     configs = {"a": (1, 4), "b": (2, 8), "c": (4, 8)}
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
@@ -170,7 +173,7 @@ def test_row_kernel_tuning_failure_falls_back_to_the_default(cache, monkeypatch)
     from opsmath.kernels._common import tuned_config
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
-    def broken(op, key, cands):
+    def broken(op, key, cands, sync=True):
         raise RuntimeError("every candidate failed")
     monkeypatch.setattr(autotune, "pick", broken)
     assert tuned_config("op_bwd", "k", {"a": 1, "b": 2}, lambda c: None, torch.device("cuda")) == 1
