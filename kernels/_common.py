@@ -114,9 +114,11 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
         return default
 
 
-def size_bucket(n: int) -> int:
-    """``n`` rounded up to a power of two: rows of one bucket share a tuned configuration."""
-    return next_pow2(max(int(n), 1))
+def row_key(x: torch.Tensor, N: int, *flags: str) -> str:
+    """A row kernel's tuning key: dtype, width, the row count rounded up to a power of two (rows of one
+    bucket share a configuration) and the kernel's own ``flags``."""
+    return " ".join((str(x.dtype).removeprefix("torch."), f"N={N}",
+                     f"M<={next_pow2(max(x.numel() // N, 1))}", *flags))
 
 
 def row_tile(N: int, max_block_n: int | None = None) -> tuple[int, int]:

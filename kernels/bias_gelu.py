@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, flat_offsets, keep_mask, row_tile, size_bucket, tuned_config, use_triton
+from ._common import dropout_keep, flat_offsets, keep_mask, row_key, row_tile, tuned_config, use_triton
 
 _SQRT1_2 = 1 / math.sqrt(2.0)
 _K = math.sqrt(2.0 / math.pi)
@@ -121,8 +121,7 @@ def _configs(N: int, backward: bool) -> dict[str, _Cfg]:
 
 
 def _config(op, x, N, approximate, dropout_p, run) -> _Cfg:
-    M = x.numel() // N
-    key = f"{str(x.dtype)[6:]} N={N} M<={size_bucket(M)} {approximate} dropout={dropout_p > 0}"
+    key = row_key(x, N, approximate, f"dropout={dropout_p > 0}")
     return tuned_config(op, key, _configs(N, op.endswith("bwd")), run, x.device)
 
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dropout_keep, flat_offsets, keep_mask, next_pow2, row_tile, size_bucket, tuned_config,
+from ._common import (dropout_keep, flat_offsets, keep_mask, next_pow2, row_key, row_tile, tuned_config,
                       use_triton)
 
 # --------------------------------------------------------------------------------------------------
@@ -190,9 +190,7 @@ def _configs(N: int) -> dict[str, int]:
 
 
 def _config(op, x, N, is_rms, has_w, has_b, dropout_p, run) -> int:
-    M = x.numel() // N
-    key = (f"{str(x.dtype)[6:]} N={N} M<={size_bucket(M)} {'rms' if is_rms else 'layer'} w={has_w} b={has_b} "
-           f"dropout={dropout_p > 0}")
+    key = row_key(x, N, "rms" if is_rms else "layer", f"w={has_w}", f"b={has_b}", f"dropout={dropout_p > 0}")
     return tuned_config(op, key, _configs(N), run, x.device)
 
 

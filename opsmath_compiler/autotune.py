@@ -137,8 +137,6 @@ def measure(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40)
 
     if torch.autograd._profiler_enabled():
         return wall_ms(fn, warmup_ms, rep_ms)
-    fn()
-    torch.cuda.synchronize()
     first = wall_ms(fn, warmup_ms=warmup_ms, rep_ms=min(rep_ms, 10))
     calls = int(max(3, min(100, rep_ms / max(first, 1e-3))))
     try:
