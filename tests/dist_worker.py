@@ -6,6 +6,7 @@ test checks to ``out_dir``: final full parameters, the report's rewrite count, p
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -14,8 +15,21 @@ STEPS, BATCH, SEQ = 3, 4, 16
 
 
 def _setup(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # one compile thread: two ranks each forking an Inductor compile pool oversubscribe a 2-core CI box
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_COMPILE_THREADS="1")
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _finish():
+    """Leave the worker once its results are on disk, without interpreter teardown: C++ threads
+    (gloo, Inductor's compiled-kernel runtime) destroyed in static teardown can abort the process
+    ("terminate called without an active exception", seen once in CI), which mp.spawn reports as a
+    failure although every result was already written."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _data():
@@ -81,7 +95,7 @@ def train(rank, world, port, mode, out_dir):
         torch.save(dict(params=full, attention=rep.count("attention"), calls=[g.calls for g in rep.graphs],
                         resident=[g.plan.resident for g in rep.graphs if g.plan is not None],
                         local_param_bytes=local), os.path.join(out_dir, f"{mode}.pt"))
-    dist.destroy_process_group()
+    _finish()
 
 
 def _profile_step(wrapped, idx, tgt, rank, out_dir):
@@ -120,4 +134,4 @@ def tune_agree(rank, world, port, out_dir, sync):
     cands = {"a": named("a"), "b": named("b")}
     got = [autotune.pick("op", key, cands, measure) for key in ("measured-by-all", "cached-on-rank-1")]
     torch.save(got, os.path.join(out_dir, f"tune{rank}.pt"))
-    dist.destroy_process_group()
+    _finish()
