@@ -11,9 +11,11 @@ is two rounds of MurmurHash3's 32-bit finalizer (``fmix32``)::
     u   = (h >> 8) * 2**-24            # uniform in [0, 1), 24 bits
     keep = u >= p
 
-It is written twice, once with torch integer ops (``dropout_keep``: the CPU reference and the tests) and
-once in Triton (``keep_mask`` below); both produce bit-identical masks, which is what
-lets the tests compare the Triton kernels against the reference with dropout switched on.
+The seed lives in device memory (``new_seeds``) and kernels ``tl.load`` it (``seed_arg``), so a CUDA
+graph replays with fresh masks. The hash is written twice, once with torch integer ops
+(``dropout_keep``: the CPU reference and the tests) and once in Triton (``keep_mask`` below); both
+produce bit-identical masks, which is what lets the tests compare the Triton kernels against the
+reference with dropout switched on.
 
 Dispatch
 --------
@@ -38,11 +40,30 @@ def use_triton(t: torch.Tensor) -> bool:
     return os.environ.get("OPSMATH_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def new_seed() -> torch.Tensor:
-    """A fresh dropout seed drawn from torch's CPU generator (so ``torch.manual_seed`` and
-    checkpoint's RNG preservation govern it). Returned as an int64 CPU scalar tensor so a graph can
-    carry it as data rather than bake it in as a constant."""
-    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+def new_seeds(like: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` fresh dropout seeds (int64, shape ``(n,)``) on ``like``'s device, drawn from that device's
+    generator, so ``torch.manual_seed``, checkpoint's RNG preservation and AOTAutograd's RNG
+    functionalization govern them. A rewritten graph draws all its seeds with one call
+    (``match.batch_seeds``) and hands each fused op a one-element view."""
+    return torch.randint(0, 2**31 - 1, (n,), dtype=torch.int64, device=like.device)
+
+
+def new_seed(like: torch.Tensor) -> torch.Tensor:
+    """One fresh dropout seed, an int64 scalar tensor on ``like``'s device (see :func:`new_seeds`)."""
+    return new_seeds(like, 1)[0]
+
+
+def seed_arg(seed, like: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """What a kernel's ``Seed`` pointer receives. Kernels load the seed from memory when they run,
+    never take it as a launch argument: a CUDA graph captured around them replays with whatever the
+    seed tensor holds at replay (a fresh draw each step), where a baked-in integer would repeat one
+    dropout mask forever. Without dropout the kernel never reads it and ``like`` is passed as is; a
+    Python int or a seed on another device (direct callers, tests) is copied to ``like``'s device."""
+    if dropout_p <= 0:
+        return like
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(int(seed), dtype=torch.int64)
+    return seed.to(device=like.device, dtype=torch.int64)
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
@@ -139,8 +160,19 @@ def _fmix32_tl(h):
 
 
 @triton.jit
+def load_seed(Seed, HAS_DROPOUT: tl.constexpr):
+    """The dropout seed a kernel reads from its ``Seed`` pointer at run time (see ``seed_arg``); 0, and
+    no read, without dropout."""
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+    return seed
+
+
+@triton.jit
 def keep_mask(seed, offsets, p):
-    """Triton twin of :func:`dropout_keep`: ``offsets`` is an int64 block, ``seed`` an integer."""
+    """Triton twin of :func:`dropout_keep`: ``offsets`` is an int64 block, ``seed`` an integer (the value
+    loaded from the kernel's ``Seed`` pointer)."""
     lo = (offsets & 0xFFFFFFFF).to(tl.uint32)
     hi = ((offsets >> 32) & 0xFFFFFFFF).to(tl.uint32)
     key = _fmix32_tl(hi * 0x9E3779B9 + seed.to(tl.uint32))

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, flat_offsets, keep_mask, next_pow2, use_triton
+from ._common import dropout_keep, flat_offsets, keep_mask, load_seed, next_pow2, seed_arg, use_triton
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch reference: the CPU implementation and what the tests compare against.
@@ -180,8 +180,8 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, start, end, o
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
+@triton.jit
+def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
               sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
               H, REP, SQ, SK, D, scale, mask_fill, p_drop,
@@ -189,6 +189,7 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, seed,
               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
+    seed = load_seed(Seed, HAS_DROPOUT)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -250,8 +251,8 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, star
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, seed,
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, Seed,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                    sbb, sbh, sbm, sbn, smb, smh, smm, smn,
                    HKV, H, REP, SQ, SK, D, scale, mask_fill, p_drop,
@@ -261,6 +262,7 @@ def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, seed,
     """One program per (kv block, batch, kv head); loops over the REP query heads sharing it (GQA),
     so dK/dV are summed in registers with no atomics. dO/dK/dV/Q share Q's contiguous layout."""
     pid_n = tl.program_id(0)
+    seed = load_seed(Seed, HAS_DROPOUT)
     pid_bg = tl.program_id(1)
     b = (pid_bg // HKV).to(tl.int64)
     g = (pid_bg % HKV).to(tl.int64)
@@ -324,8 +326,8 @@ def _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, 
     return dq
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, seed,
+@triton.jit
+def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, Seed,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  sbb, sbh, sbm, sbn, smb, smh, smm, smn,
                  H, REP, SQ, SK, D, scale, mask_fill, p_drop,
@@ -333,6 +335,7 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, seed,
                  HAS_DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
+    seed = load_seed(Seed, HAS_DROPOUT)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -422,7 +425,7 @@ def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, d
     b, m, bs, ms = _aux(q, k, bias, mask)
     BM, BN, BD, warps, stages = _launch_cfg(q, D, _bucket(q, k, bias, mask, is_causal, dropout_p))
     grid = (triton.cdiv(Sq, BM), B * H)
-    _attn_fwd[grid](q, k, v, b, m, out, stats, int(seed),
+    _attn_fwd[grid](q, k, v, b, m, out, stats, seed_arg(seed, q, dropout_p),
                     *q.stride(), *k.stride(), *v.stride(), *bs, *ms, *out.stride(),
                     H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p),
                     HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
@@ -446,11 +449,12 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
                   HAS_DROPOUT=dropout_p > 0, PRECISION=_precision(q),
                   BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)
+    seed_t = seed_arg(seed, q, dropout_p)
     _attn_bwd_dkdv[(triton.cdiv(Sk, BN), B * Hkv)](
-        q, k, v, b, m, dout, stats, delta, dk, dv, int(seed), *strides,
+        q, k, v, b, m, dout, stats, delta, dk, dv, seed_t, *strides,
         Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p), **common)
     _attn_bwd_dq[(triton.cdiv(Sq, BM), B * H)](
-        q, k, v, b, m, dout, stats, delta, dq, dbias, int(seed), *strides,
+        q, k, v, b, m, dout, stats, delta, dq, dbias, seed_t, *strides,
         H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p), BIAS_GRAD=bias_grad, **common)
     return dq, dk, dv, (dbias if bias_grad else None)
 
@@ -464,8 +468,10 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                  mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
                  dropout_p: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    impl = attention_forward_triton if use_triton(q) else attention_reference
-    out, stats = impl(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, int(seed))
+    if use_triton(q):
+        out, stats = attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)
+    else:
+        out, stats = attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, int(seed))
     return out.contiguous(), stats.contiguous()
 
 
@@ -483,7 +489,7 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if use_triton(q):
         dq, dk, dv, dbias = attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill,
-                                                      is_causal, scale, dropout_p, int(seed), bias_grad)
+                                                      is_causal, scale, dropout_p, seed, bias_grad)
     else:
         dq, dk, dv, dbias = _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causal,
                                                           scale, dropout_p, int(seed), bias_grad)
@@ -531,5 +537,5 @@ def attention(q, k, v, bias=None, mask=None, mask_fill=float("-inf"), is_causal=
         scale = 1.0 / math.sqrt(q.shape[-1])
     if seed is None:
         from ._common import new_seed
-        seed = new_seed()
+        seed = new_seed(q)
     return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)[0]

@@ -143,7 +143,7 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
     q, k, v, bias, mask = _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape)
     key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p) + ("" if vendors else OWN_ONLY)
     dout = torch.randn(q_shape, device=device, dtype=dtype)
-    seed = torch.tensor(1234, dtype=torch.int64)
+    seed = torch.tensor(1234, dtype=torch.int64, device=device)
     vbias = fold_bias(bias, mask, is_causal, q.shape[2], k.shape[2])
 
     def run(name, q, k, v, bias, mask, vbias, p):

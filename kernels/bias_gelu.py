@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, flat_offsets, keep_mask, row_key, row_tile, tuned_config, use_triton
+from ._common import (dropout_keep, flat_offsets, keep_mask, row_key, row_tile, seed_arg, tuned_config,
+                      use_triton)
 
 _SQRT1_2 = 1 / math.sqrt(2.0)
 _K = math.sqrt(2.0 / math.pi)
@@ -51,17 +52,17 @@ def _gelu_and_grad(z, TANH: tl.constexpr):
 
 
 @triton.jit
-def _dropout_scale(seed, offs, p, HAS_DROPOUT: tl.constexpr):
-    """keep / (1 - p) for int64 flat offsets (1.0 without dropout)."""
+def _dropout_scale(Seed, offs, p, HAS_DROPOUT: tl.constexpr):
+    """keep / (1 - p) for int64 flat offsets (1.0 without dropout); the seed is read from ``Seed``."""
     if HAS_DROPOUT:
-        scale = tl.where(keep_mask(seed, offs, p), 1.0 / (1.0 - p), 0.0)
+        scale = tl.where(keep_mask(tl.load(Seed), offs, p), 1.0 / (1.0 - p), 0.0)
     else:  # one return of one type: compiled Triton rejects a block on one path and a scalar on the other
         scale = tl.full(offs.shape, 1.0, tl.float32)
     return scale
 
 
 @triton.jit
-def _bias_gelu_fwd(x_ptr, b_ptr, y_ptr, M, N, seed, p, ROWS: tl.constexpr, TILE_M: tl.constexpr,
+def _bias_gelu_fwd(x_ptr, b_ptr, y_ptr, M, N, Seed, p, ROWS: tl.constexpr, TILE_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, TANH: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """ROWS rows per program, one (TILE_M, BLOCK_N) tile per loop step."""
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,12 +73,12 @@ def _bias_gelu_fwd(x_ptr, b_ptr, y_ptr, M, N, seed, p, ROWS: tl.constexpr, TILE_
         offs = rows[:, None] * N + cols[None, :]
         z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias[None, :]
         y, _ = _gelu_and_grad(z, TANH)
-        y = y * _dropout_scale(seed, offs, p, HAS_DROPOUT)
+        y = y * _dropout_scale(Seed, offs, p, HAS_DROPOUT)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _bias_gelu_bwd(dy_ptr, x_ptr, b_ptr, dx_ptr, dbp_ptr, M, N, seed, p, ROWS: tl.constexpr,
+def _bias_gelu_bwd(dy_ptr, x_ptr, b_ptr, dx_ptr, dbp_ptr, M, N, Seed, p, ROWS: tl.constexpr,
                    TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, TANH: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """ROWS rows per program in (TILE_M, BLOCK_N) tiles; the program's fp32 partial of dbias (its rows
     summed) goes to row ``program_id(0)`` of ``dbp``."""
@@ -92,7 +93,7 @@ def _bias_gelu_bwd(dy_ptr, x_ptr, b_ptr, dx_ptr, dbp_ptr, M, N, seed, p, ROWS: t
         z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias[None, :]
         g = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
         _, d = _gelu_and_grad(z, TANH)
-        dx = tl.where(m, g * d * _dropout_scale(seed, offs, p, HAS_DROPOUT), 0.0)
+        dx = tl.where(m, g * d * _dropout_scale(Seed, offs, p, HAS_DROPOUT), 0.0)
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m)
         acc += tl.sum(dx, 0)
     tl.store(dbp_ptr + tl.program_id(0).to(tl.int64) * N + cols, acc, mask=cm)
@@ -127,7 +128,7 @@ def _config(op, x, N, approximate, dropout_p, run) -> _Cfg:
 
 def _fwd(x, bias, y, M, N, seed, p, approximate, cfg: _Cfg):
     grid = (triton.cdiv(M, cfg.rows), triton.cdiv(N, cfg.block_n))
-    _bias_gelu_fwd[grid](x, bias, y, M, N, int(seed), float(p), ROWS=cfg.rows, TILE_M=cfg.tile_m,
+    _bias_gelu_fwd[grid](x, bias, y, M, N, seed_arg(seed, x, p), float(p), ROWS=cfg.rows, TILE_M=cfg.tile_m,
                          BLOCK_N=cfg.block_n, TANH=approximate == "tanh", HAS_DROPOUT=p > 0, num_warps=cfg.warps)
 
 
@@ -135,7 +136,7 @@ def _bwd(dy, x, bias, dx, M, N, seed, p, approximate, cfg: _Cfg):
     """Launches the backward; returns the (programs, N) fp32 dbias partials."""
     grid = (triton.cdiv(M, cfg.rows), triton.cdiv(N, cfg.block_n))
     dbp = torch.empty((grid[0], N), device=x.device, dtype=torch.float32)
-    _bias_gelu_bwd[grid](dy, x, bias, dx, dbp, M, N, int(seed), float(p), ROWS=cfg.rows, TILE_M=cfg.tile_m,
+    _bias_gelu_bwd[grid](dy, x, bias, dx, dbp, M, N, seed_arg(seed, x, p), float(p), ROWS=cfg.rows, TILE_M=cfg.tile_m,
                          BLOCK_N=cfg.block_n, TANH=approximate == "tanh", HAS_DROPOUT=p > 0, num_warps=cfg.warps)
     return dbp
 
@@ -206,7 +207,7 @@ def bias_gelu_op(x: torch.Tensor, bias: torch.Tensor, approximate: str, dropout_
                  seed: torch.Tensor) -> torch.Tensor:
     _check(x, bias, approximate, dropout_p)
     if use_triton(x):
-        return bias_gelu_forward_triton(x, bias, approximate, dropout_p, int(seed))
+        return bias_gelu_forward_triton(x, bias, approximate, dropout_p, seed)
     return bias_gelu_reference(x, bias, approximate, dropout_p, int(seed)).contiguous()
 
 
@@ -219,8 +220,10 @@ def _(x, bias, approximate, dropout_p, seed):
 @torch.library.custom_op("opsmath::bias_gelu_backward", mutates_args=())
 def bias_gelu_backward_op(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str,
                           dropout_p: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    impl = bias_gelu_backward_triton if use_triton(x) else bias_gelu_backward_reference
-    dx, db = impl(dy, x, bias, approximate, dropout_p, int(seed))
+    if use_triton(x):
+        dx, db = bias_gelu_backward_triton(dy, x, bias, approximate, dropout_p, seed)
+    else:
+        dx, db = bias_gelu_backward_reference(dy, x, bias, approximate, dropout_p, int(seed))
     return dx.contiguous(), db.contiguous()
 
 
@@ -249,5 +252,5 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none", dr
     """``F.dropout(F.gelu(x + bias, approximate=approximate), dropout_p)``; see the module docstring."""
     if seed is None:
         from ._common import new_seed
-        seed = new_seed()
+        seed = new_seed(x)
     return bias_gelu_op(x, bias, approximate, float(dropout_p), seed)

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dropout_keep, flat_offsets, keep_mask, next_pow2, row_key, row_tile, tuned_config,
-                      use_triton)
+from ._common import (dropout_keep, flat_offsets, keep_mask, next_pow2, row_key, row_tile, seed_arg,
+                      tuned_config, use_triton)
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch reference
@@ -95,8 +95,8 @@ def dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, e
 # --------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _dan_fwd(X, R, W, B, Out, Hout, Stats, seed, M, N, eps, p_drop,
+@triton.jit
+def _dan_fwd(X, R, W, B, Out, Hout, Stats, Seed, M, N, eps, p_drop,
              HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """TILE_M rows per program (several when rows are narrow, so each program moves ~4096 elements)."""
@@ -109,7 +109,7 @@ def _dan_fwd(X, R, W, B, Out, Hout, Stats, seed, M, N, eps, p_drop,
     x = tl.load(X + off, mask=m, other=0.0)
     r = tl.load(R + off, mask=m, other=0.0)
     if HAS_DROPOUT:
-        x = tl.where(keep_mask(seed, off, p_drop), x * (1.0 / (1.0 - p_drop)), 0.0).to(x.dtype)
+        x = tl.where(keep_mask(tl.load(Seed), off, p_drop), x * (1.0 / (1.0 - p_drop)), 0.0).to(x.dtype)
     h = (r + x).to(Hout.dtype.element_ty)  # rounded as eager's add would round it
     tl.store(Hout + off, h, mask=m)
     hf = h.to(tl.float32)
@@ -131,8 +131,8 @@ def _dan_fwd(X, R, W, B, Out, Hout, Stats, seed, M, N, eps, p_drop,
     tl.store(Stats + rows * 2 + 1, rstd, mask=rmask)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _dan_bwd(DOut, DH, Hin, W, Stats, DX, DR, DWp, DBp, seed, M, N, p_drop,
+@triton.jit
+def _dan_bwd(DOut, DH, Hin, W, Stats, DX, DR, DWp, DBp, Seed, M, N, p_drop,
              HAS_W: tl.constexpr, HAS_DH: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program `pid` handles row tiles pid, pid + G, ... (TILE_M rows each) and writes its partial
@@ -168,7 +168,7 @@ def _dan_bwd(DOut, DH, Hin, W, Stats, DX, DR, DWp, DBp, seed, M, N, p_drop,
             dh += tl.load(DH + off, mask=m, other=0.0).to(tl.float32)
         tl.store(DR + off, dh.to(DR.dtype.element_ty), mask=m)
         if HAS_DROPOUT:
-            dh = tl.where(keep_mask(seed, off, p_drop), dh * (1.0 / (1.0 - p_drop)), 0.0)
+            dh = tl.where(keep_mask(tl.load(Seed), off, p_drop), dh * (1.0 / (1.0 - p_drop)), 0.0)
         tl.store(DX + off, dh.to(DX.dtype.element_ty), mask=m)
         dw += tl.sum(dy * xhat, 0)
         db += tl.sum(dy, 0)
@@ -207,7 +207,7 @@ def dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, drop
     def run(tile_m):
         _dan_fwd[(triton.cdiv(M, tile_m),)](
             x2, r2, weight if weight is not None else dummy, bias if bias is not None else dummy,
-            out, h, stats, int(seed), M, N, float(eps), float(dropout_p),
+            out, h, stats, seed_arg(seed, x2, dropout_p), M, N, float(eps), float(dropout_p),
             HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=bool(is_rms),
             HAS_DROPOUT=dropout_p > 0, TILE_M=tile_m, BLOCK_N=block_n, num_warps=_warps(tile_m * block_n))
     if M:
@@ -233,7 +233,7 @@ def dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rm
         dbp = alloc((G, N), device=h.device, dtype=torch.float32)
         if M:
             _dan_bwd[(G,)](dout2, dh2, h.reshape(-1, N), weight if weight is not None else dout2, stats, dx, dr,
-                           dwp, dbp, int(seed), M, N, float(dropout_p),
+                           dwp, dbp, seed_arg(seed, dout2, dropout_p), M, N, float(dropout_p),
                            HAS_W=weight is not None, HAS_DH=dh_out is not None, IS_RMS=bool(is_rms),
                            HAS_DROPOUT=dropout_p > 0, TILE_M=tile_m, BLOCK_N=block_n,
                            num_warps=_warps(tile_m * block_n))
@@ -259,8 +259,12 @@ def dropout_add_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: Optiona
     if x.dtype != residual.dtype or x.shape != residual.shape:
         raise ValueError(f"opsmath::dropout_add_norm needs x and residual of one dtype and shape, got "
                          f"{x.dtype}{tuple(x.shape)} and {residual.dtype}{tuple(residual.shape)}")
-    impl = dropout_add_norm_forward_triton if use_triton(x) else dropout_add_norm_reference
-    out, h, stats = impl(x, residual, weight, bias, is_rms, eps, dropout_p, int(seed), out_dtype)
+    if use_triton(x):
+        out, h, stats = dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, dropout_p, seed,
+                                                        out_dtype)
+    else:
+        out, h, stats = dropout_add_norm_reference(x, residual, weight, bias, is_rms, eps, dropout_p, int(seed),
+                                                   out_dtype)
     return out.contiguous(), h.contiguous(), stats.contiguous()
 
 
@@ -280,7 +284,7 @@ def dropout_add_norm_backward_op(dout: torch.Tensor, dh_out: Optional[torch.Tens
     """Returns (dx, dresidual, dweight, dbias); dweight/dbias are empty when weight/bias are None."""
     if use_triton(h):
         dx, dr, dw, db = dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rms,
-                                                          dropout_p, int(seed))
+                                                          dropout_p, seed)
     else:
         dx, dr, dw, db = dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, eps,
                                                              dropout_p, int(seed))
@@ -323,7 +327,7 @@ def dropout_add_norm(x, residual, weight=None, bias=None, is_rms=False, eps=1e-5
     """Convenience entry point returning (out, h); see the module docstring for the math."""
     if seed is None:
         from ._common import new_seed
-        seed = new_seed()
+        seed = new_seed(x)
     out, h, _ = dropout_add_norm_op(x, residual, weight, bias, is_rms, eps, dropout_p, seed,
                                     out_dtype or x.dtype)
     return out, h

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Optional, Protocol
 import torch
 import torch.fx as fx
 
+from .canonicalize import aten
 from .capture import Captured, source_location
 
 log = logging.getLogger("opsmath")
@@ -141,6 +142,15 @@ class RewriteContext:
                 log.debug("opsmath: no fake value for %s: %s", node.name, e)
         return node
 
+    def dropout_seed(self, p: float, on: fx.Node, like: fx.Node) -> fx.Node:
+        """The ``seed`` argument of a fused op with dropout ``p``: a fresh draw on ``on``'s device
+        (``new_seed``; :func:`batch_seeds` later folds a graph's draws into one), or 0 without dropout
+        (the kernel then never reads it)."""
+        if p > 0:
+            from opsmath.kernels._common import new_seed
+            return self.call(new_seed, (on,), like)
+        return self.call(aten.scalar_tensor.default, (0,), like, {"dtype": torch.int64})
+
     def erase_dead(self, nodes: Iterable[fx.Node]) -> None:
         """Erase ``nodes`` that have no users left, then their inputs that became dead, recursively.
         Placeholders, outputs and in-place ops are never erased."""
@@ -169,9 +179,38 @@ def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = 
     for pattern in patterns:
         pattern.apply(ctx)
         ctx.graph.lint()
+    batch_seeds(ctx.graph)
+    ctx.graph.lint()
     ctx.gm.recompile()
     _refresh_meta(ctx.gm)
     return ctx
+
+
+def batch_seeds(graph: fx.Graph) -> None:
+    """Fold a graph's dropout-seed draws into one per device: ``new_seed(x_i)`` at n sites becomes
+    ``seeds = new_seeds(x_1, n)`` before the first site and ``seeds[i]`` (a view) at site i, so a step
+    launches one random kernel for all its fused dropout ops, not one per op. Sites whose device is
+    unknown (no fake value) keep their own draw."""
+    from opsmath.kernels._common import new_seed, new_seeds
+    by_device: dict[str, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is new_seed:
+            val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+            if isinstance(val, torch.Tensor):
+                by_device.setdefault(str(val.device), []).append(n)
+    for sites in by_device.values():
+        if len(sites) < 2:
+            continue
+        first = sites[0]   # graph order: its input is defined before every site
+        with graph.inserting_before(first):
+            seeds = graph.create_node("call_function", new_seeds, (first.args[0], len(sites)), name="dropout_seeds")
+        seeds.meta.update({k: first.meta[k] for k in ("stack_trace", "nn_module_stack") if k in first.meta})
+        for i, n in enumerate(sites):
+            with graph.inserting_before(n):
+                one = graph.create_node("call_function", aten.select.int, (seeds, 0, i), name=f"seed_{i}")
+            one.meta.update(n.meta)
+            n.replace_all_uses_with(one)
+            graph.erase_node(n)
 
 
 def _fake_mode_of(gm: fx.GraphModule):

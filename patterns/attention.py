@@ -341,11 +341,7 @@ class AttentionPattern:
                                   plan.fill, plan.causal, plan.scale, plan.dropout_p,
                                   bias is not None and ctx.may_require_grad(bias))
             if backend == "opsmath":
-                if plan.dropout_p > 0:
-                    from opsmath.kernels._common import new_seed
-                    seed = ctx.call(new_seed, (), sm)
-                else:
-                    seed = ctx.call(aten.scalar_tensor.default, (0,), sm, {"dtype": torch.int64})
+                seed = ctx.dropout_seed(plan.dropout_p, q, sm)
                 res = ctx.call(torch.ops.opsmath.attention.default,
                                (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed), sm)
                 out = ctx.call(operator.getitem, (res, 0), sm)

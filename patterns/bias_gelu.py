@@ -145,11 +145,7 @@ class BiasGeluPattern:
                     x = ctx.call(aten.view.default, (x, ops[2]), h)
             else:
                 x = ops[0]
-            if p > 0:
-                from opsmath.kernels._common import new_seed
-                seed = ctx.call(new_seed, (), out)
-            else:
-                seed = ctx.call(aten.scalar_tensor.default, (0,), out, {"dtype": torch.int64})
+            seed = ctx.dropout_seed(p, x, out)
             y = ctx.call(torch.ops.opsmath.bias_gelu.default, (x, b, approximate, p, seed), out)
         last.replace_all_uses_with(y)
         ctx.erase_dead([last])

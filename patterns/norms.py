@@ -201,7 +201,7 @@ class DropoutAddNormPattern:
             r = plan.residual if dtype(plan.residual) == hd else call(aten.to.dtype, (plan.residual, hd))
             if plan.dropout_p > 0:
                 from opsmath.kernels._common import new_seed
-                seed = call(new_seed, ())
+                seed = call(new_seed, (x,))
             else:
                 seed = call(aten.scalar_tensor.default, (0,), {"dtype": torch.int64})
             res = call(torch.ops.opsmath.dropout_add_norm.default,
