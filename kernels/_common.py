@@ -53,6 +53,13 @@ def new_seed(like: torch.Tensor) -> torch.Tensor:
     return new_seeds(like, 1)[0]
 
 
+def check_seed(op: str, dropout_p: float, seed) -> None:
+    """A fused op with dropout needs its seed; without dropout it takes None."""
+    if dropout_p > 0 and seed is None:
+        raise ValueError(f"opsmath::{op} with dropout_p={dropout_p} needs a seed tensor "
+                         "(opsmath.kernels._common.new_seed(x) draws one)")
+
+
 def seed_arg(seed, like: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """What a kernel's ``Seed`` pointer receives. Kernels load the seed from memory when they run,
     never take it as a launch argument: a CUDA graph captured around them replays with whatever the

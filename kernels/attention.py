@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, flat_offsets, keep_mask, load_seed, next_pow2, seed_arg, use_triton
+from ._common import (check_seed, dropout_keep, flat_offsets, keep_mask, load_seed, next_pow2, seed_arg,
+                      use_triton)
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch reference: the CPU implementation and what the tests compare against.
@@ -467,11 +468,12 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
 @torch.library.custom_op("opsmath::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                  mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
-                 dropout_p: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 dropout_p: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    check_seed("attention", dropout_p, seed)
     if use_triton(q):
         out, stats = attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)
     else:
-        out, stats = attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, int(seed))
+        out, stats = attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)
     return out.contiguous(), stats.contiguous()
 
 
@@ -485,14 +487,14 @@ def _(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, stats: torch.Tensor, bias: Optional[torch.Tensor],
                           mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
-                          dropout_p: float, seed: torch.Tensor, bias_grad: bool
+                          dropout_p: float, seed: Optional[torch.Tensor], bias_grad: bool
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if use_triton(q):
         dq, dk, dv, dbias = attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill,
                                                       is_causal, scale, dropout_p, seed, bias_grad)
     else:
         dq, dk, dv, dbias = _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causal,
-                                                          scale, dropout_p, int(seed), bias_grad)
+                                                          scale, dropout_p, seed, bias_grad)
     if dbias is None:
         dbias = q.new_empty((0,), dtype=torch.float32)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias.contiguous()
@@ -535,7 +537,7 @@ def attention(q, k, v, bias=None, mask=None, mask_fill=float("-inf"), is_causal=
     ``scale`` defaults to 1/sqrt(D); a fresh seed is drawn when dropout is on and none is given."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if seed is None:
+    if seed is None and dropout_p > 0:
         from ._common import new_seed
         seed = new_seed(q)
     return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)[0]

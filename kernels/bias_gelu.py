@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (dropout_keep, flat_offsets, keep_mask, row_key, row_tile, seed_arg, tuned_config,
-                      use_triton)
+from ._common import (check_seed, dropout_keep, flat_offsets, keep_mask, row_key, row_tile, seed_arg,
+                      tuned_config, use_triton)
 
 _SQRT1_2 = 1 / math.sqrt(2.0)
 _K = math.sqrt(2.0 / math.pi)
@@ -204,11 +204,12 @@ def _check(x, bias, approximate, dropout_p):
 
 @torch.library.custom_op("opsmath::bias_gelu", mutates_args=())
 def bias_gelu_op(x: torch.Tensor, bias: torch.Tensor, approximate: str, dropout_p: float,
-                 seed: torch.Tensor) -> torch.Tensor:
+                 seed: Optional[torch.Tensor]) -> torch.Tensor:
     _check(x, bias, approximate, dropout_p)
+    check_seed("bias_gelu", dropout_p, seed)
     if use_triton(x):
         return bias_gelu_forward_triton(x, bias, approximate, dropout_p, seed)
-    return bias_gelu_reference(x, bias, approximate, dropout_p, int(seed)).contiguous()
+    return bias_gelu_reference(x, bias, approximate, dropout_p, seed).contiguous()
 
 
 @bias_gelu_op.register_fake
@@ -219,11 +220,11 @@ def _(x, bias, approximate, dropout_p, seed):
 
 @torch.library.custom_op("opsmath::bias_gelu_backward", mutates_args=())
 def bias_gelu_backward_op(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str,
-                          dropout_p: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          dropout_p: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
         dx, db = bias_gelu_backward_triton(dy, x, bias, approximate, dropout_p, seed)
     else:
-        dx, db = bias_gelu_backward_reference(dy, x, bias, approximate, dropout_p, int(seed))
+        dx, db = bias_gelu_backward_reference(dy, x, bias, approximate, dropout_p, seed)
     return dx.contiguous(), db.contiguous()
 
 
@@ -250,7 +251,7 @@ bias_gelu_op.register_autograd(_backward, setup_context=_setup_context)
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none", dropout_p: float = 0.0,
               seed=None) -> torch.Tensor:
     """``F.dropout(F.gelu(x + bias, approximate=approximate), dropout_p)``; see the module docstring."""
-    if seed is None:
+    if seed is None and dropout_p > 0:
         from ._common import new_seed
         seed = new_seed(x)
     return bias_gelu_op(x, bias, approximate, float(dropout_p), seed)

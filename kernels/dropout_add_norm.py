@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dropout_keep, flat_offsets, keep_mask, next_pow2, row_key, row_tile, seed_arg,
-                      tuned_config, use_triton)
+from ._common import (check_seed, dropout_keep, flat_offsets, keep_mask, next_pow2, row_key, row_tile,
+                      seed_arg, tuned_config, use_triton)
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch reference
@@ -254,16 +254,17 @@ def dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rm
 @torch.library.custom_op("opsmath::dropout_add_norm", mutates_args=())
 def dropout_add_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor],
                         bias: Optional[torch.Tensor], is_rms: bool, eps: float, dropout_p: float,
-                        seed: torch.Tensor, out_dtype: torch.dtype
+                        seed: Optional[torch.Tensor], out_dtype: torch.dtype
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.dtype != residual.dtype or x.shape != residual.shape:
         raise ValueError(f"opsmath::dropout_add_norm needs x and residual of one dtype and shape, got "
                          f"{x.dtype}{tuple(x.shape)} and {residual.dtype}{tuple(residual.shape)}")
+    check_seed("dropout_add_norm", dropout_p, seed)
     if use_triton(x):
         out, h, stats = dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, dropout_p, seed,
                                                         out_dtype)
     else:
-        out, h, stats = dropout_add_norm_reference(x, residual, weight, bias, is_rms, eps, dropout_p, int(seed),
+        out, h, stats = dropout_add_norm_reference(x, residual, weight, bias, is_rms, eps, dropout_p, seed,
                                                    out_dtype)
     return out.contiguous(), h.contiguous(), stats.contiguous()
 
@@ -279,7 +280,7 @@ def _(x, residual, weight, bias, is_rms, eps, dropout_p, seed, out_dtype):
 def dropout_add_norm_backward_op(dout: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor,
                                  stats: torch.Tensor, weight: Optional[torch.Tensor],
                                  bias: Optional[torch.Tensor], is_rms: bool, eps: float, dropout_p: float,
-                                 seed: torch.Tensor
+                                 seed: Optional[torch.Tensor]
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx, dresidual, dweight, dbias); dweight/dbias are empty when weight/bias are None."""
     if use_triton(h):
@@ -287,7 +288,7 @@ def dropout_add_norm_backward_op(dout: torch.Tensor, dh_out: Optional[torch.Tens
                                                           dropout_p, seed)
     else:
         dx, dr, dw, db = dropout_add_norm_backward_reference(dout, dh_out, h, weight, bias, is_rms, eps,
-                                                             dropout_p, int(seed))
+                                                             dropout_p, seed)
     def empty():  # a fresh one each time: op outputs may not alias each other
         return h.new_empty((0,), dtype=torch.float32)
     return (dx.contiguous(), dr.contiguous(),
@@ -325,7 +326,7 @@ dropout_add_norm_op.register_autograd(_backward, setup_context=_setup_context)
 def dropout_add_norm(x, residual, weight=None, bias=None, is_rms=False, eps=1e-5, dropout_p=0.0, seed=None,
                      out_dtype=None):
     """Convenience entry point returning (out, h); see the module docstring for the math."""
-    if seed is None:
+    if seed is None and dropout_p > 0:
         from ._common import new_seed
         seed = new_seed(x)
     out, h, _ = dropout_add_norm_op(x, residual, weight, bias, is_rms, eps, dropout_p, seed,

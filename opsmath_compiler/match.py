@@ -142,14 +142,14 @@ class RewriteContext:
                 log.debug("opsmath: no fake value for %s: %s", node.name, e)
         return node
 
-    def dropout_seed(self, p: float, on: fx.Node, like: fx.Node) -> fx.Node:
+    def dropout_seed(self, p: float, on: fx.Node, like: fx.Node) -> Optional[fx.Node]:
         """The ``seed`` argument of a fused op with dropout ``p``: a fresh draw on ``on``'s device
-        (``new_seed``; :func:`batch_seeds` later folds a graph's draws into one), or 0 without dropout
-        (the kernel then never reads it)."""
-        if p > 0:
-            from opsmath.kernels._common import new_seed
-            return self.call(new_seed, (on,), like)
-        return self.call(aten.scalar_tensor.default, (0,), like, {"dtype": torch.int64})
+        (``new_seed``; :func:`batch_seeds` later folds a graph's draws into one), or None without
+        dropout."""
+        if p <= 0:
+            return None
+        from opsmath.kernels._common import new_seed
+        return self.call(new_seed, (on,), like)
 
     def erase_dead(self, nodes: Iterable[fx.Node]) -> None:
         """Erase ``nodes`` that have no users left, then their inputs that became dead, recursively.

@@ -199,11 +199,10 @@ class DropoutAddNormPattern:
 
             x = plan.x if dtype(plan.x) == hd else call(aten.to.dtype, (plan.x, hd))
             r = plan.residual if dtype(plan.residual) == hd else call(aten.to.dtype, (plan.residual, hd))
+            seed = None   # no dropout: the op takes no seed
             if plan.dropout_p > 0:
                 from opsmath.kernels._common import new_seed
                 seed = call(new_seed, (x,))
-            else:
-                seed = call(aten.scalar_tensor.default, (0,), {"dtype": torch.int64})
             res = call(torch.ops.opsmath.dropout_add_norm.default,
                        (x, r, plan.weight, plan.bias, plan.is_rms, plan.eps, plan.dropout_p, seed, out_dtype))
             y = call(operator.getitem, (res, 0))

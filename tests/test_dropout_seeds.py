@@ -50,6 +50,22 @@ def test_masks_follow_torch_rng():
     assert not [n for n in eval_graph.nodes if n.target in (new_seeds, new_seed)]
 
 
+def test_dropout_off_takes_no_seed_and_dropout_on_requires_one():
+    """Without dropout the fused ops get None (no host tensor in the graph); with it a missing seed is
+    a clear error, never an unseeded mask."""
+    from opsmath.kernels.bias_gelu import bias_gelu_op
+    torch.manual_seed(0)
+    model, batch = gpt(batch_size=2, seq_len=16, dropout=0.0)
+    opt = opsmath.optimize(model)
+    opt(*batch).backward()
+    graph = opsmath.report(opt).graphs[0].graph.graph
+    fused = [n for n in graph.nodes if n.op == "call_function" and str(n.target).startswith("opsmath.")]
+    assert fused and not [n for n in graph.nodes if n.target in (new_seeds, new_seed)]
+    assert all(n.args[-1] is None for n in fused if n.target is torch.ops.opsmath.attention.default)
+    with pytest.raises(ValueError, match="needs a seed"):
+        bias_gelu_op(torch.randn(2, 3), torch.randn(3), "none", 0.1, None)
+
+
 def test_seed_on_the_activation_device():
     x = torch.randn(3, 4)
     assert new_seed(x).device == x.device and new_seed(x).dim() == 0 and new_seed(x).dtype == torch.int64
