@@ -2,7 +2,8 @@
 
 GPT-2-small (12x768, B8 T1024, bf16 autocast, dropout 0.1, attention written by hand) with AdamW:
 eager; eager + SDPA; torch.compile; torch.compile + SDPA; ``opsmath.optimize``; ``opsmath.optimize`` +
-``opsmath.optim.AdamW``; ``torch.compile(opsmath.optimize(model))``. ``--llama``: Hugging Face
+``opsmath.optim.AdamW``; ``torch.compile(opsmath.optimize(model))``; and torch.compile + SDPA and
+``opsmath.optimize`` each replayed as CUDA graphs (``mode="reduce-overhead"``, ``cuda_graphs=True``). ``--llama``: Hugging Face
 ``LlamaForCausalLM`` 1.1B (bf16 weights, B4 T2048), ``attn_implementation="eager"`` vs ``"sdpa"``.
 For each: median step ms over ``--steps`` timed steps after two warm-up steps, tokens/s, peak memory
 (``max_memory_allocated`` over the timed steps) and the first step's wall time (capture + compile).
@@ -106,6 +107,9 @@ def variants(kind, device="cuda"):
                                             torch_adamw),
         "opsmath.optimize + opsmath AdamW": (lambda: opsmath.optimize(hand()), ops_adamw),
         "torch.compile(opsmath.optimize)": (lambda: torch.compile(opsmath.optimize(hand())), torch_adamw),
+        # both with CUDA-graph replay (Inductor's CUDA-graph trees): launch overhead removed on each side
+        "torch.compile + SDPA (CUDA graphs)": (lambda: torch.compile(sdpa(), mode="reduce-overhead"), torch_adamw),
+        "opsmath.optimize (CUDA graphs)": (lambda: opsmath.optimize(hand(), cuda_graphs=True), torch_adamw),
     }
 
 

@@ -35,8 +35,12 @@ from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_e
 from .match import Decline, Match, run_patterns
 
 
-def compile_fx(gm, example_inputs):
+def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
+    """Inductor on the rewritten graph; ``cuda_graphs``: with CUDA-graph trees, as ``torch.compile``'s
+    ``mode="reduce-overhead"`` sets them up."""
     from torch._inductor.compile_fx import compile_fx as inductor
+    if cuda_graphs:
+        return inductor(gm, example_inputs, config_patches={"triton.cudagraphs": True})
     return inductor(gm, example_inputs)
 
 log = logging.getLogger("opsmath")
@@ -80,6 +84,7 @@ class GraphRecord:
     inductor: bool = False                  # whether the emitted graph was compiled by Inductor
     inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
     left_to_inductor: list = field(default_factory=list)   # families not applied: Inductor does them better
+    cuda_graphs: bool = False               # compiled for CUDA-graph replay (optimize(cuda_graphs=True))
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
@@ -88,7 +93,7 @@ class GraphRecord:
                     capture_seconds=self.capture_seconds, calls=self.calls, launches=list(self.launches),
                     saved_bytes=list(self.saved_bytes), plan=self.plan.to_dict() if self.plan else None,
                     inductor=self.inductor, inductor_seconds=self.inductor_seconds,
-                    left_to_inductor=list(self.left_to_inductor),
+                    left_to_inductor=list(self.left_to_inductor), cuda_graphs=self.cuda_graphs,
                     before_code=self.before_code, after_code=self.after_code)
 
 
@@ -104,6 +109,7 @@ class OptimizeState:
     analyze: bool = True
     inductor: Optional[bool] = None         # None: Inductor when the graph's tensors are on CUDA
     default_patterns: bool = True           # patterns= not given: Inductor graphs skip INDUCTOR_FUSES_BETTER
+    cuda_graphs: bool = False               # Inductor replays each compiled graph as a CUDA graph
 
 
 def op_counts(gm: fx.GraphModule) -> Counter:
@@ -195,8 +201,9 @@ def _finish(state, record, gm, example_inputs, use_inductor):
         return gm
     try:
         t1 = time.perf_counter()
-        fn = compile_fx(gm, example_inputs)
+        fn = compile_fx(gm, example_inputs, cuda_graphs=state.cuda_graphs)
         record.inductor, record.inductor_seconds = True, record.inductor_seconds + time.perf_counter() - t1
+        record.cuda_graphs = state.cuda_graphs
         return fn
     except Exception as e:  # Inductor failure: the emitted graph still runs, op by op
         msg = f"graph {record.index}: Inductor failed ({type(e).__name__}: {str(e)[:300]}); " \
@@ -301,7 +308,7 @@ def _plan_again(state, record, base, by_node, budget, resident, use_inductor, wh
 
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
-             inductor=None, **options) -> torch.nn.Module:
+             inductor=None, cuda_graphs=False, **options) -> torch.nn.Module:
     """Rewrite ``model``'s fusable subgraphs (attention, dropout-add-norm, the LM-head loss, cross-entropy,
     SwiGLU, bias-GELU, scaled softmax: ``opsmath.patterns.NAMES``) into fused kernels, lazily, at the
     first call; on CUDA the families Inductor does better are left to it (``INDUCTOR_FUSES_BETTER``).
@@ -327,6 +334,12 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             alone; the opsmath ops stay opaque). ``None`` (default): on when the inputs are on CUDA.
             Under a memory budget the plan is then passed as recompute tags to Inductor's partitioner
             instead of ``checkpoint`` calls.
+        cuda_graphs: let Inductor replay each compiled forward and backward as a CUDA graph (its
+            CUDA-graph trees, what ``torch.compile(mode="reduce-overhead")`` uses), which removes the
+            per-kernel launch cost of a step. opsmath's kernels read their dropout seeds from device
+            memory, so each replay draws fresh masks. The usual CUDA-graph rules apply: a step's outputs
+            are overwritten by the next replay (``.item()`` or clone what you keep), and graphs on CPU
+            tensors run without. Needs the Inductor path (not ``inductor=False``).
 
     Returns:
         ``model``, whose next call captures and rewrites; ``opsmath.report(model)`` shows the result.
@@ -335,6 +348,9 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
         raise TypeError(f"optimize() got unknown options {sorted(options)}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
+    if cuda_graphs and inductor is False:
+        raise ValueError("optimize(cuda_graphs=True) replays Inductor's compiled graphs; it needs the Inductor "
+                         "path, not inductor=False")
     chosen = ALL_PATTERNS if patterns is None else [p for p in ALL_PATTERNS if p.name in set(patterns)]
     if patterns is not None and len(chosen) != len(set(patterns)):
         unknown = set(patterns) - {p.name for p in chosen}
@@ -343,7 +359,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
         parse_budget(memory_budget)  # a bad budget is an error now, not at the first call
     state = OptimizeState(model_name=type(model).__name__, patterns=chosen, skip=set(skip or ()),
                           memory_budget=memory_budget, analyze=analyze, inductor=inductor,
-                          default_patterns=patterns is None)
+                          default_patterns=patterns is None, cuda_graphs=bool(cuda_graphs))
     model._opsmath = state
     model.compile(backend=_make_backend(state, model), dynamic=False)
     compiled = model._compiled_call_impl

@@ -87,8 +87,9 @@ class Report(Rendered):
             head += f" | saved for bwd {_mib(g.saved_bytes[0])}->{_mib(g.saved_bytes[1])}"
         parts.append(Text(head + f" | {g.capture_seconds:.2f}s"))
         if g.inductor:
-            parts.append(Text("compiled by Inductor" + (f"; left to it: {', '.join(g.left_to_inductor)}"
-                                                        if g.left_to_inductor else ""), style="dim"))
+            parts.append(Text("compiled by Inductor" + (" for CUDA-graph replay" if g.cuda_graphs else "")
+                              + (f"; left to it: {', '.join(g.left_to_inductor)}" if g.left_to_inductor else ""),
+                              style="dim"))
         if g.matches:
             t = Table(show_header=True, header_style="bold", expand=False, box=None, padding=(0, 1))
             t.add_column("pattern", style="green", no_wrap=True)

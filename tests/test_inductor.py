@@ -156,3 +156,59 @@ def test_activation_families_compile_under_inductor_when_asked(family):
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_graphs_option_reaches_inductor(monkeypatch):
+    """``cuda_graphs=True`` compiles with Inductor's CUDA-graph trees (``triton.cudagraphs``); on CPU
+    tensors Inductor runs the graph without them, same numbers. It needs the Inductor path."""
+    import torch._inductor.compile_fx as cfx
+    real, patches = cfx.compile_fx, []
+
+    def spy(gm, inputs, **kw):
+        patches.append(kw.get("config_patches"))
+        return real(gm, inputs, **kw)
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    ref, model, batch = pair(dropout=0.0)
+    model = opsmath.optimize(model, inductor=True, cuda_graphs=True)
+    loss = model(*batch)
+    loss.backward()
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    assert patches[0] == {"triton.cudagraphs": True}   # (compile_fx then calls itself inside the patch)
+    assert "for CUDA-graph replay" in opsmath.report(model).render(width=200)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        opsmath.optimize(torch.nn.Linear(2, 2), inductor=False, cuda_graphs=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_train_like_eager_and_draw_fresh_dropout():
+    """On the GPU: 3 SGD steps replayed as CUDA graphs give eager's losses (dropout off), and with
+    dropout on, two replays on one batch and one set of weights differ (masks are not frozen)."""
+    torch.manual_seed(0)
+    ref, batch = gpt(dropout=0.0, **CFG)
+    ref, batch = ref.cuda(), tuple(t.cuda() for t in batch)
+    model = opsmath.optimize(copy.deepcopy(ref), cuda_graphs=True)
+    losses = []
+    for m in (ref, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses.append([])
+        for _ in range(3):
+            loss = m(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[-1].append(loss.item())
+    assert opsmath.report(model).graphs[0].cuda_graphs
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+    torch.manual_seed(0)
+    drop, _ = gpt(dropout=0.1, **CFG)
+    drop = opsmath.optimize(drop.cuda(), patterns=opsmath.patterns.NAMES, cuda_graphs=True)
+    seen = []
+    for _ in range(4):
+        loss = drop(*batch)
+        loss.backward()
+        seen.append(loss.item())
+    assert len(set(seen[1:])) == 3, seen
