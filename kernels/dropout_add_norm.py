@@ -189,9 +189,23 @@ def _configs(N: int) -> dict[str, int]:
     return {f"{t}rows": t for t in dict.fromkeys((1, min(2, tile_m), tile_m))}
 
 
-def _config(op, x, N, is_rms, has_w, has_b, dropout_p, run) -> int:
+@functools.lru_cache(maxsize=None)
+def _bwd_configs(N: int) -> dict[str, tuple[int, int]]:
+    """Backward candidates (TILE_M, programs per SM), the default first: each TILE_M of ``_configs`` at 4
+    programs per SM (session 4's grid), and at widths under 4096 one row per step at 8 and 16 programs
+    per SM. Why: one program holds about one row per tensor in flight, and at width 1024 in bf16, 4 of
+    them are ~16 KB per SM, under the ~22 KB that 4.8 TB/s x ~0.6 us of memory latency spreads over 132
+    SMs (Little's law), so narrow rows may want more programs; more programs also mean more dweight/dbias
+    partial rows to add, which the timed ``run`` includes. Not measured yet (added in session 6)."""
+    cands = [(t, 4) for t in _configs(N).values()]
+    if len(cands) > 1:
+        cands += [(1, 8), (1, 16)]
+    return {f"{t}rows-{g}perSM": (t, g) for t, g in cands}
+
+
+def _config(op, x, N, is_rms, has_w, has_b, dropout_p, run, configs=None):
     key = row_key(x, N, "rms" if is_rms else "layer", f"w={has_w}", f"b={has_b}", f"dropout={dropout_p > 0}")
-    return tuned_config(op, key, _configs(N), run, x.device)
+    return tuned_config(op, key, configs if configs is not None else _configs(N), run, x.device)
 
 
 def dropout_add_norm_forward_triton(x, residual, weight, bias, is_rms, eps, dropout_p, seed, out_dtype):
@@ -223,11 +237,13 @@ def dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rm
     dx = torch.empty((M, N), device=h.device, dtype=h.dtype)
     dr = torch.empty((M, N), device=h.device, dtype=h.dtype)
     block_n = next_pow2(N)
-    programs = torch.cuda.get_device_properties(h.device).multi_processor_count * 4 if h.is_cuda else 4
+    sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 1
 
-    def run(tile_m):
-        """Launches G programs over the row tiles; returns their (G, N) fp32 dweight, dbias partials."""
-        G = max(1, min(triton.cdiv(M, tile_m), programs))
+    def run(cfg):
+        """Launches G programs over the row tiles and sums their (G, N) fp32 dweight/dbias partials
+        (part of what the tuner times: more programs mean more partial rows to add)."""
+        tile_m, per_sm = cfg
+        G = max(1, min(triton.cdiv(M, tile_m), sms * per_sm))
         alloc = torch.empty if M else torch.zeros   # every program writes its partial row
         dwp = alloc((G, N), device=h.device, dtype=torch.float32)
         dbp = alloc((G, N), device=h.device, dtype=torch.float32)
@@ -237,12 +253,11 @@ def dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rm
                            HAS_W=weight is not None, HAS_DH=dh_out is not None, IS_RMS=bool(is_rms),
                            HAS_DROPOUT=dropout_p > 0, TILE_M=tile_m, BLOCK_N=block_n,
                            num_warps=_warps(tile_m * block_n))
-        return dwp, dbp
-    tile_m = _config("dropout_add_norm_bwd", h, N, is_rms, weight is not None, bias is not None, dropout_p, run) \
-        if M else 1
-    dwp, dbp = run(tile_m)
-    dw = dwp.sum(0).to(weight.dtype) if weight is not None else None
-    db = dbp.sum(0).to(bias.dtype) if bias is not None else None
+        return (dwp.sum(0).to(weight.dtype) if weight is not None else None,
+                dbp.sum(0).to(bias.dtype) if bias is not None else None)
+    cfg = _config("dropout_add_norm_bwd", h, N, is_rms, weight is not None, bias is not None, dropout_p, run,
+                  _bwd_configs(N)) if M else (1, 4)
+    dw, db = run(cfg)
     return dx.view(h.shape), dr.view(h.shape), dw, db
 
 

@@ -73,14 +73,21 @@ def test_triton_matches_eager(case, dtype, triton_on_cpu, device):
 
 @pytest.mark.parametrize("case", [CASES[-1], ((9, 200), True, 0.3, True, True)], ids=str)
 def test_every_tuning_candidate_matches_eager(case, triton_on_cpu, device, monkeypatch):
-    """Each rows-per-tile the tuner may pick (``dropout_add_norm._configs``), forced in turn."""
+    """Each launch configuration the tuner may pick, forced in turn: rows per tile in the forward
+    (``dropout_add_norm._configs``), rows per tile and programs per SM in the backward (``_bwd_configs``)."""
     from opsmath.kernels import dropout_add_norm as dan
     e, ref = _run(eager, case, torch.float32, device), _run(eager, case, torch.float64, device)
-    for tile_m in dan._configs(case[0][-1]).values():
-        monkeypatch.setattr(dan, "tuned_config", lambda op, key, configs, run, device: tile_m)
+    N = case[0][-1]
+    for i in range(max(len(dan._configs(N)), len(dan._bwd_configs(N)))):
+        picked = []
+
+        def pick(op, key, configs, run, device):
+            picked.append(list(configs.values())[i % len(configs)])
+            return picked[-1]
+        monkeypatch.setattr(dan, "tuned_config", pick)
         for name, a, b, c in zip(["out", "h", "dx", "dresidual", "dweight", "dbias"],
                                  _run(fused, case, torch.float32, device), e, ref):
-            assert_rule(a, b, c, atol=1e-5, name=f"{name} TILE_M={tile_m}")
+            assert_rule(a, b, c, atol=1e-5, name=f"{name} configs {picked}")
 
 
 @pytest.mark.parametrize("case", CASES[:5], ids=str)
