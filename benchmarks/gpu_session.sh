@@ -26,7 +26,7 @@ step tests ${TEST_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -
     --durations=10 ${TESTS:-tests/test_models.py tests/test_kernel_dropout_add_norm.py tests/test_inductor.py \
     tests/test_kernel_linear_cross_entropy.py tests/test_patterns_linear_cross_entropy.py \
     tests/test_kernel_cross_entropy.py tests/test_autotune.py tests/test_kernel_activations.py \
-    tests/test_patterns_activations.py tests/test_plan.py}
+    tests/test_patterns_activations.py tests/test_plan.py tests/test_dropout_seeds.py}
 step attn_tests ${TEST_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
     --durations=10 tests/test_kernel_attention.py tests/test_attention_tuning.py
 step attention ${ATTN_TIMEOUT:-420} python3 benchmarks/attention.py ${BENCH_ARGS:-}

@@ -339,7 +339,8 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             per-kernel launch cost of a step. opsmath's kernels read their dropout seeds from device
             memory, so each replay draws fresh masks. The usual CUDA-graph rules apply: a step's outputs
             are overwritten by the next replay (``.item()`` or clone what you keep), and graphs on CPU
-            tensors run without. Needs the Inductor path (not ``inductor=False``).
+            tensors run without. Needs the Inductor path (not ``inductor=False``). An outer
+            ``torch.compile(..., mode="reduce-overhead")`` does not reach opsmath's graphs: ask here.
 
     Returns:
         ``model``, whose next call captures and rewrites; ``opsmath.report(model)`` shows the result.
