@@ -142,6 +142,33 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
         return default
 
 
+def resident_programs(kernel, grid_args: tuple, launch_kwargs: dict, device: torch.device, fallback: int = 4) -> int:
+    """How many programs of a Triton ``kernel``, launched as ``kernel[grid](*grid_args, **launch_kwargs)``,
+    fit on one SM at once: the SM's registers, shared memory and warp slots over one program's use, read
+    off the compiled kernel (``kernel.warmup``; the way Triton's fused-softmax tutorial sizes its persistent
+    grid). A persistent kernel launched with this many programs per SM runs in one wave, every SM full.
+    ``fallback`` when it cannot be read (the interpreter, another backend)."""
+    if device.type != "cuda":
+        return fallback
+    try:
+        from triton.runtime import driver
+        props = driver.active.utils.get_device_properties(device.index if device.index is not None
+                                                          else torch.cuda.current_device())
+        compiled = kernel.warmup(*grid_args, grid=(1,), **launch_kwargs)
+        compiled._init_handles()
+        warps = launch_kwargs.get("num_warps", 4)
+        by_regs = props["max_num_regs"] // max(1, compiled.n_regs * props["warpSize"] * warps)
+        smem = compiled.metadata.shared
+        by_smem = props["max_shared_mem"] // smem if smem else by_regs
+        by_warps = 64 // warps   # warp slots per SM on sm_80/sm_90
+        return max(1, min(by_regs, by_smem, by_warps, 32))
+    except Exception as e:   # an estimate only: the caller's other launch configurations still work
+        import logging
+        logging.getLogger("opsmath").debug("opsmath: occupancy of %s unknown (%s)",
+                                           getattr(kernel, "__name__", kernel), e)
+        return fallback
+
+
 def row_key(x: torch.Tensor, N: int, *flags: str) -> str:
     """A row kernel's tuning key: dtype, width, the row count rounded up to a power of two (rows of one
     bucket share a configuration) and the kernel's own ``flags``."""

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_seed, dropout_keep, flat_offsets, keep_mask, next_pow2, row_key, row_tile,
-                      seed_arg, tuned_config, use_triton)
+from ._common import (check_seed, dropout_keep, flat_offsets, keep_mask, next_pow2, resident_programs, row_key,
+                      row_tile, seed_arg, tuned_config, use_triton)
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch reference
@@ -189,18 +189,23 @@ def _configs(N: int) -> dict[str, int]:
     return {f"{t}rows": t for t in dict.fromkeys((1, min(2, tile_m), tile_m))}
 
 
+FILL = 0            # programs per SM: as many as fit at once (``_common.resident_programs``)
+_RESIDENT: dict = {}
+
+
 @functools.lru_cache(maxsize=None)
 def _bwd_configs(N: int) -> dict[str, tuple[int, int]]:
     """Backward candidates (TILE_M, programs per SM), the default first: each TILE_M of ``_configs`` at 4
-    programs per SM (session 4's grid), and at widths under 4096 one row per step at 8 and 16 programs
-    per SM. Why: one program holds about one row per tensor in flight, and at width 1024 in bf16, 4 of
-    them are ~16 KB per SM, under the ~22 KB that 4.8 TB/s x ~0.6 us of memory latency spreads over 132
-    SMs (Little's law), so narrow rows may want more programs; more programs also mean more dweight/dbias
-    partial rows to add, which the timed ``run`` includes. Not measured yet (added in session 6)."""
-    cands = [(t, 4) for t in _configs(N).values()]
-    if len(cands) > 1:
-        cands += [(1, 8), (1, 16)]
-    return {f"{t}rows-{g}perSM": (t, g) for t, g in cands}
+    programs per SM (session 4's grid); one row per step with as many programs as fit on an SM at once
+    (one wave, read off the compiled kernel's registers); and at widths under 4096 one row per step at
+    16 programs per SM. Why: one program keeps about one row per tensor in flight, and the default
+    grid leaves the SM at 16 of 64 warps (S6's static analysis: 7 programs of 72 registers x 128 threads
+    fit at bf16 width 1024), so narrow rows may want more programs; more programs also mean more
+    dweight/dbias partial rows to add, which the timed ``run`` includes. Not measured yet (session 6)."""
+    cands = [(t, 4) for t in _configs(N).values()] + [(1, FILL)]
+    if len(_configs(N)) > 1:
+        cands.append((1, 16))
+    return {f"{t}rows-{g or 'fill'}perSM": (t, g) for t, g in cands}
 
 
 def _config(op, x, N, is_rms, has_w, has_b, dropout_p, run, configs=None):
@@ -243,16 +248,23 @@ def dropout_add_norm_backward_triton(dout, dh_out, h, stats, weight, bias, is_rm
         """Launches G programs over the row tiles and sums their (G, N) fp32 dweight/dbias partials
         (part of what the tuner times: more programs mean more partial rows to add)."""
         tile_m, per_sm = cfg
+        kwargs = dict(HAS_W=weight is not None, HAS_DH=dh_out is not None, IS_RMS=bool(is_rms),
+                      HAS_DROPOUT=dropout_p > 0, TILE_M=tile_m, BLOCK_N=block_n, num_warps=_warps(tile_m * block_n))
+
+        def args(dwp, dbp):
+            return (dout2, dh2, h.reshape(-1, N), weight if weight is not None else dout2, stats, dx, dr,
+                    dwp, dbp, seed_arg(seed, dout2, dropout_p), M, N, float(dropout_p))
+        if per_sm == FILL:
+            key = (h.dtype, dout2.dtype, h.device, tuple(kwargs.items()))
+            if key not in _RESIDENT:
+                _RESIDENT[key] = resident_programs(_dan_bwd, args(dout2, dout2), kwargs, h.device)
+            per_sm = _RESIDENT[key]
         G = max(1, min(triton.cdiv(M, tile_m), sms * per_sm))
         alloc = torch.empty if M else torch.zeros   # every program writes its partial row
         dwp = alloc((G, N), device=h.device, dtype=torch.float32)
         dbp = alloc((G, N), device=h.device, dtype=torch.float32)
         if M:
-            _dan_bwd[(G,)](dout2, dh2, h.reshape(-1, N), weight if weight is not None else dout2, stats, dx, dr,
-                           dwp, dbp, seed_arg(seed, dout2, dropout_p), M, N, float(dropout_p),
-                           HAS_W=weight is not None, HAS_DH=dh_out is not None, IS_RMS=bool(is_rms),
-                           HAS_DROPOUT=dropout_p > 0, TILE_M=tile_m, BLOCK_N=block_n,
-                           num_warps=_warps(tile_m * block_n))
+            _dan_bwd[(G,)](*args(dwp, dbp), **kwargs)
         return (dwp.sum(0).to(weight.dtype) if weight is not None else None,
                 dbp.sum(0).to(bias.dtype) if bias is not None else None)
     cfg = _config("dropout_add_norm_bwd", h, N, is_rms, weight is not None, bias is not None, dropout_p, run,

@@ -128,3 +128,28 @@ def test_mismatched_dtypes_are_a_clear_error():
     with pytest.raises(ValueError, match="one dtype and shape"):
         dropout_add_norm_op(torch.randn(2, 4), torch.randn(2, 4, dtype=torch.float64), None, None, False,
                             1e-5, 0.0, torch.tensor(0), torch.float32)
+
+
+def test_resident_programs_from_the_compiled_kernel(monkeypatch):
+    """The backward's one-wave grid: programs per SM = what the register file, shared memory and warp
+    slots allow for the compiled kernel (S6: 72 registers x 128 threads -> 7 on an H200); anything
+    unreadable falls back to the fixed grid."""
+    from types import SimpleNamespace
+
+    import triton.runtime
+    from opsmath.kernels._common import resident_programs
+    props = {"max_num_regs": 65536, "warpSize": 32, "max_shared_mem": 232448, "multiprocessor_count": 132}
+    fake_driver = SimpleNamespace(active=SimpleNamespace(utils=SimpleNamespace(get_device_properties=lambda i: props)))
+    monkeypatch.setattr(triton.runtime, "driver", fake_driver)
+
+    def kernel(regs, shared):
+        compiled = SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=shared), _init_handles=lambda: None)
+        return SimpleNamespace(warmup=lambda *a, grid, **k: compiled)
+    cuda = torch.device("cuda", 0)
+    assert resident_programs(kernel(72, 1024), (), dict(num_warps=4), cuda) == 7
+    assert resident_programs(kernel(98, 1024), (), dict(num_warps=16), cuda) == 1
+    assert resident_programs(kernel(32, 0), (), dict(num_warps=4), cuda) == 16      # warp slots: 64 / 4
+    assert resident_programs(kernel(32, 100_000), (), dict(num_warps=4), cuda) == 2  # shared memory
+    broken = SimpleNamespace(warmup=lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no GPU")))
+    assert resident_programs(broken, (), {}, cuda) == 4
+    assert resident_programs(kernel(72, 0), (), {}, torch.device("cpu")) == 4
