@@ -3,15 +3,15 @@
 CI runs the kernels in Triton's interpreter, which accepts programs the compiler rejects: in session 4 a
 helper that returned a block on one path and a scalar on the other passed every interpreter test and was
 a ``CompilationError`` on the H200. Here each op runs once on CPU under the interpreter, in bf16 and
-fp32 and with each of its flags; every launch is recorded (kernel, argument types, constexprs, warps,
-stages) and then compiled ahead of time for ``GPUTarget("cuda", 90, 32)`` in a subprocess without the
-interpreter: the compiler's frontend, TTGIR, LLVM and ptxas, as on the GPU.
+fp32 and with each of its flags; every launch is recorded as the GPU's JIT would specialize it
+(``opsmath.kernels._aot``: argument types, constants, divisibility, warps, stages) and then compiled ahead
+of time for ``GPUTarget("cuda", 90, 32)`` in a subprocess without the interpreter: the compiler's
+frontend, TTGIR, LLVM and ptxas, as on the GPU.
 
     python tests/test_kernels_compile_for_hopper.py < launches.json   # the subprocess side
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -19,48 +19,6 @@ import sys
 
 import pytest
 import torch
-
-_TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-       torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
-
-
-def _encode(v):
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if type(v).__name__ == "dtype" and hasattr(v, "primitive_bitwidth"):   # a triton.language dtype
-        return {"tl_dtype": v.name}
-    raise TypeError(f"constexpr of type {type(v).__name__}")
-
-
-def _record(launches):
-    """Patch the interpreter's launcher to append one record per launch to ``launches``."""
-    from triton.runtime.interpreter import InterpretedFunction
-    run = InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        params = inspect.signature(self.fn).parameters
-        bound = dict(zip(self.arg_names, args))
-        bound.update({k: v for k, v in kwargs.items() if k in params})
-        sig, consts = {}, {}
-        for name, p in params.items():
-            v = bound.get(name, p.default)
-            if str(p.annotation).endswith("constexpr") or v is None:
-                sig[name], consts[name] = "constexpr", _encode(v)
-            elif isinstance(v, torch.Tensor):
-                sig[name] = "*" + _TY[v.dtype]
-            elif isinstance(v, bool):
-                sig[name] = "i1"
-            elif isinstance(v, int):
-                sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
-            elif isinstance(v, float):
-                sig[name] = "fp32"
-            else:
-                raise TypeError(f"{self.fn.__name__}: argument {name} of type {type(v).__name__}")
-        options = {k: v for k, v in kwargs.items() if k not in params}
-        launches.append(dict(module=self.fn.__module__, kernel=self.fn.__name__, signature=sig,
-                             constexprs=consts, options=options))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-    return recording_run
 
 
 def _exercise(dtype):
@@ -131,16 +89,16 @@ def _exercise(dtype):
         AdamW(params, lr=1e-3, master_weights=master, max_grad_norm=clip).step()
 
 
-def test_every_kernel_compiles_for_sm90(triton_on_cpu, monkeypatch):
+def test_every_kernel_compiles_for_sm90(triton_on_cpu):
     pytest.importorskip("triton.backends.nvidia")
     if torch.cuda.is_available():
         pytest.skip("on a GPU the kernel tests compile every kernel for it already")
-    from triton.runtime.interpreter import InterpretedFunction
+    from opsmath.kernels._aot import record_launches
     launches: list = []
-    monkeypatch.setattr(InterpretedFunction, "run", _record(launches))
     torch.manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        _exercise(dtype)
+    with record_launches(launches):
+        for dtype in (torch.float32, torch.bfloat16):
+            _exercise(dtype)
     unique = {json.dumps(r, sort_keys=True): r for r in launches}
     kernels = {(r["module"], r["kernel"]) for r in unique.values()}
     assert len(kernels) >= 12, sorted(kernels)      # every kernel family above launched something
@@ -153,20 +111,11 @@ def test_every_kernel_compiles_for_sm90(triton_on_cpu, monkeypatch):
 
 def _compile_all(records) -> list[str]:
     """Compile each record for sm_90; the failures, one line each."""
-    import importlib
-
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    target = GPUTarget("cuda", 90, 32)
+    from opsmath.kernels._aot import compile_record
     failures = []
     for r in records:
-        fn = getattr(importlib.import_module(r["module"]), r["kernel"])
-        consts = {k: tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v for k, v in r["constexprs"].items()}
         try:
-            triton.compile(ASTSource(fn=fn, signature=r["signature"], constexprs=consts), target=target,
-                           options=r["options"])
+            compile_record(r)
         except Exception as e:   # every failure is reported, not just the first
             chain, err = [], e          # the last lines of each exception in the chain: where and why
             while err is not None:
