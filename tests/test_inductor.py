@@ -24,6 +24,19 @@ def pair(dropout):
     return ref, model, batch
 
 
+def step_equals_eager(model, ref, batch, run=None):
+    """One forward+backward of ``model`` (through ``run`` when given, e.g. an outer compile of it) and of
+    ``ref`` on ``batch``: the loss and every parameter's gradient equal eager's. Returns the loss."""
+    loss = (run if run is not None else model)(*batch)
+    loss.backward()
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    return loss
+
+
 def saved_bytes(fn):
     """Bytes autograd saves for backward during ``fn()``, deduplicated by storage."""
     seen = {}
@@ -39,18 +52,12 @@ def saved_bytes(fn):
 def test_inductor_matches_eager_and_keeps_the_rewrites():
     ref, model, batch = pair(dropout=0.0)
     model = opsmath.optimize(model, inductor=True)
-    loss = model(*batch)
-    loss.backward()
-    ref_loss = ref(*batch)
-    ref_loss.backward()
+    step_equals_eager(model, ref, batch)
     rep = opsmath.report(model)
     rec = rep.graphs[0]
     assert rec.inductor and rec.after_ops["opsmath.attention"] == 2
     assert rec.left_to_inductor == sorted(opsmath.api.INDUCTOR_FUSES_BETTER)
     assert "left to it: bias_gelu, cross_entropy, dropout_add_norm" in rep.render(width=200)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_budget_becomes_recompute_tags_that_inductor_honors():
@@ -76,16 +83,10 @@ def test_outer_torch_compile_runs_opsmath_without_graph_breaks():
     ref, model, batch = pair(dropout=0.0)
     optimized = opsmath.optimize(model, inductor=True)
     counters.clear()
-    loss = torch.compile(optimized)(*batch)
-    loss.backward()
-    ref_loss = ref(*batch)
-    ref_loss.backward()
+    step_equals_eager(optimized, ref, batch, run=torch.compile(optimized))
     assert not counters["graph_break"]
     graphs = opsmath.report(optimized).graphs
     assert len(graphs) == 1 and graphs[0].after_ops["opsmath.attention"] == 2
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
@@ -107,16 +108,10 @@ def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
     model(*batch).backward()
     model.zero_grad()
     first = opsmath.report(model).graphs[0].plan
-    loss = model(*batch)
-    loss.backward()
+    step_equals_eager(model, ref, batch)
     rec = opsmath.report(model).graphs[0]
     assert rec.plan is not first and rec.plan.replanned and len(rec.plan.chosen) > len(first.chosen)
     assert rec.inductor
-    ref_loss = ref(*batch)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_budget_keeps_the_chunked_loss_that_inductor_otherwise_gets():
@@ -126,14 +121,8 @@ def test_budget_keeps_the_chunked_loss_that_inductor_otherwise_gets():
     for budget in (None, 1.0):
         ref, model, batch = pair(dropout=0.0)
         model = opsmath.optimize(model, memory_budget=budget, inductor=True)
-        loss = model(*batch)
-        loss.backward()
-        ref_loss = ref(*batch)
-        ref_loss.backward()
+        step_equals_eager(model, ref, batch)
         fired[budget] = opsmath.report(model).graphs[0].after_ops["opsmath.linear_cross_entropy"]
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     assert fired == {None: 0, 1.0: 1}, fired
 
 
@@ -170,15 +159,9 @@ def test_cuda_graphs_option_reaches_inductor(monkeypatch):
     monkeypatch.setattr(cfx, "compile_fx", spy)
     ref, model, batch = pair(dropout=0.0)
     model = opsmath.optimize(model, inductor=True, cuda_graphs=True)
-    loss = model(*batch)
-    loss.backward()
-    ref_loss = ref(*batch)
-    ref_loss.backward()
+    step_equals_eager(model, ref, batch)
     assert patches[0] == {"triton.cudagraphs": True}   # (compile_fx then calls itself inside the patch)
     assert "for CUDA-graph replay" in opsmath.report(model).render(width=200)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="cuda_graphs"):
         opsmath.optimize(torch.nn.Linear(2, 2), inductor=False, cuda_graphs=True)
 
