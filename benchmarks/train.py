@@ -5,8 +5,9 @@ eager; eager + SDPA; torch.compile; torch.compile + SDPA; ``opsmath.optimize``; 
 ``opsmath.optim.AdamW``; ``torch.compile(opsmath.optimize(model))``; and torch.compile + SDPA and
 ``opsmath.optimize`` each replayed as CUDA graphs (``mode="reduce-overhead"``, ``cuda_graphs=True``).
 ``--llama``: Hugging Face ``LlamaForCausalLM`` 1.1B (bf16 weights, B4 T2048),
-``attn_implementation="eager"`` vs ``"sdpa"``. For each: median step ms over ``--steps`` timed steps after two warm-up steps, tokens/s, peak memory
-(``max_memory_allocated`` over the timed steps) and the first step's wall time (capture + compile).
+``attn_implementation="eager"`` vs ``"sdpa"``. For each: median step ms over ``--steps`` timed steps after
+two warm-up steps, tokens/s, peak memory (``max_memory_allocated`` over the timed steps) and the first
+step's wall time (capture + compile).
 The first loss of every variant is printed: same init and data, so they agree to bf16 noise.
 
     python benchmarks/train.py [--gpt] [--llama] [--steps 10] [--only NAME]
