@@ -10,6 +10,7 @@ is spent (BENCHMARKS.md S6 used it for bias-GELU and dropout-add-norm).
     python benchmarks/sass_stats.py --op bias_gelu --dtype bf16 --width 8192 [--config 0] [--tanh]
     python benchmarks/sass_stats.py --op dropout_add_norm --width 1024 --config 3
     python benchmarks/sass_stats.py --op attention --width 64          # width = head dim
+    python benchmarks/sass_stats.py --op cross_entropy --width 50304   # width = vocabulary
 
 ``--config i`` forces the tuner's i-th candidate launch configuration (each kernel of the op takes the
 i-th of its own list, modulo its length).
@@ -58,8 +59,11 @@ def record(op: str, dtype: str, width: int, config: int, tanh: bool) -> list:
             with forced_config(cfgs[config % len(cfgs)]):
                 out = attention_op(q, k, v, None, None, float("-inf"), True, width ** -0.5, 0.0, None)[0]
                 out.float().sum().backward()
+        elif op == "cross_entropy":    # width = vocabulary
+            from opsmath.kernels.cross_entropy import cross_entropy
+            cross_entropy(leaf(16, width), torch.randint(0, width, (16,))).backward()
         else:
-            raise SystemExit(f"unknown op {op!r}: bias_gelu, dropout_add_norm, attention")
+            raise SystemExit(f"unknown op {op!r}: bias_gelu, dropout_add_norm, attention, cross_entropy")
     return list({json.dumps(r, sort_keys=True): r for r in records}.values())
 
 

@@ -124,20 +124,25 @@ def _rows_reference(z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothi
 @triton.jit
 def _ce_rows_kernel(Z, T, Loss, Scale, G, Lse, stride_z, stride_g, V, ignore_index, smoothing,
                     COMPUTE_GRAD: tl.constexpr, WRITE_LSE: tl.constexpr, LSE_GIVEN: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row. A target outside [0, V) that is not ``ignore_index`` gives a NaN loss and a
+    NaN gradient row (eager raises; checking on the host would cost a sync every step)."""
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     t = tl.load(T + row)
     valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
     if LSE_GIVEN:      # gradient only, from the forward's log-sum-exp: one read of z, one write of G
         lse = tl.load(Lse + row)
     else:
         # online max and sum with one running (max, sum) per row, rescaled once per block: one exp per
-        # logit (a running pair per lane would need two)
+        # logit (a running pair per lane would need two). z_t is one load after the loop, and the sum
+        # of z only with smoothing: no per-lane accumulators beside the logits block (registers decide
+        # how many rows an SM holds at once)
         m = -1e30          # finite: a block of -inf logits never makes exp(-inf + inf)
         s = 0.0
-        zsum = tl.zeros((BLOCK,), tl.float32)
-        zt = tl.zeros((BLOCK,), tl.float32)
+        if HAS_SMOOTHING:
+            zsum = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inb = cols < V
@@ -145,17 +150,19 @@ def _ce_rows_kernel(Z, T, Loss, Scale, G, Lse, stride_z, stride_g, V, ignore_ind
             m_new = tl.maximum(m, tl.max(z, 0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)   # lanes past V: exp(-inf) = 0
             m = m_new
-            zsum += tl.where(inb, z, 0.0)
-            zt += tl.where(cols == t, z, 0.0)
+            if HAS_SMOOTHING:
+                zsum += tl.where(inb, z, 0.0)
         lse = m + tl.log(s)
-        # the smoothing term only when smoothing > 0: with a -inf logit it is 0 * inf = nan
-        loss = (1 - smoothing) * (lse - tl.sum(zt, 0)) + \
-            tl.where(smoothing > 0, smoothing * (lse - tl.sum(zsum, 0) / V), 0.0)
+        zt = tl.load(z_row + t, mask=valid & in_range, other=0.0).to(tl.float32)
+        loss = (1 - smoothing) * (lse - zt)
+        if HAS_SMOOTHING:   # only then: with a -inf logit (a vocabulary mask) the mean is -inf
+            loss += smoothing * (lse - tl.sum(zsum, 0) / V)
+        loss = tl.where(in_range, loss, float("nan"))
         tl.store(Loss + row, tl.where(valid, loss, 0.0))
         if WRITE_LSE:
             tl.store(Lse + row, lse)
     if COMPUTE_GRAD:
-        scale = tl.where(valid, tl.load(Scale), 0.0)
+        scale = tl.where(valid, tl.where(in_range, tl.load(Scale), float("nan")), 0.0)
         g_row = G + row * stride_g
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -193,7 +200,8 @@ def rows(z, t, ignore_index, smoothing, scale, compute_grad, out=None, lse_out=N
     _ce_rows_kernel[(z.shape[0],)](z, t, loss, scale, g, lse_buf if lse_buf is not None else loss,
                                    z.stride(0), g.stride(0), z.shape[1], ignore_index, float(smoothing),
                                    COMPUTE_GRAD=compute_grad, WRITE_LSE=lse_out is not None and lse is None,
-                                   LSE_GIVEN=lse is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+                                   LSE_GIVEN=lse is not None, HAS_SMOOTHING=smoothing > 0, BLOCK=block,
+                                   num_warps=8 if block >= 2048 else 4)
     return loss
 
 

@@ -113,3 +113,18 @@ def test_masked_vocabulary_with_a_whole_block_of_minus_inf(path, request):
     assert torch.isfinite(fused[0]) and torch.isfinite(fused[1]).all()
     for name, f, e, r in zip(["loss", "dlogits"], fused, same, ref):
         assert_rule(f, e, r, name=name)
+
+
+def test_target_out_of_range_is_nan_not_a_wrong_loss(triton_on_cpu):
+    """A target outside [0, V) that is not ignore_index: eager raises; the Triton kernel cannot without a
+    host sync, so that row's loss and gradient are NaN (the loss is NaN), never a plausible number."""
+    z, t = make(CASES[0], torch.float32)
+    t = t.clone()
+    t[3] = z.shape[1]          # one past the vocabulary
+    t[5] = -7                  # negative, not ignore_index
+    x = z.clone().requires_grad_()
+    loss = cross_entropy(x, t, -100, 0.0, "sum")
+    loss.backward()
+    assert torch.isnan(loss)
+    rows_nan = torch.isnan(x.grad).all(1)
+    assert rows_nan[3] and rows_nan[5] and rows_nan.sum() == 2
