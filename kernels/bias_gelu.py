@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_seed, dropout_keep, flat_offsets, keep_mask, row_key, row_tile, seed_arg,
-                      tuned_config, use_triton)
+from ._common import (check_seed, dropout_keep, flat_offsets, keep_mask, load_seed, row_key, row_tile,
+                      seed_arg, tuned_config, use_triton)
 
 _SQRT1_2 = 1 / math.sqrt(2.0)
 _K = math.sqrt(2.0 / math.pi)
@@ -52,10 +52,10 @@ def _gelu_and_grad(z, TANH: tl.constexpr):
 
 
 @triton.jit
-def _dropout_scale(Seed, offs, p, HAS_DROPOUT: tl.constexpr):
-    """keep / (1 - p) for int64 flat offsets (1.0 without dropout); the seed is read from ``Seed``."""
+def _dropout_scale(seed, offs, p, HAS_DROPOUT: tl.constexpr):
+    """keep / (1 - p) for int64 flat offsets (1.0 without dropout)."""
     if HAS_DROPOUT:
-        scale = tl.where(keep_mask(tl.load(Seed), offs, p), 1.0 / (1.0 - p), 0.0)
+        scale = tl.where(keep_mask(seed, offs, p), 1.0 / (1.0 - p), 0.0)
     else:  # one return of one type: compiled Triton rejects a block on one path and a scalar on the other
         scale = tl.full(offs.shape, 1.0, tl.float32)
     return scale
@@ -65,6 +65,7 @@ def _dropout_scale(Seed, offs, p, HAS_DROPOUT: tl.constexpr):
 def _bias_gelu_fwd(x_ptr, b_ptr, y_ptr, M, N, Seed, p, ROWS: tl.constexpr, TILE_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, TANH: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """ROWS rows per program, one (TILE_M, BLOCK_N) tile per loop step."""
+    seed = load_seed(Seed, HAS_DROPOUT)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     for i in range(ROWS // TILE_M):
@@ -73,7 +74,7 @@ def _bias_gelu_fwd(x_ptr, b_ptr, y_ptr, M, N, Seed, p, ROWS: tl.constexpr, TILE_
         offs = rows[:, None] * N + cols[None, :]
         z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias[None, :]
         y, _ = _gelu_and_grad(z, TANH)
-        y = y * _dropout_scale(Seed, offs, p, HAS_DROPOUT)
+        y = y * _dropout_scale(seed, offs, p, HAS_DROPOUT)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -82,6 +83,7 @@ def _bias_gelu_bwd(dy_ptr, x_ptr, b_ptr, dx_ptr, dbp_ptr, M, N, Seed, p, ROWS: t
                    TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, TANH: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """ROWS rows per program in (TILE_M, BLOCK_N) tiles; the program's fp32 partial of dbias (its rows
     summed) goes to row ``program_id(0)`` of ``dbp``."""
+    seed = load_seed(Seed, HAS_DROPOUT)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < N
     bias = tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)
@@ -93,7 +95,7 @@ def _bias_gelu_bwd(dy_ptr, x_ptr, b_ptr, dx_ptr, dbp_ptr, M, N, Seed, p, ROWS: t
         z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias[None, :]
         g = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
         _, d = _gelu_and_grad(z, TANH)
-        dx = tl.where(m, g * d * _dropout_scale(Seed, offs, p, HAS_DROPOUT), 0.0)
+        dx = tl.where(m, g * d * _dropout_scale(seed, offs, p, HAS_DROPOUT), 0.0)
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m)
         acc += tl.sum(dx, 0)
     tl.store(dbp_ptr + tl.program_id(0).to(tl.int64) * N + cols, acc, mask=cm)
