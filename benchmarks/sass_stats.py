@@ -26,9 +26,6 @@ import sys
 import tempfile
 from collections import Counter
 
-_REGS_PER_SM, _SMEM_PER_SM, _WARPS_PER_SM = 65536, 232448, 64   # H200 (sm_90)
-
-
 def record(op: str, dtype: str, width: int, config: int, tanh: bool) -> list:
     """Run in a child process with the interpreter on: the op's launches as records."""
     import torch
@@ -86,12 +83,13 @@ def sass_of(cubin: bytes) -> tuple[list[str], str]:
 
 def stats(rec: dict) -> dict:
     from opsmath.kernels._aot import compile_record
+    from opsmath.kernels._common import programs_per_sm
     k = compile_record(rec)
     ops, res = sass_of(k.asm["cubin"])
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     smem = k.metadata.shared
     warps = rec["options"].get("num_warps", 4)
-    fit = min(_REGS_PER_SM // (regs * 32 * warps), _SMEM_PER_SM // smem if smem else 32, _WARPS_PER_SM // warps, 32)
+    fit = programs_per_sm(regs, smem, warps)
     c = Counter(ops)
     return dict(kernel=rec["kernel"], constexprs={k: v for k, v in rec["constexprs"].items() if k.isupper()},
                 warps=warps, stages=rec["options"].get("num_stages"), instructions=len(ops), regs=regs,

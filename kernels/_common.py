@@ -142,6 +142,16 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
         return default
 
 
+def programs_per_sm(regs: int, shared: int, warps: int, regs_per_sm: int = 65536, shared_per_sm: int = 232448,
+                    warp_size: int = 32) -> int:
+    """Programs of ``warps`` warps, each thread holding ``regs`` registers and the program ``shared``
+    bytes of shared memory, that fit on one SM at once (defaults: the H200's sm_90; 64 warp slots, at
+    most 32 resident blocks)."""
+    by_regs = regs_per_sm // max(1, regs * warp_size * warps)
+    by_smem = shared_per_sm // shared if shared else by_regs
+    return max(1, min(by_regs, by_smem, 64 // warps, 32))
+
+
 def resident_programs(kernel, grid_args: tuple, launch_kwargs: dict, device: torch.device, fallback: int = 4) -> int:
     """How many programs of a Triton ``kernel``, launched as ``kernel[grid](*grid_args, **launch_kwargs)``,
     fit on one SM at once: the SM's registers, shared memory and warp slots over one program's use, read
@@ -156,12 +166,8 @@ def resident_programs(kernel, grid_args: tuple, launch_kwargs: dict, device: tor
                                                           else torch.cuda.current_device())
         compiled = kernel.warmup(*grid_args, grid=(1,), **launch_kwargs)
         compiled._init_handles()
-        warps = launch_kwargs.get("num_warps", 4)
-        by_regs = props["max_num_regs"] // max(1, compiled.n_regs * props["warpSize"] * warps)
-        smem = compiled.metadata.shared
-        by_smem = props["max_shared_mem"] // smem if smem else by_regs
-        by_warps = 64 // warps   # warp slots per SM on sm_80/sm_90
-        return max(1, min(by_regs, by_smem, by_warps, 32))
+        return programs_per_sm(compiled.n_regs, compiled.metadata.shared, launch_kwargs.get("num_warps", 4),
+                               props["max_num_regs"], props["max_shared_mem"], props["warpSize"])
     except Exception as e:   # an estimate only: the caller's other launch configurations still work
         import logging
         logging.getLogger("opsmath").debug("opsmath: occupancy of %s unknown (%s)",
