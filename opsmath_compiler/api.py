@@ -8,6 +8,10 @@ graph breaks, each variant going through the same pipeline::
 
     dynamo graph -> pre-dispatch ATen (capture) -> patterns (match + replace) -> GraphModule (emit)
 
+(``backend.py``). Constructs with their own autograd semantics (a user ``autograd.Function``, a tensor
+hook registered in ``forward``) are cut out of the graph first and run as dynamo traced them; the
+report lists them (``regions.py``).
+
 The fused ops are ``torch.library`` custom ops with their own backward. On CUDA the emitted GraphModule
 is then handed to Inductor (``compile_fx``, what ``torch.compile`` runs): the custom ops stay opaque
 extern kernels and Inductor fuses everything around them, so the rewrites add to what ``torch.compile``
@@ -17,84 +21,17 @@ autograd. ``report(model)`` shows what happened to every captured graph.
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.fx as fx
 
 import opsmath.kernels  # noqa: F401  (registers the opsmath:: custom ops)
 from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
 
-from .analysis import kernel_launches, saved_activation_bytes, saved_bytes_by_node, to_networkx
-from .capture import lower_to_aten
-from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
-from .match import Decline, Match, run_patterns
-
-
-def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
-    """Inductor on the rewritten graph; ``cuda_graphs``: with CUDA-graph trees, as ``torch.compile``'s
-    ``mode="reduce-overhead"`` sets them up."""
-    from torch._inductor.compile_fx import compile_fx as inductor
-    if cuda_graphs:
-        return inductor(gm, example_inputs, config_patches={"triton.cudagraphs": True})
-    return inductor(gm, example_inputs)
-
-log = logging.getLogger("opsmath")
-
-# Families Inductor does better than opsmath's opaque op when it compiles the graph anyway, measured on
-# the H200 (BENCHMARKS.md): dropout_add_norm cost 18 ms per GPT-2-small step (48.2 vs 30.1 ms: Inductor
-# fuses the residual add and norm into the neighbouring kernels); Inductor's own linear + cross-entropy
-# is faster and lighter than opsmath::linear_cross_entropy (3.89 vs 4.16 ms, 0.77 vs 0.84 GiB at 8192
-# tokens x vocab 50304; the cross-entropy half of that is what Inductor fuses, so cross_entropy on given
-# logits is left to it too, by that evidence rather than its own measurement). Skipped by default under
-# Inductor; ``patterns=[...]`` still applies them, and the op-by-op path (CPU, ``inductor=False``) keeps them.
-# swiglu, bias_gelu and scaled_softmax are pointwise ops and a row reduction Inductor fuses with their
-# neighbours (what it handles best), so by the dropout_add_norm evidence they are left to it too (not
-# measured inside a model).
-INDUCTOR_FUSES_BETTER = {"dropout_add_norm", "linear_cross_entropy", "cross_entropy", "swiglu", "bias_gelu",
-                         "scaled_softmax"}
-# Under a memory budget the chunked loss stays: Inductor's version still holds the whole logits tensor
-# (tokens x vocab) for backward, the largest activation of a long-sequence LM step.
-KEPT_UNDER_BUDGET = {"linear_cross_entropy"}
-
-
-@dataclass
-class GraphRecord:
-    """One captured graph variant: its code before and after rewriting and what changed."""
-    index: int
-    training: bool
-    input_shapes: list
-    before_code: str
-    after_code: str
-    before_ops: Counter
-    after_ops: Counter
-    matches: list[Match]
-    declines: list[Decline]
-    capture_seconds: float
-    launches: tuple = (None, None)          # forward kernel launches (estimate), before -> after
-    saved_bytes: tuple = (None, None)       # activation bytes saved for backward, before -> after
-    graph: Optional[fx.GraphModule] = field(default=None, repr=False)
-    before_nx: object = field(default=None, repr=False)   # networkx.DiGraph of the captured graph
-    calls: int = 0                          # how many times the graph ran (one graph can serve many modules)
-    plan: object = None                     # the recompute Plan under memory_budget (plan.py), if any
-    inductor: bool = False                  # whether the emitted graph was compiled by Inductor
-    inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
-    left_to_inductor: list = field(default_factory=list)   # families not applied: Inductor does them better
-    cuda_graphs: bool = False               # compiled for CUDA-graph replay (optimize(cuda_graphs=True))
-
-    def to_dict(self) -> dict:
-        return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
-                    before_ops=dict(self.before_ops), after_ops=dict(self.after_ops),
-                    matches=[m.to_dict() for m in self.matches], declines=[d.to_dict() for d in self.declines],
-                    capture_seconds=self.capture_seconds, calls=self.calls, launches=list(self.launches),
-                    saved_bytes=list(self.saved_bytes), plan=self.plan.to_dict() if self.plan else None,
-                    inductor=self.inductor, inductor_seconds=self.inductor_seconds,
-                    left_to_inductor=list(self.left_to_inductor), cuda_graphs=self.cuda_graphs,
-                    before_code=self.before_code, after_code=self.after_code)
+from .backend import INDUCTOR_FUSES_BETTER, GraphRecord, make_backend  # noqa: F401  (re-exported)
+from .plan import InfeasibleBudget, parse_budget
+from .regions import EagerRegion, graph_breaks, note_graph_breaks
 
 
 @dataclass
@@ -110,201 +47,7 @@ class OptimizeState:
     inductor: Optional[bool] = None         # None: Inductor when the graph's tensors are on CUDA
     default_patterns: bool = True           # patterns= not given: Inductor graphs skip INDUCTOR_FUSES_BETTER
     cuda_graphs: bool = False               # Inductor replays each compiled graph as a CUDA graph
-
-
-def op_counts(gm: fx.GraphModule) -> Counter:
-    """Histogram of call_function targets, named as GraphModule.code names them."""
-    c = Counter()
-    for n in gm.graph.nodes:
-        if n.op == "call_function":
-            name = str(n.target) if isinstance(n.target, torch._ops.OpOverload) else getattr(n.target, "__name__", str(n.target))
-            c[name.replace(".default", "")] += 1
-    return c
-
-
-def _make_backend(state: OptimizeState, model: torch.nn.Module):
-    def opsmath_backend(gm: fx.GraphModule, example_inputs):
-        t0 = time.perf_counter()
-        try:
-            captured = lower_to_aten(gm, list(example_inputs), {id(b) for b in model.buffers()})
-        except Exception as e:  # capture failure: run dynamo's graph unchanged rather than fail the step
-            msg = f"graph {len(state.graphs)}: lowering to ATen failed ({type(e).__name__}: {e}); running it unoptimized"
-            log.warning("opsmath: %s", msg)
-            state.fallback_errors.append(msg)
-            return gm.forward
-        before_code = captured.gm.code
-        before_ops = op_counts(captured.gm)
-        before_launches = kernel_launches(captured.gm)
-        before_saved = saved_activation_bytes(captured.gm, captured.requires_grad) if state.analyze else None
-        before_nx = to_networkx(captured.gm)
-        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-        use_inductor = state.inductor if state.inductor is not None else any(t.is_cuda for t in tensors)
-        patterns, left = state.patterns, set()
-        if use_inductor and state.default_patterns:
-            left = INDUCTOR_FUSES_BETTER - (KEPT_UNDER_BUDGET if state.memory_budget is not None else set())
-            patterns = [p for p in patterns if p.name not in left]
-        ctx = run_patterns(captured, patterns, state.skip)
-        # one fake-tensor liveness run serves both the report and the planner
-        by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
-            if state.analyze or state.memory_budget is not None else None
-        after_saved = sum(by_node.values()) if by_node is not None and state.analyze else None
-        plan = base = None
-        absolute = state.memory_budget is not None and parse_budget(state.memory_budget)[0] == "bytes"
-        if state.memory_budget is not None:
-            if by_node is None:
-                log.warning("opsmath: graph %d could not be analyzed on fake tensors; no recompute planned "
-                            "for memory_budget=%r", len(state.graphs), state.memory_budget)
-            else:
-                # an absolute budget may be re-planned later, on a fresh copy of the unplanned graph
-                base = clone_graph_module(ctx.gm) if absolute else None
-                # under Inductor the plan becomes recompute tags its partitioner must honor
-                plan = plan_and_emit(ctx.gm, by_node, state.memory_budget,
-                                     _resident_bytes(list(example_inputs), model),
-                                     how="tag" if use_inductor else "checkpoint")
-        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
-                  if not isinstance(t, torch.nn.Parameter)]
-        record = GraphRecord(
-            index=len(state.graphs), training=model.training, input_shapes=shapes,
-            before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops, after_ops=op_counts(ctx.gm), matches=ctx.matches, declines=ctx.declines,
-            capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
-            saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan,
-            left_to_inductor=sorted(p.name for p in state.patterns if p.name in left))
-        state.graphs.append(record)
-        fn = _finish(state, record, ctx.gm, list(example_inputs), use_inductor)
-        record.capture_seconds = time.perf_counter() - t0
-        start = [None]   # where the current step's peak measurement began (absolute budgets, CUDA)
-
-        def run(*args):
-            nonlocal fn
-            record.calls += 1
-            g = None
-            if plan is not None and record.calls <= _WATCH_CALLS:
-                if record.calls == 2:    # step 1 measured: re-plan for what it showed
-                    g = _replan(state, record, base, by_node, list(args), model, use_inductor, start[0])
-                elif record.calls == 3 and absolute:   # the plan's own first step: tightened once if over
-                    g = _tighten(state, record, base, by_node, list(args), model, use_inductor, start[0])
-                elif record.calls > 2:   # optimizer state that appears late (gradient accumulation)
-                    g = _replan(state, record, base, by_node, list(args), model, use_inductor, None)
-                if g is not None:
-                    record.graph, record.after_code = g, g.code
-                    fn = _finish(state, record, g, list(args), use_inductor)
-                if record.calls < 3:    # measure the step about to run
-                    start[0] = _start_peak(args, absolute)
-            return fn(*args)
-        return run
-    return opsmath_backend
-
-
-def _finish(state, record, gm, example_inputs, use_inductor):
-    """The callable that runs ``gm``: Inductor's compiled graph, or ``gm`` itself (op by op)."""
-    if not use_inductor:
-        return gm
-    try:
-        t1 = time.perf_counter()
-        fn = compile_fx(gm, example_inputs, cuda_graphs=state.cuda_graphs)
-        record.inductor, record.inductor_seconds = True, record.inductor_seconds + time.perf_counter() - t1
-        record.cuda_graphs = state.cuda_graphs
-        return fn
-    except Exception as e:  # Inductor failure: the emitted graph still runs, op by op
-        msg = f"graph {record.index}: Inductor failed ({type(e).__name__}: {str(e)[:300]}); " \
-              "running the rewritten graph op by op"
-        log.warning("opsmath: %s", msg)
-        state.fallback_errors.append(msg)
-        return gm
-
-
-def _start_peak(args, reset: bool) -> Optional[int]:
-    """Where a step's peak measurement starts (the graph's first and second calls). Under an absolute
-    budget CUDA's peak statistic is reset here (``reset_peak_memory_stats``), so the step is measured
-    even when something earlier in the process peaked higher; this is documented in ``optimize``.
-    Otherwise the process's peak so far is kept, and the step is measured only if it exceeds it."""
-    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
-    if reset and cuda:
-        torch.cuda.reset_peak_memory_stats(cuda[0].device)
-        return torch.cuda.memory_allocated(cuda[0].device)
-    return _max_allocated(args)
-
-
-def _max_allocated(args) -> Optional[int]:
-    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
-    return torch.cuda.max_memory_allocated(cuda[0].device) if cuda else None
-
-
-_REPLAN_MARGIN = 0.02
-# calls of a graph during which its plan is re-checked against the resident bytes: with gradient
-# accumulation over k micro-batches the optimizer state appears only after call k
-_WATCH_CALLS = 16
-
-
-def _replan(state, record, base, by_node, args, model, use_inductor, peak_before):
-    """At the graph's second call (and, for the resident bytes alone, its later calls up to
-    ``_WATCH_CALLS``), under an absolute budget: what the first plan assumed may have been wrong.
-    Optimizer state appears after the first optimizer step (AdamW: 8 bytes per parameter), so the
-    resident bytes are measured again; on CUDA the first step's measured peak is compared with the prediction and
-    the unexplained excess (workspaces, autocast's weight cache) is taken off the budget (measured as
-    ``max_memory_allocated`` from the reset at the first call, see ``_start_peak``). When either
-    moved, the plan is made once more on a fresh copy of the rewritten graph, else nothing changes.
-    The excess measured in step 1 varies a little from step to step (on the H200, GPT-2-small under
-    Inductor: 192 MiB in step 1, about 215 MiB later), so a re-plan for an excess also keeps a margin of
-    ``_REPLAN_MARGIN`` of the budget. A fractional budget (of the activations) keeps its plan; only its
-    predicted peak is brought up to date with the resident bytes measured now.
-    Returns the re-planned graph or None; an infeasible budget raises ``InfeasibleBudget``."""
-    old = record.plan
-    resident = _resident_bytes(args, model)
-    measured = _max_allocated(args) if peak_before is not None else None
-    if measured is not None and measured <= peak_before:
-        measured = None   # step 1 never exceeded an earlier peak of the process: its own is unknown
-    if measured is not None:
-        old.measured_peak = measured
-    kind, value = parse_budget(state.memory_budget)
-    if kind == "fraction":
-        old.predicted_peak += resident - old.resident
-        old.resident = resident
-        return None
-    over = max(0, measured - old.predicted_peak) if measured is not None else 0
-    slack = int(0.01 * value)
-    if resident <= old.resident + slack and over <= slack:
-        return None
-    # the budget the current plan was made for: the user's, less what earlier re-plans took off
-    budget = int(parse_budget(old.budget)[1]) - (over + int(_REPLAN_MARGIN * value) if over > slack else 0)
-    why = (f"{old.replanned + '; ' if old.replanned else ''}"
-           f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB at call {record.calls}"
-           + (f"; first step measured {measured / 2**20:.1f} MiB, {over / 2**20:.1f} MiB over the prediction, "
-              f"taken off the budget" if over > slack else ""))
-    return _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured)
-
-
-def _tighten(state, record, base, by_node, args, model, use_inductor, peak_before):
-    """At the graph's third call, under an absolute budget: the step that just ran was the final plan's
-    first. If its measured peak exceeded the budget, the plan is made once more with the excess (and
-    the margin) taken off. Returns the re-planned graph or None."""
-    measured = _max_allocated(args)
-    if measured is None or peak_before is None:
-        return None
-    old, value = record.plan, parse_budget(state.memory_budget)[1]
-    old.measured_peak = measured
-    if measured <= value:
-        return None
-    over = measured - int(value)
-    budget = int(parse_budget(old.budget)[1]) - over - int(_REPLAN_MARGIN * value)
-    why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
-           f"{over / 2**20:.1f} MiB over the budget: tightened")
-    return _plan_again(state, record, base, by_node, budget, _resident_bytes(args, model), use_inductor, why,
-                       measured)
-
-
-def _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured):
-    """Plan ``base`` (a fresh copy of the rewritten graph) again for ``budget`` bytes; record why."""
-    g = clone_graph_module(base)
-    try:
-        plan = plan_and_emit(g, by_node, budget, resident, how="tag" if use_inductor else "checkpoint")
-    except InfeasibleBudget as e:
-        raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
-                               f"{record.calls - 1} ({why}): {e}") from None
-    plan.replanned, plan.measured_peak = why, measured
-    record.plan = plan
-    log.warning("opsmath: graph %d re-planned for memory_budget=%r: %s", record.index, state.memory_budget, why)
-    return g
+    eager_regions: list[EagerRegion] = field(default_factory=list)   # left to eager (regions.py), why
 
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
@@ -362,7 +105,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
                           memory_budget=memory_budget, analyze=analyze, inductor=inductor,
                           default_patterns=patterns is None, cuda_graphs=bool(cuda_graphs))
     model._opsmath = state
-    model.compile(backend=_make_backend(state, model), dynamic=False)
+    model.compile(backend=make_backend(state, model), dynamic=False)
     compiled = model._compiled_call_impl
 
     def call(*args, **kwargs):
@@ -372,12 +115,16 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
         # backward is one compiled graph, so the split stays (the user's setting) to keep the overlap.
         with torch._dynamo.config.patch(optimize_ddp=False) if inductor is False or (
                 inductor is None and not _on_cuda(model)) else contextlib.nullcontext():
+            breaks = graph_breaks()
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(getattr(e, "inner_exception", None), InfeasibleBudget):
                     raise e.inner_exception from None
                 raise
+            finally:
+                if graph_breaks() != breaks:
+                    note_graph_breaks(breaks, state.eager_regions)
     # Under an outer ``torch.compile(model)`` dynamo would trace through the in-place compile and hand
     # the original graph to Inductor without opsmath's rewrites or its memory plan. The outer compile
     # skips this frame instead, and the frames below it go through opsmath (and Inductor) as usual.
@@ -388,24 +135,6 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
 def _on_cuda(model: torch.nn.Module) -> bool:
     p = next(iter(model.parameters()), None)
     return p is not None and p.is_cuda
-
-
-def _resident_bytes(example_inputs: list, model: torch.nn.Module) -> int:
-    """What stays resident through the step. On CUDA: everything allocated now (weights or their
-    FSDP shards, optimizer state, inputs) plus the gradients backward will allocate. On CPU: the model's
-    parameters counted by their local shards (an FSDP2 ``DTensor`` counts its ``to_local()`` part)
-    twice, for weights and gradients, plus the graph inputs that are not parameters."""
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    cuda = [t for t in tensors if t.is_cuda]
-    if cuda:
-        grads_to_come = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad and t.grad is None)
-        return torch.cuda.memory_allocated(cuda[0].device) + grads_to_come
-
-    def local_bytes(p):
-        p = p.to_local() if hasattr(p, "to_local") else p
-        return p.numel() * p.element_size()
-    params = 2 * sum(local_bytes(p) for p in model.parameters())
-    return params + sum(t.numel() * t.element_size() for t in tensors if not t.requires_grad)
 
 
 def state_of(model) -> OptimizeState:

@@ -45,6 +45,7 @@ class Report(Rendered):
         self.model_name = state.model_name
         self.graphs = list(state.graphs)
         self.fallback_errors = list(state.fallback_errors)
+        self.eager_regions = list(state.eager_regions)
 
     @property
     def matches(self) -> list[Match]:
@@ -60,7 +61,7 @@ class Report(Rendered):
     # ---- machine-readable ---------------------------------------------------------------------
     def to_dict(self) -> dict:
         return dict(model=self.model_name, graphs=[g.to_dict() for g in self.graphs],
-                    fallback_errors=self.fallback_errors)
+                    eager_regions=[r.to_dict() for r in self.eager_regions], fallback_errors=self.fallback_errors)
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -74,6 +75,8 @@ class Report(Rendered):
             yield Text("nothing captured yet: call the optimized model once", style="yellow")
         for g in self.graphs:
             yield self._graph_panel(g)
+        if self.eager_regions:
+            yield self._eager_table()
         for err in self.fallback_errors:
             yield Text(f"fallback: {err}", style="red")
 
@@ -122,6 +125,17 @@ class Report(Rendered):
             parts.append(Text("op diff: " + ", ".join(diffs[:8]) + (" ..." if len(diffs) > 8 else ""),
                               style="dim"))
         return Panel(Group(*parts), title=f"graph {g.index}", title_align="left")
+
+    def _eager_table(self) -> Table:
+        """What runs as written (autograd Functions, hooks, graph breaks, checkpoint calls) and why."""
+        t = Table(title="kept as written (runs outside opsmath's graphs)", title_justify="left",
+                  show_header=True, header_style="bold", box=None, padding=(0, 1))
+        t.add_column("what", style="yellow", no_wrap=True)
+        t.add_column("source", style="cyan", no_wrap=True)
+        t.add_column("how", overflow="fold")
+        for r in self.eager_regions:
+            t.add_row(r.kind, r.location, r.reason + (f": {r.code}" if r.code else ""))
+        return t
 
     @staticmethod
     def _plan_text(p) -> Text:

@@ -92,18 +92,18 @@ def test_outer_torch_compile_runs_opsmath_without_graph_breaks():
 def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
     """An absolute budget re-planned at the second call (resident grew: optimizer state) is compiled
     by Inductor again, with the new recompute tags; the step's numbers do not change."""
-    from opsmath import api
+    from opsmath import backend
     ref, model, batch = pair(dropout=0.0)
     probe = opsmath.optimize(copy.deepcopy(ref), memory_budget=1.0, inductor=True)
     probe(*batch).backward()
     p = opsmath.report(probe).graphs[0].plan
     torch._dynamo.reset()
-    real, calls = api._resident_bytes, []
+    real, calls = backend._resident_bytes, []
 
     def resident(args, m):
         calls.append(1)
         return real(args, m) + (int(0.15 * p.unconstrained) if len(calls) > 1 else 0)
-    monkeypatch.setattr(api, "_resident_bytes", resident)
+    monkeypatch.setattr(backend, "_resident_bytes", resident)
     model = opsmath.optimize(model, memory_budget=int(p.resident + 0.9 * p.unconstrained), inductor=True)
     model(*batch).backward()
     model.zero_grad()

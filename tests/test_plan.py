@@ -101,13 +101,13 @@ def _probe_then_fresh(dropout=0.1):
 
 def _grown_resident(monkeypatch, extra):
     """Resident bytes as measured at the graph's first call, then ``extra`` more (optimizer state)."""
-    from opsmath import api
-    real, calls = api._resident_bytes, []
+    from opsmath import backend
+    real, calls = backend._resident_bytes, []
 
     def resident(args, model):
         calls.append(1)
         return real(args, model) + (extra if len(calls) > 1 else 0)
-    monkeypatch.setattr(api, "_resident_bytes", resident)
+    monkeypatch.setattr(backend, "_resident_bytes", resident)
 
 
 def test_second_call_replans_when_the_resident_memory_grew(monkeypatch):
@@ -200,13 +200,13 @@ def test_first_step_is_measured_even_after_a_higher_peak_in_the_process():
 def test_third_call_tightens_once_when_the_planned_step_went_over(monkeypatch):
     """Under an absolute budget the step after the (re-)plan is measured too; if it went over the
     budget, the plan is made once more with the excess taken off, and the numbers do not change."""
-    from opsmath import api
+    from opsmath import backend
     p, model, batch = _probe_then_fresh(dropout=0.0)
     budget = int(p.resident + 0.9 * p.unconstrained)
     ref = copy.deepcopy(model)
     peaks = iter([0, budget + int(0.1 * p.unconstrained)])   # step 1 as predicted, step 2 over
-    monkeypatch.setattr(api, "_start_peak", lambda args, absolute: 0)
-    monkeypatch.setattr(api, "_max_allocated", lambda args: next(peaks))
+    monkeypatch.setattr(backend, "_start_peak", lambda args, absolute: 0)
+    monkeypatch.setattr(backend, "_max_allocated", lambda args: next(peaks))
     opt = opsmath.optimize(model, memory_budget=budget)
     for _ in range(2):
         opt(*batch).backward()
@@ -227,14 +227,14 @@ def test_third_call_tightens_once_when_the_planned_step_went_over(monkeypatch):
 def test_late_optimizer_state_is_replanned_under_gradient_accumulation(monkeypatch):
     """With gradient accumulation over 3 micro-batches the optimizer state appears before the fourth
     call, not the second: the resident bytes are re-checked at later calls too and the plan follows."""
-    from opsmath import api
+    from opsmath import backend
     p, model, batch = _probe_then_fresh(dropout=0.0)
     budget = int(p.resident + 0.85 * p.unconstrained)
-    real, stepped = api._resident_bytes, [False]
+    real, stepped = backend._resident_bytes, [False]
 
     def resident(args, m):   # the optimizer's first step (after 3 micro-batches) adds its state
         return real(args, m) + (int(0.1 * p.unconstrained) if stepped[0] else 0)
-    monkeypatch.setattr(api, "_resident_bytes", resident)
+    monkeypatch.setattr(backend, "_resident_bytes", resident)
     opt = opsmath.optimize(model, memory_budget=budget)
     plans = []
     for i in range(5):

@@ -1,0 +1,177 @@
+"""Regions of a captured graph that opsmath leaves to eager, and the split around them.
+
+Dynamo keeps constructs with their own autograd semantics in its graph as higher-order ops: a user
+``torch.autograd.Function`` becomes ``autograd_function_apply(fwd_body, bwd_body, ...)``, a
+``tensor.register_hook`` inside ``forward`` becomes ``register_hook(tensor, hook_body)``. Lowering to
+pre-dispatch ATen (``capture.lower_to_aten``) traces *through* them: a Function's forward is inlined
+under ``no_grad`` (its custom backward and every gradient upstream of it are lost) and a hook
+registered on a fake tensor never reaches the real one. Both change training silently.
+
+So before lowering, every such node is cut out of the graph (``split_module``) and runs as dynamo
+traced it, which executes the higher-order op eagerly with its real semantics (the Function's own
+backward, the hook on the real tensor). The runs of ordinary nodes between them are lowered,
+rewritten and compiled on their own, each a graph of the report; the report lists every region left
+eager with its reason, and dynamo's graph breaks (the code around them runs as plain Python). Higher-order ops whose lowering is exact stay in the pieces (``LOWERED``);
+any other, known today or added by a later torch, is left to eager.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from .capture import source_location
+
+# Higher-order ops ``make_fx(pre_dispatch=True)`` lowers without changing values or gradients:
+# ``wrap`` is a plain call; flex_attention stays one op with its own backward.
+LOWERED = {"wrap", "flex_attention", "flex_attention_backward"}
+CHECKPOINT = "tag_activation_checkpoint"
+
+_WHY = {
+    "autograd_function_apply": ("autograd.Function", "custom backward kept as written"),
+    "register_hook": ("tensor hook", "hook registered on the real tensor"),
+    CHECKPOINT: ("checkpoint", "recomputed in backward as written (RNG preserved); its body is rewritten"),
+}
+
+
+@dataclass
+class EagerRegion:
+    """One node of a captured graph that runs as dynamo traced it (not lowered, not rewritten)."""
+    kind: str           # "autograd.Function", "tensor hook", "higher-order op <name>"
+    location: str       # file.py:line of the user code
+    code: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return dict(kind=self.kind, location=self.location, code=self.code,
+                    reason=self.reason)
+
+
+def eager_nodes(gm: fx.GraphModule) -> dict[fx.Node, EagerRegion]:
+    """The nodes of dynamo's graph ``gm`` that must not be lowered, each with its region record. A
+    ``torch.utils.checkpoint`` region is one (lowering through it would drop its recompute): it runs
+    through ``run_checkpoint`` with its body compiled as a graph of its own."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator):
+            continue
+        name = n.target.name()
+        if name in LOWERED:
+            continue
+        kind, reason = _WHY.get(name, (f"higher-order op {name}", "opsmath does not lower it; runs as traced"))
+        if name == CHECKPOINT and not checkpoint_body_is_plain(gm, n):
+            reason = "selective checkpoint (context_fn): runs as traced"
+        loc, code = source_location(n)
+        out[n] = EagerRegion(kind, loc, code, reason)
+    return out
+
+
+def split_around(gm: fx.GraphModule, keep: set[fx.Node]) -> tuple[fx.GraphModule, list[str]]:
+    """Split ``gm`` into a parent calling submodules in the original order: each node of ``keep`` alone
+    in its own submodule, each run of other nodes between them in one. Returns the parent and the
+    names of the submodules to lower (the runs of ordinary nodes that compute something)."""
+    part, prev_alone, ids, lowered = -1, None, {}, set()
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        if n.target is operator.getitem and n.args[0] in keep:   # unpacks a kept node's outputs
+            ids[n] = ids[n.args[0]]
+            continue
+        alone = n in keep
+        if alone or prev_alone is not False:   # a kept node, or the first ordinary node after one
+            part += 1
+        ids[n] = part
+        if not alone:
+            lowered.add(part)
+        prev_alone = alone
+    parent = split_module(gm, None, lambda n: ids[n], keep_original_order=True)
+    names = [f"submod_{p}" for p in sorted(lowered) if hasattr(parent, f"submod_{p}")]
+    return parent, [s for s in names if _computes(getattr(parent, s))]
+
+
+def _computes(sub: fx.GraphModule) -> bool:
+    """Whether a piece holds anything but grad-mode / autocast bookkeeping and getitems."""
+    skip = {torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast, operator.getitem}
+    return any(n.op in ("call_function", "call_method", "call_module") and n.target not in skip for n in sub.graph.nodes)
+
+
+def _hooks_off_while_tracing():
+    off = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", None)
+    return off() if off is not None else contextlib.nullcontext()
+
+
+def graph_breaks() -> dict:
+    """Dynamo's graph-break counts by reason so far in this process (its ``counters["graph_break"]``)."""
+    from torch._dynamo.utils import counters
+    return dict(counters["graph_break"])
+
+
+def note_graph_breaks(before: dict, regions: list[EagerRegion]):
+    """Append a region for each graph-break reason whose count grew since ``before`` and that
+    ``regions`` does not list yet: the code around a graph break runs as plain Python, unrewritten."""
+    listed = {r.reason for r in regions if r.kind == "graph break"}
+    for reason, n in graph_breaks().items():
+        if n > before.get(reason, 0) and reason not in listed:
+            text = " ".join(str(reason).split()).split(" Explanation:")[0]
+            regions.append(EagerRegion("graph break", "", "", text[:200]))
+
+
+def checkpoint_body_is_plain(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a checkpoint node's body can run through ``run_checkpoint``: not a selective checkpoint
+    (a ``context_fn`` policy, which dynamo keeps in the body's meta)."""
+    body = getattr(gm, node.args[0].target, None)
+    return isinstance(body, fx.GraphModule) and "_checkpoint_context_fn" not in body.meta
+
+
+def run_checkpoint(body, *args, **kwargs):
+    """A ``torch.utils.checkpoint.checkpoint`` call as the user wrote it (``use_reentrant``,
+    ``preserve_rng_state`` ... as given), on ``body``: a ``LazyPiece``, compiled here first, outside
+    the checkpoint's saved-tensor hooks. The recompute in backward re-runs the compiled body; with the
+    RNG state preserved its dropout seeds (drawn from torch's generator) repeat."""
+    from torch._higher_order_ops.wrap import TagActivationCheckpoint
+    from torch.utils.checkpoint import checkpoint
+    ckpt_kwargs, body_kwargs = TagActivationCheckpoint.divide_kwargs(kwargs)
+    body.compile_for(args)
+    return checkpoint(body, *args, **ckpt_kwargs, **body_kwargs)
+
+
+def route_checkpoints(parent: fx.GraphModule, compile_piece) -> int:
+    """In the pieces of a split graph, make every plain checkpoint node call ``run_checkpoint`` on a
+    ``LazyPiece`` of its body. Returns how many were routed."""
+    routed = 0
+    for sub in parent.children():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for n in sub.graph.nodes:
+            if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator) \
+                    and n.target.name() == CHECKPOINT and checkpoint_body_is_plain(sub, n):
+                name = n.args[0].target
+                setattr(sub, name, LazyPiece(getattr(sub, name), compile_piece))
+                n.target = run_checkpoint
+                routed += 1
+        sub.recompile()
+    return routed
+
+
+class LazyPiece(torch.nn.Module):
+    """A lowered piece of a split graph, compiled by ``compile_piece(gm, args)`` at its first call with
+    the real inputs it receives there (what a dynamo backend gets), then run through the result."""
+
+    def __init__(self, gm: fx.GraphModule, compile_piece):
+        super().__init__()
+        self.gm, self._compile, self._fn = gm, compile_piece, None
+
+    def compile_for(self, args):
+        if self._fn is None:
+            # inside a checkpoint's forward, tracing must not reach its saved-tensor hooks (the
+            # recompute would then save a different number of tensors); dynamo does the same
+            with _hooks_off_while_tracing():
+                self._fn = self._compile(self.gm, list(args))
+
+    def forward(self, *args):
+        self.compile_for(args)
+        return self._fn(*args)
