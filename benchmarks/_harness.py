@@ -1,6 +1,6 @@
 """Shared benchmark plumbing: environment record, CUDA-event timing (median), peak memory, JSON out.
 
-Every benchmark runs opsmath and its anchors in one process on the same inputs (DESIGN.md, Measuring).
+Every benchmark runs opsmath and its anchors in one process on the same inputs (docs/design.md, Measuring).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ as ours and as eager's, not the same mask.
 
 ``choose(...)`` measures forward+backward of every candidate on random tensors of the real shapes:
 opsmath's kernel in each configuration of ``CONFIGS`` for the head dim, and each SDPA backend that takes
-the inputs and passes ``accurate_backends`` (DESIGN.md's rule against an fp32 reference, output and
+the inputs and passes ``accurate_backends`` (docs/design.md's rule against an fp32 reference, output and
 gradients). The winner is stored by ``opsmath_compiler/autotune.py`` (per GPU, versions, dtype and shape
 bucket; persisted) and returned as ``"opsmath"`` or ``"sdpa_flash"`` / ``"sdpa_cudnn"`` /
 ``"sdpa_efficient"``; when opsmath's kernel wins in a configuration ``opsmath:BMxBNwWsS``, its launches
@@ -199,7 +199,7 @@ def _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape):
 
 
 def accurate_backends(run, q, k, v, bias, mask, vbias, dout) -> list[str]:
-    """The SDPA backends that take these inputs and meet DESIGN.md's rule against an fp32 reference,
+    """The SDPA backends that take these inputs and meet docs/design.md's rule against an fp32 reference,
     output and dQ/dK/dV: error <= 2x the same-dtype PyTorch error (scores and P @ V in q's dtype,
     softmax in fp32, as users write it: ``eager_same_dtype``) + 1e-3 x max|ref|.
     Checked with dropout off on the first batch, kv head 0 and at most two of its query heads (every
@@ -235,7 +235,7 @@ def accurate_backends(run, q, k, v, bias, mask, vbias, dout) -> list[str]:
 
 
 def eager_same_dtype(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p=0.0, seed=0):
-    """Attention as user code computes it, in q's dtype (DESIGN.md's same-dtype yardstick): scores and
+    """Attention as user code computes it, in q's dtype (docs/design.md's same-dtype yardstick): scores and
     P @ V in q's dtype, softmax in fp32 (or fp64), GQA by repeating K/V; dropout with opsmath's mask."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)

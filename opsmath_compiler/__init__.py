@@ -5,7 +5,7 @@
     print(opsmath.report(model))         # what was replaced, where in the source, and what was not
 
 Exploring and checking: ``opsmath.explore(model, *inputs)`` (candidates, skip/enable, draw, emit),
-``opsmath.verify(eager, optimized, *inputs)`` (numerics by DESIGN.md's rule, loss curves),
+``opsmath.verify(eager, optimized, *inputs)`` (numerics by docs/design.md's rule, loss curves),
 ``opsmath.profile(eager, optimized, *inputs)`` (kernels, time per op class, peak memory).
 """
 from .api import optimize

@@ -9,7 +9,7 @@
    Checkpointing a segment keeps only its external activation inputs and recomputes the rest in
    backward; its saving is ``saved(segment) - inputs(segment)``.
 3. **Cost**: a modelled recompute time per node: matmul/attention FLOPs at 400 TFLOP/s, every other
-   op's bytes at 3 TB/s (about 55% and 75% of the H200 ceilings in DESIGN.md), plus 5 us per launch.
+   op's bytes at 3 TB/s (about 55% and 75% of the H200 ceilings in docs/design.md), plus 5 us per launch.
 4. **Choice**: exact 0/1 knapsack (vectorized DP over savings in 1/4096 steps of the total, savings
    rounded down so the budget holds) for every candidate "largest recomputed segment", minimizing cost,
    then predicted peak, so a smaller budget never gives a larger predicted peak.

@@ -1,4 +1,4 @@
-"""``opsmath.verify``: numerics of an optimized model against eager, by DESIGN.md's rule.
+"""``opsmath.verify``: numerics of an optimized model against eager, by docs/design.md's rule.
 
 For the model's output and every parameter gradient::
 

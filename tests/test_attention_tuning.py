@@ -74,7 +74,7 @@ cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="SDPA's flash/cuDNN/effi
                                           (2, 8, 8, 517, 517, 64, "padding", None, False)])
 def test_the_chosen_kernel_follows_the_tolerance_rule(case, tmp_path, monkeypatch):
     """Whatever ``choose`` picks (vendors are admitted only after their own accuracy check on a
-    slice) meets DESIGN.md's rule on the whole problem: output and every gradient."""
+    slice) meets docs/design.md's rule on the whole problem: output and every gradient."""
     from opsmath import autotune
     from opsmath.kernels.attention import attention_op
     monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path))

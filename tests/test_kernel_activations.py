@@ -1,4 +1,4 @@
-"""opsmath::swiglu and opsmath::bias_gelu against PyTorch: DESIGN.md's rule against float64 on the
+"""opsmath::swiglu and opsmath::bias_gelu against PyTorch: docs/design.md's rule against float64 on the
 output and every gradient, odd widths, row-strided inputs (the halves of one ``chunk``), both GELU forms;
 the Triton kernels through the interpreter on CPU."""
 import pytest

@@ -1,4 +1,4 @@
-"""opsmath::attention kernel: Triton (interpreter on CPU, compiled on CUDA) vs PyTorch, DESIGN.md rule."""
+"""opsmath::attention kernel: Triton (interpreter on CPU, compiled on CUDA) vs PyTorch, docs/design.md rule."""
 import math
 
 import pytest

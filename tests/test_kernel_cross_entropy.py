@@ -1,4 +1,4 @@
-"""opsmath::cross_entropy vs ``F.cross_entropy(logits.float(), t)``: DESIGN.md's rule against float64,
+"""opsmath::cross_entropy vs ``F.cross_entropy(logits.float(), t)``: docs/design.md's rule against float64,
 loss and dlogits, odd vocabularies, ignore_index, label smoothing, mean and sum; the Triton row kernel
 through the interpreter on CPU."""
 import pytest

@@ -1,4 +1,4 @@
-"""opsmath::dropout_add_norm kernel: Triton vs PyTorch's own LayerNorm / RMSNorm, DESIGN.md rule."""
+"""opsmath::dropout_add_norm kernel: Triton vs PyTorch's own LayerNorm / RMSNorm, docs/design.md rule."""
 import pytest
 import torch
 import torch.nn.functional as F

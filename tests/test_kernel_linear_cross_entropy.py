@@ -1,4 +1,4 @@
-"""opsmath::linear_cross_entropy vs ``F.cross_entropy(F.linear(x, W, b), t)``: DESIGN.md's rule against
+"""opsmath::linear_cross_entropy vs ``F.cross_entropy(F.linear(x, W, b), t)``: docs/design.md's rule against
 float64, loss and dx/dW/db, odd sizes, several chunks, ignore_index, label smoothing, mean and sum;
 the Triton row kernel through the interpreter on CPU."""
 import pytest

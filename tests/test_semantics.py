@@ -24,7 +24,7 @@ from semantics_idioms import IDIOMS, GradReverse, random_stack, reduce_output
 
 def _same(a, b, mode: str, what: str, ref=None):
     """``b`` (optimized) against ``a`` (eager): ``mode`` "exact" (bitwise), "fp32" (the fused ops' fp32
-    rounding: 1e-4 relative in norm) or "rule" (DESIGN.md's rule against ``ref``, an fp32 run: the
+    rounding: 1e-4 relative in norm) or "rule" (docs/design.md's rule against ``ref``, an fp32 run: the
     optimized error at most 2x eager's plus 1e-2 of the reference's magnitude)."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{what}: {type(b).__name__} instead of a tensor"

@@ -1,4 +1,4 @@
-"""DESIGN.md: fixed-seed training of a small model for >= 100 steps tracks eager's loss curve.
+"""docs/design.md: fixed-seed training of a small model for >= 100 steps tracks eager's loss curve.
 Dropout off: step by step within fp32 rounding growth. Dropout on (masks differ by construction): the
 smoothed curves agree within the step-to-step noise of the eager curve itself."""
 import copy

@@ -1,4 +1,4 @@
-"""DESIGN.md's tolerance rule (the FlashAttention rule).
+"""docs/design.md's tolerance rule (the FlashAttention rule).
 
 The fused result and the same-dtype PyTorch result are both compared with a higher-precision
 reference; the fused error must be at most ``2 x`` PyTorch's error plus a small ``atol``, taken
