@@ -1,6 +1,6 @@
 """``opsmath.optimize``: the one line users add.
 
-``optimize(model)`` compiles the module *in place* with a dynamo backend (``nn.Module.compile``), so it
+``optimize(model)`` compiles the module *in place* with a dynamo backend (as ``nn.Module.compile`` does), so it
 returns the same object: same Parameters, same ``state_dict()`` keys, any optimizer keeps working. The
 first call captures with the real inputs; dynamo's guards re-capture on train/eval switches, new input
 shapes (``dynamic=False``: every shape gets its own, exactly specialized graph), autocast changes and
@@ -105,8 +105,11 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
                           memory_budget=memory_budget, analyze=analyze, inductor=inductor,
                           default_patterns=patterns is None, cuda_graphs=bool(cuda_graphs))
     model._opsmath = state
-    model.compile(backend=make_backend(state, model), dynamic=False)
-    compiled = model._compiled_call_impl
+    # dynamo skips a top-level frame that lives in torch/ (``nn.Sequential``, ``nn.TransformerEncoderLayer``
+    # called directly): it compiles this frame instead and inlines the module's ``_call_impl`` from here
+    def opsmath_frame(*args, **kwargs):
+        return model._call_impl(*args, **kwargs)
+    compiled = torch.compile(opsmath_frame, backend=make_backend(state, model), dynamic=False)
 
     def call(*args, **kwargs):
         # Run op by op under autograd, the rewritten graph fires DDP's per-parameter gradient hooks as

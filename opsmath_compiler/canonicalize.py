@@ -6,6 +6,10 @@ handled here, once, so that every pattern sees the same thing:
 * casts (``to``, ``_to_copy``, ``type_as``) are recognized and can be looked through;
 * scalar scales: ``x * c``, ``x / c``, ``c * x`` become one multiplier;
 * transposes of the last two dims in any spelling (``transpose(-2, -1)``, ``(2, 3)``, ``permute``);
+* batched matrix products in any spelling: ``matmul``, ``bmm``, and ``einsum`` equations that are
+  one (``"bhqd,bhkd->bhqk"`` is ``q @ k^T``), read by ``as_matmul``;
+* ``scaled_dot_product_attention``'s arguments by name (``sdpa_args``), and GQA's ``repeat_kv`` (HF's
+  unsqueeze/expand/reshape, ``repeat_interleave``, a single kv head's ``expand``) undone;
 * constant subgraphs (tensor factories, module buffers) can be evaluated to real values, which is how
   ``masked_fill(tril[:T, :T] == 0, -inf)`` and HF's arange-built additive masks are recognized as causal.
 """
@@ -108,6 +112,93 @@ def last_two_transposed(node) -> Optional[fx.Node]:
     if node.target in (aten.t.default, aten.numpy_T.default) and nd == 2:
         return node.args[0]
     return None
+
+
+def as_matmul(node) -> Optional[tuple[fx.Node, fx.Node, bool]]:
+    """``(a, b, b_transposed)`` if ``node`` is the batched product ``a @ b`` (``b_transposed``: ``a @
+    b^T``, b given as (..., N, K)) over the last two dims with equal leading dims: ``matmul``/``bmm``,
+    or an ``einsum`` whose equation is one (``"xyik,xyjk->xyij"``, ``"xyik,xykj->xyij"``; no
+    ellipsis, repeated or summed batch letters)."""
+    if is_op(node, MATMULS):
+        return node.args[0], node.args[1], False
+    if not is_op(node, {aten.einsum.default}) or len(node.args[1]) != 2:
+        return None
+    eq = node.args[0].replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        return None
+    (lhs, out), (a, b) = eq.split("->"), node.args[1]
+    if lhs.count(",") != 1 or not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return None
+    sa, sb = lhs.split(",")
+    if not (len(sa) == len(sb) == len(out) >= 2) or len(set(sa)) != len(sa) or len(set(sb)) != len(sb):
+        return None
+    batch, (i, k), b_last = sa[:-2], sa[-2:], sb[-2:]
+    if sb[:-2] != batch or out[:-2] != batch or len({i, k, *b_last} - set(batch)) != 3:
+        return None
+    if b_last[0] == k and out[-2:] == i + b_last[1] and b_last[1] != i:
+        return a, b, False
+    if b_last[1] == k and out[-2:] == i + b_last[0] and b_last[0] != i:
+        return a, b, True
+    return None
+
+
+SDPAS = {aten.scaled_dot_product_attention.default}
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
+
+
+def sdpa_args(node) -> Optional[dict]:
+    """``scaled_dot_product_attention``'s arguments by name, defaults filled in, or None."""
+    if not is_op(node, SDPAS):
+        return None
+    args = dict(_SDPA_DEFAULTS, **dict(zip(_SDPA_PARAMS, node.args)), **node.kwargs)
+    return args if set(args) == set(_SDPA_PARAMS) else None
+
+
+def strip_full_slices(node):
+    """Look through ``slice(x, d, 0, end>=size)`` that select everything (from ``x[:, :, None]``)."""
+    while is_op(node, {aten.slice.Tensor}):
+        src = node.args[0]
+        d = node.args[1] if len(node.args) > 1 else 0
+        start = node.args[2] if len(node.args) > 2 else None
+        end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        size = shape(src)[d]
+        if (start in (None, 0)) and (end is None or end >= size) and step == 1:
+            node = src
+        else:
+            break
+    return node
+
+
+def repeat_kv_source(node, heads: int) -> Optional[tuple[fx.Node, int]]:
+    """(kv tensor (B, Hkv, S, D), rep) if ``node`` is kv repeated to ``heads`` heads, as HF's
+    ``repeat_kv`` (unsqueeze/index None -> expand -> reshape), ``repeat_interleave(rep, dim=1)`` or a
+    plain ``expand`` of a single kv head (MQA) write it."""
+    if len(shape(node)) != 4:
+        return None
+    if is_op(node, {aten.repeat_interleave.self_int}):
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if dim in (1, -3) and isinstance(node.args[1], int) and len(node.args) <= 3:
+            return node.args[0], int(node.args[1])
+        return None
+    if is_op(node, {aten.expand.default}) and shape(node.args[0])[1:2] == (1,) and heads > 1:
+        src = node.args[0]
+        if shape(src)[0] == shape(node)[0] and shape(src)[2:] == shape(node)[2:]:
+            return src, heads
+        return None
+    if not is_op(node, VIEWS) or not is_op(node.args[0], {aten.expand.default}):
+        return None
+    e = node.args[0]
+    u = strip_full_slices(e.args[0])
+    if not (is_op(u, {aten.unsqueeze.default}) and u.args[1] in (2, -3)):
+        return None
+    src = strip_full_slices(u.args[0])
+    B, Hkv, S, D = shape(src)
+    es = shape(e)
+    if len(es) != 5 or es[0] != B or es[1] != Hkv or es[3:] != (S, D) or shape(node) != (B, Hkv * es[2], S, D):
+        return None
+    return src, es[2]
 
 
 def only_users_in(node: fx.Node, allowed: set) -> bool:

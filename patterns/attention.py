@@ -19,9 +19,9 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from opsmath.canonicalize import (MATMULS, SOFTMAXES, VIEWS, aten, causal_from_constant, constant_value,
-                                  dropout_info, dtype, is_cast, is_op, last_two_transposed, scalar_scale,
-                                  shape, strip_scales, val)
+from opsmath.canonicalize import (SOFTMAXES, SDPAS, aten, as_matmul, causal_from_constant, constant_value,
+                                  dropout_info, dtype, is_cast, is_op, last_two_transposed, repeat_kv_source,
+                                  scalar_scale, sdpa_args, shape, strip_scales, val)
 from opsmath.match import RewriteContext, node_line
 
 # a mask fill or additive bias at or below this removes a position exactly (exp underflows to 0 in fp32)
@@ -44,58 +44,13 @@ class _Plan:
     causal: bool = False
     dropout_p: float = 0.0
     nodes: list = field(default_factory=list)    # chain nodes, in graph order
-
-
-def _strip_full_slices(node):
-    """Look through ``slice(x, d, 0, end>=size)`` that select everything (from ``x[:, :, None]``)."""
-    while is_op(node, {aten.slice.Tensor}):
-        src = node.args[0]
-        d = node.args[1] if len(node.args) > 1 else 0
-        start = node.args[2] if len(node.args) > 2 else None
-        end = node.args[3] if len(node.args) > 3 else None
-        step = node.args[4] if len(node.args) > 4 else 1
-        size = shape(src)[d]
-        if (start in (None, 0)) and (end is None or end >= size) and step == 1:
-            node = src
-        else:
-            break
-    return node
-
-
-def _repeat_kv_source(node, heads: int) -> Optional[tuple[fx.Node, int]]:
-    """(kv tensor (B, Hkv, S, D), rep) if ``node`` is kv repeated to ``heads`` heads, as HF's
-    ``repeat_kv`` (unsqueeze/index None -> expand -> reshape), ``repeat_interleave(rep, dim=1)`` or a
-    plain ``expand`` of a single kv head (MQA) write it."""
-    if len(shape(node)) != 4:
-        return None
-    if is_op(node, {aten.repeat_interleave.self_int}):
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
-        if dim in (1, -3) and isinstance(node.args[1], int) and len(node.args) <= 3:
-            return node.args[0], int(node.args[1])
-        return None
-    if is_op(node, {aten.expand.default}) and shape(node.args[0])[1:2] == (1,) and heads > 1:
-        src = node.args[0]
-        if shape(src)[0] == shape(node)[0] and shape(src)[2:] == shape(node)[2:]:
-            return src, heads
-        return None
-    if not is_op(node, VIEWS) or not is_op(node.args[0], {aten.expand.default}):
-        return None
-    e = node.args[0]
-    u = _strip_full_slices(e.args[0])
-    if not (is_op(u, {aten.unsqueeze.default}) and u.args[1] in (2, -3)):
-        return None
-    src = _strip_full_slices(u.args[0])
-    B, Hkv, S, D = shape(src)
-    es = shape(e)
-    if len(es) != 5 or es[0] != B or es[1] != Hkv or es[3:] != (S, D) or shape(node) != (B, Hkv * es[2], S, D):
-        return None
-    return src, es[2]
+    scores: tuple = ()                # the scores' shape (..., Sq, Sk)
 
 
 def _leads_to_matmul(node, depth: int = 12) -> bool:
     """Whether ``node`` is (through scales, casts, biases, masks) a product of a matmul."""
     for _ in range(depth):
-        if is_op(node, MATMULS):
+        if as_matmul(node) is not None:
             return True
         if not isinstance(node, fx.Node) or node.op != "call_function":
             return False
@@ -128,15 +83,63 @@ def _fill_value(ctx, x) -> Optional[float]:
     return None
 
 
+def _line_up(plan: _Plan) -> Optional[str]:
+    """Check (and complete) a plan's operands against its scores' shape: GQA's ``repeat_kv`` undone
+    into ``plan.rep`` (unless already set), then shapes, dtypes and devices; a reason to decline or None."""
+    lead, Sk, nd = plan.scores[:-2], plan.scores[-1], len(plan.scores)
+    q, k, v = plan.q, plan.k, plan.v
+    D = shape(q)[-1]
+    kshape = shape(k)[:-2] + (shape(k)[-1], shape(k)[-2]) if plan.k_needs_transpose else shape(k)
+    if nd == 4 and plan.rep > 1:
+        if kshape[0] != lead[0] or kshape[1] * plan.rep != lead[1] or shape(v)[:-2] != kshape[:-2]:
+            return "K/V heads do not divide the query heads"
+    elif nd == 4 and kshape[:-2] != lead:
+        kv = repeat_kv_source(k, lead[1]), repeat_kv_source(v, lead[1])
+        if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1] or plan.k_needs_transpose:
+            return f"K/V batch dims {kshape[:-2]} differ from the scores' {lead} in a way not understood"
+        (plan.k, plan.rep), (plan.v, _) = kv
+        kshape = shape(plan.k)
+        if kshape[0] != lead[0] or kshape[1] * plan.rep != lead[1]:
+            return "K/V heads do not divide the query heads"
+    elif nd == 4 and shape(v)[:-2] != lead:
+        return "V batch dims differ from the scores' (K and V repeated differently?)"
+    if shape(q)[:-2] != lead or kshape[-2:] != (Sk, D) or shape(plan.v)[-2] != Sk:
+        return "Q/K/V shapes do not line up (broadcasting matmul)"
+    if shape(plan.v)[-1] != D:
+        return f"V head dim {shape(plan.v)[-1]} differs from Q/K head dim {D} (not supported yet)"
+    if dtype(plan.qk) != dtype(plan.pv) or dtype(plan.qk) not in (torch.float16, torch.bfloat16, torch.float32,
+                                                                  torch.float64):
+        return f"mixed or unsupported dtypes: QK^T in {dtype(plan.qk)}, PV in {dtype(plan.pv)}"
+    if any(dtype(x) != dtype(plan.qk) for x in (q, plan.k, plan.v)) and plan.qk is plan.pv:
+        return "Q, K and V in different dtypes"
+    devs = {getattr(val(n), "device", None) for n in (q, plan.k, plan.v, plan.qk)}
+    if len(devs) != 1:
+        return f"operands on different devices {devs}"
+    return None
+
+
+def _finish_plan(ctx, plan: _Plan) -> Union[str, _Plan]:
+    """Biases must broadcast to the scores; constant causal masks and biases become ``is_causal``."""
+    for what, x in [("bias", b) for b, _ in plan.biases] + [("mask", m) for m, _ in plan.masks]:
+        try:
+            ok = torch.broadcast_shapes(shape(x), plan.scores) == plan.scores
+        except RuntimeError:
+            ok = False
+        if not ok:
+            return f"{what} of shape {shape(x)} does not broadcast to the scores {plan.scores}"
+    AttentionPattern._detect_causal(ctx, plan, *plan.scores[-2:])
+    return plan
+
+
 class AttentionPattern:
     name = "attention"
 
     def apply(self, ctx: RewriteContext) -> None:
-        for sm in [n for n in ctx.graph.nodes if is_op(n, SOFTMAXES)]:
-            plan = self._analyze(ctx, sm)
+        for anchor in [n for n in ctx.graph.nodes if is_op(n, SOFTMAXES) or is_op(n, SDPAS)]:
+            plan = self._analyze(ctx, anchor) if is_op(anchor, SOFTMAXES) else self._analyze_sdpa(ctx, anchor)
             if plan is None:
                 continue
-            ctx.offer(self.name, sm, plan, lambda: self._emit(ctx, sm, plan))
+            ctx.offer(self.name, anchor, plan, lambda: self._emit(ctx, anchor, plan))
 
     # ------------------------------------------------------------------------------------------
     def _analyze(self, ctx: RewriteContext, sm: fx.Node) -> Union[None, str, _Plan]:
@@ -147,7 +150,7 @@ class AttentionPattern:
             return None
         # ---- upward: softmax input back to Q K^T ------------------------------------------------
         ops, up, cur, escape = [], [], sm.args[0], None
-        while not is_op(cur, MATMULS):
+        while as_matmul(cur) is None:
             if not isinstance(cur, fx.Node) or cur.op != "call_function":
                 return None
             if len(cur.users) != 1 and escape is None:
@@ -210,7 +213,7 @@ class AttentionPattern:
                     return "two dropouts on the attention probabilities"
                 p_drop = max(p_drop, d[1])
                 cur = u
-            elif is_op(u, MATMULS) and u.args[0] is cur:
+            elif (mm := as_matmul(u)) is not None and mm[0] is cur and not mm[2]:
                 pv = u
                 break
             else:
@@ -219,39 +222,20 @@ class AttentionPattern:
         if not 0.0 <= p_drop < 1.0:
             return f"dropout p={p_drop} outside [0, 1)"
         # ---- operands ----------------------------------------------------------------------------
-        q, cq = strip_scales(qk.args[0])
-        kt = last_two_transposed(qk.args[1])
+        a, b, b_transposed = as_matmul(qk)
+        q, cq = strip_scales(a)
+        kt = b if b_transposed else last_two_transposed(b)
         if kt is not None:
             k, ck = strip_scales(kt)
             k_needs_transpose = False
         else:
-            k, ck = strip_scales(qk.args[1])
+            k, ck = strip_scales(b)
             k_needs_transpose = True
-        v = pv.args[1]
+        v = as_matmul(pv)[1]
         plan = _Plan(qk=qk, pv=pv, q=q, k=k, k_needs_transpose=k_needs_transpose, v=v, dropout_p=p_drop,
-                     scale=cq * ck, nodes=[*reversed(up), sm, *down])
-        lead, (Sq, Sk) = sshape[:-2], sshape[-2:]
-        D = shape(q)[-1]
-        kshape = shape(k)[:-2] + (shape(k)[-1], shape(k)[-2]) if k_needs_transpose else shape(k)
-        if nd == 4 and kshape[:-2] != lead:
-            kv = _repeat_kv_source(k, lead[1]), _repeat_kv_source(v, lead[1])
-            if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1] or k_needs_transpose:
-                return f"K/V batch dims {kshape[:-2]} differ from the scores' {lead} in a way not understood"
-            (plan.k, plan.rep), (plan.v, _) = kv
-            kshape = shape(plan.k)
-            if kshape[0] != lead[0] or kshape[1] * plan.rep != lead[1]:
-                return "K/V heads do not divide the query heads"
-        elif nd == 4 and shape(v)[:-2] != lead:
-            return "V batch dims differ from the scores' (K and V repeated differently?)"
-        if shape(q)[:-2] != lead or kshape[-2:] != (Sk, D) or shape(plan.v)[-2] != Sk:
-            return "Q/K/V shapes do not line up (broadcasting matmul)"
-        if shape(plan.v)[-1] != D:
-            return f"V head dim {shape(plan.v)[-1]} differs from Q/K head dim {D} (not supported yet)"
-        if dtype(qk) != dtype(pv) or dtype(qk) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            return f"mixed or unsupported dtypes: QK^T in {dtype(qk)}, PV in {dtype(pv)}"
-        devs = {getattr(val(n), "device", None) for n in (q, plan.k, plan.v, qk)}
-        if len(devs) != 1:
-            return f"operands on different devices {devs}"
+                     scale=cq * ck, nodes=[*reversed(up), sm, *down], scores=sshape)
+        if (why := _line_up(plan)) is not None:
+            return why
         # ---- compose ops (applied innermost first) into scale, bias, mask ---------------------------
         for op in reversed(ops):
             if op[0] == "scale":
@@ -273,17 +257,45 @@ class AttentionPattern:
                     return "two masks with different fill values"
                 plan.masks.append((m, negate))
                 plan.fill = f
-        for b, _ in plan.biases:
-            try:
-                ok = torch.broadcast_shapes(shape(b), sshape) == sshape
-            except RuntimeError:
-                ok = False
-            if not ok:
-                return f"bias of shape {shape(b)} does not broadcast to the scores {sshape}"
-        self._detect_causal(ctx, plan, Sq, Sk)
-        return plan
+        return _finish_plan(ctx, plan)
 
-    def _detect_causal(self, ctx, plan: _Plan, Sq: int, Sk: int) -> None:
+    def _analyze_sdpa(self, ctx: RewriteContext, node: fx.Node) -> Union[None, str, _Plan]:
+        """An SDPA call as a plan: ``attn_mask`` a boolean keep-mask (a mask with fill -inf) or an
+        additive bias, read like the eager spellings' masks (constant causal masks become ``is_causal``);
+        ``enable_gqa`` or a ``repeat_kv`` before the call becomes native GQA; ``scale=None`` is
+        ``1/sqrt(D)``. Only the SDPA node is replaced."""
+        a = sdpa_args(node)
+        q, k, v, m = a["query"], a["key"], a["value"], a["attn_mask"]
+        if not all(isinstance(x, fx.Node) for x in (q, k, v)) or not isinstance(m, (fx.Node, type(None))):
+            return None
+        nd = len(shape(q))
+        if nd not in (3, 4) or not isinstance(a["dropout_p"], (int, float)):
+            return None
+        D, Sk = shape(q)[-1], shape(k)[-2]
+        scale = a["scale"] if a["scale"] is not None else D ** -0.5
+        if not isinstance(scale, (int, float)) or scale <= 0:
+            return "scale is not a positive constant"
+        plan = _Plan(qk=node, pv=node, q=q, k=k, k_needs_transpose=False, v=v, scale=float(scale),
+                     causal=bool(a["is_causal"]), dropout_p=float(a["dropout_p"]), scores=shape(q)[:-1] + (Sk,))
+        if a["enable_gqa"] and nd == 4 and shape(k)[1] != shape(q)[1]:
+            if shape(q)[1] % shape(k)[1]:
+                return "K/V heads do not divide the query heads"
+            plan.rep = shape(q)[1] // shape(k)[1]
+        if m is not None:
+            if dtype(m) == torch.bool:
+                plan.masks.append((m, True))   # SDPA's True keeps a position; ours removes it
+            else:
+                plan.biases.append([m, 1.0])
+        if plan.causal and m is not None:
+            return "is_causal together with attn_mask"
+        if not 0.0 <= plan.dropout_p < 1.0:
+            return f"dropout p={plan.dropout_p} outside [0, 1)"
+        if (why := _line_up(plan)) is not None:
+            return why
+        return _finish_plan(ctx, plan)
+
+    @staticmethod
+    def _detect_causal(ctx, plan: _Plan, Sq: int, Sk: int) -> None:
         """Constant masks/biases equal to the ``j > i`` pattern become ``is_causal`` (block skipping)."""
         for mask in list(plan.masks):
             m, negate = mask
@@ -305,10 +317,12 @@ class AttentionPattern:
 
     # ------------------------------------------------------------------------------------------
     def _emit(self, ctx: RewriteContext, sm: fx.Node, plan: _Plan) -> None:
-        nd = len(shape(sm))
+        """Replace the chain (or the SDPA call) anchored at ``sm`` with the chosen backend's call."""
+        nd = len(plan.scores)
         cdt = dtype(plan.qk)
         pv = plan.pv
-        before = [node_line(n) for n in [plan.qk, *plan.nodes, pv]]
+        chain = list(dict.fromkeys([plan.qk, *plan.nodes, pv]))
+        before = [node_line(n) for n in chain]
         with ctx.graph.inserting_before(pv):
             def cast(x):
                 return x if dtype(x) == cdt else ctx.call(aten.to.dtype, (x, cdt), sm)
@@ -355,10 +369,9 @@ class AttentionPattern:
             if nd == 3:
                 out = ctx.call(aten.squeeze.dim, (out, 1), sm)
         pv.replace_all_uses_with(out)
-        replaced = [plan.qk, *plan.nodes, pv]
         ctx.erase_dead([pv])
-        B = shape(sm)[0]
-        H = shape(sm)[1] if nd == 4 else 1
+        B = plan.scores[0]
+        H = plan.scores[1] if nd == 4 else 1
         desc = [f"scale={plan.scale:.4g}"]
         if plan.causal:
             desc.append("causal")
@@ -372,10 +385,10 @@ class AttentionPattern:
             desc.append(f"gqa {H}/{H // plan.rep}")
         text = f"opsmath::attention({', '.join(desc)})" if backend == "opsmath" else \
             f"{backend}({', '.join(desc)}), measured fastest"
-        ctx.replaced(self.name, sm, replaced, text, before, backend=backend,
+        ctx.replaced(self.name, sm, chain, text, before, backend=backend,
                      causal=plan.causal, scale=plan.scale, dropout_p=plan.dropout_p, gqa_rep=plan.rep,
                      has_bias=bool(plan.biases), has_mask=bool(plan.masks), batch=B, heads=H,
-                     q_len=shape(sm)[-2], k_len=shape(sm)[-1], head_dim=shape(plan.q)[-1],
+                     q_len=plan.scores[-2], k_len=plan.scores[-1], head_dim=shape(plan.q)[-1],
                      dtype=str(dtype(plan.qk)).replace("torch.", ""))
 
 

@@ -16,10 +16,38 @@ from conftest import DEVICE
 transformers = pytest.importorskip("transformers")
 
 
+_ATTN = ["eager"]   # the attn_implementation _hf builds with (``_default_attention`` switches it)
+
+
 def _hf(cls_name, cfg_name, **cfg):
     cfg_cls = getattr(transformers, cfg_name)
-    config = cfg_cls(attn_implementation="eager", **cfg)
+    config = cfg_cls(attn_implementation=_ATTN[0], **cfg)
     return getattr(transformers, cls_name)(config)
+
+
+def _default_attention(factory):
+    """``factory`` with Hugging Face's default attention ("sdpa": a ``scaled_dot_product_attention`` call)."""
+    def make():
+        _ATTN[0] = "sdpa"
+        try:
+            return factory()
+        finally:
+            _ATTN[0] = "eager"
+    return make
+
+
+def gpt_neox():
+    m = _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            intermediate_size=64, vocab_size=100, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=ids), 2, 0
+
+
+def phi3():
+    m = _hf("Phi3ForCausalLM", "Phi3Config", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, vocab_size=100, pad_token_id=0)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=ids), 2, 0
 
 
 def _tokens(vocab, B=2, T=16):
@@ -132,7 +160,12 @@ MODELS = {  # name: factory -> (model, inputs, attention layers, at least this m
     "nanogpt": nanogpt, "llama_handwritten": llama_handwritten, "hf_gpt2": gpt2, "hf_bert_padding": bert_padding,
     "hf_llama_gqa": llama_gqa, "hf_mistral_mqa": mistral_gqa, "hf_qwen2": qwen2_gqa_bias, "hf_vit": hf_vit,
     "hf_t5": t5_relative_bias, "timm_vit": timm_vit, "hf_mixtral_moe": mixtral_moe, "hf_qwen2_moe": qwen2_moe,
-    "dit_handwritten": dit_handwritten,
+    "dit_handwritten": dit_handwritten, "hf_gpt_neox": gpt_neox,
+    # Hugging Face's default attention: one scaled_dot_product_attention call per layer
+    **{f"{name}_sdpa": _default_attention(f) for name, f in [
+        ("hf_llama_gqa", llama_gqa), ("hf_mistral_mqa", mistral_gqa), ("hf_qwen2", qwen2_gqa_bias),
+        ("hf_gpt2", gpt2), ("hf_bert_padding", bert_padding), ("hf_gpt_neox", gpt_neox), ("hf_phi3", phi3),
+        ("hf_vit", hf_vit)]},
 }
 
 

@@ -130,6 +130,45 @@ def relative_bias_learned(q, k, v, m):
     return F.softmax((q @ k.transpose(-2, -1)) * D ** -0.5 + m.rel_bias, dim=-1) @ v
 
 
+def einsum_both(q, k, v, m):
+    att = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(D)
+    return torch.einsum("bhqk,bhkd->bhqd", att.softmax(-1), v)
+
+
+def einsum_causal_other_letters(q, k, v, m):
+    att = torch.einsum("nhid,nhjd->nhij", q * D ** -0.5, k).masked_fill(m.tril[:, :, :T, :T] == 0, float("-inf"))
+    return F.softmax(att, dim=-1) @ v
+
+
+def sdpa_plain(q, k, v, m):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def sdpa_is_causal_scale(q, k, v, m):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2)
+
+
+def sdpa_bool_tril(q, k, v, m):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m.causal[:T, :T])
+
+
+def sdpa_bool_padding(q, k, v, m):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m.pad[:, None, None, :].bool())
+
+
+def sdpa_additive_padding(q, k, v, m):
+    bias = (1.0 - m.pad[:, None, None, :]) * torch.finfo(q.dtype).min
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def sdpa_enable_gqa(q, k, v, m):
+    return F.scaled_dot_product_attention(q, k[:, ::2], v[:, ::2], is_causal=True, enable_gqa=True)
+
+
+def sdpa_repeat_kv(q, k, v, m):
+    return F.scaled_dot_product_attention(q, repeat_kv(k[:, ::2], 2), repeat_kv(v[:, ::2], 2), is_causal=True)
+
+
 SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "mul_scale": (mul_scale, False, False, False),
     "div_sqrt": (div_sqrt, False, False, False),
@@ -152,6 +191,15 @@ SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "gqa_repeat_interleave": (gqa_repeat_interleave, False, False, False),
     "mqa_expand": (mqa_expand, False, False, False),
     "relative_bias_learned": (relative_bias_learned, False, True, False),
+    "einsum_both": (einsum_both, False, False, False),
+    "einsum_causal_other_letters": (einsum_causal_other_letters, True, False, False),
+    "sdpa_plain": (sdpa_plain, False, False, False),
+    "sdpa_is_causal_scale": (sdpa_is_causal_scale, True, False, False),
+    "sdpa_bool_tril": (sdpa_bool_tril, True, False, False),
+    "sdpa_bool_padding": (sdpa_bool_padding, False, False, True),
+    "sdpa_additive_padding": (sdpa_additive_padding, False, True, False),
+    "sdpa_enable_gqa": (sdpa_enable_gqa, True, False, False),
+    "sdpa_repeat_kv": (sdpa_repeat_kv, True, False, False),
 }
 
 
@@ -238,3 +286,29 @@ def test_softmax_over_other_dim_is_not_attention():
     torch.manual_seed(0)
     rep = _compare(AttnModel(odd), *_inputs())
     assert rep.count("attention") == 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.TransformerEncoderLayer(C, H, 2 * C, dropout=0.0, batch_first=True),
+    lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(C, H, 2 * C, dropout=0.0, batch_first=True,
+                                                             norm_first=True), 2, enable_nested_tensor=False),
+    lambda: nn.Sequential(nn.Linear(C, C), nn.TransformerEncoderLayer(C, H, 2 * C, dropout=0.0, batch_first=True)),
+], ids=["encoder_layer", "encoder_pre_ln", "sequential"])
+def test_torch_nn_containers_are_captured_and_their_attention_rewritten(make):
+    """A torch.nn module passed to optimize directly (its forward lives in torch/, which dynamo skips as a
+    top-level frame) is captured; nn.MultiheadAttention's SDPA call inside is rewritten."""
+    torch.manual_seed(0)
+    model = make()
+    layers = sum(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    x = torch.randn(2, T, C)
+    y, ye = opt(x), eager(x)
+    w = torch.randn_like(y)   # (a sum of squares after a final LayerNorm is constant: its gradient is noise)
+    (y * w).sum().backward()
+    (ye * w).sum().backward()
+    rep = opsmath.report(opt)
+    assert rep.graphs and rep.count("attention") == layers, rep.render(width=120)
+    assert rel_err(y, ye) < 1e-5
+    for (name, p), pe in zip(opt.named_parameters(), eager.parameters()):
+        assert rel_err(p.grad, pe.grad) < 1e-4, name
