@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
-#   STEPS="tests attn_tests attention lce ce dan act train gap recompute memory long curve tune llama"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#   STEPS="tests attn_tests semantics attention lce ce dan act train gap recompute memory long curve tune llama hf_sdpa"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -29,6 +29,23 @@ step tests ${TEST_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -
     tests/test_patterns_activations.py tests/test_plan.py tests/test_dropout_seeds.py}
 step attn_tests ${TEST_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
     --durations=10 tests/test_kernel_attention.py tests/test_attention_tuning.py
+# the differential semantics suite in bf16 by the tolerance rule, and the default-attention HF models'
+# tests, in SHARDS parallel pytest processes (each compiles its own graphs with Inductor on the CPU cores)
+semantics() {
+    python3 -m pytest -q --collect-only tests/test_semantics.py "tests/test_models.py" -k "semantics or sdpa" \
+        2>/dev/null | grep "::" > "$OUT/semantics-ids.txt"
+    local n=${SHARDS:-6} i pids=()
+    for i in $(seq 0 $((n - 1))); do
+        awk -v n="$n" -v i="$i" 'NR % n == i' "$OUT/semantics-ids.txt" > "/tmp/shard$i.txt"
+        OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=line -p no:warnings $(cat /tmp/shard$i.txt) \
+            > "/tmp/shard$i.log" 2>&1 & pids+=($!)
+    done
+    wait "${pids[@]}"
+    for i in $(seq 0 $((n - 1))); do echo "-- shard $i"; grep -E "passed|failed|FAILED|Error" "/tmp/shard$i.log"; done
+}
+export -f semantics
+step semantics ${SEMANTICS_TIMEOUT:-330} bash -c semantics
+step hf_sdpa ${HF_SDPA_TIMEOUT:-540} python3 benchmarks/hf_default_attention.py ${HF_SDPA_ARGS:-}
 step attention ${ATTN_TIMEOUT:-420} python3 benchmarks/attention.py ${BENCH_ARGS:-}
 step lce 120 python3 benchmarks/linear_cross_entropy.py
 step ce 150 python3 benchmarks/cross_entropy.py

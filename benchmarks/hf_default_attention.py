@@ -1,0 +1,150 @@
+"""Hugging Face models as they load by default (``attn_implementation="sdpa"``): a training step under
+``torch.compile`` vs ``opsmath.optimize``, interleaved in one process.
+
+Both variants are built from one seed and trained on the same batch (bf16 weights, torch fused AdamW).
+After two warm-up steps each (capture, compile, attention tuning), the variants alternate: ``--rounds``
+rounds of ``--steps`` timed steps each, A B A B. Per variant: median and spread (min-max) of the
+per-round median step time, GPU kernel time per step (torch.profiler, kernels only), the step's peak
+memory above what is resident before it (``max_memory_allocated``), and, for opsmath, what it rewrote.
+
+    python benchmarks/hf_default_attention.py [--models llama,neox] [--rounds 5] [--steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+import opsmath
+from _harness import kernel_ms, write
+
+MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096), 4, 2048),
+    "neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+        vocab_size=50304, max_position_embeddings=4096, rotary_pct=0.25, hidden_dropout=0.0,
+        attention_dropout=0.0), 8, 2048),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(
+        hidden_size=2048, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
+        intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096, sliding_window=None), 4, 2048),
+    "tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=256), 2, 32),
+}
+
+
+def build(name, device):
+    import transformers
+    cls, cfg_cls, cfg, _, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**cfg))   # default attention
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return model.to(device=device, dtype=dtype).train()
+
+
+class Variant:
+    def __init__(self, label, model, batch, device):
+        self.label, self.model, self.batch, self.device = label, model, batch, device
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+        self.times, self.round_ms = [], []
+
+    def step(self):
+        loss = self.model(**self.batch).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def warm_up(self):
+        t0 = time.perf_counter()
+        self.first_loss = self.step().item()
+        self.first_s = time.perf_counter() - t0
+        self.step()
+        self.sync()
+        if self.device == "cuda":   # the step's own peak, above the resident weights, grads and state
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            self.step()
+            self.sync()
+            self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    def timed_round(self, steps):
+        ms = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.step()
+            self.sync()
+            ms.append((time.perf_counter() - t0) * 1e3)
+        self.round_ms.append(statistics.median(ms))
+
+    def row(self):
+        r = dict(name=self.label, ms=statistics.median(self.round_ms), ms_min=min(self.round_ms),
+                 ms_max=max(self.round_ms), rounds=self.round_ms, first_step_s=self.first_s,
+                 first_loss=self.first_loss)
+        if self.device == "cuda":
+            r["gpu_ms"] = sum(kernel_ms(self.step, calls=3).values())
+            r["step_peak_gib"] = self.peak_gib
+        if hasattr(self.model, "_opsmath"):
+            rep = opsmath.report(self.model)
+            r["rewrites"] = dict(Counter(m.pattern for m in rep.matches))
+            r["attention_backends"] = sorted({m.details.get("backend", "") for m in rep.matches
+                                              if m.pattern == "attention"})
+            r["graphs"], r["fallbacks"] = len(rep.graphs), rep.fallback_errors
+            r["kept_as_written"] = [e.to_dict() for e in rep.eager_regions]
+        return r
+
+
+def run(name, rounds, steps, device):
+    _, _, cfg, B, T = MODELS[name]
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
+    batch = dict(input_ids=ids, labels=ids, use_cache=False)
+    torch._dynamo.reset()
+    variants = [Variant("torch.compile", torch.compile(build(name, device)), batch, device),
+                Variant("opsmath.optimize", opsmath.optimize(build(name, device)), batch, device)]
+    for v in variants:
+        v.warm_up()
+        print(f"{name} {v.label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
+    for _ in range(rounds):     # A B A B: host noise falls on both
+        for v in variants:
+            v.timed_round(steps)
+    rows = [v.row() for v in variants]
+    base = rows[0]["ms"]
+    for r in rows:
+        r["speedup_vs_compile"] = base / r["ms"]
+        print(f"{name:8} {r['name']:18} {r['ms']:8.2f} ms [{r['ms_min']:.2f}-{r['ms_max']:.2f}] "
+              f"gpu {r.get('gpu_ms', 0):8.2f} ms peak {r.get('step_peak_gib', 0):6.2f} GiB "
+              f"x{r['speedup_vs_compile']:.3f} {r.get('rewrites', '')} {r.get('attention_backends', '')}",
+              flush=True)
+    return dict(batch=[B, T], config=cfg, rows=rows)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="llama,neox")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    names = ["tiny"] if args.smoke else args.models.split(",")
+    if args.smoke:
+        args.rounds, args.steps = 2, 1
+    out = {}
+    for n in names:   # written after each model: a run cut short keeps what it measured
+        out[n] = run(n, args.rounds, args.steps, device)
+        if not args.smoke:
+            print("wrote", write("hf_default_attention", out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
