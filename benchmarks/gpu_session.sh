@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
-#   STEPS="tests attn_tests semantics attention lce ce dan act train gap recompute memory long curve tune llama hf_sdpa"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#   STEPS="tests attn_tests semantics attention lce ce dan act train gap recompute memory long curve tune llama hf_sdpa lengths"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -32,7 +32,8 @@ step attn_tests ${TEST_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python3 -m pyt
 # the differential semantics suite in bf16 by the tolerance rule, and the default-attention HF models'
 # tests, in SHARDS parallel pytest processes (each compiles its own graphs with Inductor on the CPU cores)
 semantics() {
-    python3 -m pytest -q --collect-only tests/test_semantics.py "tests/test_models.py" -k "semantics or sdpa" \
+    python3 -m pytest -q --collect-only tests/test_semantics.py tests/test_dynamic_shapes.py "tests/test_models.py" \
+        -k "semantics or sdpa or dynamic" \
         2>/dev/null | grep "::" > "$OUT/semantics-ids.txt"
     local n=${SHARDS:-6} i pids=()
     for i in $(seq 0 $((n - 1))); do
@@ -46,6 +47,7 @@ semantics() {
 export -f semantics
 step semantics ${SEMANTICS_TIMEOUT:-330} bash -c semantics
 step hf_sdpa ${HF_SDPA_TIMEOUT:-540} python3 benchmarks/hf_default_attention.py ${HF_SDPA_ARGS:-}
+step lengths ${LENGTHS_TIMEOUT:-540} python3 benchmarks/varying_lengths.py ${LENGTHS_ARGS:-}
 step attention ${ATTN_TIMEOUT:-420} python3 benchmarks/attention.py ${BENCH_ARGS:-}
 step lce 120 python3 benchmarks/linear_cross_entropy.py
 step ce 150 python3 benchmarks/cross_entropy.py

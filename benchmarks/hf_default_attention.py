@@ -8,6 +8,7 @@ per-round median step time, GPU kernel time per step (torch.profiler, kernels on
 memory above what is resident before it (``max_memory_allocated``), and, for opsmath, what it rewrote.
 
     python benchmarks/hf_default_attention.py [--models llama,neox] [--rounds 5] [--steps 5]
+        [--gradient-checkpointing]
 """
 from __future__ import annotations
 
@@ -38,11 +39,13 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
 }
 
 
-def build(name, device):
+def build(name, device, checkpointing=False):
     import transformers
     cls, cfg_cls, cfg, _, _ = MODELS[name]
     torch.manual_seed(0)
     model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**cfg))   # default attention
+    if checkpointing:   # as fine-tuning recipes turn it on: every decoder layer recomputed in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype).train()
 
@@ -103,14 +106,14 @@ class Variant:
         return r
 
 
-def run(name, rounds, steps, device):
+def run(name, rounds, steps, device, checkpointing=False):
     _, _, cfg, B, T = MODELS[name]
     torch.manual_seed(0)
     ids = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
     batch = dict(input_ids=ids, labels=ids, use_cache=False)
     torch._dynamo.reset()
-    variants = [Variant("torch.compile", torch.compile(build(name, device)), batch, device),
-                Variant("opsmath.optimize", opsmath.optimize(build(name, device)), batch, device)]
+    variants = [Variant("torch.compile", torch.compile(build(name, device, checkpointing)), batch, device),
+                Variant("opsmath.optimize", opsmath.optimize(build(name, device, checkpointing)), batch, device)]
     for v in variants:
         v.warm_up()
         print(f"{name} {v.label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
@@ -125,7 +128,7 @@ def run(name, rounds, steps, device):
               f"gpu {r.get('gpu_ms', 0):8.2f} ms peak {r.get('step_peak_gib', 0):6.2f} GiB "
               f"x{r['speedup_vs_compile']:.3f} {r.get('rewrites', '')} {r.get('attention_backends', '')}",
               flush=True)
-    return dict(batch=[B, T], config=cfg, rows=rows)
+    return dict(batch=[B, T], config=cfg, gradient_checkpointing=checkpointing, rows=rows)
 
 
 def main():
@@ -133,6 +136,8 @@ def main():
     ap.add_argument("--models", default="llama,neox")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="model.gradient_checkpointing_enable() (non-reentrant) on both variants")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -141,9 +146,10 @@ def main():
         args.rounds, args.steps = 2, 1
     out = {}
     for n in names:   # written after each model: a run cut short keeps what it measured
-        out[n] = run(n, args.rounds, args.steps, device)
+        out[n] = run(n, args.rounds, args.steps, device, args.gradient_checkpointing)
         if not args.smoke:
-            print("wrote", write("hf_default_attention", out), flush=True)
+            tag = "-checkpointed" if args.gradient_checkpointing else ""
+            print("wrote", write("hf_default_attention" + tag, out), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 ``optimize(model)`` compiles the module *in place* with a dynamo backend (as ``nn.Module.compile`` does), so it
 returns the same object: same Parameters, same ``state_dict()`` keys, any optimizer keeps working. The
 first call captures with the real inputs; dynamo's guards re-capture on train/eval switches, new input
-shapes (``dynamic=False``: every shape gets its own, exactly specialized graph), autocast changes and
-graph breaks, each variant going through the same pipeline::
+shapes (a size that changes between calls becomes symbolic, as under ``torch.compile``; under a memory
+budget every shape gets its own, exactly planned graph), autocast changes and graph breaks, each variant going through the same pipeline::
 
     dynamo graph -> pre-dispatch ATen (capture) -> patterns (match + replace) -> GraphModule (emit)
 
@@ -34,6 +34,11 @@ from .plan import InfeasibleBudget, parse_budget
 from .regions import EagerRegion, graph_breaks, note_graph_breaks
 
 
+# dynamo's recompile limit for opsmath's frames: each train/eval, grad-mode, autocast or static-size
+# variant is a recompile
+RECOMPILE_LIMIT = 64
+
+
 @dataclass
 class OptimizeState:
     """Attached to an optimized module as ``module._opsmath``; ``report()`` reads it."""
@@ -48,6 +53,8 @@ class OptimizeState:
     default_patterns: bool = True           # patterns= not given: Inductor graphs skip INDUCTOR_FUSES_BETTER
     cuda_graphs: bool = False               # Inductor replays each compiled graph as a CUDA graph
     eager_regions: list[EagerRegion] = field(default_factory=list)   # left to eager (regions.py), why
+    graph_runs: int = 0                     # calls of opsmath's graphs, all together
+    unoptimized_calls: int = 0              # model calls that ran none of them (e.g. past the recompile limit)
 
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
@@ -109,16 +116,23 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     # called directly): it compiles this frame instead and inlines the module's ``_call_impl`` from here
     def opsmath_frame(*args, **kwargs):
         return model._call_impl(*args, **kwargs)
-    compiled = torch.compile(opsmath_frame, backend=make_backend(state, model), dynamic=False)
+    # sizes that change between calls (sequence lengths) become symbolic after the second one, as under
+    # torch.compile: one graph serves them all. A memory budget plans exact sizes: every shape its own.
+    compiled = torch.compile(opsmath_frame, backend=make_backend(state, model),
+                             dynamic=False if memory_budget is not None else None)
 
     def call(*args, **kwargs):
         # Run op by op under autograd, the rewritten graph fires DDP's per-parameter gradient hooks as
         # each gradient is produced; dynamo's DDP graph splitting (optimize_ddp) is then not needed and
         # would cut patterns at bucket boundaries: it is off for opsmath's frames. Under Inductor the
         # backward is one compiled graph, so the split stays (the user's setting) to keep the overlap.
-        with torch._dynamo.config.patch(optimize_ddp=False) if inductor is False or (
-                inductor is None and not _on_cuda(model)) else contextlib.nullcontext():
-            breaks = graph_breaks()
+        # Past dynamo's recompile limit (8 by default) a frame silently runs eager: opsmath's frames get
+        # RECOMPILE_LIMIT, and a call that ran none of opsmath's graphs is counted for the report.
+        patches = dict(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit))
+        if inductor is False or (inductor is None and not _on_cuda(model)):
+            patches["optimize_ddp"] = False
+        with torch._dynamo.config.patch(**patches):
+            breaks, runs = graph_breaks(), state.graph_runs
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -128,6 +142,8 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             finally:
                 if graph_breaks() != breaks:
                     note_graph_breaks(breaks, state.eager_regions)
+                if state.graph_runs == runs:
+                    state.unoptimized_calls += 1
     # Under an outer ``torch.compile(model)`` dynamo would trace through the in-place compile and hand
     # the original graph to Inductor without opsmath's rewrites or its memory plan. The outer compile
     # skips this frame instead, and the frames below it go through opsmath (and Inductor) as usual.

@@ -76,6 +76,8 @@ class GraphRecord:
     inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
     left_to_inductor: list = field(default_factory=list)   # families not applied: Inductor does them better
     cuda_graphs: bool = False               # compiled for CUDA-graph replay (optimize(cuda_graphs=True))
+    dynamic: bool = False                   # symbolic sizes: one graph serves every value of a changing dim
+    static_only: list = field(default_factory=list)   # families not applied to it: they need static sizes
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
@@ -85,6 +87,7 @@ class GraphRecord:
                     saved_bytes=list(self.saved_bytes), plan=self.plan.to_dict() if self.plan else None,
                     inductor=self.inductor, inductor_seconds=self.inductor_seconds,
                     left_to_inductor=list(self.left_to_inductor), cuda_graphs=self.cuda_graphs,
+                    dynamic=self.dynamic, static_only=list(self.static_only),
                     before_code=self.before_code, after_code=self.after_code)
 
 
@@ -130,7 +133,9 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     before_code = captured.gm.code
     before_ops = op_counts(captured.gm)
     before_launches = kernel_launches(captured.gm)
-    before_saved = saved_activation_bytes(captured.gm, captured.requires_grad) if state.analyze else None
+    # byte counts of a graph with symbolic sizes would be formulas: not analyzed (nor planned)
+    analyze = state.analyze and not captured.dynamic
+    before_saved = saved_activation_bytes(captured.gm, captured.requires_grad) if analyze else None
     before_nx = to_networkx(captured.gm)
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     use_inductor = state.inductor if state.inductor is not None else any(t.is_cuda for t in tensors)
@@ -138,11 +143,13 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     if use_inductor and state.default_patterns:
         left = INDUCTOR_FUSES_BETTER - (KEPT_UNDER_BUDGET if state.memory_budget is not None else set())
         patterns = [p for p in patterns if p.name not in left]
-    ctx = run_patterns(captured, patterns, state.skip)
+    static_only = sorted(p.name for p in patterns if not getattr(p, "dynamic_shapes", False)) \
+        if captured.dynamic else []
+    ctx = run_patterns(captured, [p for p in patterns if p.name not in static_only], state.skip)
     # one fake-tensor liveness run serves both the report and the planner
     by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
-        if state.analyze or state.memory_budget is not None else None
-    after_saved = sum(by_node.values()) if by_node is not None and state.analyze else None
+        if analyze or (state.memory_budget is not None and not captured.dynamic) else None
+    after_saved = sum(by_node.values()) if by_node is not None and analyze else None
     plan = base = None
     absolute = state.memory_budget is not None and parse_budget(state.memory_budget)[0] == "bytes"
     if state.memory_budget is not None:
@@ -164,7 +171,8 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
         matches=ctx.matches, declines=ctx.declines,
         capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
         saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan,
-        left_to_inductor=sorted(p.name for p in state.patterns if p.name in left))
+        left_to_inductor=sorted(p.name for p in state.patterns if p.name in left),
+        dynamic=captured.dynamic, static_only=static_only)
     state.graphs.append(record)
     fn = _finish(state, record, ctx.gm, example_inputs, use_inductor)
     record.capture_seconds = time.perf_counter() - t0
@@ -179,6 +187,7 @@ def _runner(state, record, fn, base, by_node, model, use_inductor, absolute):
     def run(*args):
         nonlocal fn
         record.calls += 1
+        state.graph_runs += 1
         g = None
         if record.plan is not None and record.calls <= _WATCH_CALLS:
             if record.calls == 2:    # step 1 measured: re-plan for what it showed

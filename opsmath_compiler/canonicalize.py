@@ -49,6 +49,28 @@ def dtype(node) -> Optional[torch.dtype]:
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
+class _Hinted:
+    """A tensor's shape (sizes at the values seen at capture), dtype and device: what a tuner measures."""
+
+    def __init__(self, t: torch.Tensor):
+        self.shape = tuple(size_hint(s) for s in t.shape)
+        self.dtype, self.device = t.dtype, t.device
+
+
+def size_hint(s) -> int:
+    """An int size, or a symbolic one's value at capture (its shape env's hint), without a guard."""
+    if isinstance(s, int):
+        return s
+    h = getattr(s.node, "hint", None)
+    return int(h if h is not None else s.node.shape_env.size_hint(s.node.expr))
+
+
+def hinted(t: torch.Tensor) -> _Hinted:
+    """``t``'s shape with symbolic sizes replaced by the values seen at capture (no guard is added):
+    for tuning, which needs numbers, in a graph that serves every value of a dynamic size."""
+    return _Hinted(t)
+
+
 def is_cast(node) -> bool:
     """A dtype conversion that keeps shape and device (``to(dtype)``, ``_to_copy``, ``type_as``)."""
     if not is_op(node, CASTS):

@@ -32,6 +32,7 @@ class Captured:
     gm: fx.GraphModule
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     requires_grad: list[bool] = field(default_factory=list)   # per placeholder, from the real inputs
+    dynamic: bool = False         # traced with dynamo's symbolic sizes (a dim that changed between calls)
 
 
 def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional[set[int]] = None) -> Captured:
@@ -41,10 +42,11 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
     inputs). ``buffer_ids`` are ``id()`` of the model's buffers, used to fill ``Captured.constants``.
     """
     # Trace under dynamo's own fake mode (as aot_autograd does): a second fake mode would create
-    # symbols that dynamo's shape env cannot guard on.
+    # symbols that dynamo's shape env cannot guard on. Where dynamo made a size dynamic (it changed
+    # between calls), trace with dynamo's own symbolic example values: one graph for every length.
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
-    fake_inputs = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
-                   for t in example_inputs]
+    fake_inputs = _fake_inputs(fake_mode, gm, example_inputs)
+    dynamic = any(_symbolic(v) for v in fake_inputs)
     with fx_traceback.preserve_node_meta(), fake_mode:
         aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
     constants = {}
@@ -54,7 +56,33 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
                 and not isinstance(value, torch._subclasses.FakeTensor):
             constants[node.name] = value
     requires_grad = [bool(getattr(v, "requires_grad", False)) for v in example_inputs]
-    return Captured(aten, constants, requires_grad)
+    return Captured(aten, constants, requires_grad, dynamic=dynamic)
+
+
+def _symbolic(v) -> bool:
+    return isinstance(v, torch.SymInt) or isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt)
+                                                                              for s in v.shape)
+
+
+def _fake_inputs(fake_mode, gm: fx.GraphModule, example_inputs: list) -> list:
+    """Fake versions of a backend's real inputs, as AOTAutograd makes them: each tensor with the
+    symbolic context dynamo recorded for it (sizes dynamo made dynamic stay symbols of its shape env;
+    the others static), a size argument as dynamo's SymInt. Outside a dynamo compile (a piece of a
+    split graph compiled at its first call) everything is static."""
+    ctx = torch._guards.TracingContext.try_get()
+    known = getattr(ctx, "tensor_to_context", None) if ctx is not None else None
+    examples = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    out = []
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor):
+            sc = known.get(x) if known is not None and not isinstance(x, torch._subclasses.FakeTensor) else None
+            out.append(fake_mode.from_tensor(x, static_shapes=sc is None, symbolic_context=sc,
+                                             source=getattr(sc, "tensor_source", None)))
+        elif isinstance(x, int) and i < len(examples) and isinstance(examples[i], torch.SymInt):
+            out.append(examples[i])
+        else:
+            out.append(x)
+    return out
 
 
 def source_location(node: fx.Node) -> tuple[str, str]:

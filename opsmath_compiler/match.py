@@ -142,6 +142,16 @@ class RewriteContext:
                 log.debug("opsmath: no fake value for %s: %s", node.name, e)
         return node
 
+    def size(self, node: fx.Node, dim: int):
+        """``node``'s size along ``dim`` as a graph argument: an int, or (a symbolic size) a
+        ``sym_size`` node computed from the tensor at run time."""
+        s = node.meta["val"].shape[dim]
+        if isinstance(s, int):
+            return s
+        n = self.call(aten.sym_size.int, (node, dim), node)
+        n.meta["val"] = s
+        return n
+
     def dropout_seed(self, p: float, on: fx.Node, like: fx.Node) -> Optional[fx.Node]:
         """The ``seed`` argument of a fused op with dropout ``p``: a fresh draw on ``on``'s device
         (``new_seed``; :func:`batch_seeds` later folds a graph's draws into one), or None without

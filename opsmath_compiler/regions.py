@@ -159,19 +159,27 @@ def route_checkpoints(parent: fx.GraphModule, compile_piece) -> int:
 
 class LazyPiece(torch.nn.Module):
     """A lowered piece of a split graph, compiled by ``compile_piece(gm, args)`` at its first call with
-    the real inputs it receives there (what a dynamo backend gets), then run through the result."""
+    the real inputs it receives there (what a dynamo backend gets), then run through the result. The
+    compiled piece is specialized to those inputs' sizes: a call with other sizes (the parent graph has
+    dynamic sizes) compiles the piece again for them."""
 
     def __init__(self, gm: fx.GraphModule, compile_piece):
         super().__init__()
-        self.gm, self._compile, self._fn = gm, compile_piece, None
+        self.gm, self._compile, self._fns = gm, compile_piece, {}
+
+    @staticmethod
+    def _key(args) -> tuple:
+        return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a if isinstance(a, int) else None
+                     for a in args)
 
     def compile_for(self, args):
-        if self._fn is None:
+        key = self._key(args)
+        if key not in self._fns:
             # inside a checkpoint's forward, tracing must not reach its saved-tensor hooks (the
             # recompute would then save a different number of tensors); dynamo does the same
             with _hooks_off_while_tracing():
-                self._fn = self._compile(self.gm, list(args))
+                self._fns[key] = self._compile(self.gm, list(args))
+        return self._fns[key]
 
     def forward(self, *args):
-        self.compile_for(args)
-        return self._fn(*args)
+        return self.compile_for(args)(*args)

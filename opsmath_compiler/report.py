@@ -46,6 +46,7 @@ class Report(Rendered):
         self.graphs = list(state.graphs)
         self.fallback_errors = list(state.fallback_errors)
         self.eager_regions = list(state.eager_regions)
+        self.unoptimized_calls = state.unoptimized_calls
 
     @property
     def matches(self) -> list[Match]:
@@ -61,7 +62,8 @@ class Report(Rendered):
     # ---- machine-readable ---------------------------------------------------------------------
     def to_dict(self) -> dict:
         return dict(model=self.model_name, graphs=[g.to_dict() for g in self.graphs],
-                    eager_regions=[r.to_dict() for r in self.eager_regions], fallback_errors=self.fallback_errors)
+                    eager_regions=[r.to_dict() for r in self.eager_regions], fallback_errors=self.fallback_errors,
+                    unoptimized_calls=self.unoptimized_calls)
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -79,6 +81,9 @@ class Report(Rendered):
             yield self._eager_table()
         for err in self.fallback_errors:
             yield Text(f"fallback: {err}", style="red")
+        if self.unoptimized_calls:
+            yield Text(f"{self.unoptimized_calls} call(s) ran none of opsmath's graphs (dynamo's recompile limit, "
+                       "or nothing capturable in the frame): they ran as plain PyTorch", style="red")
 
     def _graph_panel(self, g) -> Panel:
         parts = []
@@ -89,6 +94,11 @@ class Report(Rendered):
         if g.saved_bytes[0] is not None and g.saved_bytes[1] is not None:
             head += f" | saved for bwd {_mib(g.saved_bytes[0])}->{_mib(g.saved_bytes[1])}"
         parts.append(Text(head + f" | {g.capture_seconds:.2f}s"))
+        if g.dynamic:
+            shapes = ", ".join(str(tuple(s)) for s in g.input_shapes if isinstance(s, tuple) and s)[:120]
+            parts.append(Text(f"dynamic sizes (one graph for every value; seen first: {shapes})"
+                              + (f"; not applied, they need static sizes: {', '.join(g.static_only)}"
+                                 if g.static_only else ""), style="dim"))
         if g.inductor:
             parts.append(Text("compiled by Inductor" + (" for CUDA-graph replay" if g.cuda_graphs else "")
                               + (f"; left to it: {', '.join(g.left_to_inductor)}" if g.left_to_inductor else ""),

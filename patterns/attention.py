@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from opsmath.canonicalize import (SOFTMAXES, SDPAS, aten, as_matmul, causal_from_constant, constant_value,
                                   dropout_info, dtype, is_cast, is_op, last_two_transposed, repeat_kv_source,
-                                  scalar_scale, sdpa_args, shape, strip_scales, val)
+                                  hinted, scalar_scale, sdpa_args, shape, strip_scales, val)
 from opsmath.match import RewriteContext, node_line
 
 # a mask fill or additive bias at or below this removes a position exactly (exp underflows to 0 in fp32)
@@ -70,7 +70,7 @@ def _leads_to_matmul(node, depth: int = 12) -> bool:
 
 
 def _shape_or_none(node) -> Optional[tuple]:
-    return tuple(node.meta["val"].shape) if node is not None else None
+    return hinted(node.meta["val"]).shape if node is not None else None
 
 
 def _fill_value(ctx, x) -> Optional[float]:
@@ -133,6 +133,7 @@ def _finish_plan(ctx, plan: _Plan) -> Union[str, _Plan]:
 
 class AttentionPattern:
     name = "attention"
+    dynamic_shapes = True    # applies to graphs with symbolic sizes (the backend is tuned for the sizes seen)
 
     def apply(self, ctx: RewriteContext) -> None:
         for anchor in [n for n in ctx.graph.nodes if is_op(n, SOFTMAXES) or is_op(n, SDPAS)]:
@@ -351,7 +352,7 @@ class AttentionPattern:
             if mask is not None:
                 mask = to4d(mask, max(len(shape(m)) for m, _ in plan.masks))
             from opsmath.kernels.attention_tuning import backend_for
-            backend = backend_for(q.meta["val"], k.meta["val"], _shape_or_none(bias), _shape_or_none(mask),
+            backend = backend_for(hinted(q.meta["val"]), hinted(k.meta["val"]), _shape_or_none(bias), _shape_or_none(mask),
                                   plan.fill, plan.causal, plan.scale, plan.dropout_p,
                                   bias is not None and ctx.may_require_grad(bias))
             if backend == "opsmath":
@@ -363,7 +364,7 @@ class AttentionPattern:
                 from opsmath.kernels.attention_tuning import fold_bias, sdpa
                 vb = None
                 if bias is not None or mask is not None:
-                    vb = ctx.call(fold_bias, (bias, mask, plan.causal, shape(q)[-2], shape(k)[-2]), sm)
+                    vb = ctx.call(fold_bias, (bias, mask, plan.causal, ctx.size(q, -2), ctx.size(k, -2)), sm)
                 out = ctx.call(sdpa, (q, k, v, vb, plan.causal and vb is None, plan.scale, plan.dropout_p,
                                       backend), sm)
             if nd == 3:

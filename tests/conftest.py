@@ -4,8 +4,16 @@ On a machine without CUDA, Triton kernels run in its interpreter (``TRITON_INTER
 Triton is imported). ``OPSMATH_TEST_DEVICE=cuda`` runs the device-parametrized tests on the GPU.
 """
 import os
+import sys
 
-import torch
+# ``python -m pytest`` from the repository root puts the root on sys.path, where the source folder
+# ``kernels/`` would shadow Hugging Face's ``kernels`` package: transformers probes for it
+# (``importlib.util.find_spec("kernels")``) and imported opsmath's kernels a second time as a top-level
+# package. opsmath itself is imported as installed (``opsmath.kernels``); the root is not needed.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -12,6 +12,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 @pytest.mark.parametrize("args", [
     ["train.py", "--smoke"],
     ["hf_default_attention.py", "--smoke"],
+    ["varying_lengths.py", "--smoke"],
     ["activations.py", "--smoke"],
     ["cross_entropy.py", "--smoke"],
     ["learning_curve.py", "--smoke"],
