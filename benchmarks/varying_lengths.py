@@ -7,7 +7,7 @@ time, per-step times (capture and compile included, so the steps that recompile 
 unoptimized calls are recorded. Phase 2 (warm): the variants alternate over ``--rounds`` rounds of the
 same sequence (A B A B); per round the sequence's total time, median and spread over rounds.
 
-    python benchmarks/varying_lengths.py [--steps 30] [--rounds 3] [--model 1b|tiny]
+    python benchmarks/varying_lengths.py [--steps 30] [--rounds 3] [--model 1b|4layer|tiny]
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from _harness import write
 CONFIGS = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
                intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096),
+    "4layer": dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+                   intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=256),
 }

@@ -124,7 +124,7 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
     measuring. Under the interpreter, while a CUDA graph is being captured (nothing may be timed) or with
     ``OPSMATH_TUNE_KERNELS=0`` the cached choice, else the default, is used. Why measure: on the H200 one
     tile shape was the fastest of the candidates at some (dtype, width) and 30% slower at others
-    (BENCHMARKS.md, session 5)."""
+    (BENCHMARKS.md, 2026-11-29)."""
     names = list(configs)
     default = configs[names[0]]
     if len(names) == 1 or device.type != "cuda":

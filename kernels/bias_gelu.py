@@ -113,7 +113,7 @@ class _Cfg(NamedTuple):
 def _configs(N: int, backward: bool) -> dict[str, _Cfg]:
     """Candidates, the default first: tiles of ``ROW_TILE`` elements at 8 warps (the backward's dbias
     partial sums 16 rows), half tiles at 4 warps, and one row per loop step over 32 rows at 4 warps
-    (session 4's kernels). On the H200 (session 5) the first was fastest in fp32 at every width and in
+    (the first retiled kernels). On the H200 (2026-11-29) the first was fastest in fp32 at every width and in
     bf16 up to 1024, the last in bf16 at 4096 and 8192, so the choice is measured per shape."""
     tile_m, block_n = row_tile(N, max_block_n=1024)
     half = max(1, tile_m // 2)

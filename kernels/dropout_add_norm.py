@@ -185,7 +185,7 @@ def _warps(elements: int) -> int:
 @functools.lru_cache(maxsize=None)   # called at every launch
 def _configs(N: int) -> dict[str, int]:
     """Rows per tile (TILE_M) to measure, the default first: one row per program or loop step (the
-    fastest on the H200 at widths 768 and 1024 in session 5, by up to 3x in bf16), two rows, and tiles
+    fastest on the H200 at widths 768 and 1024 on 2026-11-29, by up to 3x in bf16), two rows, and tiles
     of ``ROW_TILE`` elements. From width 4096 on there is one candidate: a row is the tile."""
     tile_m, _ = row_tile(N)
     return {f"{t}rows": t for t in dict.fromkeys((1, min(2, tile_m), tile_m))}
@@ -198,12 +198,12 @@ _RESIDENT: dict = {}
 @functools.lru_cache(maxsize=None)
 def _bwd_configs(N: int) -> dict[str, tuple[int, int]]:
     """Backward candidates (TILE_M, programs per SM), the default first: each TILE_M of ``_configs`` at 4
-    programs per SM (session 4's grid); one row per step with as many programs as fit on an SM at once
+    programs per SM (the earlier grid); one row per step with as many programs as fit on an SM at once
     (one wave, read off the compiled kernel's registers); and at widths under 4096 one row per step at
     16 programs per SM. Why: one program keeps about one row per tensor in flight, and the default
     grid leaves the SM at 16 of 64 warps (S6's static analysis: 7 programs of 72 registers x 128 threads
     fit at bf16 width 1024), so narrow rows may want more programs; more programs also mean more
-    dweight/dbias partial rows to add, which the timed ``run`` includes. Not measured yet (session 6)."""
+    dweight/dbias partial rows to add, which the timed ``run`` includes. Not measured yet."""
     cands = [(t, 4) for t in _configs(N).values()] + [(1, FILL)]
     if len(_configs(N)) > 1:
         cands.append((1, 16))

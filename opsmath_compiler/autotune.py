@@ -131,7 +131,7 @@ def measure(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40)
     keeps the GPU busy, where its launch (host) time overlaps earlier kernels. Wall time would rank
     candidates by their Python launch paths at small shapes: on the H200, SDPA's flash and cuDNN took
     the same 0.54 ms of wall time for (8, 16, 1024, 64) attention while cuDNN's kernels ran 1.6x faster
-    (session 5). Falls back to wall time (``wall_ms``) when a profiler is already running (the user's own)
+    (2026-11-29). Falls back to wall time (``wall_ms``) when a profiler is already running (the user's own)
     or the profiler reports no kernels."""
     import warnings
 

@@ -47,6 +47,8 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
     fake_inputs = _fake_inputs(fake_mode, gm, example_inputs)
     dynamic = any(_symbolic(v) for v in fake_inputs)
+    if not dynamic:
+        _pin_symbolic_sizes(gm)
     with fx_traceback.preserve_node_meta(), fake_mode:
         aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
     constants = {}
@@ -62,6 +64,19 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
 def _symbolic(v) -> bool:
     return isinstance(v, torch.SymInt) or isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt)
                                                                               for s in v.shape)
+
+
+def _pin_symbolic_sizes(gm: fx.GraphModule) -> None:
+    """Where dynamo's graph has symbolic sizes but the trace is static (no symbolic context found for
+    its inputs), pin each symbol to its value with a guard (``int()`` of a SymInt guards on it in
+    dynamo's shape env): dynamo then recompiles for other values instead of running a graph whose
+    sizes are baked in."""
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value") if n.op == "placeholder" else None
+        sizes = [v] if isinstance(v, torch.SymInt) else list(v.shape) if isinstance(v, torch.Tensor) else []
+        for s in sizes:
+            if isinstance(s, torch.SymInt):
+                int(s)
 
 
 def _fake_inputs(fake_mode, gm: fx.GraphModule, example_inputs: list) -> list:

@@ -8,6 +8,7 @@ import torch
 
 import opsmath
 from opsmath import examples
+from conftest import DEVICE
 from tolerance import grads_close, rel_err
 
 LENGTHS = [8, 12, 16, 20, 24, 28, 30, 10, 14, 9, 31, 8]
@@ -35,13 +36,13 @@ def test_hf_llama_sdpa_one_dynamic_graph_for_every_length():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                    intermediate_size=64, vocab_size=100)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = transformers.LlamaForCausalLM(cfg).to(DEVICE)
 
     def batch(T):
-        ids = torch.randint(0, 100, (2, T))
+        ids = torch.randint(0, 100, (2, T), device=DEVICE)
         return (), dict(input_ids=ids, labels=ids)
     rep = _train_all_lengths(model, copy.deepcopy(model), batch)
-    assert [g.dynamic for g in rep.graphs] == [False, True], [g.input_shapes for g in rep.graphs]
+    assert [g.dynamic for g in rep.graphs] == [False, True], [(g.dynamic, g.calls, g.input_shapes) for g in rep.graphs]
     assert rep.graphs[1].calls == len(LENGTHS) - 1
     assert all(sum(m.pattern == "attention" for m in g.matches) == 2 for g in rep.graphs)
     assert rep.unoptimized_calls == 0

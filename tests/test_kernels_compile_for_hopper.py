@@ -1,6 +1,6 @@
 """Every Triton kernel compiles for the H200 (sm_90) the way its op launches it, without a GPU.
 
-CI runs the kernels in Triton's interpreter, which accepts programs the compiler rejects: in session 4 a
+CI runs the kernels in Triton's interpreter, which accepts programs the compiler rejects: once a
 helper that returned a block on one path and a scalar on the other passed every interpreter test and was
 a ``CompilationError`` on the H200. Here each op runs once on CPU under the interpreter, in bf16 and
 fp32 and with each of its flags; every launch is recorded as the GPU's JIT would specialize it

@@ -20,7 +20,7 @@ step() {  # step NAME TIMEOUT CMD...
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "rc=$? ($name)"; grep -v -i "warn" "$OUT/$name.log" | tail -${TAIL:-30}
 }
-# the GPU tests take more than one 10-minute call (session 5: the attention kernel tests alone run ~10 s
+# the GPU tests take more than one 10-minute call (2026-11-29: the attention kernel tests alone ran ~10 s
 # each, compiling a kernel variant per flag combination), so they are two steps
 step tests ${TEST_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
     --durations=10 ${TESTS:-tests/test_models.py tests/test_kernel_dropout_add_norm.py tests/test_inductor.py \
