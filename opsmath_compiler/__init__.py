@@ -14,7 +14,8 @@ from .explore import Exploration, explore
 from .profile import ProfileResult, profile
 from .report import Report, report
 from .verify import VerifyResult, verify
+from . import optim  # noqa: E402  (opsmath.optim.AdamW, available after ``import opsmath``)
 
 __all__ = ["optimize", "InfeasibleBudget", "report", "Report", "explore", "Exploration", "verify", "VerifyResult",
-           "profile", "ProfileResult"]
+           "profile", "ProfileResult", "optim"]
 __version__ = "0.1.0"

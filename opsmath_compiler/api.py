@@ -20,7 +20,6 @@ autograd. ``report(model)`` shows what happened to every captured graph.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -102,13 +101,15 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     if cuda_graphs and inductor is False:
         raise ValueError("optimize(cuda_graphs=True) replays Inductor's compiled graphs; it needs the Inductor "
                          "path, not inductor=False")
+    patterns, skip = _names(patterns, "patterns"), _names(skip, "skip") or []
     chosen = ALL_PATTERNS if patterns is None else [p for p in ALL_PATTERNS if p.name in set(patterns)]
-    if patterns is not None and len(chosen) != len(set(patterns)):
-        unknown = set(patterns) - {p.name for p in chosen}
-        raise ValueError(f"unknown patterns {sorted(unknown)}; known: {PATTERN_NAMES}")
+    unknown = sorted({s.split("@")[0] for s in [*(patterns or []), *skip]} - set(PATTERN_NAMES))
+    if unknown:
+        raise ValueError(f"unknown pattern families {unknown}; known: {PATTERN_NAMES} (skip also takes one "
+                         "occurrence as 'family@node', the node named in the report)")
     if memory_budget is not None:
         parse_budget(memory_budget)  # a bad budget is an error now, not at the first call
-    state = OptimizeState(model_name=type(model).__name__, patterns=chosen, skip=set(skip or ()),
+    state = OptimizeState(model_name=type(model).__name__, patterns=chosen, skip=set(skip),
                           memory_budget=memory_budget, analyze=analyze, inductor=inductor,
                           default_patterns=patterns is None, cuda_graphs=bool(cuda_graphs))
     model._opsmath = state
@@ -149,6 +150,19 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     # skips this frame instead, and the frames below it go through opsmath (and Inductor) as usual.
     model._compiled_call_impl = torch._dynamo.disable(call, recursive=False)
     return model
+
+
+def _names(value, what: str):
+    """``patterns=`` / ``skip=`` as a list of names: one string is one name, None stays None."""
+    if value is None or isinstance(value, str):
+        return None if value is None else [value]
+    try:
+        names = list(value)
+    except TypeError:
+        raise TypeError(f"{what}= takes a name or a list of names, got {type(value).__name__}") from None
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{what}= takes pattern names (strings), got {names!r}")
+    return names
 
 
 def _on_cuda(model: torch.nn.Module) -> bool:

@@ -107,8 +107,11 @@ def _tune(args) -> int:
 
 
 def main(argv=None) -> int:
+    from opsmath import __version__
     parser = argparse.ArgumentParser(prog="opsmath", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser.add_argument("--version", action="version",
+                        version=f"opsmath {__version__} (torch {torch.__version__})")
+    sub = parser.add_subparsers(dest="cmd")
     rp = sub.add_parser("report", help="optimize a model, run one training step on CPU, print the graph diff")
     rp.add_argument("target", nargs="?", help="<file.py>:<factory>")
     rp.add_argument("--example", help="a bundled example: gpt, llama or dit")
@@ -125,6 +128,9 @@ def main(argv=None) -> int:
     tp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="autocast dtype")
     tp.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.cmd is None:   # bare ``opsmath``: what it can do
+        parser.print_help()
+        return 0
     if args.cmd == "tune":
         if bool(args.target) == bool(args.example):
             parser.error("give either <file.py>:<factory> or --example NAME")

@@ -1,5 +1,7 @@
 """The report's renderings and the CLI's main job."""
+import importlib
 import json
+import re
 import subprocess
 import sys
 
@@ -93,3 +95,36 @@ def test_cli_memory_budget_shows_the_plan_and_rejects_bad_budgets(capsys):
     for bad, says in (("lots", "cannot read memory_budget"), ("0.01", "smallest feasible")):
         with pytest.raises(SystemExit, match=says):
             cli.main(["report", "--example", "gpt", "--memory-budget", bad])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(skip=["atention"]), "unknown pattern families ['atention']"),
+    (dict(skip=["atention@softmax_3"]), "unknown pattern families ['atention']"),
+    (dict(patterns="atention"), "unknown pattern families ['atention']"),
+    (dict(patterns=["attention", "swigloo"]), "unknown pattern families ['swigloo']"),
+])
+def test_unknown_pattern_names_are_an_error_naming_the_known_ones(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        opsmath.optimize(torch.nn.Linear(2, 2), **kwargs)
+    assert "attention" in str(e.value).split("known:")[1]
+
+
+def test_one_string_is_one_pattern_name():
+    model = opsmath.optimize(torch.nn.Linear(2, 2), patterns="attention", skip="attention@softmax")
+    assert [p.name for p in model._opsmath.patterns] == ["attention"] and model._opsmath.skip == {"attention@softmax"}
+    with pytest.raises(TypeError, match="patterns= takes a name or a list of names, got int"):
+        opsmath.optimize(torch.nn.Linear(2, 2), patterns=3)
+
+
+def test_cli_version_and_bare_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith(f"opsmath {opsmath.__version__} (torch ")
+    assert cli.main([]) == 0 and "usage: opsmath" in capsys.readouterr().out
+
+
+def test_import_opsmath_provides_optim():
+    code = "import opsmath; print(opsmath.optim.AdamW.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "AdamW", out.stderr[-2000:]
+    assert importlib.import_module("opsmath").optim is sys.modules["opsmath.optim"]

@@ -22,7 +22,7 @@ from tolerance import grads_close, max_err, rel_err
 from semantics_idioms import IDIOMS, GradReverse, random_stack, reduce_output
 
 
-def _same(a, b, mode: str, what: str, ref=None):
+def _same(a, b, mode: str, what: str, ref=None, rtol: float = 1e-4):
     """``b`` (optimized) against ``a`` (eager): ``mode`` "exact" (bitwise), "fp32" (the fused ops' fp32
     rounding: 1e-4 relative in norm) or "rule" (docs/design.md's rule against ``ref``, an fp32 run: the
     optimized error at most 2x eager's plus 1e-2 of the reference's magnitude)."""
@@ -32,7 +32,7 @@ def _same(a, b, mode: str, what: str, ref=None):
         if mode == "exact" or not a.is_floating_point():
             assert torch.equal(a, b), f"{what}: max difference {(a.double() - b.double()).abs().max().item():.3g}"
         elif mode == "fp32":   # an element may sit where a sum cancels: compared in norm
-            assert grads_close(b, a, rtol=1e-4, atol=1e-6), f"{what}: relative error {rel_err(b, a):.3g} > 1e-4"
+            assert grads_close(b, a, rtol=rtol, atol=1e-6), f"{what}: relative error {rel_err(b, a):.3g} > {rtol}"
         else:
             assert torch.isfinite(b).all(), f"{what}: not finite"
             eo, ee = max_err(b, ref), max_err(a, ref)
@@ -41,7 +41,7 @@ def _same(a, b, mode: str, what: str, ref=None):
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} entries"
         for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, mode, f"{what}[{i}]", None if ref is None else ref[i])
+            _same(x, y, mode, f"{what}[{i}]", None if ref is None else ref[i], rtol)
     else:
         assert a == b, f"{what}: {a!r} vs {b!r}"
 
@@ -123,7 +123,7 @@ OP_BY_OP_ON_CUDA = {"autograd_grad_inside_forward": "double backward",
                     "checkpoint_with_dropout_inside": "eager's dropout masks"}
 
 
-def assert_trains_like_eager(make, patterns, mode, steps_per_update=1, kwargs=False, **options):
+def assert_trains_like_eager(make, patterns, mode, steps_per_update=1, kwargs=False, rtol=1e-4, **options):
     """Train ``make()``'s model eagerly and under ``optimize(patterns=..., **options)`` and compare every
     step (``_same``'s ``mode``). In "rule" mode both run in bf16 on ``DEVICE`` beside an fp32 eager
     reference; after the first step only the loss is held to the rule (the three runs' weights have
@@ -146,7 +146,7 @@ def assert_trains_like_eager(make, patterns, mode, steps_per_update=1, kwargs=Fa
             if mode == "rule" and step > 0 and key != "loss":
                 _finite_like(pick(e), pick(o), f"step {step} {what}")
             else:
-                _same(pick(e), pick(o), mode, f"step {step} {what}", pick(r))
+                _same(pick(e), pick(o), mode, f"step {step} {what}", pick(r), rtol)
         same("loss", "loss")
         same("outputs", "outputs")
         for kind in ("grads", "input_grads"):
@@ -240,23 +240,48 @@ def test_gradient_accumulation_over_micro_batches():
     assert_trains_like_eager(IDIOMS["function_custom_backward"], patterns=[], mode=MODES[False], steps_per_update=2)
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_hf_gradient_checkpointing_is_rewritten_inside_and_keeps_recompute(reentrant):
-    """``model.gradient_checkpointing_enable()``: each decoder layer is a checkpoint call. Its body is
-    rewritten (every layer's attention), the layer is still recomputed in backward (its graph runs
-    twice per step), and training equals eager."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64, vocab_size=100, attn_implementation="eager")
+class LossOnly(nn.Module):
+    """A Hugging Face model trained on its own loss (summing its logits too would be unbounded below)."""
 
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch):
+        return self.model(**batch).loss
+
+
+def _hf_causal_lm(name):
+    transformers = pytest.importorskip("transformers")
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, vocab_size=100, attn_implementation="eager"))
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+@pytest.mark.parametrize("name,reentrant", [("llama", False), ("llama", True), ("gpt2", False), ("bert", False)])
+def test_hf_gradient_checkpointing_is_rewritten_inside_and_keeps_recompute(name, reentrant):
+    """``model.gradient_checkpointing_enable()``: each layer is a checkpoint call. Its body is rewritten
+    (every layer's attention: LLaMA's eager one, GPT-2's and BERT's default SDPA call), the layer is
+    still recomputed in backward (its graph runs twice per step), and training equals eager."""
     def make():
-        model = transformers.LlamaForCausalLM(cfg)
+        model = _hf_causal_lm(name)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         ids = [torch.randint(0, 100, (2, 12)) for _ in range(3)]
-        return model, [dict(input_ids=i, labels=i) for i in ids]
-    optimized = assert_trains_like_eager(make, patterns=None, mode=MODES[True], kwargs=True)
+        return LossOnly(model), [dict(input_ids=i, labels=i) for i in ids]
+    # BERT's query gradients are small differences of large terms (MLM on near-uniform attention): the
+    # fused ops' fp32 rounding reaches 1e-3 of them with or without checkpointing, test_models' 2e-3 bound
+    optimized = assert_trains_like_eager(make, patterns=None, mode=MODES[True], kwargs=True, rtol=2e-3)
     rep = opsmath.report(optimized)
-    assert rep.count("attention") == 2 and sum(r.kind == "checkpoint" for r in rep.eager_regions) >= 1
+    assert rep.count("attention") == 2 and sum(r.kind == "checkpoint" for r in rep.eager_regions) >= 1, \
+        rep.render(width=140)
     if not reentrant:   # (torch 2.11's dynamo traced the reentrant call differently: no recompute count)
         assert any(g.calls >= 2 * 3 and any(m.pattern == "attention" for m in g.matches) for g in rep.graphs), \
             [(g.calls, [m.pattern for m in g.matches]) for g in rep.graphs]
