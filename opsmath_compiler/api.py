@@ -140,6 +140,12 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
                 if isinstance(getattr(e, "inner_exception", None), InfeasibleBudget):
                     raise e.inner_exception from None
                 raise
+            except torch._dynamo.exc.TorchRuntimeError as e:
+                # an op failed on fake tensors while dynamo traced the call (nothing ran yet): most often
+                # the user's own mistake (a shape, dtype or device), which eager reports in one line.
+                # Run the call eagerly: it raises that error, or, if the failure was the tracer's, runs.
+                state.fallback_errors.append(f"a call could not be traced and ran eagerly: {str(e).splitlines()[0]}")
+                return model._call_impl(*args, **kwargs)
             finally:
                 if graph_breaks() != breaks:
                     note_graph_breaks(breaks, state.eager_regions)

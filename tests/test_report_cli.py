@@ -128,3 +128,14 @@ def test_import_opsmath_provides_optim():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "AdamW", out.stderr[-2000:]
     assert importlib.import_module("opsmath").optim is sys.modules["opsmath.optim"]
+
+
+def test_a_wrong_input_after_capture_raises_what_eager_raises():
+    """A shape mistake is reported as eager reports it (one line), not as a tracing failure."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU())
+    opt = opsmath.optimize(model)
+    opt(torch.randn(16, 32)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(16x31 and 32x96\)") as e:
+        opt(torch.randn(16, 31))
+    assert not isinstance(e.value, torch._dynamo.exc.TorchRuntimeError)
+    assert opsmath.report(opt).fallback_errors   # and the report says the call was not traced
