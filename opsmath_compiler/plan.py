@@ -180,6 +180,14 @@ class Plan:
                     timeline=[list(t) for t in self.timeline()])
 
 
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (``1000 B``, ``1.46 GiB``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 class InfeasibleBudget(ValueError):
     pass
 
@@ -272,9 +280,9 @@ def choose(segs: list[Segment], resident: int, budget_kind: str, budget: float,
             best = cand
     if best is None:
         floor = resident + int(smallest)
+        asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
         raise InfeasibleBudget(
-            f"memory budget {budget:.4g}{'' if budget_kind == 'bytes' else ' (fraction)'} cannot be met: the "
-            f"smallest feasible is about {floor / 2**30:.3f} GiB ({floor} bytes"
+            f"memory budget {asked} cannot be met: the smallest feasible is about {_size(floor)} ({floor} bytes"
             + (f", fraction {smallest / total:.3f}" if total else "") + ")")
     return best
 

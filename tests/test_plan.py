@@ -245,3 +245,18 @@ def test_late_optimizer_state_is_replanned_under_gradient_accumulation(monkeypat
     assert plans[3] is not plans[2] and "at call 4" in plans[3].replanned
     assert len(plans[3].chosen) > len(plans[2].chosen) and plans[3].predicted_peak <= budget
     assert plans[4] is plans[3]
+
+
+def test_infeasible_budget_message_speaks_in_sizes():
+    """A byte budget is echoed in a readable unit, as is the smallest feasible one ('1000 B', not
+    '0.000 GiB')."""
+    import re
+    from opsmath.plan import _size
+    assert (_size(1000), _size(1536), _size(3 * 2**20), _size(1.5 * 2**30)) == ("1000 B", "1.5 KiB", "3 MiB", "1.5 GiB")
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=2, seq_len=16)
+    opt = opsmath.optimize(model, memory_budget="1KB")
+    with pytest.raises(InfeasibleBudget, match=r"memory budget 1000 B cannot be met: the smallest feasible is about "
+                                               r"[0-9.]+ (KiB|MiB)") as e:
+        opt(*batch)
+    assert re.search(r"\(\d+ bytes", str(e.value))
