@@ -22,7 +22,7 @@ from .analysis import kernel_launches, saved_activation_bytes, saved_bytes_by_no
 from .capture import lower_to_aten
 from .match import Decline, Match, run_patterns
 from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
-from .regions import LazyPiece, eager_nodes, route_checkpoints, split_around
+from .regions import EagerRegion, LazyPiece, eager_nodes, inline_checkpoint, route_checkpoints, split_around
 
 log = logging.getLogger("opsmath")
 
@@ -105,6 +105,13 @@ def make_backend(state, model: torch.nn.Module):
     """The dynamo backend of ``optimize``: ``state`` is the model's ``OptimizeState``."""
     def opsmath_backend(gm: fx.GraphModule, example_inputs):
         regions = eager_nodes(gm)
+        if state.memory_budget is not None:   # the user's checkpoints become part of opsmath's plan
+            for node, region in list(regions.items()):
+                if region.kind == "checkpoint" and inline_checkpoint(gm, node):
+                    del regions[node]
+                    state.eager_regions.append(EagerRegion(
+                        "checkpoint", region.location, region.code,
+                        "handed to the recompute plan (memory_budget): recomputed where the plan chooses"))
         if not regions:
             return compile_graph(state, model, gm, list(example_inputs))
         # autograd Functions and tensor hooks run as dynamo traced them, checkpoints as the user wrote

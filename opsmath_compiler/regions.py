@@ -139,6 +139,33 @@ def run_checkpoint(body, *args, **kwargs):
     return checkpoint(body, *args, **ckpt_kwargs, **body_kwargs)
 
 
+def inline_checkpoint(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Replace a plain checkpoint node of dynamo's graph ``gm`` by its body's nodes (the user's region
+    then computes inline, and opsmath's recompute plan decides what to recompute). Only a body without
+    attributes of its own (no nested higher-order op) and without keyword arguments for it; returns
+    whether it was inlined."""
+    from torch._higher_order_ops.wrap import TagActivationCheckpoint
+    body = getattr(gm, node.args[0].target, None)
+    if not checkpoint_body_is_plain(gm, node) or TagActivationCheckpoint.divide_kwargs(node.kwargs)[1] \
+            or any(n.op == "get_attr" for n in body.graph.nodes) \
+            or any(u.target is not operator.getitem for u in node.users):
+        return False
+    inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+    env = dict(zip(inputs, node.args[1:]))
+    with gm.graph.inserting_before(node):
+        outs = gm.graph.graph_copy(body.graph, env)
+    for u in list(node.users):
+        u.replace_all_uses_with(outs[u.args[1]])
+        gm.graph.erase_node(u)
+    getter = node.args[0]
+    gm.graph.erase_node(node)
+    if not getter.users:
+        gm.graph.erase_node(getter)
+    gm.graph.lint()
+    gm.recompile()
+    return True
+
+
 def route_checkpoints(parent: fx.GraphModule, compile_piece) -> int:
     """In the pieces of a split graph, make every plain checkpoint node call ``run_checkpoint`` on a
     ``LazyPiece`` of its body. Returns how many were routed."""

@@ -138,7 +138,8 @@ class Report(Rendered):
 
     def _eager_table(self) -> Table:
         """What runs as written (autograd Functions, hooks, graph breaks, checkpoint calls) and why."""
-        t = Table(title="kept as written (runs outside opsmath's graphs)", title_justify="left",
+        t = Table(title="kept as written (runs outside opsmath's graphs), or handed to the plan",
+                  title_justify="left",
                   show_header=True, header_style="bold", box=None, padding=(0, 1))
         t.add_column("what", style="yellow", no_wrap=True)
         t.add_column("source", style="cyan", no_wrap=True)

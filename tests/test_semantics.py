@@ -285,3 +285,27 @@ def test_hf_gradient_checkpointing_is_rewritten_inside_and_keeps_recompute(name,
     if not reentrant:   # (torch 2.11's dynamo traced the reentrant call differently: no recompute count)
         assert any(g.calls >= 2 * 3 and any(m.pattern == "attention" for m in g.matches) for g in rep.graphs), \
             [(g.calls, [m.pattern for m in g.matches]) for g in rep.graphs]
+
+
+def test_memory_budget_takes_over_the_users_checkpoints():
+    """Under ``memory_budget=`` a user's checkpointed blocks are inlined into the captured graph and
+    opsmath's plan decides what to recompute (the report says so); training still equals eager."""
+    from opsmath import examples
+
+    class Checkpointed(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    def make():
+        model, (idx, tgt) = examples.gpt(batch_size=2, seq_len=16, dropout=0.0)
+        model.h = nn.ModuleList([Checkpointed(b) for b in model.h])
+        return model, [(idx, tgt)] * 3
+    optimized = assert_trains_like_eager(make, patterns=None, mode=MODES[True], memory_budget=0.7)
+    rep = opsmath.report(optimized)
+    handed = [r for r in rep.eager_regions if r.kind == "checkpoint"]
+    assert len(handed) == 2 and all("handed to the recompute plan" in r.reason for r in handed)
+    assert len(rep.graphs) == 1 and rep.graphs[0].plan is not None and rep.count("attention") == 2
