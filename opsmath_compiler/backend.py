@@ -105,13 +105,7 @@ def make_backend(state, model: torch.nn.Module):
     """The dynamo backend of ``optimize``: ``state`` is the model's ``OptimizeState``."""
     def opsmath_backend(gm: fx.GraphModule, example_inputs):
         regions = eager_nodes(gm)
-        if state.memory_budget is not None:   # the user's checkpoints become part of opsmath's plan
-            for node, region in list(regions.items()):
-                if region.kind == "checkpoint" and inline_checkpoint(gm, node):
-                    del regions[node]
-                    state.eager_regions.append(EagerRegion(
-                        "checkpoint", region.location, region.code,
-                        "handed to the recompute plan (memory_budget): recomputed where the plan chooses"))
+        _inline_checkpoints(state, gm, regions)
         if not regions:
             return compile_graph(state, model, gm, list(example_inputs))
         # autograd Functions and tensor hooks run as dynamo traced them, checkpoints as the user wrote
@@ -124,6 +118,27 @@ def make_backend(state, model: torch.nn.Module):
         route_checkpoints(parent, opsmath_backend)
         return parent.forward
     return opsmath_backend
+
+
+def _uses_inductor(state, example_inputs) -> bool:
+    """Whether the graph of these inputs is compiled by Inductor (``optimize(inductor=...)``; default:
+    when its tensors are on CUDA)."""
+    if state.inductor is not None:
+        return state.inductor
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+
+
+def _inline_checkpoints(state, gm: fx.GraphModule, regions: dict) -> None:
+    """Under a memory budget the user's checkpoint regions go to opsmath's plan: inlined (untagged), taken
+    out of ``regions`` and reported. Without a budget they run through ``run_checkpoint`` as written."""
+    if state.memory_budget is None:
+        return
+    for node, region in list(regions.items()):
+        if region.kind == "checkpoint" and inline_checkpoint(gm, node):
+            del regions[node]
+            state.eager_regions.append(EagerRegion(
+                "checkpoint", region.location, region.code,
+                "handed to the recompute plan (memory_budget): recomputed where the plan chooses"))
 
 
 def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inputs: list):
@@ -144,8 +159,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     analyze = state.analyze and not captured.dynamic
     before_saved = saved_activation_bytes(captured.gm, captured.requires_grad) if analyze else None
     before_nx = to_networkx(captured.gm)
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    use_inductor = state.inductor if state.inductor is not None else any(t.is_cuda for t in tensors)
+    use_inductor = _uses_inductor(state, example_inputs)
     patterns, left = state.patterns, set()
     if use_inductor and state.default_patterns:
         left = INDUCTOR_FUSES_BETTER - (KEPT_UNDER_BUDGET if state.memory_budget is not None else set())
