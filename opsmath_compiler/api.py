@@ -122,6 +122,17 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     compiled = torch.compile(opsmath_frame, backend=make_backend(state, model),
                              dynamic=False if memory_budget is not None else None)
 
+    call = _caller(state, model, compiled, inductor)
+    # Under an outer ``torch.compile(model)`` dynamo would trace through the in-place compile and hand
+    # the original graph to Inductor without opsmath's rewrites or its memory plan. The outer compile
+    # skips this frame instead, and the frames below it go through opsmath (and Inductor) as usual.
+    model._compiled_call_impl = torch._dynamo.disable(call, recursive=False)
+    return model
+
+
+def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
+    """What the optimized module's ``__call__`` runs: dynamo's compiled frame, with opsmath's dynamo
+    settings, bookkeeping for the report, and eager's own error for a call that cannot be traced."""
     def call(*args, **kwargs):
         # Run op by op under autograd, the rewritten graph fires DDP's per-parameter gradient hooks as
         # each gradient is produced; dynamo's DDP graph splitting (optimize_ddp) is then not needed and
@@ -151,11 +162,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
                     note_graph_breaks(breaks, state.eager_regions)
                 if state.graph_runs == runs:
                     state.unoptimized_calls += 1
-    # Under an outer ``torch.compile(model)`` dynamo would trace through the in-place compile and hand
-    # the original graph to Inductor without opsmath's rewrites or its memory plan. The outer compile
-    # skips this frame instead, and the frames below it go through opsmath (and Inductor) as usual.
-    model._compiled_call_impl = torch._dynamo.disable(call, recursive=False)
-    return model
+    return call
 
 
 def _names(value, what: str):
