@@ -139,3 +139,17 @@ def test_a_wrong_input_after_capture_raises_what_eager_raises():
         opt(torch.randn(16, 31))
     assert not isinstance(e.value, torch._dynamo.exc.TorchRuntimeError)
     assert opsmath.report(opt).fallback_errors   # and the report says the call was not traced
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_identical_rewrites_grouped_and_no_token_split(width):
+    """Layers that repeat a rewrite show as one line with a count; wrapping never cuts a name, a number
+    or a number from its unit."""
+    rep = opsmath.report(_optimized_gpt())
+    text = rep.render(width=width)
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert "attention x2  examples.py:37" in text and "bias_gelu x2" in text
+    words = text.replace("│", " ").split()
+    for token in ("opsmath::attention(scale=0.25,", "causal,", "eps=1e-05,", "opsmath::bias_gelu(256"):
+        assert token in words, (token, text)
+    assert re.search(r"\d(\.\d)?[KM]iB->\d+(\.\d)?[KM]iB", text), text
