@@ -11,8 +11,9 @@ So before lowering, every such node is cut out of the graph (``split_module``) a
 traced it, which executes the higher-order op eagerly with its real semantics (the Function's own
 backward, the hook on the real tensor). The runs of ordinary nodes between them are lowered,
 rewritten and compiled on their own, each a graph of the report; the report lists every region left
-eager with its reason, and dynamo's graph breaks (the code around them runs as plain Python). Higher-order ops whose lowering is exact stay in the pieces (``LOWERED``);
-any other, known today or added by a later torch, is left to eager.
+eager with its reason, and dynamo's graph breaks (the code around them runs as plain Python).
+Higher-order ops whose lowering is exact stay in the pieces (``LOWERED``); any other, known today or
+added by a later torch, is left to eager.
 """
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def split_around(gm: fx.GraphModule, keep: set[fx.Node]) -> tuple[fx.GraphModule
 def _computes(sub: fx.GraphModule) -> bool:
     """Whether a piece holds anything but grad-mode / autocast bookkeeping and getitems."""
     skip = {torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast, operator.getitem}
-    return any(n.op in ("call_function", "call_method", "call_module") and n.target not in skip for n in sub.graph.nodes)
+    return any(n.op in ("call_function", "call_method", "call_module") and n.target not in skip
+               for n in sub.graph.nodes)
 
 
 def _hooks_off_while_tracing():
@@ -115,9 +117,10 @@ def note_graph_breaks(before: dict, regions: list[EagerRegion]):
     ``regions`` does not list yet: the code around a graph break runs as plain Python, unrewritten."""
     listed = {r.reason for r in regions if r.kind == "graph break"}
     for reason, n in graph_breaks().items():
-        if n > before.get(reason, 0) and reason not in listed:
-            text = " ".join(str(reason).split()).split(" Explanation:")[0]
-            regions.append(EagerRegion("graph break", "", "", text[:200]))
+        text = " ".join(str(reason).split()).split(" Explanation:")[0][:200]
+        if n > before.get(reason, 0) and text not in listed:
+            listed.add(text)
+            regions.append(EagerRegion("graph break", "", "", text))
 
 
 def checkpoint_body_is_plain(gm: fx.GraphModule, node: fx.Node) -> bool:
