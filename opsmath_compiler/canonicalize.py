@@ -16,6 +16,7 @@ handled here, once, so that every pattern sees the same thing:
 from __future__ import annotations
 
 import numbers
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -49,14 +50,6 @@ def dtype(node) -> Optional[torch.dtype]:
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
-class _Hinted:
-    """A tensor's shape (sizes at the values seen at capture), dtype and device: what a tuner measures."""
-
-    def __init__(self, t: torch.Tensor):
-        self.shape = tuple(size_hint(s) for s in t.shape)
-        self.dtype, self.device = t.dtype, t.device
-
-
 def size_hint(s) -> int:
     """An int size, or a symbolic one's value at capture (its shape env's hint), without a guard."""
     if isinstance(s, int):
@@ -65,10 +58,10 @@ def size_hint(s) -> int:
     return int(h if h is not None else s.node.shape_env.size_hint(s.node.expr))
 
 
-def hinted(t: torch.Tensor) -> _Hinted:
-    """``t``'s shape with symbolic sizes replaced by the values seen at capture (no guard is added):
-    for tuning, which needs numbers, in a graph that serves every value of a dynamic size."""
-    return _Hinted(t)
+def hinted(t: torch.Tensor) -> SimpleNamespace:
+    """``t``'s shape (symbolic sizes replaced by the values seen at capture, no guard added), dtype and
+    device: what a tuner measures, in a graph that serves every value of a dynamic size."""
+    return SimpleNamespace(shape=tuple(size_hint(s) for s in t.shape), dtype=t.dtype, device=t.device)
 
 
 def is_cast(node) -> bool:

@@ -106,12 +106,9 @@ class Report(Rendered):
                               + (f"; left to it: {', '.join(g.left_to_inductor)}" if g.left_to_inductor else ""),
                               style="dim"))
         if g.matches:
-            parts.append(self._rewrites(g.matches))
-            seen = set()
-            for m in g.matches:  # one snippet per distinct rewrite (layers repeat themselves)
-                if (m.pattern, m.location, m.replacement) not in seen:
-                    seen.add((m.pattern, m.location, m.replacement))
-                    parts.append(self._snippet(m))
+            groups = self._distinct(g.matches)
+            parts.append(self._rewrites(groups))
+            parts.extend(self._snippet(ms[0]) for ms in groups.values())  # one snippet per distinct rewrite
         if g.declines:
             t = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
             t.add_column("declined", style="yellow", no_wrap=True)
@@ -144,13 +141,18 @@ class Report(Rendered):
         return t
 
     @staticmethod
-    def _rewrites(matches) -> Text:
-        """One line per distinct rewrite (the same pattern, source line and replacement, as every layer
-        of a model repeats it), with how often it occurs: ``attention x12 examples.py:37 6 nodes ->
-        opsmath::attention(...)``. Plain text that wraps at spaces, so no name or number is cut."""
+    def _distinct(matches) -> dict:
+        """Matches grouped by (pattern, source line, replacement): every layer of a model repeats one."""
         groups: dict = {}
         for m in matches:
             groups.setdefault((m.pattern, m.location, m.replacement), []).append(m)
+        return groups
+
+    @staticmethod
+    def _rewrites(groups: dict) -> Text:
+        """One line per distinct rewrite (``_distinct``) with how often it occurs: ``attention x12
+        examples.py:37 6 nodes -> opsmath::attention(...)``. Plain text that wraps at spaces, so no name
+        or number is cut."""
         t = Text()
         for (pattern, location, replacement), ms in groups.items():
             t.append(f"{pattern}", style="green")
