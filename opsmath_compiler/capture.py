@@ -9,6 +9,7 @@ strides, as autocast would produce them) and ``meta["stack_trace"]`` (the user's
 """
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -51,6 +52,7 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
         _pin_symbolic_sizes(gm)
     with fx_traceback.preserve_node_meta(), fake_mode:
         aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
+    split_size_calls(aten)
     constants = {}
     placeholders = [n for n in aten.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
@@ -59,6 +61,40 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
             constants[node.name] = value
     requires_grad = [bool(getattr(v, "requires_grad", False)) for v in example_inputs]
     return Captured(aten, constants, requires_grad, dynamic=dynamic)
+
+
+def split_size_calls(gm: fx.GraphModule) -> None:
+    """Rewrite ``aten.size.default(x)`` (all of a tensor's sizes at once, as some torch versions'
+    pre-dispatch traces record ``x.size()``) into one ``aten.sym_size.int(x, i)`` per dimension.
+
+    Why: fake-tensor propagation handles ``aten.size.default`` by converting every size to ``int``,
+    which on a symbolic graph guards each size to its current value, so dynamo recompiles for every
+    new length. ``sym_size.int`` keeps a size symbolic. ``getitem(size, i)`` users take the i-th
+    node; any other user gets the list of per-dimension nodes in place of the tuple.
+    """
+    graph = gm.graph
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.size.default)):
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        with graph.inserting_after(node):
+            dims = [graph.call_function(torch.ops.aten.sym_size.int, (node.args[0], i))
+                    for i in reversed(range(val.dim()))][::-1]
+        for d, size in zip(dims, val.shape):
+            d.meta["val"] = size
+        for user in list(node.users):
+            if user.target is operator.getitem and isinstance(user.args[1], int):
+                user.replace_all_uses_with(dims[user.args[1]])
+                graph.erase_node(user)
+            else:
+                swap = lambda a: list(dims) if a is node else a  # noqa: E731
+                user.args, user.kwargs = fx.node.map_aggregate(user.args, swap), \
+                    fx.node.map_aggregate(user.kwargs, swap)
+        graph.erase_node(node)
+        for d in dims:
+            if not d.users:
+                graph.erase_node(d)
+    gm.recompile()
 
 
 def _symbolic(v) -> bool:

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from .canonicalize import aten
-from .capture import Captured, source_location
+from .capture import Captured, source_location, split_size_calls
 
 log = logging.getLogger("opsmath")
 
@@ -242,6 +242,7 @@ def _refresh_meta(gm: fx.GraphModule) -> None:
     mode = _fake_mode_of(gm)
     if mode is None:
         return
+    split_size_calls(gm)
     try:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
     except Exception as e:  # metadata is a convenience for planning/reporting, never fatal

@@ -66,3 +66,32 @@ def test_memory_budget_plans_every_length_exactly():
                              memory_budget=0.9)
     assert len(rep.graphs) == len(set(LENGTHS)) and not any(g.dynamic for g in rep.graphs)
     assert rep.unoptimized_calls == 0
+
+
+def test_size_calls_stay_symbolic_through_fake_propagation():
+    """``aten.size.default`` (how some torch versions trace ``x.size()``) becomes per-dimension
+    ``sym_size.int``: fake propagation of the rewritten graph must not pin a length to its value,
+    or dynamo recompiles for every new length."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from opsmath.capture import split_size_calls
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    size = graph.call_function(torch.ops.aten.size.default, (x,))
+    t = graph.call_function(__import__("operator").getitem, (size, 1))
+    flat = graph.call_function(torch.ops.aten.view.default, (x, [-1, t]))
+    same = graph.call_function(torch.ops.aten.view.default, (flat, size))
+    graph.output((same,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fake = mode.from_tensor(torch.randn(2, 7, 3), static_shapes=False)
+    x.meta["val"] = fake
+    split_size_calls(gm)
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.size.default)
+    out, = FakeTensorProp(gm, mode).propagate_dont_convert_inputs(fake)
+    assert not mode.shape_env.replacements, mode.shape_env.replacements
+    assert [str(s) for s in out.shape] == [str(s) for s in fake.shape]
+    real = torch.randn(3, 5, 2)
+    assert torch.equal(gm(real)[0], real)
