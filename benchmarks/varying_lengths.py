@@ -47,6 +47,8 @@ def run_sequence(model, opt, batches, sync):
         opt.zero_grad(set_to_none=True)
         sync()
         times.append(time.perf_counter() - t0)
+        if times[-1] > 1:   # a (re)compile: show progress as it happens
+            print(f"  step {len(times)} (length {ids.shape[1]}): {times[-1]:.1f} s", flush=True)
     return times
 
 
@@ -58,6 +60,8 @@ def main():
     ap.add_argument("--min-len", type=int, default=512)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--model", default="1b")
+    ap.add_argument("--order", default="torch.compile,opsmath.optimize",
+                    help="variants in the order their cold phase runs (the first is not slowed by a timeout)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -69,7 +73,9 @@ def main():
     lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.steps)]
     batches = [torch.randint(0, cfg["vocab_size"], (args.batch, T), device=device) for T in lengths]
     variants = {}
-    for label, wrap in (("torch.compile", torch.compile), ("opsmath.optimize", opsmath.optimize)):
+    wraps = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize}
+    for label in args.order.split(","):
+        wrap = wraps[label]
         model = wrap(build(cfg, device))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
         cold = run_sequence(model, opt, batches, sync)

@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .canonicalize import aten
 from .capture import Captured, source_location, split_size_calls
@@ -236,14 +237,23 @@ def _fake_mode_of(gm: fx.GraphModule):
 
 def _refresh_meta(gm: fx.GraphModule) -> None:
     """Give inserted nodes ``meta["val"]`` by fake-propagating the rewritten graph."""
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     mode = _fake_mode_of(gm)
     if mode is None:
         return
     split_size_calls(gm)
     try:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
+        SymbolicSizeProp(gm, mode).propagate_dont_convert_inputs(*vals)
     except Exception as e:  # metadata is a convenience for planning/reporting, never fatal
         log.debug("opsmath: fake propagation after rewrite failed: %s", e)
+
+
+class SymbolicSizeProp(FakeTensorProp):
+    """Fake propagation that keeps ``aten.size.default`` symbolic: the fake-tensor handler turns every
+    size into an ``int``, which on a dynamic graph guards each length to its current value (and so
+    makes dynamo recompile for every new length)."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.aten.size.default:
+            return tuple(args[0].size())
+        return super().call_function(target, args, kwargs)

@@ -95,3 +95,25 @@ def test_size_calls_stay_symbolic_through_fake_propagation():
     assert [str(s) for s in out.shape] == [str(s) for s in fake.shape]
     real = torch.randn(3, 5, 2)
     assert torch.equal(gm(real)[0], real)
+
+
+def test_size_calls_on_nodes_without_metadata_stay_symbolic():
+    """A size call whose input has no ``meta["val"]`` (a node a rewrite inserted) cannot be split
+    ahead of time; the propagation itself must keep it symbolic."""
+    import operator
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from opsmath.match import SymbolicSizeProp
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    size = graph.call_function(torch.ops.aten.size.default, (y,))
+    t = graph.call_function(operator.getitem, (size, 1))
+    graph.output((graph.call_function(torch.ops.aten.view.default, (y, [-1, t])),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fake = mode.from_tensor(torch.randn(2, 7), static_shapes=False)
+    out, = SymbolicSizeProp(gm, mode).propagate_dont_convert_inputs(fake)
+    assert not mode.shape_env.replacements, mode.shape_env.replacements
+    assert str(out.shape[1]) == str(fake.shape[1])
