@@ -103,6 +103,7 @@ def test_size_calls_on_nodes_without_metadata_stay_symbolic():
     import operator
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from opsmath.capture import split_size_calls
     from opsmath.match import SymbolicSizeProp
 
     graph = torch.fx.Graph()
@@ -117,3 +118,5 @@ def test_size_calls_on_nodes_without_metadata_stay_symbolic():
     out, = SymbolicSizeProp(gm, mode).propagate_dont_convert_inputs(fake)
     assert not mode.shape_env.replacements, mode.shape_env.replacements
     assert str(out.shape[1]) == str(fake.shape[1])
+    split_size_calls(gm)   # with the values propagation gave, the call splits for the next tracer
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.size.default)
