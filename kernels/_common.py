@@ -24,11 +24,14 @@ CUDA tensors go to Triton; CPU tensors go to the PyTorch reference. ``OPSMATH_TR
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .autotune import cached, pick
 
 _M32 = 0xFFFFFFFF
 
@@ -120,7 +123,7 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
     ``configs`` maps a name to a configuration, the default first; ``run(config)`` launches the kernel
     once on the caller's tensors (writing only outputs the real launch overwrites). On a GPU each
     configuration is timed once per (GPU, torch/triton versions, ``op``, ``key``) through
-    ``opsmath.autotune.pick`` and the winner is kept on disk, so later processes launch it without
+    ``autotune.pick`` and the winner is kept on disk, so later processes launch it without
     measuring. Under the interpreter, while a CUDA graph is being captured (nothing may be timed) or with
     ``OPSMATH_TUNE_KERNELS=0`` the cached choice, else the default, is used. Why measure: on the H200 one
     tile shape was the fastest of the candidates at some (dtype, width) and 30% slower at others
@@ -129,7 +132,6 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
     default = configs[names[0]]
     if len(names) == 1 or device.type != "cuda":
         return default
-    from opsmath.autotune import cached, pick
     if torch.cuda.is_current_stream_capturing() or os.environ.get("OPSMATH_TUNE_KERNELS") == "0":
         return configs.get(cached(op, key), default)
     try:
@@ -137,7 +139,6 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
         # configuration changes only the order of the fp32 partial sums, not what is computed
         return configs[pick(op, key, {name: (lambda c=c: run(c)) for name, c in configs.items()}, sync=False)]
     except Exception as e:   # tuning must never stop training: the default configuration is always valid
-        import logging
         logging.getLogger("opsmath").warning("opsmath: tuning %s [%s] failed (%s); using the default", op, key, e)
         return default
 
@@ -169,7 +170,6 @@ def resident_programs(kernel, grid_args: tuple, launch_kwargs: dict, device: tor
         return programs_per_sm(compiled.n_regs, compiled.metadata.shared, launch_kwargs.get("num_warps", 4),
                                props["max_num_regs"], props["max_shared_mem"], props["warpSize"])
     except Exception as e:   # an estimate only: the caller's other launch configurations still work
-        import logging
         logging.getLogger("opsmath").debug("opsmath: occupancy of %s unknown (%s)",
                                            getattr(kernel, "__name__", kernel), e)
         return fallback

@@ -15,63 +15,29 @@ as ours and as eager's, not the same mask.
 ``choose(...)`` measures forward+backward of every candidate on random tensors of the real shapes:
 opsmath's kernel in each configuration of ``CONFIGS`` for the head dim, and each SDPA backend that takes
 the inputs and passes ``accurate_backends`` (docs/design.md's rule against an fp32 reference, output and
-gradients). The winner is stored by ``opsmath_compiler/autotune.py`` (per GPU, versions, dtype and shape
+gradients). The winner is stored by ``kernels/autotune.py`` (per GPU, versions, dtype and shape
 bucket; persisted) and returned as ``"opsmath"`` or ``"sdpa_flash"`` / ``"sdpa_cudnn"`` /
 ``"sdpa_efficient"``; when opsmath's kernel wins in a configuration ``opsmath:BMxBNwWsS``, its launches
-read that configuration back from the cache (``attention._launch_cfg``). ``sdpa(...)`` is what the
+read that configuration back from the cache (``attention_configs.launch_cfg``). ``sdpa(...)`` is what the
 emitted graph calls for a vendor choice.
 """
 from __future__ import annotations
 
 import logging
-import math
 import os
-import re
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-OWN_ONLY = " own-only"   # key suffix of choices made without the vendor kernels (see choose)
+from ._common import dropout_keep, flat_offsets
+from .attention import attention_op, attention_reference
+from .attention_configs import OWN_ONLY, bucket_key, config_name, configs_for, forced_config
+from .autotune import pick
+
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
             "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-# Block configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) the tuner measures, by padded head dim;
-# the first is the default. Pruned by hand to shapes that fit Hopper's shared memory at that head dim.
-CONFIGS = {64: [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
-           128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 8, 3)],
-           256: [(64, 32, 8, 1), (32, 32, 4, 1), (64, 64, 8, 1)]}
-_FORCED: list = [None]   # a configuration the tuner is measuring (``forced_config``)
-
-
-def configs_for(D: int) -> list[tuple[int, int, int, int]]:
-    block_d = max(16, 1 << max(0, math.ceil(math.log2(max(D, 1)))))
-    return CONFIGS[min(max(block_d, 64), 256)]
-
-
-def config_name(cfg) -> str:
-    return "opsmath:{}x{}w{}s{}".format(*cfg)
-
-
-def parse_config(name: Optional[str]) -> Optional[tuple[int, int, int, int]]:
-    """``config_name``'s inverse; None for anything else (a vendor choice, no choice)."""
-    m = re.fullmatch(r"opsmath:(\d+)x(\d+)w(\d+)s(\d+)", name or "")
-    return tuple(int(g) for g in m.groups()) if m else None
-
-
-class forced_config:
-    """``with forced_config((BM, BN, warps, stages)):`` launches use that configuration."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def __enter__(self):
-        self.prev, _FORCED[0] = _FORCED[0], self.cfg
-
-    def __exit__(self, *exc):
-        _FORCED[0] = self.prev
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
@@ -84,15 +50,6 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
-
-
-def bucket_key(q, k, has_bias: bool, has_mask: bool, is_causal: bool, dropout_p: float) -> str:
-    """dtype, exact head dim and head grouping, batch*heads and lengths rounded up to powers of 2."""
-    B, H, Sq, D = q.shape
-    p2 = (lambda n: 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-    return (f"{str(q.dtype).replace('torch.', '')} D={D} H/Hkv={H // k.shape[1]} B*H<={p2(B * H)} "
-            f"Sq<={p2(Sq)} Sk<={p2(k.shape[2])} causal={int(is_causal)} bias={int(has_bias)} "
-            f"mask={int(has_mask)} dropout={int(dropout_p > 0)}")
 
 
 def vendor_eligible(device: torch.device, mask_fill: float, bias_requires_grad: bool) -> bool:
@@ -137,9 +94,6 @@ def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: f
 
 def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale, dropout_p,
             vendors):
-    from opsmath.autotune import pick
-
-    from .attention import attention_op, attention_reference
     q, k, v, bias, mask = _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape)
     key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p) + ("" if vendors else OWN_ONLY)
     dout = torch.randn(q_shape, device=device, dtype=dtype)
@@ -248,7 +202,6 @@ def eager_same_dtype(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     p = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), -1).to(q.dtype)
     if dropout_p > 0:
-        from ._common import dropout_keep, flat_offsets
         p = p * dropout_keep(seed, flat_offsets(p.shape, p.device), dropout_p) / (1 - dropout_p)
     return p @ v
 

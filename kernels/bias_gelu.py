@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import (check_seed, dropout_keep, flat_offsets, keep_mask, load_seed, row_key, row_tile,
-                      seed_arg, tuned_config, use_triton)
+                      new_seed, seed_arg, tuned_config, use_triton)
 
 _SQRT1_2 = 1 / math.sqrt(2.0)
 _K = math.sqrt(2.0 / math.pi)
@@ -254,6 +254,5 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none", dr
               seed=None) -> torch.Tensor:
     """``F.dropout(F.gelu(x + bias, approximate=approximate), dropout_p)``; see the module docstring."""
     if seed is None and dropout_p > 0:
-        from ._common import new_seed
         seed = new_seed(x)
     return bias_gelu_op(x, bias, approximate, float(dropout_p), seed)

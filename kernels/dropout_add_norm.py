@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._common import (check_seed, dropout_keep, flat_offsets, keep_mask, load_seed, next_pow2, resident_programs,
-                      row_key, row_tile, seed_arg, tuned_config, use_triton)
+                      new_seed, row_key, row_tile, seed_arg, tuned_config, use_triton)
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch reference
@@ -357,7 +357,6 @@ def dropout_add_norm(x, residual, weight=None, bias=None, is_rms=False, eps=1e-5
                      out_dtype=None):
     """Convenience entry point returning (out, h); see the module docstring for the math."""
     if seed is None and dropout_p > 0:
-        from ._common import new_seed
         seed = new_seed(x)
     out, h, _ = dropout_add_norm_op(x, residual, weight, bias, is_rms, eps, dropout_p, seed,
                                     out_dtype or x.dtype)

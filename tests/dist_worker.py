@@ -117,7 +117,7 @@ def _profile_step(wrapped, idx, tgt, rank, out_dir):
 def tune_agree(rank, world, port, out_dir, sync):
     """Ranks whose timings disagree, and whose caches differ (rank 1 already has an entry): with
     OPSMATH_TUNE_SYNC=1 they end up with rank 0's choice for every tuned op, else each keeps its own."""
-    from opsmath import autotune
+    from opsmath.kernels import autotune
     os.environ["OPSMATH_CACHE_DIR"] = os.path.join(out_dir, f"cache{rank}")
     os.environ["OPSMATH_TUNE_SYNC"] = sync
     _setup(rank, world, port)

@@ -75,7 +75,7 @@ cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="SDPA's flash/cuDNN/effi
 def test_the_chosen_kernel_follows_the_tolerance_rule(case, tmp_path, monkeypatch):
     """Whatever ``choose`` picks (vendors are admitted only after their own accuracy check on a
     slice) meets docs/design.md's rule on the whole problem: output and every gradient."""
-    from opsmath import autotune
+    from opsmath.kernels import autotune
     from opsmath.kernels.attention import attention_op
     monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path))
     autotune._MEMORY.clear()
@@ -106,7 +106,7 @@ def test_the_chosen_kernel_follows_the_tolerance_rule(case, tmp_path, monkeypatc
 
 @cuda_only
 def test_choose_measures_and_caches(tmp_path, monkeypatch):
-    from opsmath import autotune
+    from opsmath.kernels import autotune
     monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path))
     autotune._MEMORY.clear()
     args = ((4, 16, 1024, 64), (4, 16, 1024, 64), torch.bfloat16, torch.device("cuda"), None, None,

@@ -1,4 +1,4 @@
-"""The tuning cache (``opsmath_compiler/autotune.py``): measured once, reused by a later process,
+"""The tuning cache (``kernels/autotune.py``): measured once, reused by a later process,
 corrupt or stale files re-tuned, never fatal. Measurement is replaced by a recorded fake here."""
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from opsmath import autotune
+from opsmath.kernels import autotune
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def test_pick_measures_once_then_reads_the_cache(cache):
 
 def test_a_later_process_reuses_the_choice(cache):
     autotune.pick("op", "k", {"x": named("x"), "y": named("y")}, fake_measure({"x": 1.0, "y": 3.0}, []))
-    code = ("from opsmath import autotune\n"
+    code = ("from opsmath.kernels import autotune\n"
             "def boom(fn): raise AssertionError('re-measured')\n"
             "print(autotune.pick('op', 'k', {'x': None, 'y': None}, boom))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -100,7 +100,7 @@ def test_unwritable_cache_dir_is_not_fatal(tmp_path, monkeypatch):
 def test_attention_launch_uses_the_tuned_block_configuration(cache):
     """A choice ``opsmath:BMxBNwWsS`` stored by the tuner is what the kernel launches with."""
     import torch
-    from opsmath.kernels.attention import _launch_cfg
+    from opsmath.kernels.attention_configs import launch_cfg as _launch_cfg
     from opsmath.kernels.attention_tuning import config_name, forced_config
     q = torch.empty(2, 4, 100, 64)
     autotune.store("attention", "k", dict(choice=config_name((128, 32, 8, 2))))
@@ -127,7 +127,8 @@ def test_row_kernel_configuration_is_measured_once_per_shape_bucket(cache, monke
     def pick(op, key, cands, sync=True):
         assert not sync   # never a collective at a kernel's first launch
         return real_pick(op, key, cands, measure, sync=sync)
-    monkeypatch.setattr(autotune, "pick", pick)
+    from opsmath.kernels import _common
+    monkeypatch.setattr(_common, "pick", pick)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     configs = {"a": (1, 4), "b": (2, 8), "c": (4, 8)}
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
@@ -175,7 +176,8 @@ def test_row_kernel_tuning_failure_falls_back_to_the_default(cache, monkeypatch)
 
     def broken(op, key, cands, sync=True):
         raise RuntimeError("every candidate failed")
-    monkeypatch.setattr(autotune, "pick", broken)
+    from opsmath.kernels import _common
+    monkeypatch.setattr(_common, "pick", broken)
     assert tuned_config("op_bwd", "k", {"a": 1, "b": 2}, lambda c: None, torch.device("cuda")) == 1
 
 

@@ -1,0 +1,350 @@
+"""Triton kernels of ``opsmath::attention`` (math, shapes and caveats: ``attention.py``'s docstring):
+a FlashAttention-2 style forward with online softmax, and a backward in two kernels (dK/dV per key block,
+dQ (and dBias) per query block), launched by ``attention_forward_triton`` / ``attention_backward_triton``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import keep_mask, load_seed, seed_arg
+from .attention_configs import bucket, launch_cfg
+
+
+@triton.jit
+def _tile(base, rows, n_rows, offs_d, D, s_row, s_d):
+    """The (len(rows), BLOCK_D) tile ``base[rows, :D]`` of a strided matrix, zero outside it;
+    row offsets in int64 so tensors past 2**31 elements index correctly."""
+    return tl.load(base + rows[:, None].to(tl.int64) * s_row + offs_d[None, :] * s_d,
+                   mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+            H, SQ, SK, scale, mask_fill, seed, p_drop,
+            HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+            HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr):
+    """Scores block S (BM, BN) fp32 with bias/mask/causal applied, whether each entry is masked,
+    and the dropout keep-mask (all-true when there is no dropout). ``CHECK=False`` is for blocks the
+    caller knows lie wholly inside the keys and below the causal diagonal: no bounds or causal test."""
+    s = tl.dot(q, k, input_precision=PRECISION) * scale
+    inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
+    if HAS_BIAS:
+        bp = Bias + b * sbb + h * sbh + rows[:, None].to(tl.int64) * sbm + cols[None, :].to(tl.int64) * sbn
+        s += tl.load(bp, mask=inb, other=0.0).to(tl.float32)
+    if CHECK:
+        invalid = cols[None, :] >= SK
+        if IS_CAUSAL:
+            invalid = invalid | (cols[None, :] > rows[:, None])
+    else:
+        invalid = cols[None, :] < 0     # nothing: the block is wholly valid
+    masked = invalid
+    if HAS_MASK:
+        mp = Mask + b * smb + h * smh + rows[:, None].to(tl.int64) * smm + cols[None, :].to(tl.int64) * smn
+        user = tl.load(mp, mask=inb, other=0) != 0
+        s = tl.where(user, mask_fill, s)
+        masked = masked | user
+    if CHECK:
+        s = tl.where(invalid, float("-inf"), s)
+    keep = inb
+    if HAS_DROPOUT:
+        offs = ((b * H + h) * SQ + rows[:, None].to(tl.int64)) * SK + cols[None, :].to(tl.int64)
+        keep = keep_mask(seed, offs, p_drop)
+    return s, masked, keep
+
+
+@triton.jit
+def _key_ranges(pid_m, SK, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(hi, full) for a query block: key blocks from ``full`` to ``hi`` need the bounds/causal test;
+    those before ``full`` lie inside the keys and wholly below the diagonal (every column <= the
+    block's first row), and those from ``hi`` on wholly above it (skipped)."""
+    if IS_CAUSAL:
+        hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)
+        full = tl.minimum(((pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, (SK // BLOCK_N) * BLOCK_N)
+    else:
+        hi = SK
+        full = (SK // BLOCK_N) * BLOCK_N
+    return hi, full
+
+
+@triton.jit
+def _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, start, end, offs_n, offs_d, dmask,
+                skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                H, SQ, SK, D, scale, mask_fill, seed, p_drop,
+                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax over the key blocks [start, end) of one query block."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        # K^T loaded directly as (BLOCK_D, BLOCK_N): loading K and tl.trans-ing it measured 34-39%
+        # slower at D=64 on the H200 (BENCHMARKS.md, attention run 2)
+        kt = tl.load(K + b * skb + g * skh + cols[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
+                     mask=(cols[None, :] < SK) & dmask[:, None], other=0.0)
+        s, masked, keep = _scores(q, kt, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                                  H, SQ, SK, scale, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION, CHECK)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp finite
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            p = tl.where(keep, p * (1.0 / (1.0 - p_drop)), 0.0)
+        v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
+              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+              sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
+              H, REP, SQ, SK, D, scale, mask_fill, p_drop,
+              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    seed = load_seed(Seed, HAS_DROPOUT)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    g = h // REP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = _tile(Q + b * sqb + h * sqh, rows, SQ, offs_d, D, sqm, sqd)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi, full = _key_ranges(pid_m, SK, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, 0, full, offs_n, offs_d, dmask,
+                                skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                                H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                                HAS_DROPOUT, PRECISION, False, BLOCK_N)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, full, hi, offs_n, offs_d, dmask,
+                                skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                                H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                                HAS_DROPOUT, PRECISION, True, BLOCK_N)
+    out = acc / l_i[:, None]
+    rmask = rows < SQ
+    tl.store(Out + b * sob + h * soh + rows[:, None].to(tl.int64) * som + offs_d[None, :] * sod,
+             out.to(Out.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    srow = (pid_bh.to(tl.int64) * SQ + rows) * 2
+    tl.store(Stats + srow, m_i, mask=rmask)
+    tl.store(Stats + srow + 1, tl.log(l_i), mask=rmask)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, start, end, offs_m, offs_d,
+                 sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                 H, SQ, SK, D, scale, mask_fill, seed, p_drop,
+                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dK/dV contributions of query head h's row blocks [start, end) to one key block."""
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + offs_m
+        q = _tile(Q + b * sqb + h * sqh, rows, SQ, offs_d, D, sqm, sqd)
+        do = _tile(DO + (b * H + h) * SQ * D, rows, SQ, offs_d, D, D, 1)
+        srow = ((b * H + h) * SQ + rows) * 2
+        m_row = tl.load(Stats + srow, mask=rows < SQ, other=0.0)
+        logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
+        delta = tl.load(Delta + (b * H + h) * SQ + rows, mask=rows < SQ, other=0.0)
+        s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
+                                  smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION, CHECK)
+        p = tl.where(rows[:, None] < SQ, tl.exp((s - m_row[:, None]) - logl[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if HAS_DROPOUT:
+            pd = tl.where(keep, p * (1.0 / (1.0 - p_drop)), 0.0)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
+        else:
+            pd = p
+        dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision=PRECISION)
+        ds = tl.where(masked, 0.0, p * (dp - delta[:, None]))
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, Seed,
+                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                   sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                   HKV, H, REP, SQ, SK, D, scale, mask_fill, p_drop,
+                   HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (kv block, batch, kv head); loops over the REP query heads sharing it (GQA),
+    so dK/dV are summed in registers with no atomics. dO/dK/dV/Q share Q's contiguous layout."""
+    pid_n = tl.program_id(0)
+    seed = load_seed(Seed, HAS_DROPOUT)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // HKV).to(tl.int64)
+    g = (pid_bg % HKV).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    kv_mask = (cols[:, None] < SK) & dmask[None, :]
+    k = _tile(K + b * skb + g * skh, cols, SK, offs_d, D, skn, skd)
+    v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    n0 = pid_n * BLOCK_N
+    lo = 0
+    full = 0
+    if IS_CAUSAL:
+        lo = (n0 // BLOCK_M) * BLOCK_M  # query rows above this block see none of it
+        # from here on every row of a query block sees every column of this key block
+        full = ((n0 + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    if n0 + BLOCK_N > SK:
+        full = SQ                       # a partial key block: every query block tests the bounds
+    for r in range(0, REP):
+        h = g * REP + r
+        dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, lo, tl.minimum(full, SQ),
+                              offs_m, offs_d, sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                              H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                              HAS_DROPOUT, PRECISION, True, BLOCK_M)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, full, SQ,
+                              offs_m, offs_d, sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                              H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                              HAS_DROPOUT, PRECISION, False, BLOCK_M)
+    out_off = (b * HKV + g) * SK * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
+    tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, start, end,
+               offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+               H, SQ, SK, D, scale, mask_fill, seed, p_drop,
+               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+               CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ (and dbias) contributions of the key blocks [start, end) to one query block."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k = _tile(K + b * skb + g * skh, cols, SK, offs_d, D, skn, skd)
+        v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
+        s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
+                                  smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION, CHECK)
+        p = tl.exp((s - m_row[:, None]) - logl[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if HAS_DROPOUT:
+            dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
+        ds = tl.where(masked, 0.0, p * (dp - delta[:, None]))
+        if BIAS_GRAD:
+            inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
+            tl.store(DBias + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * SK + cols[None, :], ds, mask=inb)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, Seed,
+                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                 sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                 H, REP, SQ, SK, D, scale, mask_fill, p_drop,
+                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    seed = load_seed(Seed, HAS_DROPOUT)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    g = h // REP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    qmask = (rows[:, None] < SQ) & (offs_d[None, :] < D)
+    q = _tile(Q + b * sqb + h * sqh, rows, SQ, offs_d, D, sqm, sqd)
+    do = _tile(DO + pid_bh.to(tl.int64) * SQ * D, rows, SQ, offs_d, D, D, 1)
+    srow = (pid_bh.to(tl.int64) * SQ + rows) * 2
+    m_row = tl.load(Stats + srow, mask=rows < SQ, other=0.0)
+    logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
+    delta = tl.load(Delta + pid_bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi, full = _key_ranges(pid_m, SK, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, 0, full,
+                    offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                    H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT,
+                    BIAS_GRAD, PRECISION, False, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, full, hi,
+                    offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                    H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT,
+                    BIAS_GRAD, PRECISION, True, BLOCK_N)
+    if IS_CAUSAL and BIAS_GRAD:
+        # blocks skipped above the diagonal still need their (zero) bias gradient written
+        for start_n in range(hi, SK, BLOCK_N):
+            cols = start_n + offs_n
+            inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
+            tl.store(DBias + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * SK + cols[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_N], tl.float32), mask=inb)
+    tl.store(DQ + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * D + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
+
+
+def _precision(q: torch.Tensor):
+    """fp32 inputs: exact ("ieee") unless the user allowed tf32 matmuls, as eager would; 16-bit
+    inputs: Triton's default (the option only concerns fp32)."""
+    if q.dtype != torch.float32:
+        return None
+    return "tf32" if q.is_cuda and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def _aux(q, k, bias, mask):
+    """Broadcast bias/mask to (B, H, Sq, Sk) as stride-0 views; dummy pointers when absent."""
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[2]
+    full = (B, H, Sq, Sk)
+    b = bias.expand(full) if bias is not None else q.new_empty(1)
+    m = mask.expand(full).view(torch.uint8) if mask is not None else q.new_empty(1, dtype=torch.uint8)
+    bs = b.stride() if bias is not None else (0, 0, 0, 0)
+    ms = m.stride() if mask is not None else (0, 0, 0, 0)
+    return b, m, bs, ms
+
+
+def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    out = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
+    stats = torch.empty((B, H, Sq, 2), device=q.device, dtype=torch.float32)
+    b, m, bs, ms = _aux(q, k, bias, mask)
+    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p))
+    grid = (triton.cdiv(Sq, BM), B * H)
+    _attn_fwd[grid](q, k, v, b, m, out, stats, seed_arg(seed, q, dropout_p),
+                    *q.stride(), *k.stride(), *v.stride(), *bs, *ms, *out.stride(),
+                    H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p),
+                    HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+                    HAS_DROPOUT=dropout_p > 0, PRECISION=_precision(q),
+                    BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
+    return out, stats
+
+
+def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad):
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dout = dout.contiguous()
+    delta = (dout.float() * out.float()).sum(-1)  # (B, H, Sq): rowsum(dO * O)
+    dq = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=k.dtype)
+    dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
+    dbias = torch.empty((B, H, Sq, Sk), device=q.device, dtype=torch.float32) if bias_grad else q.new_empty(1)
+    b, m, bs, ms = _aux(q, k, bias, mask)
+    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p))
+    common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+                  HAS_DROPOUT=dropout_p > 0, PRECISION=_precision(q),
+                  BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)
+    seed_t = seed_arg(seed, q, dropout_p)
+    _attn_bwd_dkdv[(triton.cdiv(Sk, BN), B * Hkv)](
+        q, k, v, b, m, dout, stats, delta, dk, dv, seed_t, *strides,
+        Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p), **common)
+    _attn_bwd_dq[(triton.cdiv(Sq, BM), B * H)](
+        q, k, v, b, m, dout, stats, delta, dq, dbias, seed_t, *strides,
+        H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p), BIAS_GRAD=bias_grad, **common)
+    return dq, dk, dv, (dbias if bias_grad else None)
