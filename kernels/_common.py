@@ -115,6 +115,21 @@ def next_pow2(n: int) -> int:
 
 
 ROW_TILE = 4096   # elements a row-wise kernel moves per tensor per step: narrower rows go several at a time
+_FORCED_ROW: list = [None]   # index of the configuration every row-kernel launch uses (forced_row_config)
+
+
+class forced_row_config:
+    """``with forced_row_config(i):`` row-kernel launches use candidate ``i`` (modulo their count) of
+    ``tuned_config``'s configurations: how a test reaches every configuration the tuner may pick."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __enter__(self):
+        self.prev, _FORCED_ROW[0] = _FORCED_ROW[0], self.index
+
+    def __exit__(self, *exc):
+        _FORCED_ROW[0] = self.prev
 
 
 def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
@@ -130,6 +145,8 @@ def tuned_config(op: str, key: str, configs: dict, run, device: torch.device):
     (BENCHMARKS.md, 2026-11-29)."""
     names = list(configs)
     default = configs[names[0]]
+    if _FORCED_ROW[0] is not None:
+        return configs[names[_FORCED_ROW[0] % len(names)]]
     if len(names) == 1 or device.type != "cuda":
         return default
     if torch.cuda.is_current_stream_capturing() or os.environ.get("OPSMATH_TUNE_KERNELS") == "0":

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._spec import OpSpec, register
+
 CHUNK = 2048
 
 
@@ -196,3 +198,24 @@ def adamw_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lrs, wds,
         coef_scale.reshape(1).to(**f32), found_inf.reshape(1).to(**f32), float(beta1), float(beta2), float(eps),
         P_TY=_TL[params[0].dtype], G_TY=_TL[grads[0].dtype], S_TY=_TL[exp_avgs[0].dtype], HAS_MASTER=has_master,
         CHUNK_SIZE=CHUNK, BLOCK=512, num_warps=4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Op spec (kernels/_spec.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _exercise(dtype: torch.dtype) -> None:
+    for master, clip in ((False, True), (True, False)):
+        params = [torch.randn(40, dtype=dtype), torch.randn(3, 5, dtype=dtype)]
+        grads = [torch.randn_like(p) for p in params]
+        sdt = torch.float32 if master else dtype
+        coef = grad_sumsq_triton(grads).rsqrt() if clip else torch.ones(())
+        adamw_triton(params, grads, [torch.zeros_like(p, dtype=sdt) for p in params],
+                     [torch.zeros_like(p, dtype=sdt) for p in params],
+                     [p.float() for p in params] if master else [None] * len(params),
+                     torch.ones(len(params)), [1e-3] * 2, [0.01] * 2, 0.9, 0.999, 1e-8, coef, torch.zeros(()))
+
+
+# the optimizer step (opsmath.optim.AdamW), not a rewrite family
+SPEC = register(OpSpec("adamw", exercise=_exercise))

@@ -29,6 +29,8 @@ import torch
 
 from ._common import check_seed, dropout_keep, flat_offsets, new_seed, use_triton
 from .attention_triton import attention_backward_triton, attention_forward_triton
+from ._spec import OpSpec, backward, leaf, register
+from .attention_configs import configs_for, forced_config
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch reference: the CPU implementation and what the tests compare against.
@@ -169,3 +171,35 @@ def attention(q, k, v, bias=None, mask=None, mask_fill=float("-inf"), is_causal=
     if seed is None and dropout_p > 0:
         seed = new_seed(q)
     return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Op spec (kernels/_spec.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _flops(q, k, *_):
+    """QK^T and PV: 2 GEMMs of B*H x (Sq x Sk x D), 2 FLOPs per multiply-add."""
+    B, H, Sq, D = q.shape
+    return 4 * B * H * Sq * k.shape[2] * D
+
+
+def _exercise(dtype: torch.dtype) -> None:
+    """Each flag in the block configurations the GPU launches (each variant takes ~10 s to compile for
+    sm_90, so the flags are spread over three bf16 cases and one fp32 case)."""
+    seed = torch.tensor(7)
+    cases = [(64, 1, True, False, False, 0.0)] if dtype == torch.float32 else [
+        (64, 2, True, False, False, 0.0), (128, 2, False, True, False, 0.1), (32, 1, True, False, True, 0.0)]
+    for D, Hkv, causal, has_bias, has_mask, p in cases:
+        q, k, v = leaf(1, 2, 20, D, dtype=dtype), leaf(1, Hkv, 20, D, dtype=dtype), leaf(1, Hkv, 20, D, dtype=dtype)
+        bias = leaf(1, 1, 20, 20, dtype=dtype) if has_bias else None
+        mask = torch.rand(1, 1, 20, 20) > 0.2 if has_mask else None
+        if mask is not None:
+            mask[..., 0] = True
+        with forced_config(configs_for(D)[1 if has_bias else 0]):
+            backward(attention_op(q, k, v, bias, mask, float("-inf"), causal, D ** -0.5, p, seed)[0])
+
+
+SPEC = register(OpSpec("attention", ops=(torch.ops.opsmath.attention.default,), flops=_flops, exercise=_exercise,
+                       profile=("attention", ("_attn_", "opsmath::attention", "softmax", "flash", "fmha",
+                                              "attention"))))

@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_seed, dropout_keep, flat_offsets, keep_mask, load_seed, row_key, row_tile,
-                      new_seed, seed_arg, tuned_config, use_triton)
+from ._common import (check_seed, dropout_keep, flat_offsets, forced_row_config, keep_mask, load_seed, new_seed,
+                      row_key, row_tile, seed_arg, tuned_config, use_triton)
+from ._spec import OpSpec, backward, leaf, register
 
 _SQRT1_2 = 1 / math.sqrt(2.0)
 _K = math.sqrt(2.0 / math.pi)
@@ -256,3 +257,23 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none", dr
     if seed is None and dropout_p > 0:
         seed = new_seed(x)
     return bias_gelu_op(x, bias, approximate, float(dropout_p), seed)
+
+
+# --------------------------------------------------------------------------------------------------
+# Op spec (kernels/_spec.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _exercise(dtype: torch.dtype) -> None:
+    seed = torch.tensor(7)
+    for approx in ("none", "tanh"):
+        for p in (0.0, 0.1):
+            backward(bias_gelu(leaf(5, 40, dtype=dtype), leaf(40, dtype=dtype), approx, p, seed))
+    for i in range(3):   # every launch configuration the row-kernel tuner may pick
+        with forced_row_config(i):
+            backward(bias_gelu(leaf(5, 40, dtype=dtype), leaf(40, dtype=dtype), "none", 0.1, seed))
+
+
+# pointwise: Inductor fuses it with its neighbours, what it does best
+SPEC = register(OpSpec("bias_gelu", ops=(torch.ops.opsmath.bias_gelu.default,), inductor_fuses_better=True,
+                       exercise=_exercise))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .linear_cross_entropy import grad_scale, reduce, rows
+from ._spec import OpSpec, backward, leaf, register
 
 
 def _check(logits, target, reduction):
@@ -81,3 +82,19 @@ cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
     """``F.cross_entropy(logits, target, ...)`` for 2-D logits, in their own dtype's memory."""
     return cross_entropy_op(logits, target, ignore_index, float(label_smoothing), reduction)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Op spec (kernels/_spec.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _exercise(dtype: torch.dtype) -> None:
+    t = torch.randint(0, 300, (8,))
+    for smoothing in (0.0, 0.1):
+        backward(cross_entropy(leaf(8, 300, dtype=dtype), t, -100, smoothing, "mean"))
+
+
+# the cross-entropy half of linear_cross_entropy is what Inductor fuses better (see there)
+SPEC = register(OpSpec("cross_entropy", ops=(torch.ops.opsmath.cross_entropy.default,),
+                       inductor_fuses_better=True, exercise=_exercise))

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2, use_triton
+from ._spec import OpSpec, backward, leaf, register
 
 _MAX_BLOCK = 8192   # widest row kept in registers (16 fp32 per thread at 16 warps)
 
@@ -224,3 +225,18 @@ torch.library.register_autocast("opsmath::scaled_softmax", "cuda", torch.float32
 def scaled_softmax(x: torch.Tensor, bias: Optional[torch.Tensor] = None, scale: float = 1.0) -> torch.Tensor:
     """``torch.softmax(scale * x + bias, -1)``; see the module docstring."""
     return scaled_softmax_op(x, bias, float(scale))
+
+
+# --------------------------------------------------------------------------------------------------
+# Op spec (kernels/_spec.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _exercise(dtype: torch.dtype) -> None:
+    for width, bias in ((40, True), (40, False), (9000, True)):
+        backward(scaled_softmax(leaf(2, width, dtype=dtype), leaf(width, dtype=dtype) if bias else None, 0.5))
+
+
+# a row reduction Inductor fuses with its neighbours
+SPEC = register(OpSpec("scaled_softmax", ops=(torch.ops.opsmath.scaled_softmax.default,),
+                       inductor_fuses_better=True, exercise=_exercise))

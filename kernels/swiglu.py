@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._common import use_triton
+from ._spec import OpSpec, backward, leaf, register
 
 _BLOCK = 1024
 
@@ -141,3 +142,17 @@ swiglu_op.register_autograd(_backward, setup_context=_setup_context)
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``F.silu(a) * b``; see the module docstring."""
     return swiglu_op(a, b)
+
+
+# --------------------------------------------------------------------------------------------------
+# Op spec (kernels/_spec.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _exercise(dtype: torch.dtype) -> None:
+    backward(swiglu(leaf(3, 40, dtype=dtype), leaf(3, 40, dtype=dtype)))
+
+
+# pointwise: Inductor fuses it with its neighbours, what it does best
+SPEC = register(OpSpec("swiglu", ops=(torch.ops.opsmath.swiglu.default,), inductor_fuses_better=True,
+                       exercise=_exercise))

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from opsmath.kernels import SPECS
+
 from .analysis import kernel_launches, saved_activation_bytes, saved_bytes_by_node, to_networkx
 from .capture import lower_to_aten
 from .match import Decline, Match, run_patterns
@@ -36,21 +38,12 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
     return inductor(gm, example_inputs)
 
 
-# Families Inductor does better than opsmath's opaque op when it compiles the graph anyway, measured on
-# the H200 (BENCHMARKS.md): dropout_add_norm cost 18 ms per GPT-2-small step (48.2 vs 30.1 ms: Inductor
-# fuses the residual add and norm into the neighbouring kernels); Inductor's own linear + cross-entropy
-# is faster and lighter than opsmath::linear_cross_entropy (3.89 vs 4.16 ms, 0.77 vs 0.84 GiB at 8192
-# tokens x vocab 50304; the cross-entropy half of that is what Inductor fuses, so cross_entropy on given
-# logits is left to it too, by that evidence rather than its own measurement). Skipped by default under
-# Inductor; ``patterns=[...]`` still applies them, and the op-by-op path (CPU, ``inductor=False``) keeps them.
-# swiglu, bias_gelu and scaled_softmax are pointwise ops and a row reduction Inductor fuses with their
-# neighbours (what it handles best), so by the dropout_add_norm evidence they are left to it too (not
-# measured inside a model).
-INDUCTOR_FUSES_BETTER = {"dropout_add_norm", "linear_cross_entropy", "cross_entropy", "swiglu", "bias_gelu",
-                         "scaled_softmax"}
-# Under a memory budget the chunked loss stays: Inductor's version still holds the whole logits tensor
-# (tokens x vocab) for backward, the largest activation of a long-sequence LM step.
-KEPT_UNDER_BUDGET = {"linear_cross_entropy"}
+# Families Inductor does better than opsmath's opaque op when it compiles the graph anyway (each op
+# spec's ``inductor_fuses_better``, its evidence beside it in kernels/): skipped by default under
+# Inductor; ``patterns=[...]`` still applies them, and the op-by-op path (CPU, ``inductor=False``) keeps
+# them. Under a memory budget the families whose spec says ``kept_under_budget`` stay.
+INDUCTOR_FUSES_BETTER = {s.family for s in SPECS.values() if s.inductor_fuses_better}
+KEPT_UNDER_BUDGET = {s.family for s in SPECS.values() if s.kept_under_budget}
 
 
 @dataclass

@@ -80,7 +80,7 @@ def _report(args) -> int:
 
 def _tune(args) -> int:
     import opsmath
-    from opsmath import autotune
+    from opsmath.kernels import autotune
 
     if not torch.cuda.is_available():
         raise SystemExit("opsmath tune measures kernels on a CUDA GPU; none is available")

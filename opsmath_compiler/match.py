@@ -1,19 +1,21 @@
 """Match and replace: the driver every pattern family plugs into.
 
-A pattern (one file per family in ``patterns/``) is an object with a ``name`` and
-``apply(ctx: RewriteContext)``: it scans ``ctx.gm`` for its anchors, checks constraints from node
-metadata, and either rewrites the occurrence (``ctx.replaced``) or leaves it alone and says why
-(``ctx.declined``). Matching never changes semantics: when unsure, a pattern declines.
+A rule (one file per family in ``patterns/``, the interface in ``rules.py``) is offered each of its
+anchor nodes, checks constraints from node metadata, and either rewrites the occurrence
+(``ctx.replaced``) or leaves it alone and says why (``ctx.declined``), through ``RewriteContext.offer``.
+Matching never changes semantics: when unsure, a rule declines.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Protocol
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from opsmath.kernels._common import new_seed, new_seeds
 
 from .canonicalize import aten
 from .capture import Captured, source_location, split_size_calls
@@ -159,7 +161,6 @@ class RewriteContext:
         dropout."""
         if p <= 0:
             return None
-        from opsmath.kernels._common import new_seed
         return self.call(new_seed, (on,), like)
 
     def erase_dead(self, nodes: Iterable[fx.Node]) -> None:
@@ -178,14 +179,9 @@ class RewriteContext:
             work.extend(inputs)
 
 
-class Pattern(Protocol):
-    name: str
-
-    def apply(self, ctx: RewriteContext) -> None: ...
-
-
 def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = None) -> RewriteContext:
-    """Apply every pattern to the captured graph in order, lint, recompile and refresh fake metadata."""
+    """Apply every rule (``opsmath.rules.Rule``) to the captured graph in order, lint, recompile and
+    refresh fake metadata."""
     ctx = RewriteContext(captured, skip)
     for pattern in patterns:
         pattern.apply(ctx)
@@ -202,7 +198,6 @@ def batch_seeds(graph: fx.Graph) -> None:
     ``seeds = new_seeds(x_1, n)`` before the first site and ``seeds[i]`` (a view) at site i, so a step
     launches one random kernel for all its fused dropout ops, not one per op. Sites whose device is
     unknown (no fake value) keep their own draw."""
-    from opsmath.kernels._common import new_seed, new_seeds
     by_device: dict[str, list[fx.Node]] = {}
     for n in graph.nodes:
         if n.op == "call_function" and n.target is new_seed:

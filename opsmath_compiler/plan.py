@@ -32,6 +32,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from opsmath.kernels import spec_of
+
 from .canonicalize import aten
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -105,13 +107,10 @@ def node_cost(n: fx.Node) -> float:
         a = n.args[1] if n.target is aten.addmm.default else n.args[0]
         k = a.meta["val"].shape[-1] if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else 1
         return t + 2 * out.numel() * k / _FLOP_RATE
-    if n.target is torch.ops.opsmath.attention.default:
-        q, k = n.args[0].meta["val"], n.args[1].meta["val"]
-        B, H, Sq, D = q.shape
-        return t + 4 * B * H * Sq * k.shape[2] * D / _FLOP_RATE
-    if n.target is torch.ops.opsmath.linear_cross_entropy.default:   # three GEMMs: logits, dx, dW
-        x, w = n.args[0].meta["val"], n.args[1].meta["val"]
-        return t + 6 * x.shape[0] * x.shape[1] * w.shape[0] / _FLOP_RATE
+    spec = spec_of(n.target)
+    if spec is not None and spec.flops is not None:    # a fused op with GEMMs inside (its op spec)
+        vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
+        return t + spec.flops(*vals) / _FLOP_RATE
     moved = _nbytes(n) + sum(_nbytes(i) for i in n.all_input_nodes if i.op != "get_attr")
     return t + moved / _BYTE_RATE
 

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 import torch
 from rich.table import Table
 
-from .rendering import Rendered
+from opsmath.kernels import SPECS
 
+from .rendering import Rendered
 from .verify import _scalar
 
-# op class by substring of the profiler name (CUDA kernel names or aten/opsmath op names)
-_CLASSES = [
-    ("attention", ("_attn_", "opsmath::attention", "softmax", "flash", "fmha", "attention")),
-    ("norm", ("_dan_", "dropout_add_norm", "layer_norm", "rms_norm", "rsqrt")),
+# op class by substring of the profiler name (CUDA kernel names or aten/opsmath op names): the fused
+# ops' own classes (their op specs' ``profile``), then generic ones
+_CLASSES = [spec.profile for spec in SPECS.values() if spec.profile] + [
     ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "mm", "linear", "matmul")),
     ("elementwise", ("elementwise", "vectorized", "add", "mul", "div", "dropout", "where", "masked_fill",
                      "fill", "copy", "cat", "gelu", "silu", "tanh", "pow", "mean", "sum", "reduce")),

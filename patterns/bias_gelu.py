@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from opsmath.canonicalize import aten, dropout_info, dtype, is_op, shape
 from opsmath.match import RewriteContext, node_line
+from opsmath.rules import Rule, register_rule
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _K = math.sqrt(2.0 / math.pi)
@@ -72,25 +73,25 @@ def _feeds_gemms(node, depth: int = 4) -> bool:
         is_op(u, gemms) or (is_op(u, views) and _feeds_gemms(u, depth - 1)) for u in node.users)
 
 
-class BiasGeluPattern:
+class BiasGeluRule(Rule):
     name = "bias_gelu"
+    anchors = (aten.gelu.default, aten.mul.Tensor)   # the library op, or the last mul of the spelled form
+    after = ("dropout_add_norm",)    # a dropout both could take goes with the residual add and norm
 
-    def apply(self, ctx: RewriteContext) -> None:
-        for n in list(ctx.graph.nodes):
-            if getattr(n, "_erased", False):
-                continue
-            if is_op(n, {aten.gelu.default}):
-                approximate = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
-                h, inner = n.args[0], [n]
-            else:
-                spelled = spelled_tanh_gelu(n)
-                if spelled is None or not _feeds_gemms(n):
-                    continue
-                (h, inner), approximate = spelled, "tanh"
-            found = self._bias_of(h, set(inner))
-            if found is None:
-                continue
-            ctx.offer(self.name, n, found, lambda: self._emit(ctx, n, inner, approximate, *found))
+    def match(self, ctx: RewriteContext, n: fx.Node):
+        if is_op(n, {aten.gelu.default}):
+            approximate = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
+            h, inner = n.args[0], [n]
+        else:
+            spelled = spelled_tanh_gelu(n)
+            if spelled is None or not _feeds_gemms(n):
+                return None
+            (h, inner), approximate = spelled, "tanh"
+        found = self._bias_of(h, set(inner))
+        return found if found is None or isinstance(found, str) else (inner, approximate, *found)
+
+    def emit(self, ctx: RewriteContext, n: fx.Node, plan) -> None:
+        self._emit(ctx, n, *plan)
 
     @staticmethod
     def _bias_of(h: fx.Node, inner: set):
@@ -160,4 +161,4 @@ class BiasGeluPattern:
                      dtype=str(dtype(h)).replace("torch.", ""))
 
 
-PATTERN = BiasGeluPattern()
+PATTERN = register_rule(BiasGeluRule())

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from opsmath.canonicalize import VIEWS, aten, dtype, is_cast, is_op, shape
 from opsmath.match import RewriteContext, node_line
+from opsmath.rules import register_rule
 
 from .linear_cross_entropy import CrossEntropyAnchored, LossArgs
 
@@ -25,6 +26,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 class CrossEntropyPattern(CrossEntropyAnchored):
     name = "cross_entropy"
+    after = ("linear_cross_entropy",)    # takes only the losses linear_cross_entropy left
 
     def _match(self, ce: fx.Node, args: LossArgs):
         logits = args.logits
@@ -61,4 +63,4 @@ class CrossEntropyPattern(CrossEntropyAnchored):
                      dtype=str(dtype(base)).replace("torch.", ""))
 
 
-PATTERN = CrossEntropyPattern()
+PATTERN = register_rule(CrossEntropyPattern())

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from opsmath.canonicalize import VIEWS, aten, dtype, is_cast, is_op, shape
 from opsmath.match import RewriteContext, node_line
+from opsmath.rules import Rule, register_rule
 
 _REDUCTIONS = {1: "mean", 2: "sum"}
 _ROW_OPS = {aten.slice.Tensor, aten.contiguous.default}   # row selection (HF's shift) and copies
@@ -44,24 +45,17 @@ class LossArgs:
     smoothing: float
 
 
-class CrossEntropyAnchored:
-    """The driver both cross-entropy families share: every ``aten.cross_entropy_loss`` the user allows,
-    its arguments checked once (``loss_args``), then the family's ``_match`` and ``_emit``."""
-    name = ""
+class CrossEntropyAnchored(Rule):
+    """What both cross-entropy families share: the anchor ``aten.cross_entropy_loss``, its arguments
+    checked once (``loss_args``), then the family's ``_match`` and ``_emit``."""
+    anchors = (aten.cross_entropy_loss.default,)
 
-    def apply(self, ctx: RewriteContext) -> None:
-        for n in list(ctx.graph.nodes):
-            if getattr(n, "_erased", False) or not is_op(n, {aten.cross_entropy_loss.default}):
-                continue
-            if not ctx.allowed(self.name, n):
-                continue
-            found = loss_args(n)
-            if not isinstance(found, str):
-                found = self._match(n, found)
-            if isinstance(found, str):
-                ctx.declined(self.name, n, found)
-                continue
-            self._emit(ctx, n, *found)
+    def match(self, ctx: RewriteContext, n: fx.Node):
+        found = loss_args(n)
+        return found if isinstance(found, str) else self._match(n, found)
+
+    def emit(self, ctx: RewriteContext, n: fx.Node, plan) -> None:
+        self._emit(ctx, n, *plan)
 
 
 def loss_args(ce: fx.Node):
@@ -159,4 +153,4 @@ class LinearCrossEntropyPattern(CrossEntropyAnchored):
                      dtype=str(cdt).replace("torch.", ""), logits_bytes=4 * N * V, returns_logits=bool(others))
 
 
-PATTERN = LinearCrossEntropyPattern()
+PATTERN = register_rule(LinearCrossEntropyPattern())

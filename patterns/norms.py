@@ -23,7 +23,9 @@ import torch
 import torch.fx as fx
 
 from opsmath.canonicalize import aten, dropout_info, dtype, is_cast, is_op, shape, strip_casts, val
+from opsmath.kernels._common import new_seed
 from opsmath.match import RewriteContext, node_line
+from opsmath.rules import Rule, register_rule
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -60,26 +62,19 @@ def _residual_add(h) -> Optional[tuple[fx.Node, fx.Node, float, Optional[fx.Node
     return a, b, 0.0, None
 
 
-class DropoutAddNormPattern:
+class DropoutAddNormRule(Rule):
     name = "dropout_add_norm"
+    anchors = (aten.layer_norm.default, aten.rms_norm.default, aten.rsqrt.default)
 
-    def apply(self, ctx: RewriteContext) -> None:
-        for n in list(ctx.graph.nodes):
-            if getattr(n, "_erased", False):
-                continue
-            if is_op(n, {aten.layer_norm.default, aten.rms_norm.default}):
-                plan = self._library_norm(n)
-            elif is_op(n, {aten.rsqrt.default}):
-                plan = self._handwritten_rms(n)
-            else:
-                continue
-            if plan is None:
-                continue
-            if isinstance(plan, str):
-                ctx.declined(self.name, n, plan)
-                continue
-            plan = self._check_order(ctx, plan)
-            ctx.offer(self.name, n if isinstance(plan, str) else plan.out, plan, lambda: self._emit(ctx, plan))
+    def match(self, ctx: RewriteContext, n: fx.Node) -> Union[None, str, _Plan]:
+        plan = self._handwritten_rms(n) if is_op(n, {aten.rsqrt.default}) else self._library_norm(n)
+        return plan if plan is None or isinstance(plan, str) else self._check_order(ctx, plan)
+
+    def anchor_for(self, n: fx.Node, plan) -> fx.Node:
+        return n if isinstance(plan, str) else plan.out    # a hand-written RMS norm: its last node
+
+    def emit(self, ctx: RewriteContext, n: fx.Node, plan: _Plan) -> None:
+        self._emit(ctx, plan)
 
     # ------------------------------------------------------------------------------------------
     def _library_norm(self, n: fx.Node) -> Union[None, str, _Plan]:
@@ -201,7 +196,6 @@ class DropoutAddNormPattern:
             r = plan.residual if dtype(plan.residual) == hd else call(aten.to.dtype, (plan.residual, hd))
             seed = None   # no dropout: the op takes no seed
             if plan.dropout_p > 0:
-                from opsmath.kernels._common import new_seed
                 seed = call(new_seed, (x,))
             res = call(torch.ops.opsmath.dropout_add_norm.default,
                        (x, r, plan.weight, plan.bias, plan.is_rms, plan.eps, plan.dropout_p, seed, out_dtype))
@@ -227,4 +221,4 @@ class DropoutAddNormPattern:
                      dtype=str(hd).replace("torch.", ""))
 
 
-PATTERN = DropoutAddNormPattern()
+PATTERN = register_rule(DropoutAddNormRule())

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from opsmath.canonicalize import SOFTMAXES, aten, dtype, is_op, shape, strip_scales
 from opsmath.match import RewriteContext, node_line
+from opsmath.rules import Rule, register_rule
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -28,24 +29,26 @@ def _broadcasts_to(small: tuple, big: tuple) -> bool:
         return False
 
 
-class ScaledSoftmaxPattern:
+class ScaledSoftmaxRule(Rule):
     name = "scaled_softmax"
+    anchors = tuple(SOFTMAXES)
+    after = ("attention",)    # takes the softmaxes attention left
 
-    def apply(self, ctx: RewriteContext) -> None:
-        for n in list(ctx.graph.nodes):
-            if getattr(n, "_erased", False) or not is_op(n, SOFTMAXES):
-                continue
-            z = n.args[0]
-            dim = n.args[1]
-            if not isinstance(z, fx.Node) or dtype(z) not in _FLOATS or not 1 <= len(shape(z)) <= 4 \
-                    or dim not in (-1, len(shape(z)) - 1):
-                continue
-            if is_op(n, {aten._softmax.default}) and n.args[2]:
-                continue   # half_to_float: the output dtype differs from the input's
-            found = self._match(z)
-            if found is None or (not isinstance(found, str) and dtype(n) != dtype(found[0])):
-                continue   # softmax(..., dtype=...) converts: the fused op keeps its input's dtype
-            ctx.offer(self.name, n, found, lambda: self._emit(ctx, n, *found))
+    def match(self, ctx: RewriteContext, n: fx.Node):
+        z = n.args[0]
+        dim = n.args[1]
+        if not isinstance(z, fx.Node) or dtype(z) not in _FLOATS or not 1 <= len(shape(z)) <= 4 \
+                or dim not in (-1, len(shape(z)) - 1):
+            return None
+        if is_op(n, {aten._softmax.default}) and n.args[2]:
+            return None   # half_to_float: the output dtype differs from the input's
+        found = self._match(z)
+        if found is None or (not isinstance(found, str) and dtype(n) != dtype(found[0])):
+            return None   # softmax(..., dtype=...) converts: the fused op keeps its input's dtype
+        return found
+
+    def emit(self, ctx: RewriteContext, n: fx.Node, plan) -> None:
+        self._emit(ctx, n, *plan)
 
     @staticmethod
     def _match(z: fx.Node):
@@ -99,4 +102,4 @@ class ScaledSoftmaxPattern:
                      width=shape(x)[-1], scale=scale, bias=how or None)
 
 
-PATTERN = ScaledSoftmaxPattern()
+PATTERN = register_rule(ScaledSoftmaxRule())

@@ -13,36 +13,36 @@ import torch.fx as fx
 
 from opsmath.canonicalize import aten, dtype, is_op, shape
 from opsmath.match import RewriteContext, node_line
+from opsmath.rules import Rule, register_rule
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class SwiGLUPattern:
+class SwiGLURule(Rule):
     name = "swiglu"
+    anchors = (aten.mul.Tensor,)
 
-    def apply(self, ctx: RewriteContext) -> None:
-        for n in list(ctx.graph.nodes):
-            if getattr(n, "_erased", False) or not is_op(n, {aten.mul.Tensor}) or len(n.args) < 2:
-                continue
-            x, y = n.args[:2]
-            if is_op(x, {aten.silu.default}):
-                silu, b = x, y
-            elif is_op(y, {aten.silu.default}):
-                silu, b = y, x
-            else:
-                continue
-            a = silu.args[0]
-            if not isinstance(b, fx.Node) or dtype(a) not in _FLOATS or dtype(b) not in _FLOATS:
-                continue
-            if len(silu.users) != 1:
-                found = "silu(a) is also read elsewhere, so it must exist"
-            elif shape(a) != shape(b) or not shape(a):
-                found = f"silu(a) {shape(a)} and b {shape(b)} broadcast"
-            else:
-                found = (silu, a, b)
-            ctx.offer(self.name, n, found, lambda: self._emit(ctx, n, *found))
+    def match(self, ctx: RewriteContext, n: fx.Node):
+        if len(n.args) < 2:
+            return None
+        x, y = n.args[:2]
+        if is_op(x, {aten.silu.default}):
+            silu, b = x, y
+        elif is_op(y, {aten.silu.default}):
+            silu, b = y, x
+        else:
+            return None
+        a = silu.args[0]
+        if not isinstance(b, fx.Node) or dtype(a) not in _FLOATS or dtype(b) not in _FLOATS:
+            return None
+        if len(silu.users) != 1:
+            return "silu(a) is also read elsewhere, so it must exist"
+        if shape(a) != shape(b) or not shape(a):
+            return f"silu(a) {shape(a)} and b {shape(b)} broadcast"
+        return silu, a, b
 
-    def _emit(self, ctx: RewriteContext, mul: fx.Node, silu: fx.Node, a: fx.Node, b: fx.Node) -> None:
+    def emit(self, ctx: RewriteContext, mul: fx.Node, plan) -> None:
+        silu, a, b = plan
         before = [node_line(silu), node_line(mul)]
         with ctx.graph.inserting_before(mul):
             y = ctx.call(torch.ops.opsmath.swiglu.default, (a, b), mul)
@@ -54,4 +54,4 @@ class SwiGLUPattern:
                      before, width=H, rows=rows, dtype=str(dtype(a)).replace("torch.", ""))
 
 
-PATTERN = SwiGLUPattern()
+PATTERN = register_rule(SwiGLURule())

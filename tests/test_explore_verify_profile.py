@@ -70,7 +70,10 @@ def test_explore_draw(gpt_pair):
     ax = ex.draw(0)
     drawn = {t.get_text() for t in ax.texts}
     assert {"softmax.int", "matmul"} <= drawn
-    assert ex.draw(graph=0) is not None
+    import matplotlib.pyplot as plt
+    _, ax2 = plt.subplots()
+    whole = {t.get_text() for t in ex.draw(graph=0, ax=ax2).texts}   # the whole graph around candidate 0
+    assert drawn < whole and "embedding" in whole
 
 
 def test_profile_counts_fewer_ops(gpt_pair):

@@ -1,0 +1,201 @@
+"""The written-out attention chain, ``matmul -> [scale | bias | mask]* -> softmax -> [cast] ->
+[dropout] -> matmul``, read into a ``Plan`` from its softmax.
+
+Walking up from the softmax collects, in order, the ops applied to the scores ``Q K^T``: scalar scales
+(``*c``, ``/c``, on the scores, on q or on k), additive biases (HF's ``finfo.min`` masks, ALiBi/relative
+biases), ``masked_fill`` and ``where`` masks, casts. Walking down collects casts and one dropout up to
+the matmul with V. The ops are then composed into the plan's scale, biases and masks. Every
+intermediate must be used only inside the chain, or the occurrence is declined.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch.fx as fx
+
+from opsmath.canonicalize import (aten, as_matmul, constant_value, dropout_info, is_cast, last_two_transposed,
+                                  scalar_scale, shape, strip_scales)
+from opsmath.match import RewriteContext
+
+from ._attention_plan import Plan, finish_plan, line_up
+
+
+def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
+    """The plan of the chain around softmax ``sm``; a reason to leave it alone; or None (not attention)."""
+    sshape = shape(sm)
+    nd = len(sshape)
+    dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
+    if nd not in (3, 4) or dim % nd != nd - 1:
+        return None
+    found = _upward(ctx, sm.args[0])
+    if found is None or isinstance(found, str):
+        return found
+    ops, up, qk = found
+    found = _downward(sm)
+    if isinstance(found, str):
+        return found
+    down, pv, p_drop = found
+    plan = _operands(qk, pv, p_drop, [*reversed(up), sm, *down], sshape)
+    if (why := line_up(plan)) is not None:
+        return why
+    if (why := _compose(plan, ops)) is not None:
+        return why
+    return finish_plan(ctx, plan)
+
+
+def _upward(ctx: RewriteContext, cur):
+    """From the softmax's input up to Q K^T: (the score ops met, the nodes passed, the QK^T node)."""
+    ops, up, escape = [], [], None
+    while as_matmul(cur) is None:
+        if not isinstance(cur, fx.Node) or cur.op != "call_function":
+            return None
+        if len(cur.users) != 1 and escape is None:
+            escape = cur
+        up.append(cur)
+        step = _score_op(ctx, cur)
+        if step is None or isinstance(step, str):
+            return step
+        cur, op = step
+        if op is not None:
+            ops.append(op)
+    if escape is not None:
+        return f"{escape.name} (an intermediate of the scores) is used outside the attention"
+    if len(cur.users) != 1:
+        return f"the scores {cur.name} are used outside the attention"
+    return ops, up, cur
+
+
+def _score_op(ctx: RewriteContext, cur: fx.Node):
+    """One op on the scores: (its input on the scores' side, the op as ``("scale", c)``,
+    ``("bias", node, sign)``, ``("mask", cond, negate, fill)`` or None), a reason, or None."""
+    t, a = cur.target, cur.args
+    if is_cast(cur):
+        return a[0], None
+    if (s := scalar_scale(cur)) is not None:
+        return s[0], ("scale", s[1])
+    if t in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(x, fx.Node) for x in a[:2]) \
+            and cur.kwargs.get("alpha", 1) == 1:
+        return _bias_op(cur)
+    if t in (aten.add.Tensor, aten.sub.Tensor) and isinstance(a[1], (int, float)):
+        return a[0], None  # a constant shift of every score: softmax is invariant to it
+    if t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        f = fill_value(ctx, a[2])
+        return "masked_fill value is not a constant" if f is None else (a[0], ("mask", a[1], False, f))
+    if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
+        return _where_op(ctx, cur)
+    return None
+
+
+def _bias_op(cur: fx.Node):
+    """``scores + b``, ``b + scores`` or ``scores - b``."""
+    a = cur.args
+    first = leads_to_matmul(a[0])
+    if first == leads_to_matmul(a[1]):
+        return None
+    score, other = (a[0], a[1]) if first else (a[1], a[0])
+    if cur.target is aten.sub.Tensor:
+        if not first:
+            return "scores are subtracted from a tensor (c - QK^T) "
+        return score, ("bias", other, -1.0)
+    return score, ("bias", other, 1.0)
+
+
+def _where_op(ctx: RewriteContext, cur: fx.Node):
+    """``where(cond, scores, f)`` (masked where cond is False) or ``where(cond, f, scores)``."""
+    cond, x, y = cur.args[:3]
+    score_is_x = cur.target is aten.where.ScalarOther or (cur.target is aten.where.self and leads_to_matmul(x))
+    f = fill_value(ctx, y if score_is_x else x)
+    if f is None:
+        return "where() fill value is not a constant"
+    return (x if score_is_x else y), ("mask", cond, score_is_x, f)
+
+
+def _downward(sm: fx.Node):
+    """From the softmax down to P V: (the nodes passed, the PV node, the dropout p) or a reason."""
+    down, cur, p_drop = [], sm, 0.0
+    while True:
+        users = list(cur.users)
+        if len(users) != 1:
+            return f"{cur.name} (attention probabilities) is used outside the attention, e.g. returned"
+        u = users[0]
+        if is_cast(u):
+            cur = u
+        elif (d := dropout_info(u)) is not None and d[0] is cur:
+            if p_drop > 0 and d[1] > 0:
+                return "two dropouts on the attention probabilities"
+            p_drop = max(p_drop, d[1])
+            cur = u
+        elif (mm := as_matmul(u)) is not None and mm[0] is cur and not mm[2]:
+            break
+        else:
+            return f"attention probabilities feed {getattr(u.target, '__name__', u.target)}, not P @ V"
+        down.append(u)
+    if not 0.0 <= p_drop < 1.0:
+        return f"dropout p={p_drop} outside [0, 1)"
+    return down, u, p_drop
+
+
+def _operands(qk: fx.Node, pv: fx.Node, p_drop: float, nodes: list, scores: tuple) -> Plan:
+    """Q, K (un-transposed where the chain transposed it), V and the scales on q and k."""
+    a, b, b_transposed = as_matmul(qk)
+    q, cq = strip_scales(a)
+    kt = b if b_transposed else last_two_transposed(b)
+    k, ck = strip_scales(kt if kt is not None else b)
+    return Plan(qk=qk, pv=pv, q=q, k=k, k_needs_transpose=kt is None, v=as_matmul(pv)[1], dropout_p=p_drop,
+                scale=cq * ck, nodes=nodes, scores=scores)
+
+
+def _compose(plan: Plan, ops: list) -> Optional[str]:
+    """Fold the score ops (applied innermost first) into the plan's scale, biases and masks."""
+    for op in reversed(ops):
+        if op[0] == "scale":
+            if op[1] <= 0:
+                return "non-positive scale on the scores"
+            plan.scale *= op[1]
+            for b in plan.biases:
+                b[1] *= op[1]
+            if plan.masks:
+                plan.fill *= op[1]
+        elif op[0] == "bias":
+            if plan.masks and plan.fill != float("-inf"):
+                return "a bias is added after a finite mask fill"
+            plan.biases.append([op[1], op[2]])
+        else:
+            _, m, negate, f = op
+            if plan.masks and f != plan.fill:
+                return "two masks with different fill values"
+            plan.masks.append((m, negate))
+            plan.fill = f
+    return None
+
+
+def leads_to_matmul(node, depth: int = 12) -> bool:
+    """Whether ``node`` is (through scales, casts, biases, masks) a product of a matmul."""
+    for _ in range(depth):
+        if as_matmul(node) is not None:
+            return True
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return False
+        if is_cast(node) or scalar_scale(node) is not None:
+            node = node.args[0]
+        elif node.target in (aten.add.Tensor, aten.sub.Tensor):
+            return any(leads_to_matmul(a, depth - 1) for a in node.args[:2] if isinstance(a, fx.Node))
+        elif node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.ScalarOther):
+            node = node.args[0]
+        elif node.target is aten.where.ScalarSelf:
+            node = node.args[2]
+        elif node.target is aten.where.self:
+            return any(leads_to_matmul(a, depth - 1) for a in node.args[1:3] if isinstance(a, fx.Node))
+        else:
+            return False
+    return False
+
+
+def fill_value(ctx, x) -> Optional[float]:
+    """A mask's fill as a float: a Python number or a constant 0-d/1-element tensor."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    c = constant_value(ctx.gm, x, ctx.constants)
+    if c is not None and c.numel() == 1:
+        return float(c.reshape(()))
+    return None

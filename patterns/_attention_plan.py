@@ -1,0 +1,105 @@
+"""The attention rewrite's plan, shared by its two spellings (a written-out chain, an SDPA call): the
+operands and how the scores are modified, in the kernel's canonical form
+``where(mask, fill, scale * Q K^T + bias)`` (``kernels/attention.py``), and the checks every plan passes
+before it is emitted (``line_up``, ``finish_plan``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+import torch.fx as fx
+
+from opsmath.canonicalize import causal_from_constant, constant_value, dtype, repeat_kv_source, shape, val
+
+# a mask fill or additive bias at or below this removes a position exactly (exp underflows to 0 in fp32)
+REMOVES = -1e4
+
+
+@dataclass
+class Plan:
+    qk: fx.Node
+    pv: fx.Node
+    q: fx.Node
+    k: fx.Node                        # (..., Sk, D): already un-transposed
+    k_needs_transpose: bool
+    v: fx.Node
+    rep: int = 1                      # GQA: query heads per kv head (k, v are kv-head tensors)
+    scale: float = 1.0
+    biases: list = field(default_factory=list)   # [node, multiplier]
+    masks: list = field(default_factory=list)    # (node, negate)
+    fill: float = float("-inf")
+    causal: bool = False
+    dropout_p: float = 0.0
+    nodes: list = field(default_factory=list)    # chain nodes, in graph order
+    scores: tuple = ()                # the scores' shape (..., Sq, Sk)
+
+
+def line_up(plan: Plan) -> Optional[str]:
+    """Check (and complete) a plan's operands against its scores' shape: GQA's ``repeat_kv`` undone
+    into ``plan.rep`` (unless already set), then shapes, dtypes and devices; a reason to decline or None."""
+    lead, Sk, nd = plan.scores[:-2], plan.scores[-1], len(plan.scores)
+    q, k, v = plan.q, plan.k, plan.v
+    D = shape(q)[-1]
+    kshape = shape(k)[:-2] + (shape(k)[-1], shape(k)[-2]) if plan.k_needs_transpose else shape(k)
+    if nd == 4 and plan.rep > 1:
+        if kshape[0] != lead[0] or kshape[1] * plan.rep != lead[1] or shape(v)[:-2] != kshape[:-2]:
+            return "K/V heads do not divide the query heads"
+    elif nd == 4 and kshape[:-2] != lead:
+        kv = repeat_kv_source(k, lead[1]), repeat_kv_source(v, lead[1])
+        if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1] or plan.k_needs_transpose:
+            return f"K/V batch dims {kshape[:-2]} differ from the scores' {lead} in a way not understood"
+        (plan.k, plan.rep), (plan.v, _) = kv
+        kshape = shape(plan.k)
+        if kshape[0] != lead[0] or kshape[1] * plan.rep != lead[1]:
+            return "K/V heads do not divide the query heads"
+    elif nd == 4 and shape(v)[:-2] != lead:
+        return "V batch dims differ from the scores' (K and V repeated differently?)"
+    if shape(q)[:-2] != lead or kshape[-2:] != (Sk, D) or shape(plan.v)[-2] != Sk:
+        return "Q/K/V shapes do not line up (broadcasting matmul)"
+    if shape(plan.v)[-1] != D:
+        return f"V head dim {shape(plan.v)[-1]} differs from Q/K head dim {D} (not supported yet)"
+    if dtype(plan.qk) != dtype(plan.pv) or dtype(plan.qk) not in (torch.float16, torch.bfloat16, torch.float32,
+                                                                  torch.float64):
+        return f"mixed or unsupported dtypes: QK^T in {dtype(plan.qk)}, PV in {dtype(plan.pv)}"
+    if any(dtype(x) != dtype(plan.qk) for x in (q, plan.k, plan.v)) and plan.qk is plan.pv:
+        return "Q, K and V in different dtypes"
+    devs = {getattr(val(n), "device", None) for n in (q, plan.k, plan.v, plan.qk)}
+    if len(devs) != 1:
+        return f"operands on different devices {devs}"
+    return None
+
+
+def finish_plan(ctx, plan: Plan) -> Union[str, Plan]:
+    """Biases must broadcast to the scores; constant causal masks and biases become ``is_causal``."""
+    for what, x in [("bias", b) for b, _ in plan.biases] + [("mask", m) for m, _ in plan.masks]:
+        try:
+            ok = torch.broadcast_shapes(shape(x), plan.scores) == plan.scores
+        except RuntimeError:
+            ok = False
+        if not ok:
+            return f"{what} of shape {shape(x)} does not broadcast to the scores {plan.scores}"
+    _detect_causal(ctx, plan, *plan.scores[-2:])
+    return plan
+
+
+def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
+    """Constant masks/biases equal to the ``j > i`` pattern become ``is_causal`` (block skipping)."""
+    for mask in list(plan.masks):
+        m, negate = mask
+        c = constant_value(ctx.gm, m, ctx.constants)
+        if c is not None and plan.fill <= REMOVES and causal_from_constant(~c if negate else c, Sq, Sk):
+            plan.masks.remove(mask)
+            plan.causal = True
+    for bias in list(plan.biases):
+        c = constant_value(ctx.gm, bias[0], ctx.constants)
+        if c is None or not c.is_floating_point():
+            continue
+        removed = (c * bias[1]) <= REMOVES
+        kept_zero = bool(((c == 0) | removed).all())
+        if kept_zero and causal_from_constant(removed, Sq, Sk):
+            plan.biases.remove(bias)
+            plan.causal = True
+    if not plan.masks:
+        plan.fill = float("-inf")
