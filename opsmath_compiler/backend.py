@@ -71,6 +71,7 @@ class GraphRecord:
     cuda_graphs: bool = False               # compiled for CUDA-graph replay (optimize(cuda_graphs=True))
     dynamic: bool = False                   # symbolic sizes: one graph serves every value of a changing dim
     static_only: list = field(default_factory=list)   # families not applied to it: they need static sizes
+    left_on_gpu: list = field(default_factory=list)   # rewritten here (op by op), left to Inductor on CUDA
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
@@ -80,7 +81,7 @@ class GraphRecord:
                     saved_bytes=list(self.saved_bytes), plan=self.plan.to_dict() if self.plan else None,
                     inductor=self.inductor, inductor_seconds=self.inductor_seconds,
                     left_to_inductor=list(self.left_to_inductor), cuda_graphs=self.cuda_graphs,
-                    dynamic=self.dynamic, static_only=list(self.static_only),
+                    dynamic=self.dynamic, static_only=list(self.static_only), left_on_gpu=list(self.left_on_gpu),
                     before_code=self.before_code, after_code=self.after_code)
 
 
@@ -111,6 +112,15 @@ def make_backend(state, model: torch.nn.Module):
         route_checkpoints(parent, opsmath_backend)
         return parent.forward
     return opsmath_backend
+
+
+def _left_on_gpu(state, use_inductor: bool, matches) -> list[str]:
+    """Families rewritten in a graph run op by op because it is on the CPU, which a CUDA run (Inductor
+    on by default) would leave to Inductor: what a CPU report (``opsmath report``) must not promise."""
+    if use_inductor or state.inductor is not None or not state.default_patterns:
+        return []
+    left = INDUCTOR_FUSES_BETTER - (KEPT_UNDER_BUDGET if state.memory_budget is not None else set())
+    return sorted({m.pattern for m in matches} & left)
 
 
 def _uses_inductor(state, example_inputs) -> bool:
@@ -186,7 +196,8 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
         capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
         saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan,
         left_to_inductor=sorted(p.name for p in state.patterns if p.name in left),
-        dynamic=captured.dynamic, static_only=static_only)
+        dynamic=captured.dynamic, static_only=static_only,
+        left_on_gpu=_left_on_gpu(state, use_inductor, ctx.matches))
     state.graphs.append(record)
     fn = _finish(state, record, ctx.gm, example_inputs, use_inductor)
     record.capture_seconds = time.perf_counter() - t0

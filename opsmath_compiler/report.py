@@ -105,6 +105,9 @@ class Report(Rendered):
             parts.append(Text("compiled by Inductor" + (" for CUDA-graph replay" if g.cuda_graphs else "")
                               + (f"; left to it: {', '.join(g.left_to_inductor)}" if g.left_to_inductor else ""),
                               style="dim"))
+        if g.left_on_gpu:
+            parts.append(Text(f"on a CUDA GPU (Inductor on) these are left to Inductor: {', '.join(g.left_on_gpu)}",
+                              style="dim"))
         if g.matches:
             groups = self._distinct(g.matches)
             parts.append(self._rewrites(groups))

@@ -65,6 +65,19 @@ def test_cli_example(capsys):
     assert "opsmath::attention" in out and "one training step on CPU" in out
 
 
+def test_cpu_report_names_what_a_gpu_run_leaves_to_inductor(capsys):
+    """On CPU the graph runs op by op with every family; the report must say which of those rewrites a
+    CUDA run (Inductor on) would leave to Inductor, and must not say it when Inductor was chosen."""
+    assert cli.main(["report", "--example", "gpt", "--width", "120"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "left to Inductor" in ln)
+    assert "dropout_add_norm" in line and "attention" not in line
+    model, batch = examples.gpt(batch_size=2, seq_len=16, n_layer=1)
+    opt = opsmath.optimize(model, inductor=False)
+    opt(*batch)
+    assert all(not g.left_on_gpu for g in opsmath.report(opt).graphs)
+
+
 def test_cli_file_factory(tmp_path):
     f = tmp_path / "mymodel.py"
     f.write_text(
