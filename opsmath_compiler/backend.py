@@ -24,7 +24,8 @@ from .analysis import kernel_launches, saved_activation_bytes, saved_bytes_by_no
 from .capture import lower_to_aten
 from .match import Decline, Match, run_patterns
 from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
-from .regions import EagerRegion, LazyPiece, eager_nodes, inline_checkpoint, route_checkpoints, split_around
+from .regions import (EagerRegion, LazyPiece, eager_nodes, hooks_off_while_tracing, inline_checkpoint,
+                      route_checkpoints, split_around)
 
 log = logging.getLogger("opsmath")
 
@@ -98,6 +99,12 @@ def op_counts(gm: fx.GraphModule) -> Counter:
 def make_backend(state, model: torch.nn.Module):
     """The dynamo backend of ``optimize``: ``state`` is the model's ``OptimizeState``."""
     def opsmath_backend(gm: fx.GraphModule, example_inputs):
+        # the user's saved-tensor hooks (save_on_cpu, offloading, byte counters) are for the run, not
+        # for capture's fake tensors: off while tracing, as dynamo's own AOTAutograd does
+        with hooks_off_while_tracing():
+            return _backend(gm, example_inputs)
+
+    def _backend(gm: fx.GraphModule, example_inputs):
         regions = eager_nodes(gm)
         _inline_checkpoints(state, gm, regions)
         if not regions:

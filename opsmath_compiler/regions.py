@@ -101,7 +101,8 @@ def _computes(sub: fx.GraphModule) -> bool:
                for n in sub.graph.nodes)
 
 
-def _hooks_off_while_tracing():
+def hooks_off_while_tracing():
+    """Saved-tensor hooks disabled while a graph is traced (dynamo's own context where it has one)."""
     off = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", None)
     return off() if off is not None else contextlib.nullcontext()
 
@@ -207,7 +208,7 @@ class LazyPiece(torch.nn.Module):
         if key not in self._fns:
             # inside a checkpoint's forward, tracing must not reach its saved-tensor hooks (the
             # recompute would then save a different number of tensors); dynamo does the same
-            with _hooks_off_while_tracing():
+            with hooks_off_while_tracing():
                 self._fns[key] = self._compile(self.gm, list(args))
         return self._fns[key]
 

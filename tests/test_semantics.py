@@ -240,6 +240,32 @@ def test_gradient_accumulation_over_micro_batches():
     assert_trains_like_eager(IDIOMS["function_custom_backward"], patterns=[], mode=MODES[False], steps_per_update=2)
 
 
+def test_users_saved_tensor_hooks_run_on_real_tensors_and_the_graph_is_optimized():
+    """A byte counter around the step (``saved_tensors_hooks`` that read storages, as offloading and
+    memory profilers do) sees the run's real tensors; capture does not trace it, and training is
+    optimized and equal to eager."""
+    import copy
+    from opsmath import examples
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=2, seq_len=16, n_layer=1, dropout=0.0)
+    ref = copy.deepcopy(model)
+    seen = []
+
+    def pack(t):
+        seen.append(t.untyped_storage().data_ptr())   # a fake tensor has no storage: raises
+        return t
+    opt = opsmath.optimize(model)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = opt(*batch)
+    loss.backward()
+    ref(*batch).backward()
+    rep = opsmath.report(opt)
+    assert not rep.fallback_errors and rep.graphs and rep.graphs[0].matches
+    assert seen
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        _same(r.grad, p.grad, "fp32", name)
+
+
 class LossOnly(nn.Module):
     """A Hugging Face model trained on its own loss (summing its logits too would be unbounded below)."""
 
