@@ -9,6 +9,7 @@ Each kernel file registers an ``OpSpec`` at import (``register(OpSpec(...))``); 
 - ``inductor_fuses_better`` / ``kept_under_budget``: on a graph Inductor compiles, the family is left to
   Inductor, except under a memory budget when ``kept_under_budget`` (``opsmath.backend``);
 - ``profile``: a class name and substrings of kernel names that ``opsmath.profile`` groups time under;
+- ``saves``: what the op keeps for backward, in words (the report's reason where a rewrite keeps more);
 - ``exercise(dtype)``: runs the op forward and backward once with every flag and launch configuration
   it has (tiny sizes), so that ``tests/test_kernels_compile_for_hopper.py`` compiles each launch for sm_90.
 """
@@ -28,6 +29,7 @@ class OpSpec:
     inductor_fuses_better: bool = False
     kept_under_budget: bool = False
     profile: Optional[tuple[str, tuple[str, ...]]] = None
+    saves: str = ""
     exercise: Optional[Callable[[torch.dtype], None]] = None
 
 

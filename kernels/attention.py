@@ -202,4 +202,5 @@ def _exercise(dtype: torch.dtype) -> None:
 
 SPEC = register(OpSpec("attention", ops=(torch.ops.opsmath.attention.default,), flops=_flops, exercise=_exercise,
                        profile=("attention", ("_attn_", "opsmath::attention", "softmax", "flash", "fmha",
-                                              "attention"))))
+                                              "attention")),
+                       saves="q, k, v, its output and fp32 row statistics; eager keeps the S x S probabilities"))

@@ -276,4 +276,5 @@ def _exercise(dtype: torch.dtype) -> None:
 
 # pointwise: Inductor fuses it with its neighbours, what it does best
 SPEC = register(OpSpec("bias_gelu", ops=(torch.ops.opsmath.bias_gelu.default,), inductor_fuses_better=True,
-                       exercise=_exercise))
+                       exercise=_exercise,
+                       saves="the pre-activation; GELU and its derivative are recomputed"))

@@ -97,4 +97,5 @@ def _exercise(dtype: torch.dtype) -> None:
 
 # the cross-entropy half of linear_cross_entropy is what Inductor fuses better (see there)
 SPEC = register(OpSpec("cross_entropy", ops=(torch.ops.opsmath.cross_entropy.default,),
-                       inductor_fuses_better=True, exercise=_exercise))
+                       inductor_fuses_better=True, exercise=_exercise,
+                       saves="the logits and the fp32 per-row log-sum-exp"))

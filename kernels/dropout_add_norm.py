@@ -387,4 +387,5 @@ def _exercise(dtype: torch.dtype) -> None:
 # op cost 18 ms per GPT-2-small step under Inductor (48.2 vs 30.1 ms, BENCHMARKS.md)
 SPEC = register(OpSpec("dropout_add_norm", ops=(torch.ops.opsmath.dropout_add_norm.default,),
                        inductor_fuses_better=True, exercise=_exercise,
-                       profile=("norm", ("_dan_", "dropout_add_norm", "layer_norm", "rms_norm", "rsqrt"))))
+                       profile=("norm", ("_dan_", "dropout_add_norm", "layer_norm", "rms_norm", "rsqrt")),
+                       saves="the sum h in the input dtype and fp32 row statistics; the dropout mask is regenerated"))

@@ -338,4 +338,5 @@ def _exercise(dtype: torch.dtype) -> None:
 # at 8192 tokens x vocab 50304, BENCHMARKS.md), but it keeps the whole (tokens x vocab) logits for
 # backward, the largest activation of a long-sequence LM step: under a memory budget the chunked op stays
 SPEC = register(OpSpec("linear_cross_entropy", ops=(torch.ops.opsmath.linear_cross_entropy.default,),
-                       flops=_flops, inductor_fuses_better=True, kept_under_budget=True, exercise=_exercise))
+                       flops=_flops, inductor_fuses_better=True, kept_under_budget=True, exercise=_exercise,
+                       saves="dX and dW computed in forward; the logits are never kept"))

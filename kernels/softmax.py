@@ -239,4 +239,5 @@ def _exercise(dtype: torch.dtype) -> None:
 
 # a row reduction Inductor fuses with its neighbours
 SPEC = register(OpSpec("scaled_softmax", ops=(torch.ops.opsmath.scaled_softmax.default,),
-                       inductor_fuses_better=True, exercise=_exercise))
+                       inductor_fuses_better=True, exercise=_exercise,
+                       saves="its output"))

@@ -155,4 +155,5 @@ def _exercise(dtype: torch.dtype) -> None:
 
 # pointwise: Inductor fuses it with its neighbours, what it does best
 SPEC = register(OpSpec("swiglu", ops=(torch.ops.opsmath.swiglu.default,), inductor_fuses_better=True,
-                       exercise=_exercise))
+                       exercise=_exercise,
+                       saves="both inputs; silu is recomputed"))

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 
@@ -35,6 +36,19 @@ def kernel_launches(gm: fx.GraphModule) -> int:
     """Forward-pass ops that launch device work (an estimate: views and host helpers excluded; the
     graph's one dropout-seed draw counts, it is a kernel on the device)."""
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target not in _NO_LAUNCH)
+
+
+@contextlib.contextmanager
+def _hooks_applied():
+    """Saved-tensor hooks applied even while a graph is being traced (capture turns them off, as
+    dynamo does, so that the user's hooks never see fake tensors): this analysis counts through its own."""
+    set_tracing = getattr(torch._C._autograd, "_saved_tensors_hooks_set_tracing", None)
+    prior = set_tracing(False) if set_tracing is not None else None
+    try:
+        yield
+    finally:
+        if set_tracing is not None:
+            set_tracing(prior)
 
 
 def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> dict[str, int] | None:
@@ -67,7 +81,7 @@ def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> dict[s
             inputs = [v.detach().requires_grad_(rg) if isinstance(v, torch.Tensor) and v.is_floating_point()
                       else v for v, rg in zip(vals, requires_grad)]
             input_keys = {key(v) for v in inputs if isinstance(v, torch.Tensor)}
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _hooks_applied(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 Attributing(gm).run(*inputs)
     except Exception as e:  # an estimate for the report and the planner, never fatal
         log.debug("opsmath: saved-bytes analysis failed: %s", e)

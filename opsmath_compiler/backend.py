@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from opsmath.kernels import SPECS
 
-from .analysis import kernel_launches, saved_activation_bytes, saved_bytes_by_node, to_networkx
+from .analysis import kernel_launches, saved_bytes_by_node, to_networkx
 from .capture import lower_to_aten
 from .match import Decline, Match, run_patterns
 from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
@@ -167,7 +167,8 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     before_launches = kernel_launches(captured.gm)
     # byte counts of a graph with symbolic sizes would be formulas: not analyzed (nor planned)
     analyze = state.analyze and not captured.dynamic
-    before_saved = saved_activation_bytes(captured.gm, captured.requires_grad) if analyze else None
+    before_by_node = saved_bytes_by_node(captured.gm, captured.requires_grad) if analyze else None
+    before_saved = sum(before_by_node.values()) if before_by_node is not None else None
     before_nx = to_networkx(captured.gm)
     use_inductor = _uses_inductor(state, example_inputs)
     patterns, left = state.patterns, set()
@@ -181,6 +182,10 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
         if analyze or (state.memory_budget is not None and not captured.dynamic) else None
     after_saved = sum(by_node.values()) if by_node is not None and analyze else None
+    if before_by_node is not None and after_saved is not None:
+        for m in ctx.matches:
+            m.saved_delta = (sum(by_node.get(n, 0) for n in m.inserted)
+                             - sum(before_by_node.get(n, 0) for n in m.nodes))
     plan = base = None
     absolute = state.memory_budget is not None and parse_budget(state.memory_budget)[0] == "bytes"
     if state.memory_budget is not None:

@@ -34,6 +34,8 @@ class Match:
     before: list[str] = field(default_factory=list)
     details: dict = field(default_factory=dict)
     anchor: str = ""              # the node ``optimize(skip=[f"{pattern}@{anchor}"])`` refers to
+    inserted: list[str] = field(default_factory=list)   # names of the nodes its replacement inserted
+    saved_delta: Optional[int] = None   # bytes saved for backward: replacement minus replaced (estimate)
 
     @property
     def key(self) -> str:
@@ -41,7 +43,8 @@ class Match:
 
     def to_dict(self) -> dict:
         return dict(pattern=self.pattern, location=self.location, code=self.code, nodes=self.nodes,
-                    replacement=self.replacement, before=self.before, details=self.details, anchor=self.anchor)
+                    replacement=self.replacement, before=self.before, details=self.details, anchor=self.anchor,
+                    saved_delta=self.saved_delta)
 
 
 @dataclass
@@ -115,7 +118,10 @@ class RewriteContext:
         elif not self.allowed(pattern, anchor):
             self.declined(pattern, anchor, "skipped by the user")
         else:
+            present, count = set(self.graph.nodes), len(self.matches)
             emit()
+            if len(self.matches) > count:
+                self.matches[-1].inserted = [n.name for n in self.graph.nodes if n not in present]
 
     def declined(self, pattern: str, node: fx.Node, reason: str) -> None:
         loc, code = source_location(node)

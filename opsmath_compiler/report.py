@@ -13,6 +13,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from opsmath.kernels import SPECS
+
 from .api import state_of
 from .match import Decline, Match
 from .rendering import Rendered
@@ -105,6 +107,9 @@ class Report(Rendered):
             parts.append(Text("compiled by Inductor" + (" for CUDA-graph replay" if g.cuda_graphs else "")
                               + (f"; left to it: {', '.join(g.left_to_inductor)}" if g.left_to_inductor else ""),
                               style="dim"))
+        before, after = g.saved_bytes
+        if before is not None and after is not None and after > before:
+            parts.append(self._saved_more(g.matches))
         if g.left_on_gpu:
             parts.append(Text(f"on a CUDA GPU (Inductor on) these are left to Inductor: {', '.join(g.left_on_gpu)}",
                               style="dim"))
@@ -142,6 +147,24 @@ class Report(Rendered):
         for r in self.eager_regions:
             t.add_row(r.kind, r.location, r.reason + (f": {r.code}" if r.code else ""))
         return t
+
+    @staticmethod
+    def _saved_more(matches) -> Text:
+        """Why a graph keeps more for backward after rewriting: the families whose replacements save more
+        than the nodes they replaced, with what their op saves (the op spec's ``saves``)."""
+        grown: dict = {}
+        for m in matches:
+            if m.saved_delta is not None and m.saved_delta > 0:
+                grown.setdefault(m.pattern, []).append(m.saved_delta)
+        if not grown:
+            return Text("saved for bwd grows: views of one buffer are kept by other nodes now", style="dim")
+        why = []
+        for family, deltas in sorted(grown.items(), key=lambda kv: -sum(kv[1])):
+            spec = SPECS.get(family)
+            count = f" x{len(deltas)}" if len(deltas) > 1 else ""
+            keeps = f" (keeps {spec.saves})" if spec is not None and spec.saves else ""
+            why.append(f"{family}{count} +{_mib(sum(deltas))}{keeps}")
+        return Text("saved for bwd grows: " + "; ".join(why), style="dim")
 
     @staticmethod
     def _distinct(matches) -> dict:

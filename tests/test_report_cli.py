@@ -31,6 +31,7 @@ def test_report_fields_and_80_columns():
     assert "opsmath::attention" in text and "examples.py:" in text
     g = rep.graphs[0]
     assert "opsmath.attention" in g.after_code and "opsmath.attention" not in g.before_code
+    assert 0 < g.saved_bytes[1] < g.saved_bytes[0]     # measured on fake tensors, never silently zero
 
 
 def test_json_round_trip():
@@ -76,6 +77,17 @@ def test_cpu_report_names_what_a_gpu_run_leaves_to_inductor(capsys):
     opt = opsmath.optimize(model, inductor=False)
     opt(*batch)
     assert all(not g.left_on_gpu for g in opsmath.report(opt).graphs)
+
+
+def test_a_rewrite_that_keeps_more_for_backward_says_why(capsys):
+    """DiT's short sequences: opsmath's attention keeps q, k, v, its output and row statistics, more
+    than eager's small S x S probabilities; the report must name the family and what it keeps."""
+    assert cli.main(["report", "--example", "dit", "--width", "120"]) == 0
+    out = capsys.readouterr().out
+    g = re.search(r"saved for bwd (\S+)->(\S+)", out)
+    assert g is not None
+    line = next(ln for ln in out.splitlines() if "saved for bwd grows" in ln)
+    assert "attention" in line and "keeps q, k, v" in line
 
 
 def test_cli_file_factory(tmp_path):
