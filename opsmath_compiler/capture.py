@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -53,6 +54,7 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
     with fx_traceback.preserve_node_meta(), fake_mode:
         aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
     split_size_calls(aten)
+    _source_names(aten, gm)
     constants = {}
     placeholders = [n for n in aten.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
@@ -61,6 +63,22 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
             constants[node.name] = value
     requires_grad = [bool(getattr(v, "requires_grad", False)) for v in example_inputs]
     return Captured(aten, constants, requires_grad, dynamic=dynamic)
+
+
+def _source_names(aten: fx.GraphModule, dynamo_gm: fx.GraphModule) -> None:
+    """Name the lowered graph's inputs after their source, as dynamo recorded it, instead of
+    ``arg7_1``: ``l_model_modules_h_modules_0_modules_attn_parameters_weight_`` becomes
+    ``h_0_attn_weight``, so the report's snippets read like the model."""
+    sources = [n.name for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
+    lowered = [n for n in aten.graph.nodes if n.op == "placeholder"]
+    if len(sources) != len(lowered):
+        return
+    for node, src in zip(lowered, sources):
+        name = re.sub(r"^[lL]_(self_|model_)?", "", src)
+        name = re.sub(r"(^|_)(modules|parameters|buffers)_", r"\1", name).strip("_")
+        if name.isidentifier():
+            node._rename(name)
+    aten.recompile()
 
 
 def split_size_calls(gm: fx.GraphModule) -> None:

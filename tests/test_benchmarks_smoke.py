@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow   # left out of the quick run (README: -m "not slow")
+
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 

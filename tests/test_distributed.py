@@ -78,6 +78,7 @@ def test_ddp_allreduce_overlaps_backward(runs):
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="Inductor on CPU needs a C++ compiler")
+@pytest.mark.slow
 def test_ddp_under_inductor_matches_single_process(tmp_path):
     """The CUDA default (Inductor) under DDP: dynamo splits the graph at gradient buckets (8 pieces
     here) and opsmath rewrites each piece; both attention blocks survive the splits and the parameters

@@ -57,6 +57,7 @@ def test_nanogpt_constant_mask_and_every_length():
     assert sum(m.pattern == "attention" for m in rep.graphs[1].matches) == 2
 
 
+@pytest.mark.slow
 def test_memory_budget_plans_every_length_exactly():
     """Under a memory budget each length gets its own, exactly planned graph (up to opsmath's
     recompile limit, past dynamo's default of 8), none unoptimized."""

@@ -89,6 +89,7 @@ def test_outer_torch_compile_runs_opsmath_without_graph_breaks():
     assert len(graphs) == 1 and graphs[0].after_ops["opsmath.attention"] == 2
 
 
+@pytest.mark.slow
 def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
     """An absolute budget re-planned at the second call (resident grew: optimizer state) is compiled
     by Inductor again, with the new recompute tags; the step's numbers do not change."""

@@ -32,6 +32,10 @@ def test_report_fields_and_80_columns():
     g = rep.graphs[0]
     assert "opsmath.attention" in g.after_code and "opsmath.attention" not in g.before_code
     assert 0 < g.saved_bytes[1] < g.saved_bytes[0]     # measured on fake tensors, never silently zero
+    # graph inputs carry their source names (the tied LM head reads the embedding's weight)
+    lines = [line for m in rep.matches for line in m.before]
+    assert any("h_0_ln_2_weight" in line for line in lines) and any("wte_weight" in line for line in lines)
+    assert not any(re.search(r"\barg\d+_\d+\b", line) for line in lines), lines
 
 
 def test_json_round_trip():
