@@ -279,6 +279,32 @@ def test_skip_leaves_attention_alone():
     assert rep.count("attention") == 0 and rep.declines[0].reason == "skipped by the user"
 
 
+def softcapped(q, k, v, m):
+    """Gemma-2's eager attention: scores / cap -> tanh -> * cap, then the additive mask."""
+    att = torch.tanh(q @ k.transpose(-2, -1) * D ** -0.5 / 50.0) * 50.0
+    att = att + torch.zeros(T, T).masked_fill(~m.causal[:T, :T], torch.finfo(torch.float32).min)
+    return F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def baddbmm_alibi(q, k, v, m):
+    """BLOOM's eager attention: ALiBi folded into the score GEMM with baddbmm."""
+    B = q.shape[0]
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
+    alibi = (slopes[:, None] * torch.arange(T)[None, :]).repeat(B, 1)[:, None, :]
+    s = alibi.baddbmm(q.reshape(B * H, T, D), k.reshape(B * H, T, D).transpose(1, 2), beta=1.0, alpha=D ** -0.5)
+    s = s.view(B, H, T, T).masked_fill(~m.causal[:T, :T], torch.finfo(torch.float32).min)
+    return (F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v)
+
+
+@pytest.mark.parametrize("fn,reason", [(softcapped, "softcapping"), (baddbmm_alibi, "baddbmm")])
+def test_unfused_score_modifications_are_declined_with_their_name(fn, reason):
+    """Variants no kernel takes yet are reported with what was found, and training stays exact."""
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(fn), *_inputs())
+    assert rep.count("attention") == 0
+    assert any(d.pattern == "attention" and reason in d.reason for d in rep.declines), rep.declines
+
+
 def test_softmax_over_other_dim_is_not_attention():
     def odd(q, k, v, m):
         return F.softmax(q @ k.transpose(-2, -1), dim=-2) @ v
