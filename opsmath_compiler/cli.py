@@ -3,7 +3,7 @@
     opsmath report --example gpt             # bundled nanoGPT: optimize, one training step, report
     opsmath report path/to/file.py:factory   # your model: factory() -> (model, batch) or model
     opsmath report ... --json                # the report as JSON
-    opsmath report ... --memory-budget 0.5   # with a recompute plan ("6GiB", bytes, or a fraction)
+    opsmath report ... --memory-budget 0.75  # with a recompute plan ("6GiB", bytes, or a fraction)
     opsmath tune path/to/file.py:factory     # on a GPU: pre-tune every rewritten op for the model's shapes
 
 A factory returns ``(model, batch)`` with ``model(*batch)`` returning the loss (or a tensor whose sum
