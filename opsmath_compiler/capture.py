@@ -155,18 +155,42 @@ def _fake_inputs(fake_mode, gm: fx.GraphModule, example_inputs: list) -> list:
 
 
 def source_location(node: fx.Node) -> tuple[str, str]:
-    """(``file.py:123``, the source line) of the user code that produced ``node``, from its stack trace."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln for ln in trace.strip().splitlines()]
-    loc, code = "<unknown>", ""
+    """(``file.py:123``, the source line) of the user code that produced ``node``, from its stack trace.
+    Where that line is inside a module called from user code (a norm's ``forward``), the call site
+    follows: ``modeling_llama.py:67 via :301``, which tells one norm of a layer from the other."""
+    frames = _user_frames(node.meta.get("stack_trace") or "")
+    if not frames:
+        return "<unknown>", ""
+    path, lineno, code = frames[-1]
+    loc = f"{os.path.basename(path)}:{lineno}"
+    if len(frames) > 1:
+        cpath, clineno, _ = frames[-2]
+        loc += f" via :{clineno}" if cpath == path else f" via {os.path.basename(cpath)}:{clineno}"
+    return loc, code
+
+
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _internal(path: str) -> bool:
+    """A frame of torch or of opsmath's own machinery (the bundled examples are user code)."""
+    path = os.path.abspath(path)
+    return path.startswith(_TORCH) or (os.path.dirname(path) == _HERE and not path.endswith("examples.py"))
+
+
+def _user_frames(trace: str) -> list[tuple[str, str, str]]:
+    """(path, line number, code) of each frame of a stack trace outside opsmath and torch."""
+    lines = trace.strip().splitlines()
+    frames = []
     for i, ln in enumerate(lines):
         s = ln.strip()
-        if s.startswith('File "'):
-            try:
-                path = s.split('"')[1]
-                lineno = s.split("line ")[1].split(",")[0]
-            except IndexError:
-                continue
-            loc = f"{os.path.basename(path)}:{lineno}"
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-    return loc, code
+        if not s.startswith('File "'):
+            continue
+        try:
+            path, lineno = s.split('"')[1], s.split("line ")[1].split(",")[0]
+        except IndexError:
+            continue
+        if not _internal(path):
+            frames.append((path, lineno, lines[i + 1].strip() if i + 1 < len(lines) else ""))
+    return frames

@@ -94,6 +94,16 @@ def test_a_rewrite_that_keeps_more_for_backward_says_why(capsys):
     assert "attention" in line and "keeps q, k, v" in line
 
 
+def test_a_norm_inside_a_module_is_located_at_its_call_site():
+    """RMSNorm.forward is one line for every norm; the location adds where each is called, so a layer's
+    attention norm and MLP norm are told apart."""
+    model, batch = examples.llama(batch_size=2, seq_len=16)
+    opt = opsmath.optimize(model)
+    opt(*batch).backward()
+    locs = {m.location for m in opsmath.report(opt).matches if m.pattern == "dropout_add_norm"}
+    assert len(locs) >= 2 and all(re.fullmatch(r"examples\.py:\d+ via :\d+", loc) for loc in locs), locs
+
+
 def test_cli_file_factory(tmp_path):
     f = tmp_path / "mymodel.py"
     f.write_text(
