@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
-#   STEPS="tests attn_tests semantics attention lce ce dan act train gap recompute memory long curve tune llama hf_sdpa lengths"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#   STEPS="tests attn_tests semantics attention lce ce dan act train gap recompute memory long curve tune llama hf_sdpa lengths guards"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -48,6 +48,7 @@ export -f semantics
 step semantics ${SEMANTICS_TIMEOUT:-330} bash -c semantics
 step hf_sdpa ${HF_SDPA_TIMEOUT:-540} python3 benchmarks/hf_default_attention.py ${HF_SDPA_ARGS:-}
 step lengths ${LENGTHS_TIMEOUT:-540} python3 benchmarks/varying_lengths.py ${LENGTHS_ARGS:-}
+step guards ${GUARDS_TIMEOUT:-240} python3 benchmarks/dynamic_guards.py
 step attention ${ATTN_TIMEOUT:-420} python3 benchmarks/attention.py ${BENCH_ARGS:-}
 step lce 120 python3 benchmarks/linear_cross_entropy.py
 step ce 150 python3 benchmarks/cross_entropy.py
