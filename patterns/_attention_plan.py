@@ -13,6 +13,8 @@ import torch.fx as fx
 
 from opsmath.canonicalize import causal_from_constant, constant_value, dtype, repeat_kv_source, shape, val
 
+from ._attention_masks import is_causal_index_mask
+
 # a mask fill or additive bias at or below this removes a position exactly (exp underflows to 0 in fp32)
 REMOVES = -1e4
 
@@ -85,11 +87,14 @@ def finish_plan(ctx, plan: Plan) -> Union[str, Plan]:
 
 
 def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
-    """Constant masks/biases equal to the ``j > i`` pattern become ``is_causal`` (block skipping)."""
+    """Masks/biases equal to the ``j > i`` pattern become ``is_causal`` (block skipping): constant ones,
+    and masks built from index comparisons of symbolic length (``_attention_masks``)."""
     for mask in list(plan.masks):
         m, negate = mask
         c = constant_value(ctx.gm, m, ctx.constants)
-        if c is not None and plan.fill <= REMOVES and causal_from_constant(~c if negate else c, Sq, Sk):
+        causal = causal_from_constant(~c if negate else c, Sq, Sk) if c is not None \
+            else is_causal_index_mask(m, not negate, Sq, Sk)
+        if plan.fill <= REMOVES and causal:
             plan.masks.remove(mask)
             plan.causal = True
     for bias in list(plan.biases):

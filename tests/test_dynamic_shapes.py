@@ -121,3 +121,38 @@ def test_size_calls_on_nodes_without_metadata_stay_symbolic():
     assert str(out.shape[1]) == str(fake.shape[1])
     split_size_calls(gm)   # with the values propagation gave, the call splits for the next tracer
     assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.size.default)
+
+
+class _IndexMaskAttention(torch.nn.Module):
+    """SDPA with the causal mask spelled as Hugging Face builds it under dynamic shapes: a comparison of
+    ``arange(T)`` tensors, which cannot be evaluated to a constant when T is a symbol."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, 4, 8).transpose(1, 2) for t in self.qkv(x).split(32, -1))
+        keep = torch.arange(T)[None, None, None, :] <= torch.arange(T)[None, None, :, None]
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep.expand(B, -1, T, T))
+        return y.sum()
+
+
+def test_index_mask_of_symbolic_length_is_read_as_causal():
+    torch.manual_seed(0)
+    model = _IndexMaskAttention()
+    ref = copy.deepcopy(model)
+    opt = opsmath.optimize(model, inductor=False)
+    for T in (8, 11, 17):
+        x = torch.randn(2, T, 32)
+        a, b = opt(x), ref(x)
+        a.backward()
+        b.backward()
+        assert rel_err(a, b) < 1e-5
+    dyn = [g for g in opsmath.report(opt).graphs if g.dynamic]
+    assert dyn and dyn[0].calls == 2
+    details = [m.details for m in dyn[0].matches if m.pattern == "attention"]
+    assert details and details[0]["causal"] and not details[0]["has_mask"], details
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert grads_close(p.grad, r.grad, rtol=1e-4)

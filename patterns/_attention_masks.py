@@ -1,0 +1,97 @@
+"""Attention masks built from index comparisons, read symbolically.
+
+Under dynamic shapes Hugging Face builds its causal mask as a comparison of ``arange(S)`` tensors whose
+length is a symbol (``le(arange(S)[None, None, None, :], arange(S)[None, None, :, None])``); it cannot be
+evaluated to a constant, so the constant test (``causal_from_constant``) cannot see it is causal. Here
+each index tensor is tracked exactly as *position along one axis + c* (axes counted from the last; the
+other axes broadcast), and a comparison between a key index ``j`` (last axis) and a query index ``i``
+(second last) becomes ``j - i <= d`` or ``j - i >= d``. The reading holds for every length, so a mask
+recognized here is causal at every length. Anything else (other ops, other axes, a slice that is not
+the whole range) is not recognized.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.fx as fx
+
+from opsmath.canonicalize import aten
+
+_FULL = 2 ** 62       # a slice end at least this large keeps the whole dimension
+_KEEP_SHAPE = {aten.alias.default, aten.detach.default, aten.clone.default}
+
+
+class _Index(NamedTuple):
+    rank: int
+    axis: int           # counted from the last axis (0 = last)
+    offset: int
+    length: object      # the arange's length: an int or a graph node (a symbolic size)
+
+
+def _index(n) -> Optional[_Index]:
+    """``n`` as an index tensor (``arange`` moved to one axis, plus a constant), or None."""
+    if not isinstance(n, fx.Node) or n.op != "call_function":
+        return None
+    t, a = n.target, n.args
+    if t is aten.arange.default and len(a) == 1:
+        return _Index(1, 0, 0, a[0])
+    if t in (aten.add.Tensor, aten.sub.Tensor) and len(a) == 2 and type(a[1]) is int:
+        x = _index(a[0])
+        return x and x._replace(offset=x.offset + (a[1] if t is aten.add.Tensor else -a[1]))
+    x = _index(a[0]) if a else None
+    if x is None:
+        return None
+    if t is aten.unsqueeze.default:
+        d = a[1] if a[1] >= 0 else a[1] + x.rank + 1
+        p = x.rank - 1 - x.axis
+        return x._replace(rank=x.rank + 1, axis=x.rank - (p + 1 if d <= p else p))
+    if t is aten.slice.Tensor and a[2:3] in ((0,), (None,), ()) and (len(a) < 4 or a[3] is None or
+                                                                       (type(a[3]) is int and a[3] >= _FULL)) \
+            and (len(a) < 5 or a[4] == 1):
+        return x
+    if t is aten.expand.default:
+        return x._replace(rank=len(a[1]))
+    return x if t in _KEEP_SHAPE else None
+
+
+def key_minus_query(n) -> Optional[tuple[str, int, object, object]]:
+    """A boolean mask ``n`` that is ``j - i <= d`` (``("le", d, ...)``) or ``j - i >= d`` (``("ge", d,
+    ...)``) for key index j on the last axis and query index i on the second last, with the lengths of
+    the query and key aranges; None when ``n`` is not such a comparison."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in (aten.expand.default, *_KEEP_SHAPE):
+        n = n.args[0]
+    if not isinstance(n, fx.Node) or n.op != "call_function" or len(n.args) != 2:
+        return None
+    flip = {aten.le.Tensor: (False, 0), aten.lt.Tensor: (False, 1), aten.ge.Tensor: (True, 0),
+            aten.gt.Tensor: (True, 1)}.get(n.target)
+    if flip is None:
+        return None
+    swap, strict = flip
+    small, large = (n.args[1], n.args[0]) if swap else (n.args[0], n.args[1])   # small <= large - strict
+    a, b = _index(small), _index(large)
+    if a is None or b is None:
+        return None
+    if (a.axis, b.axis) == (0, 1):    # j + ca <= i + cb - strict  <=>  j - i <= cb - ca - strict
+        return "le", b.offset - a.offset - strict, b.length, a.length
+    if (a.axis, b.axis) == (1, 0):    # i + ca <= j + cb - strict  <=>  j - i >= ca - cb + strict
+        return "ge", a.offset - b.offset + strict, a.length, b.length
+    return None
+
+
+def _same_size(length, size) -> bool:
+    """Whether an arange length (an int or a node holding a symbolic size) is the scores' ``size``,
+    compared structurally (no guard is added)."""
+    v = length.meta.get("val") if isinstance(length, fx.Node) else length
+    if isinstance(v, torch.SymInt) and isinstance(size, torch.SymInt):
+        return v.node.expr == size.node.expr
+    return type(v) is int and type(size) is int and v == size
+
+
+def is_causal_index_mask(n, removes: bool, Sq, Sk) -> bool:
+    """Whether mask ``n`` is exactly top-left causal at every length: as a keep-mask (``removes`` False)
+    ``j <= i``, as a remove-mask ``j > i``, over aranges of the scores' own lengths."""
+    rel = key_minus_query(n)
+    if rel is None or not (_same_size(rel[2], Sq) and _same_size(rel[3], Sk)):
+        return False
+    return rel[:2] == (("ge", 1) if removes else ("le", 0))

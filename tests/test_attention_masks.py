@@ -1,0 +1,60 @@
+"""Index-comparison masks read symbolically (``patterns/_attention_masks.py``): the reading must equal
+the mask's values, and only the exact top-left causal pattern may be called causal."""
+import pytest
+import torch
+import torch.fx as fx
+
+from opsmath.patterns._attention_masks import is_causal_index_mask, key_minus_query
+
+aten = torch.ops.aten
+S = 7
+
+
+def _mask_graph(cmp, q_off=0, k_off=0, swap_axes=False, slice_end=2 ** 63 - 1):
+    """``cmp(k_index + k_off, q_index + q_off)`` as HF's sdpa mask spells it, expanded to (2, 1, S, S)."""
+    g = fx.Graph()
+
+    def idx(off, axis_last):
+        n = g.call_function(aten.arange.default, (S,))
+        if off:
+            n = g.call_function(aten.add.Tensor, (n, off))
+        n = g.call_function(aten.unsqueeze.default, (n, 0))
+        n = g.call_function(aten.unsqueeze.default, (n, 1))
+        n = g.call_function(aten.slice.Tensor, (n, 2, 0, slice_end))
+        return g.call_function(aten.unsqueeze.default, (n, 2 if axis_last else 3))
+    k, q = idx(k_off, not swap_axes), idx(q_off, swap_axes)
+    out = g.call_function(aten.expand.default, (g.call_function(cmp, (k, q)), [2, -1, S, S]))
+    g.output(out)
+    return fx.GraphModule(torch.nn.Module(), g), out
+
+
+@pytest.mark.parametrize("cmp", [aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor])
+@pytest.mark.parametrize("q_off,k_off,swap", [(0, 0, False), (0, 0, True), (2, 0, False), (0, 3, False),
+                                              (-1, 1, True)])
+def test_reading_equals_the_values(cmp, q_off, k_off, swap):
+    gm, out = _mask_graph(cmp, q_off, k_off, swap)
+    rel, d, _, _ = key_minus_query(out)
+    values = gm()
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    expected = (j - i <= d) if rel == "le" else (j - i >= d)
+    assert torch.equal(values[0, 0], expected), (rel, d)
+
+
+def test_only_the_exact_causal_pattern_is_causal():
+    assert is_causal_index_mask(_mask_graph(aten.le.Tensor)[1], removes=False, Sq=S, Sk=S)      # keep j <= i
+    assert is_causal_index_mask(_mask_graph(aten.gt.Tensor)[1], removes=True, Sq=S, Sk=S)       # remove j > i
+    assert not is_causal_index_mask(_mask_graph(aten.le.Tensor)[1], removes=True, Sq=S, Sk=S)
+    assert not is_causal_index_mask(_mask_graph(aten.lt.Tensor)[1], removes=False, Sq=S, Sk=S)  # diagonal gone
+    assert not is_causal_index_mask(_mask_graph(aten.le.Tensor, q_off=1)[1], removes=False, Sq=S, Sk=S)
+    assert not is_causal_index_mask(_mask_graph(aten.le.Tensor, swap_axes=True)[1], removes=False, Sq=S, Sk=S)
+    assert not is_causal_index_mask(_mask_graph(aten.le.Tensor)[1], removes=False, Sq=S, Sk=S + 1)
+    assert key_minus_query(_mask_graph(aten.le.Tensor, slice_end=3)[1]) is None   # not the whole range
+
+
+def test_a_sliding_window_is_not_causal():
+    """``j <= i and j > i - w`` (a window): the AND is not an index comparison, so nothing is claimed."""
+    gm, causal = _mask_graph(aten.le.Tensor)
+    window = gm.graph.call_function(aten.gt.Tensor, (causal.args[0].args[0], causal.args[0].args[1]))
+    both = gm.graph.call_function(aten.logical_and.default, (causal, window))
+    assert not is_causal_index_mask(both, removes=False, Sq=S, Sk=S)
+    assert key_minus_query(both) is None
