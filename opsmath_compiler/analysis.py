@@ -1,9 +1,8 @@
 """Static facts about a captured graph, computed on fake tensors (no real memory, no real compute).
 
-* ``saved_bytes_by_node`` / ``saved_activation_bytes``: what autograd keeps for backward, per node and
-  in total. The graph runs once on fake inputs in an ``fx.Interpreter`` under
-  ``torch.autograd.graph.saved_tensors_hooks``; every saved tensor is recorded by its storage
-  (views of one buffer count once) and the storages of graph inputs (parameters, user inputs,
+* ``saved_bytes_by_node``: what autograd keeps for backward, per node. The graph runs once on fake
+  inputs in an ``fx.Interpreter`` under ``torch.autograd.graph.saved_tensors_hooks``; every saved
+  tensor is recorded by its storage (views of one buffer count once) and the storages of graph inputs (parameters, user inputs,
   buffers) are left out: they are resident anyway. Fused ops count what their ``setup_context`` saves
   (attention: q, k, v, out and the per-row stats), which is exactly what makes them lighter.
 * ``kernel_launches``: ops that launch device work, i.e. every call except views, tuple indexing
@@ -91,12 +90,6 @@ def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> dict[s
         if k not in input_keys:
             out[name] = out.get(name, 0) + nbytes
     return out
-
-
-def saved_activation_bytes(gm: fx.GraphModule, requires_grad: list[bool]) -> int | None:
-    """Total bytes autograd saves for backward (see :func:`saved_bytes_by_node`)."""
-    by_node = saved_bytes_by_node(gm, requires_grad)
-    return None if by_node is None else sum(by_node.values())
 
 
 def to_networkx(gm: fx.GraphModule):

@@ -100,7 +100,9 @@ def make_backend(state, model: torch.nn.Module):
     """The dynamo backend of ``optimize``: ``state`` is the model's ``OptimizeState``."""
     def opsmath_backend(gm: fx.GraphModule, example_inputs):
         # the user's saved-tensor hooks (save_on_cpu, offloading, byte counters) are for the run, not
-        # for capture's fake tensors: off while tracing, as dynamo's own AOTAutograd does
+        # for capture's fake tensors: off while tracing, as dynamo's own AOTAutograd does. Pieces and
+        # checkpoint bodies compiled at their first call come back here too (inside a checkpoint's
+        # forward, tracing must not reach its hooks: the recompute would save a different count)
         with hooks_off_while_tracing():
             return _backend(gm, example_inputs)
 
@@ -126,8 +128,12 @@ def _left_on_gpu(state, use_inductor: bool, matches) -> list[str]:
     on by default) would leave to Inductor: what a CPU report (``opsmath report``) must not promise."""
     if use_inductor or state.inductor is not None or not state.default_patterns:
         return []
-    left = INDUCTOR_FUSES_BETTER - (KEPT_UNDER_BUDGET if state.memory_budget is not None else set())
-    return sorted({m.pattern for m in matches} & left)
+    return sorted({m.pattern for m in matches} & _left_to_inductor(state))
+
+
+def _left_to_inductor(state) -> set[str]:
+    """The families a graph Inductor compiles leaves to it by default (``patterns=`` not given)."""
+    return INDUCTOR_FUSES_BETTER - (KEPT_UNDER_BUDGET if state.memory_budget is not None else set())
 
 
 def _uses_inductor(state, example_inputs) -> bool:
@@ -173,7 +179,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     use_inductor = _uses_inductor(state, example_inputs)
     patterns, left = state.patterns, set()
     if use_inductor and state.default_patterns:
-        left = INDUCTOR_FUSES_BETTER - (KEPT_UNDER_BUDGET if state.memory_budget is not None else set())
+        left = _left_to_inductor(state)
         patterns = [p for p in patterns if p.name not in left]
     static_only = sorted(p.name for p in patterns if not getattr(p, "dynamic_shapes", False)) \
         if captured.dynamic else []

@@ -242,13 +242,12 @@ def _refresh_meta(gm: fx.GraphModule) -> None:
     mode = _fake_mode_of(gm)
     if mode is None:
         return
-    split_size_calls(gm)
     try:
         SymbolicSizeProp(gm, mode).propagate_dont_convert_inputs(*vals)
     except Exception as e:  # metadata is a convenience for planning/reporting, never fatal
         log.debug("opsmath: fake propagation after rewrite failed: %s", e)
-    # size calls on nodes that had no fake value before propagation: the compiler that traces this
-    # graph next (AOTAutograd) would turn them into ints, one guard per length
+    # size calls left (on inserted nodes, which have a fake value only now): the compiler that traces
+    # this graph next (AOTAutograd) would turn them into ints, one guard per length
     split_size_calls(gm)
 
 

@@ -205,11 +205,8 @@ class LazyPiece(torch.nn.Module):
 
     def compile_for(self, args):
         key = self._key(args)
-        if key not in self._fns:
-            # inside a checkpoint's forward, tracing must not reach its saved-tensor hooks (the
-            # recompute would then save a different number of tensors); dynamo does the same
-            with hooks_off_while_tracing():
-                self._fns[key] = self._compile(self.gm, list(args))
+        if key not in self._fns:   # (the backend it compiles through turns saved-tensor hooks off)
+            self._fns[key] = self._compile(self.gm, list(args))
         return self._fns[key]
 
     def forward(self, *args):

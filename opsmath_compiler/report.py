@@ -157,7 +157,8 @@ class Report(Rendered):
             if m.saved_delta is not None and m.saved_delta > 0:
                 grown.setdefault(m.pattern, []).append(m.saved_delta)
         if not grown:
-            return Text("saved for bwd grows: views of one buffer are kept by other nodes now", style="dim")
+            return Text("saved for bwd grows outside the rewritten nodes (no rewrite keeps more itself)",
+                        style="dim")
         why = []
         for family, deltas in sorted(grown.items(), key=lambda kv: -sum(kv[1])):
             spec = SPECS.get(family)
