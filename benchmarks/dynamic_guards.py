@@ -12,6 +12,7 @@ calls is the healthy outcome.
 from __future__ import annotations
 
 import argparse
+import sys
 import traceback
 
 import sympy
@@ -23,6 +24,17 @@ import opsmath
 _QUIET = ("/sympy/", "symbolic_convert", "eval_frame")
 
 
+def _fx_node_running() -> str:
+    """The graph node an ``fx.Interpreter`` up the stack is running, if any (names the guarding op)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        n = frame.f_locals.get("n")
+        if isinstance(n, torch.fx.Node):
+            return f"while running node {n.format_node()} {n.meta.get('val', '')!r:.120}"
+        frame = frame.f_back
+    return ""
+
+
 def spy_on_replacements() -> None:
     original = symbolic_shapes.ShapeEnv._set_replacement
     seen = set()
@@ -31,7 +43,7 @@ def spy_on_replacements() -> None:
         if isinstance(tgt, sympy.Integer) and (str(a), int(tgt)) not in seen:
             seen.add((str(a), int(tgt)))
             stack = [f for f in traceback.format_stack() if not any(q in f for q in _QUIET)][-28:]
-            print(f"pinned: {a} -> {tgt} ({msg})\n" + "".join(stack), flush=True)
+            print(f"pinned: {a} -> {tgt} ({msg}) {_fx_node_running()}\n" + "".join(stack), flush=True)
         return original(self, a, tgt, msg)
     symbolic_shapes.ShapeEnv._set_replacement = spy
 

@@ -256,6 +256,14 @@ class SymbolicSizeProp(FakeTensorProp):
     size into an ``int``, which on a dynamic graph guards each length to its current value (and so
     makes dynamo recompile for every new length)."""
 
+    def run_node(self, n: fx.Node):
+        """Nodes with a fake value (from capture, or from ``RewriteContext.call`` at insertion) keep it:
+        re-running an op outside the tracer that first ran it can pin symbolic sizes (a C++ kernel
+        reading non-symbolic ``sizes()`` of a fake tensor guards every size to its value)."""
+        if n.op == "call_function" and n.meta.get("val") is not None:
+            return n.meta["val"]
+        return super().run_node(n)
+
     def call_function(self, target, args, kwargs):
         if target is torch.ops.aten.size.default:
             return tuple(args[0].size())

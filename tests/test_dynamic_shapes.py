@@ -123,6 +123,36 @@ def test_size_calls_on_nodes_without_metadata_stay_symbolic():
     assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.size.default)
 
 
+def test_propagation_after_rewrite_does_not_rerun_traced_nodes():
+    """Nodes that already carry a fake value keep it: re-running them outside their tracer can guard a
+    symbolic length to its value (on CUDA a C++ kernel reading non-symbolic ``sizes()`` of a fake tensor
+    did, so every new length recompiled). Only nodes without a value are computed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from opsmath.match import SymbolicSizeProp
+
+    calls = []
+
+    def pins_its_length(t):   # stands in for a kernel that reads concrete sizes
+        calls.append(int(t.shape[0]))
+        return t * 2
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    traced = graph.call_function(pins_its_length, (x,))
+    inserted = graph.call_function(torch.ops.aten.add.Tensor, (traced, 1.0))
+    graph.output((inserted,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fake = mode.from_tensor(torch.randn(5, 3), static_shapes=False)
+    x.meta["val"] = fake
+    with mode:
+        traced.meta["val"] = fake * 2
+    out, = SymbolicSizeProp(gm, mode).propagate_dont_convert_inputs(fake)
+    assert calls == [] and not mode.shape_env.replacements, (calls, mode.shape_env.replacements)
+    assert str(out.shape[0]) == str(fake.shape[0]) and "val" in inserted.meta
+
+
 class _IndexMaskAttention(torch.nn.Module):
     """SDPA with the causal mask spelled as Hugging Face builds it under dynamic shapes: a comparison of
     ``arange(T)`` tensors, which cannot be evaluated to a constant when T is a symbol."""
