@@ -7,7 +7,7 @@ rounds of ``--steps`` timed steps each, A B A B. Per variant: median and spread 
 per-round median step time, GPU kernel time per step (torch.profiler, kernels only), the step's peak
 memory above what is resident before it (``max_memory_allocated``), and, for opsmath, what it rewrote.
 
-    python benchmarks/hf_default_attention.py [--models llama,neox] [--rounds 5] [--steps 5]
+    python benchmarks/hf_default_attention.py [--models llama,neox,gemma2] [--rounds 5] [--steps 5] [--variants ...]
         [--gradient-checkpointing]
 """
 from __future__ import annotations
@@ -33,16 +33,24 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(
         hidden_size=2048, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
         intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096, sliding_window=None), 4, 2048),
+    # Gemma-2-2B's layer shape (head dim 256, logit softcapping 50), 4 layers. Its attention is eager as
+    # written (SDPA cannot softcap); "torch.compile (flex_attention)" is HF's flex implementation of it
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        hidden_size=2304, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        intermediate_size=9216, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+        attn_implementation="eager"), 4, 2048),
     "tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=256), 2, 32),
 }
 
 
-def build(name, device, checkpointing=False):
+def build(name, device, checkpointing=False, attn=None):
     import transformers
     cls, cfg_cls, cfg, _, _ = MODELS[name]
     torch.manual_seed(0)
+    cfg = dict(cfg, **({"attn_implementation": attn} if attn else {}))
     model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**cfg))   # default attention
     if checkpointing:   # as fine-tuning recipes turn it on: every decoder layer recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -106,14 +114,21 @@ class Variant:
         return r
 
 
-def run(name, rounds, steps, device, checkpointing=False):
+VARIANTS = {  # label: (wrap the built model, attn_implementation or None for the model's default)
+    "torch.compile": (torch.compile, None),
+    "opsmath.optimize": (opsmath.optimize, None),
+    "torch.compile (flex_attention)": (torch.compile, "flex_attention"),
+}
+
+
+def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile", "opsmath.optimize")):
     _, _, cfg, B, T = MODELS[name]
     torch.manual_seed(0)
     ids = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
     batch = dict(input_ids=ids, labels=ids, use_cache=False)
     torch._dynamo.reset()
-    variants = [Variant("torch.compile", torch.compile(build(name, device, checkpointing)), batch, device),
-                Variant("opsmath.optimize", opsmath.optimize(build(name, device, checkpointing)), batch, device)]
+    variants = [Variant(label, VARIANTS[label][0](build(name, device, checkpointing, VARIANTS[label][1])), batch,
+                        device) for label in labels]
     for v in variants:
         v.warm_up()
         print(f"{name} {v.label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
@@ -124,7 +139,7 @@ def run(name, rounds, steps, device, checkpointing=False):
     base = rows[0]["ms"]
     for r in rows:
         r["speedup_vs_compile"] = base / r["ms"]
-        print(f"{name:8} {r['name']:18} {r['ms']:8.2f} ms [{r['ms_min']:.2f}-{r['ms_max']:.2f}] "
+        print(f"{name:8} {r['name']:30} {r['ms']:8.2f} ms [{r['ms_min']:.2f}-{r['ms_max']:.2f}] "
               f"gpu {r.get('gpu_ms', 0):8.2f} ms peak {r.get('step_peak_gib', 0):6.2f} GiB "
               f"x{r['speedup_vs_compile']:.3f} {r.get('rewrites', '')} {r.get('attention_backends', '')}",
               flush=True)
@@ -138,6 +153,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="model.gradient_checkpointing_enable() (non-reentrant) on both variants")
+    ap.add_argument("--variants", default="torch.compile,opsmath.optimize", help=", ".join(VARIANTS))
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -146,9 +162,9 @@ def main():
         args.rounds, args.steps = 2, 1
     out = {}
     for n in names:   # written after each model: a run cut short keeps what it measured
-        out[n] = run(n, args.rounds, args.steps, device, args.gradient_checkpointing)
+        out[n] = run(n, args.rounds, args.steps, device, args.gradient_checkpointing, args.variants.split(","))
         if not args.smoke:
-            tag = "-checkpointed" if args.gradient_checkpointing else ""
+            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n == "gemma2" else "")
             print("wrote", write("hf_default_attention" + tag, out), flush=True)
 
 

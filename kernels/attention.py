@@ -2,7 +2,9 @@
 
 Math (per batch b, query head h, with kv head g = h // (H // Hkv) for GQA/MQA)::
 
-    S   = scale * Q K^T + bias                      Q: (B, H, Sq, D)   K, V: (B, Hkv, Sk, D)
+    S   = scale * Q K^T                             Q: (B, H, Sq, D)   K, V: (B, Hkv, Sk, D)
+    S   = softcap * tanh(S / softcap)  if softcap   (logit softcapping, Gemma-2; 0 = off)
+    S   = S + bias
     S   = where(mask, mask_fill, S)                 bias, mask: broadcastable to (B, H, Sq, Sk)
     S   = where(j > i, -inf, S)    if is_causal     (top-left aligned, as tril(ones(Sq, Sk)) spells it)
     P   = softmax(S, -1)                            stats: (B, H, Sq, 2) fp32 = (row max m, log row sum)
@@ -12,8 +14,9 @@ Math (per batch b, query head h, with kv head g = h // (H // Hkv) for GQA/MQA)::
 Backward (FlashAttention-2, with ``delta = rowsum(dO * O)``)::
 
     dV = Pd^T dO                     dP = (dO V^T) * keep / (1 - p)
-    dS = P * (dP - delta), 0 where masked      dQ = scale dS K      dK = scale dS^T Q
-    dbias = dS reduced over bias's broadcast dims (only when bias needs a gradient)
+    dS = P * (dP - delta), 0 where masked      dbias = dS reduced over bias's broadcast dims
+    dR = dS * (1 - tanh^2(scale Q K^T / softcap))   (dR = dS without softcap)
+    dQ = scale dR K      dK = scale dR^T Q
 
 The S x S matrix never exists in memory in the Triton path: forward keeps a running max and sum
 (online softmax) and saves (m, log l) per row (lse = their sum; kept apart so that rows
@@ -37,15 +40,19 @@ from .attention_configs import configs_for, forced_config
 # --------------------------------------------------------------------------------------------------
 
 
-def _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
+def _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0):
     """fp32 (fp64 for fp64) S, P, dropout-applied Pd, the keep mask (None without dropout), what is
-    masked (bool, broadcastable), and K/V repeated to H heads."""
+    masked (bool, broadcastable), K/V repeated to H heads, and the softcap's derivative (1.0 without)."""
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H, Sq, D = q.shape
     Sk, rep = k.shape[2], H // k.shape[1]
     kf = k.to(ct).repeat_interleave(rep, dim=1)
     vf = v.to(ct).repeat_interleave(rep, dim=1)
     s = (q.to(ct) @ kf.transpose(-1, -2)) * scale
+    dcap = 1.0
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s, dcap = softcap * t, 1.0 - t * t
     if bias is not None:
         s = s + bias.to(ct)
     masked = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=q.device)
@@ -59,21 +66,24 @@ def _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p
     p = torch.softmax(s, dim=-1)
     keep = dropout_keep(int(seed), flat_offsets(p.shape, q.device), dropout_p) if dropout_p > 0 else None
     pd = p * keep / (1.0 - dropout_p) if keep is not None else p
-    return s, p, pd, keep, masked, kf, vf
+    return s, p, pd, keep, masked, kf, vf, dcap
 
 
-def attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
+def attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0):
     """Returns (out in q.dtype, stats fp32 (B, H, Sq, 2)). Computes in fp32 (fp64 when given fp64)."""
-    s, p, pd, _, _, _, vf = _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)
+    s, p, pd, _, _, _, vf, _ = _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed,
+                                                softcap)
     m = s.amax(-1, keepdim=True)
     log_l = torch.logsumexp(s - m.masked_fill(m == float("-inf"), 0.0), dim=-1)
     stats = torch.stack([m.squeeze(-1), log_l], dim=-1)
     return (pd @ vf).to(q.dtype), stats.float()
 
 
-def _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad):
+def _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad,
+                                  softcap=0.0):
     """The module docstring's backward, in plain torch (custom-op bodies run below autograd)."""
-    _, p, pd, keep, masked, kf, vf = _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)
+    _, p, pd, keep, masked, kf, vf, dcap = _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale,
+                                                            dropout_p, seed, softcap)
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     do = dout.to(p.dtype)
@@ -83,8 +93,9 @@ def _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causa
         dp = dp * keep / (1.0 - dropout_p)
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
     ds = ds.masked_fill(masked, 0.0)
-    dq = (ds @ kf) * scale
-    dk = (ds.transpose(-1, -2) @ q.to(p.dtype)) * scale
+    dr = ds * dcap
+    dq = (dr @ kf) * scale
+    dk = (dr.transpose(-1, -2) @ q.to(p.dtype)) * scale
     dk = dk.view(B, Hkv, H // Hkv, Sk, D).sum(2)
     dv = dv.view(B, Hkv, H // Hkv, Sk, D).sum(2)
     dbias = ds.float() if bias_grad else None
@@ -99,17 +110,19 @@ def _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causa
 @torch.library.custom_op("opsmath::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                  mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
-                 dropout_p: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                 dropout_p: float, seed: Optional[torch.Tensor], softcap: float = 0.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_seed("attention", dropout_p, seed)
     if use_triton(q):
-        out, stats = attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)
+        out, stats = attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed,
+                                              softcap)
     else:
-        out, stats = attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)
+        out, stats = attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap)
     return out.contiguous(), stats.contiguous()
 
 
 @attention_op.register_fake
-def _(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
+def _(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0):
     B, H, Sq, D = q.shape
     return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq, 2), dtype=torch.float32)
 
@@ -118,59 +131,59 @@ def _(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, stats: torch.Tensor, bias: Optional[torch.Tensor],
                           mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
-                          dropout_p: float, seed: Optional[torch.Tensor], bias_grad: bool
+                          dropout_p: float, seed: Optional[torch.Tensor], bias_grad: bool, softcap: float = 0.0
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if use_triton(q):
         dq, dk, dv, dbias = attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill,
-                                                      is_causal, scale, dropout_p, seed, bias_grad)
+                                                      is_causal, scale, dropout_p, seed, bias_grad, softcap)
     else:
         dq, dk, dv, dbias = _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causal,
-                                                          scale, dropout_p, seed, bias_grad)
+                                                          scale, dropout_p, seed, bias_grad, softcap)
     if dbias is None:
         dbias = q.new_empty((0,), dtype=torch.float32)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias.contiguous()
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad):
+def _(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad, softcap=0.0):
     B, H, Sq, _ = q.shape
     dbias = q.new_empty((B, H, Sq, k.shape[2]) if bias_grad else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed = inputs
+    q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap = inputs
     out, stats = output
     ctx.save_for_backward(q, k, v, bias, mask, seed, out, stats)
-    ctx.args = (mask_fill, is_causal, scale, dropout_p)
+    ctx.args = (mask_fill, is_causal, scale, dropout_p, softcap)
 
 
 def _backward(ctx, dout, dstats):
     q, k, v, bias, mask, seed, out, stats = ctx.saved_tensors
-    mask_fill, is_causal, scale, dropout_p = ctx.args
+    mask_fill, is_causal, scale, dropout_p, softcap = ctx.args
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = attention_backward_op(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal,
-                                              scale, dropout_p, seed, bias_grad)
+                                              scale, dropout_p, seed, bias_grad, softcap)
     if bias_grad:
         dims = [i for i in range(4) if bias.shape[i] == 1 and dbias.shape[i] != 1]
         dbias = (dbias.sum(dims, keepdim=True) if dims else dbias).to(bias.dtype)
     else:
         dbias = None
-    return dq, dk, dv, dbias, None, None, None, None, None, None
+    return dq, dk, dv, dbias, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, bias=None, mask=None, mask_fill=float("-inf"), is_causal=False, scale=None,
-              dropout_p=0.0, seed=None):
+              dropout_p=0.0, seed=None, softcap=0.0):
     """Convenience entry point: ``O = attention(q, k, v, ...)`` with the op's semantics (see module doc).
     ``scale`` defaults to 1/sqrt(D); a fresh seed is drawn when dropout is on and none is given."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if seed is None and dropout_p > 0:
         seed = new_seed(q)
-    return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed)[0]
+    return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap)[0]
 
 
 # --------------------------------------------------------------------------------------------------

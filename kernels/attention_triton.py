@@ -22,13 +22,19 @@ def _tile(base, rows, n_rows, offs_d, D, s_row, s_d):
 
 @triton.jit
 def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-            H, SQ, SK, scale, mask_fill, seed, p_drop,
+            H, SQ, SK, scale, softcap, mask_fill, seed, p_drop,
             HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-            HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr):
-    """Scores block S (BM, BN) fp32 with bias/mask/causal applied, whether each entry is masked,
-    and the dropout keep-mask (all-true when there is no dropout). ``CHECK=False`` is for blocks the
-    caller knows lie wholly inside the keys and below the causal diagonal: no bounds or causal test."""
+            HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr):
+    """Scores block S (BM, BN) fp32 with softcap/bias/mask/causal applied, whether each entry is
+    masked, the dropout keep-mask (all-true when there is no dropout) and dS_capped/dS_raw = 1 - t^2
+    (t = tanh(scale QK^T / softcap); 1.0 without softcap). ``CHECK=False`` is for blocks the caller knows
+    lie wholly inside the keys and below the causal diagonal: no bounds or causal test."""
     s = tl.dot(q, k, input_precision=PRECISION) * scale
+    dcap = 1.0
+    if SOFTCAP:
+        t = 2.0 * tl.sigmoid(s * (2.0 / softcap)) - 1.0     # tanh(s / softcap)
+        s = softcap * t
+        dcap = 1.0 - t * t
     inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
     if HAS_BIAS:
         bp = Bias + b * sbb + h * sbh + rows[:, None].to(tl.int64) * sbm + cols[None, :].to(tl.int64) * sbn
@@ -51,7 +57,7 @@ def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, sm
     if HAS_DROPOUT:
         offs = ((b * H + h) * SQ + rows[:, None].to(tl.int64)) * SK + cols[None, :].to(tl.int64)
         keep = keep_mask(seed, offs, p_drop)
-    return s, masked, keep
+    return s, masked, keep, dcap
 
 
 @triton.jit
@@ -71,9 +77,9 @@ def _key_ranges(pid_m, SK, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK
 @triton.jit
 def _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, start, end, offs_n, offs_d, dmask,
                 skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                H, SQ, SK, D, scale, mask_fill, seed, p_drop,
+                H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop,
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over the key blocks [start, end) of one query block."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
@@ -81,9 +87,9 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, start, end, o
         # slower at D=64 on the H200 (BENCHMARKS.md, attention run 2)
         kt = tl.load(K + b * skb + g * skh + cols[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
                      mask=(cols[None, :] < SK) & dmask[:, None], other=0.0)
-        s, masked, keep = _scores(q, kt, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                                  H, SQ, SK, scale, mask_fill, seed, p_drop,
-                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION, CHECK)
+        s, masked, keep, dcap = _scores(q, kt, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                                  H, SQ, SK, scale, softcap, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, SOFTCAP, PRECISION, CHECK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp finite
         p = tl.exp(s - m_safe[:, None])
@@ -101,9 +107,9 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, start, end, o
 def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
               sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
-              H, REP, SQ, SK, D, scale, mask_fill, p_drop,
+              H, REP, SQ, SK, D, scale, softcap, mask_fill, p_drop,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     seed = load_seed(Seed, HAS_DROPOUT)
@@ -122,12 +128,12 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
     hi, full = _key_ranges(pid_m, SK, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, 0, full, offs_n, offs_d, dmask,
                                 skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                                H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
-                                HAS_DROPOUT, PRECISION, False, BLOCK_N)
+                                H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                                HAS_DROPOUT, SOFTCAP, PRECISION, False, BLOCK_N)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, full, hi, offs_n, offs_d, dmask,
                                 skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                                H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
-                                HAS_DROPOUT, PRECISION, True, BLOCK_N)
+                                H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                                HAS_DROPOUT, SOFTCAP, PRECISION, True, BLOCK_N)
     out = acc / l_i[:, None]
     rmask = rows < SQ
     tl.store(Out + b * sob + h * soh + rows[:, None].to(tl.int64) * som + offs_d[None, :] * sod,
@@ -140,9 +146,9 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, start, end, offs_m, offs_d,
                  sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                 H, SQ, SK, D, scale, mask_fill, seed, p_drop,
+                 H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop,
                  HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_M: tl.constexpr):
+                 HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_M: tl.constexpr):
     """dK/dV contributions of query head h's row blocks [start, end) to one key block."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
@@ -152,9 +158,9 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, star
         m_row = tl.load(Stats + srow, mask=rows < SQ, other=0.0)
         logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
         delta = tl.load(Delta + (b * H + h) * SQ + rows, mask=rows < SQ, other=0.0)
-        s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
-                                  smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
-                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION, CHECK)
+        s, masked, keep, dcap = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
+                                  smb, smh, smm, smn, H, SQ, SK, scale, softcap, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, SOFTCAP, PRECISION, CHECK)
         p = tl.where(rows[:, None] < SQ, tl.exp((s - m_row[:, None]) - logl[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if HAS_DROPOUT:
@@ -163,7 +169,7 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, star
         else:
             pd = p
         dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision=PRECISION)
-        ds = tl.where(masked, 0.0, p * (dp - delta[:, None]))
+        ds = tl.where(masked, 0.0, p * (dp - delta[:, None])) * dcap
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     return dk, dv
 
@@ -172,9 +178,9 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, star
 def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, Seed,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                    sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                   HKV, H, REP, SQ, SK, D, scale, mask_fill, p_drop,
+                   HKV, H, REP, SQ, SK, D, scale, softcap, mask_fill, p_drop,
                    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                   HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (kv block, batch, kv head); loops over the REP query heads sharing it (GQA),
     so dK/dV are summed in registers with no atomics. dO/dK/dV/Q share Q's contiguous layout."""
@@ -205,12 +211,12 @@ def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, Seed,
         h = g * REP + r
         dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, lo, tl.minimum(full, SQ),
                               offs_m, offs_d, sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                              H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
-                              HAS_DROPOUT, PRECISION, True, BLOCK_M)
+                              H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                              HAS_DROPOUT, SOFTCAP, PRECISION, True, BLOCK_M)
         dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, full, SQ,
                               offs_m, offs_d, sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                              H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
-                              HAS_DROPOUT, PRECISION, False, BLOCK_M)
+                              H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                              HAS_DROPOUT, SOFTCAP, PRECISION, False, BLOCK_M)
     out_off = (b * HKV + g) * SK * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
     tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -219,18 +225,18 @@ def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, Seed,
 @triton.jit
 def _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, start, end,
                offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-               H, SQ, SK, D, scale, mask_fill, seed, p_drop,
+               H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop,
                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
                CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ (and dbias) contributions of the key blocks [start, end) to one query block."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = _tile(K + b * skb + g * skh, cols, SK, offs_d, D, skn, skd)
         v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
-        s, masked, keep = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
-                                  smb, smh, smm, smn, H, SQ, SK, scale, mask_fill, seed, p_drop,
-                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, PRECISION, CHECK)
+        s, masked, keep, dcap = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
+                                  smb, smh, smm, smn, H, SQ, SK, scale, softcap, mask_fill, seed, p_drop,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, SOFTCAP, PRECISION, CHECK)
         p = tl.exp((s - m_row[:, None]) - logl[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if HAS_DROPOUT:
@@ -239,7 +245,7 @@ def _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, 
         if BIAS_GRAD:
             inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
             tl.store(DBias + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * SK + cols[None, :], ds, mask=inb)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq += tl.dot((ds * dcap).to(k.dtype), k, input_precision=PRECISION)
     return dq
 
 
@@ -247,9 +253,9 @@ def _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, 
 def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, Seed,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                 H, REP, SQ, SK, D, scale, mask_fill, p_drop,
+                 H, REP, SQ, SK, D, scale, softcap, mask_fill, p_drop,
                  HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     seed = load_seed(Seed, HAS_DROPOUT)
@@ -271,11 +277,11 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, Seed,
     hi, full = _key_ranges(pid_m, SK, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, 0, full,
                     offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                    H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT,
+                    H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, SOFTCAP,
                     BIAS_GRAD, PRECISION, False, BLOCK_N)
     dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, full, hi,
                     offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                    H, SQ, SK, D, scale, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT,
+                    H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, SOFTCAP,
                     BIAS_GRAD, PRECISION, True, BLOCK_N)
     if IS_CAUSAL and BIAS_GRAD:
         # blocks skipped above the diagonal still need their (zero) bias gradient written
@@ -308,24 +314,25 @@ def _aux(q, k, bias, mask):
     return b, m, bs, ms
 
 
-def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed):
+def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
     stats = torch.empty((B, H, Sq, 2), device=q.device, dtype=torch.float32)
     b, m, bs, ms = _aux(q, k, bias, mask)
-    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p))
+    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap))
     grid = (triton.cdiv(Sq, BM), B * H)
     _attn_fwd[grid](q, k, v, b, m, out, stats, seed_arg(seed, q, dropout_p),
                     *q.stride(), *k.stride(), *v.stride(), *bs, *ms, *out.stride(),
-                    H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p),
+                    H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p),
                     HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
-                    HAS_DROPOUT=dropout_p > 0, PRECISION=_precision(q),
+                    HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=_precision(q),
                     BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     return out, stats
 
 
-def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad):
+def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed,
+                              bias_grad, softcap=0.0):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     dout = dout.contiguous()
@@ -335,16 +342,16 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
     dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
     dbias = torch.empty((B, H, Sq, Sk), device=q.device, dtype=torch.float32) if bias_grad else q.new_empty(1)
     b, m, bs, ms = _aux(q, k, bias, mask)
-    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p))
+    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap))
     common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
-                  HAS_DROPOUT=dropout_p > 0, PRECISION=_precision(q),
+                  HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=_precision(q),
                   BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)
     seed_t = seed_arg(seed, q, dropout_p)
     _attn_bwd_dkdv[(triton.cdiv(Sk, BN), B * Hkv)](
         q, k, v, b, m, dout, stats, delta, dk, dv, seed_t, *strides,
-        Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p), **common)
+        Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), **common)
     _attn_bwd_dq[(triton.cdiv(Sq, BM), B * H)](
         q, k, v, b, m, dout, stats, delta, dq, dbias, seed_t, *strides,
-        H, H // Hkv, Sq, Sk, D, float(scale), float(mask_fill), float(dropout_p), BIAS_GRAD=bias_grad, **common)
+        H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), BIAS_GRAD=bias_grad, **common)
     return dq, dk, dv, (dbias if bias_grad else None)

@@ -3,7 +3,8 @@
 
 Walking up from the softmax collects, in order, the ops applied to the scores ``Q K^T``: scalar scales
 (``*c``, ``/c``, on the scores, on q or on k), additive biases (HF's ``finfo.min`` masks, ALiBi/relative
-biases), ``masked_fill`` and ``where`` masks, casts. Walking down collects casts and one dropout up to
+biases), ``masked_fill`` and ``where`` masks, casts, and one ``tanh`` between scalar scales (Gemma-2's
+logit softcapping ``c * tanh(S / c)``). Walking down collects casts and one dropout up to
 the matmul with V. The ops are then composed into the plan's scale, biases and masks. Every
 intermediate must be used only inside the chain, or the occurrence is declined.
 """
@@ -73,6 +74,8 @@ def _score_op(ctx: RewriteContext, cur: fx.Node):
         return a[0], None
     if (s := scalar_scale(cur)) is not None:
         return s[0], ("scale", s[1])
+    if t is aten.tanh.default:
+        return a[0], ("tanh",)
     if t in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(x, fx.Node) for x in a[:2]) \
             and cur.kwargs.get("alpha", 1) == 1:
         return _bias_op(cur)
@@ -94,8 +97,6 @@ def _baddbmm_scores(node: fx.Node) -> bool:
 
 def _unsupported(cur: fx.Node) -> Optional[str]:
     """Score modifications recognized but not fused yet: said in the report instead of silence."""
-    if cur.target is aten.tanh.default:
-        return "tanh logit softcapping on the scores (Gemma-2 style): no fused kernel takes it yet"
     if _baddbmm_scores(cur):
         return "scores from baddbmm (a bias such as ALiBi folded into the GEMM, BLOOM style): not read yet"
     return None
@@ -161,12 +162,22 @@ def _operands(qk: fx.Node, pv: fx.Node, p_drop: float, nodes: list, scores: tupl
 
 
 def _compose(plan: Plan, ops: list) -> Optional[str]:
-    """Fold the score ops (applied innermost first) into the plan's scale, biases and masks."""
+    """Fold the score ops (applied innermost first) into the plan's scale, biases and masks. A ``tanh``
+    makes the scales after it an outer factor ``m``: ``m * tanh(a * QK^T)`` is the kernel's softcap
+    ``c * tanh(scale * QK^T / c)`` with ``c = m`` and ``scale = a * m``."""
+    outer = None   # the product of the scales after a tanh
     for op in reversed(ops):
-        if op[0] == "scale":
+        if op[0] == "tanh":
+            if outer is not None or plan.biases or plan.masks:
+                return "tanh on the scores after a bias, mask or another tanh (not a logit softcap)"
+            outer = 1.0
+        elif op[0] == "scale":
             if op[1] <= 0:
                 return "non-positive scale on the scores"
-            plan.scale *= op[1]
+            if outer is None:
+                plan.scale *= op[1]
+            else:
+                outer *= op[1]
             for b in plan.biases:
                 b[1] *= op[1]
             if plan.masks:
@@ -181,6 +192,8 @@ def _compose(plan: Plan, ops: list) -> Optional[str]:
                 return "two masks with different fill values"
             plan.masks.append((m, negate))
             plan.fill = f
+    if outer is not None:
+        plan.softcap, plan.scale = outer, plan.scale * outer
     return None
 
 

@@ -1,6 +1,6 @@
 """The attention rewrite's plan, shared by its two spellings (a written-out chain, an SDPA call): the
 operands and how the scores are modified, in the kernel's canonical form
-``where(mask, fill, scale * Q K^T + bias)`` (``kernels/attention.py``), and the checks every plan passes
+``where(mask, fill, cap(scale * Q K^T) + bias)`` (``kernels/attention.py``), and the checks every plan passes
 before it is emitted (``line_up``, ``finish_plan``).
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ class Plan:
     v: fx.Node
     rep: int = 1                      # GQA: query heads per kv head (k, v are kv-head tensors)
     scale: float = 1.0
+    softcap: float = 0.0              # c in c * tanh(scale * QK^T / c), before biases and masks; 0: none
     biases: list = field(default_factory=list)   # [node, multiplier]
     masks: list = field(default_factory=list)    # (node, negate)
     fill: float = float("-inf")

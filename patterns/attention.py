@@ -112,11 +112,12 @@ class AttentionRule(Rule):
                 mask = to4d(mask, max(len(shape(m)) for m, _ in plan.masks))
             backend = backend_for(hinted(q.meta["val"]), hinted(k.meta["val"]), _shape_or_none(bias), _shape_or_none(mask),
                                   plan.fill, plan.causal, plan.scale, plan.dropout_p,
-                                  bias is not None and ctx.may_require_grad(bias))
+                                  bias is not None and ctx.may_require_grad(bias), plan.softcap)
             if backend == "opsmath":
                 seed = ctx.dropout_seed(plan.dropout_p, q, sm)
                 res = ctx.call(torch.ops.opsmath.attention.default,
-                               (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed), sm)
+                               (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed,
+                                plan.softcap), sm)
                 out = ctx.call(operator.getitem, (res, 0), sm)
             else:
                 vb = None
@@ -130,7 +131,7 @@ class AttentionRule(Rule):
         ctx.erase_dead([pv])
         B = plan.scores[0]
         H = plan.scores[1] if nd == 4 else 1
-        desc = [f"scale={plan.scale:.4g}"]
+        desc = [f"scale={plan.scale:.4g}"] + ([f"softcap={plan.softcap:.4g}"] if plan.softcap else [])
         if plan.causal:
             desc.append("causal")
         if plan.biases:
@@ -144,7 +145,8 @@ class AttentionRule(Rule):
         text = f"opsmath::attention({', '.join(desc)})" if backend == "opsmath" else \
             f"{backend}({', '.join(desc)}), measured fastest"
         ctx.replaced(self.name, sm, chain, text, before, backend=backend,
-                     causal=plan.causal, scale=plan.scale, dropout_p=plan.dropout_p, gqa_rep=plan.rep,
+                     causal=plan.causal, scale=plan.scale, softcap=plan.softcap, dropout_p=plan.dropout_p,
+                     gqa_rep=plan.rep,
                      has_bias=bool(plan.biases), has_mask=bool(plan.masks), batch=B, heads=H,
                      q_len=plan.scores[-2], k_len=plan.scores[-1], head_dim=shape(plan.q)[-1],
                      dtype=str(dtype(plan.qk)).replace("torch.", ""))

@@ -172,3 +172,42 @@ def test_reference_forward_is_exact_fp32():
     eager = torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1) @ v
     torch.testing.assert_close(out, eager)
     assert stats.shape == (2, 2, 7, 2)
+
+
+def _softcapped_eager(cap):
+    """Eager attention with Gemma-2's softcap (scores * scaling, / softcap, tanh, * softcap)."""
+    return lambda *a: eager_attention(*a, softcap=cap)
+
+
+SOFTCAP_CASES = [  # odd sizes, GQA, causal, bias with gradient, padding mask; caps that bite (scores ~ cap)
+    ((1, 2, 2, 17, 17, 16, None, None, False, 0.0), 1.5),
+    ((2, 4, 2, 19, 23, 20, "grad", "full", False, 0.0), 2.0),
+    ((1, 3, 1, 33, 33, 24, "padding", None, True, 0.0), 0.7),
+]
+
+
+@pytest.mark.parametrize("case,cap", SOFTCAP_CASES, ids=str)
+def test_softcap_matches_eager(case, cap, triton_on_cpu, device):
+    """``S = softcap * tanh(scale QK^T / softcap)`` before bias and masks, forward and every gradient
+    (dbias is taken after the cap, dQ/dK through tanh'), by the tolerance rule."""
+    torch.manual_seed(hash(case) % 1000)
+    args = _inputs(case, torch.float32, device)
+    args = (*args[:7], 1.0, *args[8:])   # unit scale: scores of a few units, where tanh saturates
+    fused = _run(lambda *a: attention_op(*a[:9], torch.tensor(a[9]), cap)[0], args, torch.float32)
+    eager = _run(_softcapped_eager(cap), args, torch.float32)
+    ref = _run(_softcapped_eager(cap), args, torch.float64)
+    for name, f, e, r in zip(["out", "dq", "dk", "dv", "dbias"], fused, eager, ref):
+        assert_rule(f, e, r, atol=1e-5, name=f"{name} softcap={cap}")
+    assert (fused[0] - _run(eager_attention, args, torch.float32)[0]).abs().max() > 1e-3   # the cap acted
+
+
+@pytest.mark.parametrize("case,cap", SOFTCAP_CASES[1:], ids=str)
+def test_softcap_reference_matches_autograd(case, cap):
+    """The CPU reference's explicit softcap backward against autograd through Gemma-2's spelling, fp64."""
+    torch.manual_seed(0)
+    args = _inputs(case, torch.float64, "cpu")
+    fused = _run(lambda *a: attention_op(*a[:9], torch.tensor(a[9]), cap)[0], args, torch.float64)
+    ref = _run(_softcapped_eager(cap), args, torch.float64)
+    for f, r in zip(fused, ref):   # dbias is held in the bias's fp32
+        tol = 1e-9 if f.dtype == torch.float64 else 1e-6
+        torch.testing.assert_close(f.double(), r.double(), rtol=tol, atol=tol)

@@ -50,6 +50,15 @@ def phi3():
     return m, dict(input_ids=ids, labels=ids), 2, 0
 
 
+def gemma2_softcap():
+    """Logit softcapping in every layer; alternate layers slide a window (a mask, read as a bias)."""
+    m = _hf("Gemma2ForCausalLM", "Gemma2Config", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=100, sliding_window=6,
+            attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=8, pad_token_id=0)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=ids), 2, 0
+
+
 def _tokens(vocab, B=2, T=16):
     return torch.randint(0, vocab, (B, T))
 
@@ -160,7 +169,7 @@ MODELS = {  # name: factory -> (model, inputs, attention layers, at least this m
     "nanogpt": nanogpt, "llama_handwritten": llama_handwritten, "hf_gpt2": gpt2, "hf_bert_padding": bert_padding,
     "hf_llama_gqa": llama_gqa, "hf_mistral_mqa": mistral_gqa, "hf_qwen2": qwen2_gqa_bias, "hf_vit": hf_vit,
     "hf_t5": t5_relative_bias, "timm_vit": timm_vit, "hf_mixtral_moe": mixtral_moe, "hf_qwen2_moe": qwen2_moe,
-    "dit_handwritten": dit_handwritten, "hf_gpt_neox": gpt_neox,
+    "dit_handwritten": dit_handwritten, "hf_gpt_neox": gpt_neox, "hf_gemma2_softcap": gemma2_softcap,
     # Hugging Face's default attention: one scaled_dot_product_attention call per layer
     **{f"{name}_sdpa": _default_attention(f) for name, f in [
         ("hf_llama_gqa", llama_gqa), ("hf_mistral_mqa", mistral_gqa), ("hf_qwen2", qwen2_gqa_bias),

@@ -280,10 +280,35 @@ def test_skip_leaves_attention_alone():
 
 
 def softcapped(q, k, v, m):
-    """Gemma-2's eager attention: scores / cap -> tanh -> * cap, then the additive mask."""
-    att = torch.tanh(q @ k.transpose(-2, -1) * D ** -0.5 / 50.0) * 50.0
+    """Gemma-2's eager attention: scores * scaling -> / cap -> tanh -> * cap, then the additive mask."""
+    att = q @ k.transpose(-2, -1) * D ** -0.5
+    att = torch.tanh(att / 50.0) * 50.0
     att = att + torch.zeros(T, T).masked_fill(~m.causal[:T, :T], torch.finfo(torch.float32).min)
     return F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def softcap_that_bites(q, k, v, m):
+    """A cap near the scores' size (where tanh saturates), scale on q, padding bias after the cap."""
+    att = torch.tanh((q * 3.0) @ k.transpose(-2, -1) * 0.5) * 0.8
+    att = att + (1.0 - m.pad[:, None, None, :]) * -1e9
+    return F.softmax(att, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn,cap,scale,causal", [(softcapped, 50.0, D ** -0.5, True),
+                                                 (softcap_that_bites, 0.8, 1.5 * 0.8, False)])
+def test_logit_softcapping_is_fused_and_exact(fn, cap, scale, causal):
+    """``m * tanh(a * QK^T)`` becomes the kernel's softcap ``c * tanh(scale QK^T / c)`` with c = m,
+    scale = a * m; gradients through tanh stay equal to eager's."""
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(fn), *_inputs())
+    assert rep.count("attention") == 1, rep.render(width=120)
+    d = rep.matches[0].details
+    assert d["softcap"] == pytest.approx(cap) and d["scale"] == pytest.approx(scale) and d["causal"] == causal, d
+
+
+def tanh_after_bias(q, k, v, m):
+    att = torch.tanh(q @ k.transpose(-2, -1) + m.rel_bias[:, :, :T, :T]) * 2.0
+    return F.softmax(att, dim=-1) @ v
 
 
 def baddbmm_alibi(q, k, v, m):
@@ -296,7 +321,7 @@ def baddbmm_alibi(q, k, v, m):
     return (F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v)
 
 
-@pytest.mark.parametrize("fn,reason", [(softcapped, "softcapping"), (baddbmm_alibi, "baddbmm")])
+@pytest.mark.parametrize("fn,reason", [(baddbmm_alibi, "baddbmm"), (tanh_after_bias, "not a logit softcap")])
 def test_unfused_score_modifications_are_declined_with_their_name(fn, reason):
     """Variants no kernel takes yet are reported with what was found, and training stays exact."""
     torch.manual_seed(0)
