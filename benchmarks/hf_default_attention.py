@@ -33,12 +33,12 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(
         hidden_size=2048, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
         intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096, sliding_window=None), 4, 2048),
-    # Gemma-2-2B's layer shape (head dim 256, logit softcapping 50), 4 layers. Its attention is eager as
+    # Gemma-2-27B's layer shape (head dim 128, logit softcapping 50), 4 layers. Its attention is eager as
     # written (SDPA cannot softcap); "torch.compile (flex_attention)" is HF's flex implementation of it
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
-        hidden_size=2304, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-        intermediate_size=9216, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+        hidden_size=4608, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+        intermediate_size=36864, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=144,
         attn_implementation="eager"), 4, 2048),
     "tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -213,6 +213,12 @@ def _exercise(dtype: torch.dtype) -> None:
             backward(attention_op(q, k, v, bias, mask, float("-inf"), causal, D ** -0.5, p, seed)[0])
 
 
+# Above this head dim a softcapped attention is faster as Inductor's compiled chain than in opsmath's kernel:
+# H200, bf16, causal, cap 50, fwd+bwd (BENCHMARKS.md, attention with logit softcapping): D256 (B4 H8 S2048)
+# 2.63 ms against 1.71 ms compiled (flex_attention 2.62 ms); at D128 the kernel wins 1.95x (S2048) and 2.92x
+# (S4096). Under Inductor the rewrite leaves such shapes alone; op by op it keeps them.
+SOFTCAP_INDUCTOR_HEAD_DIM = 128
+
 SPEC = register(OpSpec("attention", ops=(torch.ops.opsmath.attention.default,), flops=_flops, exercise=_exercise,
                        profile=("attention", ("_attn_", "opsmath::attention", "softmax", "flash", "fmha",
                                               "attention")),

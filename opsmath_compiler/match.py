@@ -79,8 +79,9 @@ def node_line(n: fx.Node) -> str:
 class RewriteContext:
     """What a pattern needs: the graph, known constants, and the record of what happened."""
 
-    def __init__(self, captured: Captured, skip: Optional[set[str]] = None):
+    def __init__(self, captured: Captured, skip: Optional[set[str]] = None, inductor: bool = False):
         self.gm = captured.gm
+        self.inductor = inductor     # Inductor compiles the rewritten graph (else it runs op by op)
         self.graph = captured.gm.graph
         self.constants = captured.constants
         self.matches: list[Match] = []
@@ -185,10 +186,11 @@ class RewriteContext:
             work.extend(inputs)
 
 
-def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = None) -> RewriteContext:
+def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = None,
+                 inductor: bool = False) -> RewriteContext:
     """Apply every rule (``opsmath.rules.Rule``) to the captured graph in order, lint, recompile and
-    refresh fake metadata."""
-    ctx = RewriteContext(captured, skip)
+    refresh fake metadata. ``inductor``: whether Inductor compiles the result (rules may weigh it)."""
+    ctx = RewriteContext(captured, skip, inductor)
     for pattern in patterns:
         pattern.apply(ctx)
         ctx.graph.lint()

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from opsmath.canonicalize import SOFTMAXES, SDPAS, aten, dtype, hinted, is_op, sdpa_args, shape
+from opsmath.kernels.attention import SOFTCAP_INDUCTOR_HEAD_DIM
 from opsmath.kernels.attention_tuning import backend_for, fold_bias, sdpa
 from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
@@ -35,7 +36,11 @@ class AttentionRule(Rule):
     dynamic_shapes = True    # applies to graphs with symbolic sizes (the backend is tuned for the sizes seen)
 
     def match(self, ctx: RewriteContext, anchor: fx.Node) -> Union[None, str, Plan]:
-        return analyze_chain(ctx, anchor) if is_op(anchor, SOFTMAXES) else self._analyze_sdpa(ctx, anchor)
+        plan = analyze_chain(ctx, anchor) if is_op(anchor, SOFTMAXES) else self._analyze_sdpa(ctx, anchor)
+        if isinstance(plan, Plan) and plan.softcap and ctx.inductor and shape(plan.q)[-1] > SOFTCAP_INDUCTOR_HEAD_DIM:
+            return (f"logit softcap at head dim {shape(plan.q)[-1]}: Inductor's compiled chain measured faster "
+                    f"than opsmath's kernel above head dim {SOFTCAP_INDUCTOR_HEAD_DIM}")
+        return plan
 
     def emit(self, ctx: RewriteContext, anchor: fx.Node, plan: Plan) -> None:
         self._emit(ctx, anchor, plan)

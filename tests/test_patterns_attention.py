@@ -363,3 +363,34 @@ def test_torch_nn_containers_are_captured_and_their_attention_rewritten(make):
     assert rel_err(y, ye) < 1e-5
     for (name, p), pe in zip(opt.named_parameters(), eager.parameters()):
         assert rel_err(p.grad, pe.grad) < 1e-4, name
+
+
+class _WideHeadSoftcap(nn.Module):
+    """One head of dim 136 (past SOFTCAP_INDUCTOR_HEAD_DIM) with Gemma-2's softcap."""
+
+    def __init__(self, d=136):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.d = d
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unsqueeze(1).split(self.d, dim=-1)
+        att = torch.tanh(q @ k.transpose(-2, -1) * self.d ** -0.5 / 20.0) * 20.0
+        return (F.softmax(att, dim=-1) @ v).sum()
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+def test_wide_head_softcap_is_left_to_inductor_only_under_inductor(inductor):
+    """Where Inductor's compiled chain measured faster than the kernel (softcap above head dim 128), the
+    rewrite declines under Inductor with that reason; op by op the kernel still takes it."""
+    torch.manual_seed(0)
+    model = _WideHeadSoftcap()
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model, inductor=inductor)
+    x = torch.randn(2, 9, 136)
+    y, y_e = opt(x), eager(x)
+    assert rel_err(y, y_e) < 1e-5
+    rep = opsmath.report(opt)
+    assert rep.count("attention") == (0 if inductor else 1), rep.render(width=120)
+    if inductor:
+        assert any("head dim 136" in d.reason for d in rep.declines), rep.declines
