@@ -73,6 +73,23 @@ def is_cast(node) -> bool:
         getattr(val(src), "device", None) == getattr(val(node), "device", None)
 
 
+SAME_SHAPE_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
+
+
+def is_noop_view(node) -> bool:
+    """A view or reshape to the shape its input already has (HF Falcon's ``scores.view(B, H, Sq, Sk)`` of
+    a 4-D product): the identity on values."""
+    if not is_op(node, SAME_SHAPE_VIEWS):
+        return False
+    src = node.args[0]
+    return isinstance(val(src), torch.Tensor) and isinstance(val(node), torch.Tensor) and shape(src) == shape(node)
+
+
+def passes_through(node) -> bool:
+    """Same values in another dtype or under another name: a cast or a no-op view."""
+    return is_cast(node) or is_noop_view(node)
+
+
 def strip_casts(node):
     while is_cast(node):
         node = node.args[0]
@@ -88,11 +105,26 @@ def dropout_info(node) -> Optional[tuple[fx.Node, float]]:
     return node.args[0], (p if train else 0.0)
 
 
+def private_temporary(node) -> bool:
+    """``node`` is a fresh tensor (an op's result that aliases none of its inputs) with one user, so an
+    in-place op of that user is observed by no one else."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and len(schema.returns) == 1 and schema.returns[0].alias_info is None
+
+
 def scalar_scale(node) -> Optional[tuple[fx.Node, float]]:
-    """(input, c) if ``node`` multiplies a tensor by a Python number c (``x*c``, ``c*x``, ``x/c``)."""
+    """(input, c) if ``node`` multiplies a tensor by a Python number c (``x*c``, ``c*x``, ``x/c``, and
+    their in-place forms on an intermediate nothing else reads)."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or node.kwargs:
         return None
     a = node.args
+    if node.target in (aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar):
+        # in place on an intermediate only it uses (Falcon's ``scores *= inv_norm``): the same value
+        if not private_temporary(a[0]):
+            return None
+        node = SimpleNamespace(target=getattr(aten, node.target._opname.rstrip("_")).Tensor, args=a)
     if node.target in (aten.mul.Tensor, aten.mul.Scalar):
         if isinstance(a[1], numbers.Number) and isinstance(a[0], fx.Node):
             return a[0], float(a[1])

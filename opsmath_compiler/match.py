@@ -17,7 +17,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from opsmath.kernels._common import new_seed, new_seeds
 
-from .canonicalize import aten
+from .canonicalize import aten, private_temporary
 from .capture import Captured, source_location, split_size_calls
 
 log = logging.getLogger("opsmath")
@@ -172,18 +172,27 @@ class RewriteContext:
 
     def erase_dead(self, nodes: Iterable[fx.Node]) -> None:
         """Erase ``nodes`` that have no users left, then their inputs that became dead, recursively.
-        Placeholders, outputs and in-place ops are never erased."""
+        Placeholders, outputs and in-place ops are never erased, except an in-place op on a temporary
+        only it uses (``scores.mul_(c)``): no one can observe that mutation."""
         work = list(nodes)
         while work:
             n = work.pop()
             if getattr(n, "_erased", False) or n.users or n.op in ("placeholder", "output"):
                 continue
             if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
-                    and n.target._schema.is_mutable:
+                    and n.target._schema.is_mutable and not inplace_on_private_temporary(n):
                 continue
             inputs = n.all_input_nodes
             self.graph.erase_node(n)
             work.extend(inputs)
+
+
+def inplace_on_private_temporary(n: fx.Node) -> bool:
+    """``n`` writes only its first argument, and that is a fresh intermediate (no input, attribute or
+    view of one) with no user but ``n``."""
+    args = n.target._schema.arguments
+    writes = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+    return writes == [0] and bool(n.args) and private_temporary(n.args[0])
 
 
 def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = None,

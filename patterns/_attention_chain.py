@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 import torch.fx as fx
 
-from opsmath.canonicalize import (aten, as_matmul, constant_value, dropout_info, is_cast, last_two_transposed,
+from opsmath.canonicalize import (aten, as_matmul, constant_value, dropout_info, last_two_transposed, passes_through,
                                   scalar_scale, shape, strip_scales)
 from opsmath.match import RewriteContext
 
@@ -70,7 +70,7 @@ def _score_op(ctx: RewriteContext, cur: fx.Node):
     """One op on the scores: (its input on the scores' side, the op as ``("scale", c)``,
     ``("bias", node, sign)``, ``("mask", cond, negate, fill)`` or None), a reason, or None."""
     t, a = cur.target, cur.args
-    if is_cast(cur):
+    if passes_through(cur):
         return a[0], None
     if (s := scalar_scale(cur)) is not None:
         return s[0], ("scale", s[1])
@@ -134,7 +134,7 @@ def _downward(sm: fx.Node):
         if len(users) != 1:
             return f"{cur.name} (attention probabilities) is used outside the attention, e.g. returned"
         u = users[0]
-        if is_cast(u):
+        if passes_through(u):
             cur = u
         elif (d := dropout_info(u)) is not None and d[0] is cur:
             if p_drop > 0 and d[1] > 0:
@@ -206,7 +206,7 @@ def leads_to_matmul(node, depth: int = 12) -> bool:
             return False
         if _baddbmm_scores(node):
             return True     # recognized so that the chain is declined with its reason (_unsupported)
-        if is_cast(node) or scalar_scale(node) is not None or node.target is aten.tanh.default:
+        if passes_through(node) or scalar_scale(node) is not None or node.target is aten.tanh.default:
             node = node.args[0]
         elif node.target in (aten.add.Tensor, aten.sub.Tensor):
             return any(leads_to_matmul(a, depth - 1) for a in node.args[:2] if isinstance(a, fx.Node))

@@ -169,6 +169,16 @@ def sdpa_repeat_kv(q, k, v, m):
     return F.scaled_dot_product_attention(q, repeat_kv(k[:, ::2], 2), repeat_kv(v[:, ::2], 2), is_causal=True)
 
 
+def falcon_alibi_inplace(q, k, v, m):
+    """Falcon's eager ALiBi path: a no-op view of the scores, ALiBi added, the scale applied in place."""
+    B = q.shape[0]
+    s = (q @ k.transpose(-1, -2)).view(B, H, T, T)
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
+    s = s + (slopes[:, None, None] * torch.arange(T)[None, None, :]).view(1, H, 1, T)
+    s *= D ** -0.5
+    return F.softmax(s, dim=-1).view(B, H, T, T) @ v
+
+
 SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "mul_scale": (mul_scale, False, False, False),
     "div_sqrt": (div_sqrt, False, False, False),
@@ -200,6 +210,7 @@ SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "sdpa_additive_padding": (sdpa_additive_padding, False, True, False),
     "sdpa_enable_gqa": (sdpa_enable_gqa, True, False, False),
     "sdpa_repeat_kv": (sdpa_repeat_kv, True, False, False),
+    "falcon_alibi_inplace": (falcon_alibi_inplace, False, True, False),
 }
 
 
@@ -394,3 +405,18 @@ def test_wide_head_softcap_is_left_to_inductor_only_under_inductor(inductor):
     assert rep.count("attention") == (0 if inductor else 1), rep.render(width=120)
     if inductor:
         assert any("head dim 136" in d.reason for d in rep.declines), rep.declines
+
+
+def test_in_place_scale_on_a_view_of_an_input_is_not_folded():
+    """``scores.mul_(c)`` folds into the scale only on a fresh intermediate: on a view of something
+    else the mutation is visible there, so the op stays and training stays exact."""
+    def scaled_through_a_view(q, k, v, m):
+        s = q @ k.transpose(-1, -2)
+        keep = s.view(-1)      # an alias that sees the in-place scale
+        s.mul_(D ** -0.5)
+        m.seen = keep.sum()
+        return F.softmax(s, dim=-1) @ v + 0 * m.seen
+
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(scaled_through_a_view), *_inputs())
+    assert rep.count("attention") == 0
