@@ -147,7 +147,7 @@ def _fake_inputs(fake_mode, gm: fx.GraphModule, example_inputs: list) -> list:
             sc = known.get(x) if known is not None and not isinstance(x, torch._subclasses.FakeTensor) else None
             out.append(fake_mode.from_tensor(x, static_shapes=sc is None, symbolic_context=sc,
                                              source=getattr(sc, "tensor_source", None)))
-        elif isinstance(x, int) and i < len(examples) and isinstance(examples[i], torch.SymInt):
+        elif isinstance(x, int) and known is not None and i < len(examples) and isinstance(examples[i], torch.SymInt):
             out.append(examples[i])
         else:
             out.append(x)

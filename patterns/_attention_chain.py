@@ -18,6 +18,7 @@ from opsmath.canonicalize import (aten, as_matmul, constant_value, dropout_info,
                                   scalar_scale, shape, strip_scales)
 from opsmath.match import RewriteContext
 
+from ._attention_flat import flat_pv, flat_scores, unflattened
 from ._attention_plan import Plan, finish_plan, line_up
 
 
@@ -32,6 +33,8 @@ def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
     if found is None or isinstance(found, str):
         return found
     ops, up, qk = found
+    if (fs := flat_scores(qk)) is not None:   # BLOOM: alpha * QK^T + beta * bias inside one baddbmm
+        ops += [("bias", fs["bias"], fs["beta"]), ("scale", fs["alpha"])]
     found = _downward(sm)
     if isinstance(found, str):
         return found
@@ -47,7 +50,7 @@ def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
 def _upward(ctx: RewriteContext, cur):
     """From the softmax's input up to Q K^T: (the score ops met, the nodes passed, the QK^T node)."""
     ops, up, escape = [], [], None
-    while as_matmul(cur) is None:
+    while as_matmul(cur) is None and flat_scores(cur) is None:
         if not isinstance(cur, fx.Node) or cur.op != "call_function":
             return None
         if len(cur.users) != 1 and escape is None:
@@ -98,7 +101,7 @@ def _baddbmm_scores(node: fx.Node) -> bool:
 def _unsupported(cur: fx.Node) -> Optional[str]:
     """Score modifications recognized but not fused yet: said in the report instead of silence."""
     if _baddbmm_scores(cur):
-        return "scores from baddbmm (a bias such as ALiBi folded into the GEMM, BLOOM style): not read yet"
+        return "scores from baddbmm whose operands are not 4-D tensors flattened to (B*H) rows: not read"
     return None
 
 
@@ -143,6 +146,10 @@ def _downward(sm: fx.Node):
             cur = u
         elif (mm := as_matmul(u)) is not None and mm[0] is cur and not mm[2]:
             break
+        elif (flat := flat_pv(cur)) is not None:   # P.view(B*H, Sq, Sk) @ v.reshape(B*H, Sk, D)
+            down.append(flat[0])
+            u = flat[1]
+            break
         else:
             return f"attention probabilities feed {getattr(u.target, '__name__', u.target)}, not P @ V"
         down.append(u)
@@ -153,12 +160,18 @@ def _downward(sm: fx.Node):
 
 def _operands(qk: fx.Node, pv: fx.Node, p_drop: float, nodes: list, scores: tuple) -> Plan:
     """Q, K (un-transposed where the chain transposed it), V and the scales on q and k."""
+    v, flat_out = as_matmul(pv)[1], unflattened(pv.args[0]) is not None   # P V over (B*H) rows: 4-D v
+    if flat_out and unflattened(v) is not None:
+        v = unflattened(v)
+    if (fs := flat_scores(qk)) is not None:
+        return Plan(qk=qk, pv=pv, q=fs["q"], k=fs["k"], k_needs_transpose=False, v=v, dropout_p=p_drop,
+                    nodes=nodes, scores=scores, flat_rows=True, flat_out=flat_out)
     a, b, b_transposed = as_matmul(qk)
     q, cq = strip_scales(a)
     kt = b if b_transposed else last_two_transposed(b)
     k, ck = strip_scales(kt if kt is not None else b)
-    return Plan(qk=qk, pv=pv, q=q, k=k, k_needs_transpose=kt is None, v=as_matmul(pv)[1], dropout_p=p_drop,
-                scale=cq * ck, nodes=nodes, scores=scores)
+    return Plan(qk=qk, pv=pv, q=q, k=k, k_needs_transpose=kt is None, v=v, dropout_p=p_drop,
+                scale=cq * ck, nodes=nodes, scores=scores, flat_out=flat_out)
 
 
 def _compose(plan: Plan, ops: list) -> Optional[str]:

@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from opsmath.canonicalize import causal_from_constant, constant_value, dtype, repeat_kv_source, shape, val
 
+from ._attention_flat import flat_bias_rows
 from ._attention_masks import is_causal_index_mask
 
 # a mask fill or additive bias at or below this removes a position exactly (exp underflows to 0 in fp32)
@@ -37,6 +38,16 @@ class Plan:
     dropout_p: float = 0.0
     nodes: list = field(default_factory=list)    # chain nodes, in graph order
     scores: tuple = ()                # the scores' shape (..., Sq, Sk)
+    flat_rows: bool = False           # scores from (B*H)-row operands (_attention_flat): biases unflattened
+    flat_out: bool = False            # P V over (B*H) rows: the 4-D output is flattened back
+
+
+def bias_shape(plan: Plan, b: fx.Node) -> tuple:
+    """A bias's shape as the 4-D scores see it: (B*H)-row biases of a flattened chain as (B, H, ...)."""
+    s = shape(b)
+    if plan.flat_rows and flat_bias_rows(b, plan.scores[1]):
+        return (s[0] // plan.scores[1], plan.scores[1]) + s[1:]
+    return s
 
 
 def line_up(plan: Plan) -> Optional[str]:
@@ -77,12 +88,13 @@ def line_up(plan: Plan) -> Optional[str]:
 def finish_plan(ctx, plan: Plan) -> Union[str, Plan]:
     """Biases must broadcast to the scores; constant causal masks and biases become ``is_causal``."""
     for what, x in [("bias", b) for b, _ in plan.biases] + [("mask", m) for m, _ in plan.masks]:
+        xs = bias_shape(plan, x) if what == "bias" else shape(x)
         try:
-            ok = torch.broadcast_shapes(shape(x), plan.scores) == plan.scores
+            ok = torch.broadcast_shapes(xs, plan.scores) == plan.scores
         except RuntimeError:
             ok = False
         if not ok:
-            return f"{what} of shape {shape(x)} does not broadcast to the scores {plan.scores}"
+            return f"{what} of shape {xs} does not broadcast to the scores {plan.scores}"
     _detect_causal(ctx, plan, *plan.scores[-2:])
     return plan
 

@@ -23,7 +23,8 @@ from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
 
 from ._attention_chain import analyze_chain
-from ._attention_plan import Plan, finish_plan, line_up
+from ._attention_flat import flat_bias_rows
+from ._attention_plan import Plan, bias_shape, finish_plan, line_up
 
 
 def _shape_or_none(node) -> Optional[tuple]:
@@ -105,10 +106,12 @@ class AttentionRule(Rule):
                 q, k, v = (ctx.call(aten.unsqueeze.default, (x, 1), sm) for x in (q, k, v))
             bias = None
             for b, mult in plan.biases:
+                if plan.flat_rows and flat_bias_rows(b, plan.scores[1]):
+                    b = ctx.call(aten.unflatten.int, (b, 0, [-1, plan.scores[1]]), sm)
                 term = b if mult == 1.0 else ctx.call(aten.mul.Tensor, (b, mult), sm)
                 bias = term if bias is None else ctx.call(aten.add.Tensor, (bias, term), sm)
             if bias is not None:
-                bias = to4d(bias, max(len(shape(b)) for b, _ in plan.biases))
+                bias = to4d(bias, max(len(bias_shape(plan, b)) for b, _ in plan.biases))
             mask = None
             for m, negate in plan.masks:
                 term = ctx.call(aten.logical_not.default, (m,), sm) if negate else m
@@ -132,6 +135,8 @@ class AttentionRule(Rule):
                                       backend), sm)
             if nd == 3:
                 out = ctx.call(aten.squeeze.dim, (out, 1), sm)
+            if plan.flat_out:
+                out = ctx.call(aten.flatten.using_ints, (out, 0, 1), sm)
         pv.replace_all_uses_with(out)
         ctx.erase_dead([pv])
         B = plan.scores[0]

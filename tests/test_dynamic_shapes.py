@@ -186,3 +186,22 @@ def test_index_mask_of_symbolic_length_is_read_as_causal():
     assert details and details[0]["causal"] and not details[0]["has_mask"], details
     for p, r in zip(model.parameters(), ref.parameters()):
         assert grads_close(p.grad, r.grad, rtol=1e-4)
+
+
+def test_size_argument_of_a_piece_compiled_outside_dynamo_is_its_value():
+    """A piece of a split graph compiled at its first call (no dynamo tracing context) is traced static:
+    its size argument must be the int it was called with, not dynamo's symbol (whose hint is the length
+    dynamo first saw; HF BLOOM failed to lower at the third length)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from opsmath.capture import _fake_inputs
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    sym = mode.from_tensor(torch.randn(28), static_shapes=False).shape[0]
+    graph = torch.fx.Graph()
+    x, n = graph.placeholder("x"), graph.placeholder("n")
+    n.meta["example_value"] = sym
+    graph.output((graph.call_function(torch.ops.aten.view.default, (x, [2, n])),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    fake_x, size = _fake_inputs(FakeTensorMode(), gm, [torch.randn(72), 36])
+    assert size == 36 and isinstance(size, int) and tuple(fake_x.shape) == (72,)

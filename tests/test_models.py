@@ -68,6 +68,14 @@ def falcon_alibi():
     return m, dict(input_ids=ids, labels=ids), 2, 0
 
 
+def bloom_alibi():
+    """ALiBi inside ``baddbmm`` over (B*H) rows, 4-D softmax, ``bmm`` with V flattened again."""
+    m = _hf("BloomForCausalLM", "BloomConfig", n_layer=2, hidden_size=32, n_head=4, vocab_size=100,
+            hidden_dropout=0.0, attention_dropout=0.0)
+    ids = _tokens(100)
+    return m, dict(input_ids=ids, labels=ids), 2, 0
+
+
 def _tokens(vocab, B=2, T=16):
     return torch.randint(0, vocab, (B, T))
 
@@ -179,7 +187,7 @@ MODELS = {  # name: factory -> (model, inputs, attention layers, at least this m
     "hf_llama_gqa": llama_gqa, "hf_mistral_mqa": mistral_gqa, "hf_qwen2": qwen2_gqa_bias, "hf_vit": hf_vit,
     "hf_t5": t5_relative_bias, "timm_vit": timm_vit, "hf_mixtral_moe": mixtral_moe, "hf_qwen2_moe": qwen2_moe,
     "dit_handwritten": dit_handwritten, "hf_gpt_neox": gpt_neox, "hf_gemma2_softcap": gemma2_softcap,
-    "hf_falcon_alibi": falcon_alibi,
+    "hf_falcon_alibi": falcon_alibi, "hf_bloom_alibi": bloom_alibi,
     # Hugging Face's default attention: one scaled_dot_product_attention call per layer
     **{f"{name}_sdpa": _default_attention(f) for name, f in [
         ("hf_llama_gqa", llama_gqa), ("hf_mistral_mqa", mistral_gqa), ("hf_qwen2", qwen2_gqa_bias),

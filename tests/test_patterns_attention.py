@@ -169,6 +169,16 @@ def sdpa_repeat_kv(q, k, v, m):
     return F.scaled_dot_product_attention(q, repeat_kv(k[:, ::2], 2), repeat_kv(v[:, ::2], 2), is_causal=True)
 
 
+def baddbmm_alibi(q, k, v, m):
+    """BLOOM's eager attention: ALiBi folded into the score GEMM with baddbmm."""
+    B = q.shape[0]
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
+    alibi = (slopes[:, None] * torch.arange(T)[None, :]).repeat(B, 1)[:, None, :]
+    s = alibi.baddbmm(q.reshape(B * H, T, D), k.reshape(B * H, T, D).transpose(1, 2), beta=1.0, alpha=D ** -0.5)
+    s = s.view(B, H, T, T).masked_fill(~m.causal[:T, :T], torch.finfo(torch.float32).min)
+    return (F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v)
+
+
 def falcon_alibi_inplace(q, k, v, m):
     """Falcon's eager ALiBi path: a no-op view of the scores, ALiBi added, the scale applied in place."""
     B = q.shape[0]
@@ -211,6 +221,7 @@ SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "sdpa_enable_gqa": (sdpa_enable_gqa, True, False, False),
     "sdpa_repeat_kv": (sdpa_repeat_kv, True, False, False),
     "falcon_alibi_inplace": (falcon_alibi_inplace, False, True, False),
+    "bloom_baddbmm_alibi": (baddbmm_alibi, True, True, False),
 }
 
 
@@ -322,17 +333,15 @@ def tanh_after_bias(q, k, v, m):
     return F.softmax(att, dim=-1) @ v
 
 
-def baddbmm_alibi(q, k, v, m):
-    """BLOOM's eager attention: ALiBi folded into the score GEMM with baddbmm."""
+def baddbmm_rows_from_2d(q, k, v, m):
+    """baddbmm whose operands come from 2-D tensors (no 4-D (batch, head) source to read Q/K from)."""
     B = q.shape[0]
-    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
-    alibi = (slopes[:, None] * torch.arange(T)[None, :]).repeat(B, 1)[:, None, :]
-    s = alibi.baddbmm(q.reshape(B * H, T, D), k.reshape(B * H, T, D).transpose(1, 2), beta=1.0, alpha=D ** -0.5)
-    s = s.view(B, H, T, T).masked_fill(~m.causal[:T, :T], torch.finfo(torch.float32).min)
-    return (F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v)
+    q3, k3 = (t.reshape(B * H * T, D).reshape(B * H, T, D) for t in (q, k))
+    s = torch.zeros(1, 1, T).baddbmm(q3, k3.transpose(1, 2), alpha=D ** -0.5).view(B, H, T, T)
+    return F.softmax(s, dim=-1) @ v
 
 
-@pytest.mark.parametrize("fn,reason", [(baddbmm_alibi, "baddbmm"), (tanh_after_bias, "not a logit softcap")])
+@pytest.mark.parametrize("fn,reason", [(baddbmm_rows_from_2d, "baddbmm"), (tanh_after_bias, "not a logit softcap")])
 def test_unfused_score_modifications_are_declined_with_their_name(fn, reason):
     """Variants no kernel takes yet are reported with what was found, and training stays exact."""
     torch.manual_seed(0)
