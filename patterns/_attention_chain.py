@@ -14,12 +14,12 @@ from typing import Optional, Union
 
 import torch.fx as fx
 
-from opsmath.canonicalize import (aten, as_matmul, constant_value, dropout_info, last_two_transposed, passes_through,
+from opsmath.canonicalize import (aten, as_matmul, dropout_info, last_two_transposed, passes_through,
                                   scalar_scale, shape, strip_scales)
 from opsmath.match import RewriteContext
 
 from ._attention_flat import flat_pv, flat_scores, unflattened
-from ._attention_plan import Plan, finish_plan, line_up
+from ._attention_plan import Plan, fill_value, finish_plan, line_up
 
 
 def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
@@ -232,13 +232,3 @@ def leads_to_matmul(node, depth: int = 12) -> bool:
         else:
             return False
     return False
-
-
-def fill_value(ctx, x) -> Optional[float]:
-    """A mask's fill as a float: a Python number or a constant 0-d/1-element tensor."""
-    if isinstance(x, (int, float)):
-        return float(x)
-    c = constant_value(ctx.gm, x, ctx.constants)
-    if c is not None and c.numel() == 1:
-        return float(c.reshape(()))
-    return None

@@ -112,6 +112,10 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
             plan.causal = True
     for bias in list(plan.biases):
         c = constant_value(ctx.gm, bias[0], ctx.constants)
+        am = additive_mask(ctx, bias[0]) if c is None and bias[1] > 0 else None
+        if am is not None and is_causal_index_mask(am[0], not am[1], Sq, Sk):
+            plan.biases.remove(bias)   # where(causal, 0, min) of symbolic length (HF's eager mask)
+            plan.causal = True
         if c is None or not c.is_floating_point():
             continue
         removed = (c * bias[1]) <= REMOVES
@@ -121,3 +125,34 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
             plan.causal = True
     if not plan.masks:
         plan.fill = float("-inf")
+
+
+def fill_value(ctx, x) -> Optional[float]:
+    """A mask's fill as a float: a Python number or a constant 0-d/1-element tensor."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    c = constant_value(ctx.gm, x, ctx.constants)
+    if c is not None and c.numel() == 1:
+        return float(c.reshape(()))
+    return None
+
+
+# Below this an additive fill swallows every score: s + f rounds to f in fp32 and bf16 for |s| < 1e29.
+SWALLOWS = -1e30
+
+
+def additive_mask(ctx, x) -> Optional[tuple]:
+    """``(cond, masked_where_false)`` for ``x = where(cond, 0, f)`` or ``where(cond, f, 0)`` with
+    ``f <= SWALLOWS``; None otherwise. Such a bias removes positions as a mask does; it is turned into
+    one only where it is causal (every row keeps its diagonal): for a fully masked row the additive
+    spelling passes gradients to Q and K (eager's autograd sees ``s + f``), a mask does not."""
+    if not isinstance(x, fx.Node) or x.target not in (torch.ops.aten.where.self, torch.ops.aten.where.ScalarOther,
+                                                     torch.ops.aten.where.ScalarSelf):
+        return None
+    cond, a, b = x.args[:3]
+    fa, fb = fill_value(ctx, a), fill_value(ctx, b)
+    if fa == 0.0 and fb is not None and fb <= SWALLOWS:
+        return cond, True
+    if fb == 0.0 and fa is not None and fa <= SWALLOWS:
+        return cond, False
+    return None

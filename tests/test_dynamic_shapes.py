@@ -205,3 +205,23 @@ def test_size_argument_of_a_piece_compiled_outside_dynamo_is_its_value():
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     fake_x, size = _fake_inputs(FakeTensorMode(), gm, [torch.randn(72), 36])
     assert size == 36 and isinstance(size, int) and tuple(fake_x.shape) == (72,)
+
+
+def test_hf_eager_additive_causal_mask_of_symbolic_length_is_causal():
+    """HF's eager attention adds ``where(causal, 0, finfo.min)``; on the dynamic graph that bias is no
+    constant, yet it is read as causal at every length (block skipping, no S x S bias)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).train()
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    for T in (12, 16, 20):
+        ids = torch.randint(0, 64, (2, T))
+        loss, loss_e = opt(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss
+        assert abs(loss.item() - loss_e.item()) <= 1e-5 * abs(loss_e.item())
+    dyn = [g for g in opsmath.report(opt).graphs if g.dynamic]
+    assert dyn and dyn[0].calls == 2
+    attn = [m.details for m in dyn[0].matches if m.pattern == "attention"]
+    assert len(attn) == 2 and all(d["causal"] and not d["has_bias"] for d in attn), attn

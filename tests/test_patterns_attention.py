@@ -189,6 +189,26 @@ def falcon_alibi_inplace(q, k, v, m):
     return F.softmax(s, dim=-1).view(B, H, T, T) @ v
 
 
+def _alibi():
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
+    return (slopes[:, None, None] * torch.arange(T)[None, None, :]).view(1, H, 1, T)
+
+
+def where_mask_and_alibi(q, k, v, m):
+    """HF's eager mask ``where(keep, 0, finfo.min)`` added after an ALiBi bias; with padding it is not
+    causal and stays an additive bias (a fully masked row passes gradients in eager)."""
+    keep = m.causal[:T, :T] & (m.pad[:, None, None, :] > 0)
+    s = q @ k.transpose(-1, -2) * D ** -0.5 + _alibi()
+    s = s + torch.where(keep, torch.zeros(()), torch.finfo(torch.float32).min)
+    return F.softmax(s, dim=-1) @ v
+
+
+def where_causal_and_alibi(q, k, v, m):
+    s = q @ k.transpose(-1, -2) * D ** -0.5 + _alibi()
+    s = s + torch.where(m.causal[:T, :T], torch.zeros(()), torch.finfo(torch.float32).min)
+    return F.softmax(s, dim=-1) @ v
+
+
 SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "mul_scale": (mul_scale, False, False, False),
     "div_sqrt": (div_sqrt, False, False, False),
@@ -222,6 +242,8 @@ SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "sdpa_repeat_kv": (sdpa_repeat_kv, True, False, False),
     "falcon_alibi_inplace": (falcon_alibi_inplace, False, True, False),
     "bloom_baddbmm_alibi": (baddbmm_alibi, True, True, False),
+    "where_mask_and_alibi": (where_mask_and_alibi, False, True, False),
+    "where_causal_and_alibi": (where_causal_and_alibi, True, True, False),
 }
 
 
@@ -429,3 +451,16 @@ def test_in_place_scale_on_a_view_of_an_input_is_not_folded():
     torch.manual_seed(0)
     rep = _compare(AttnModel(scaled_through_a_view), *_inputs())
     assert rep.count("attention") == 0
+
+
+def test_additive_mask_with_fully_masked_rows_stays_exact():
+    """A row whose every key is masked by ``where(keep, 0, finfo.min)`` is uniform in eager (s + min
+    rounds to min) and still passes gradients to Q and K: the rewrite keeps it additive, so both match."""
+    def all_masked_for_one_sample(q, k, v, m):
+        keep = (m.pad[:, None, None, :] > 0) & (torch.arange(q.shape[0]) != 1)[:, None, None, None]
+        s = q @ k.transpose(-1, -2) * D ** -0.5
+        return F.softmax(s + torch.where(keep, torch.zeros(()), torch.finfo(torch.float32).min), -1) @ v
+
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(all_masked_for_one_sample), *_inputs())
+    assert rep.count("attention") == 1, rep.render(width=120)
