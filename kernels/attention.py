@@ -201,16 +201,17 @@ def _exercise(dtype: torch.dtype) -> None:
     """Each flag in the block configurations the GPU launches (each variant takes ~10 s to compile for
     sm_90, so the flags are spread over three bf16 cases and one fp32 case)."""
     seed = torch.tensor(7)
-    cases = [(64, 1, True, False, False, 0.0)] if dtype == torch.float32 else [
-        (64, 2, True, False, False, 0.0), (128, 2, False, True, False, 0.1), (32, 1, True, False, True, 0.0)]
-    for D, Hkv, causal, has_bias, has_mask, p in cases:
+    cases = [(64, 1, True, False, False, 0.0, 0.0)] if dtype == torch.float32 else [
+        (64, 2, True, False, False, 0.0, 0.0), (128, 2, False, True, False, 0.1, 0.0),
+        (32, 1, True, False, True, 0.0, 0.0), (128, 2, True, True, False, 0.0, 30.0)]
+    for D, Hkv, causal, has_bias, has_mask, p, cap in cases:
         q, k, v = leaf(1, 2, 20, D, dtype=dtype), leaf(1, Hkv, 20, D, dtype=dtype), leaf(1, Hkv, 20, D, dtype=dtype)
         bias = leaf(1, 1, 20, 20, dtype=dtype) if has_bias else None
         mask = torch.rand(1, 1, 20, 20) > 0.2 if has_mask else None
         if mask is not None:
             mask[..., 0] = True
         with forced_config(configs_for(D)[1 if has_bias else 0]):
-            backward(attention_op(q, k, v, bias, mask, float("-inf"), causal, D ** -0.5, p, seed)[0])
+            backward(attention_op(q, k, v, bias, mask, float("-inf"), causal, D ** -0.5, p, seed, cap)[0])
 
 
 # Above this head dim a softcapped attention is faster as Inductor's compiled chain than in opsmath's kernel:

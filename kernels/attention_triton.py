@@ -104,6 +104,18 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, start, end, o
 
 
 @triton.jit
+def _query_block(H, REP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's query block (grid: query blocks x B*H): its index, the flat (b, h) index, batch b,
+    head h, kv head g, its rows, and the key and head-dim offsets."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return pid_m, pid_bh, b, h, h // REP, rows, tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+
+
+@triton.jit
 def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
               sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
@@ -111,15 +123,8 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m, pid_bh, b, h, g, rows, offs_n, offs_d = _query_block(H, REP, BLOCK_M, BLOCK_N, BLOCK_D)
     seed = load_seed(Seed, HAS_DROPOUT)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    g = h // REP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     q = _tile(Q + b * sqb + h * sqh, rows, SQ, offs_d, D, sqm, sqd)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -257,15 +262,8 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, Seed,
                  HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m, pid_bh, b, h, g, rows, offs_n, offs_d = _query_block(H, REP, BLOCK_M, BLOCK_N, BLOCK_D)
     seed = load_seed(Seed, HAS_DROPOUT)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    g = h // REP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     qmask = (rows[:, None] < SQ) & (offs_d[None, :] < D)
     q = _tile(Q + b * sqb + h * sqh, rows, SQ, offs_d, D, sqm, sqd)
     do = _tile(DO + pid_bh.to(tl.int64) * SQ * D, rows, SQ, offs_d, D, D, 1)

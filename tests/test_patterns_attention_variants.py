@@ -1,0 +1,121 @@
+"""Score modifications between QK^T and the softmax: logit softcapping (fused into the kernel, or
+left to Inductor where it measured faster), in-place scales, additive masks with fully masked rows, and
+the variants still declined with their reason. Models and helpers: ``test_patterns_attention.py``."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import opsmath
+from test_patterns_attention import D, H, T, AttnModel, _compare, _inputs
+from tolerance import rel_err
+
+
+def softcapped(q, k, v, m):
+    """Gemma-2's eager attention: scores * scaling -> / cap -> tanh -> * cap, then the additive mask."""
+    att = q @ k.transpose(-2, -1) * D ** -0.5
+    att = torch.tanh(att / 50.0) * 50.0
+    att = att + torch.zeros(T, T).masked_fill(~m.causal[:T, :T], torch.finfo(torch.float32).min)
+    return F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def softcap_that_bites(q, k, v, m):
+    """A cap near the scores' size (where tanh saturates), scale on q, padding bias after the cap."""
+    att = torch.tanh((q * 3.0) @ k.transpose(-2, -1) * 0.5) * 0.8
+    att = att + (1.0 - m.pad[:, None, None, :]) * -1e9
+    return F.softmax(att, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn,cap,scale,causal", [(softcapped, 50.0, D ** -0.5, True),
+                                                 (softcap_that_bites, 0.8, 1.5 * 0.8, False)])
+def test_logit_softcapping_is_fused_and_exact(fn, cap, scale, causal):
+    """``m * tanh(a * QK^T)`` becomes the kernel's softcap ``c * tanh(scale QK^T / c)`` with c = m,
+    scale = a * m; gradients through tanh stay equal to eager's."""
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(fn), *_inputs())
+    assert rep.count("attention") == 1, rep.render(width=120)
+    d = rep.matches[0].details
+    assert d["softcap"] == pytest.approx(cap) and d["scale"] == pytest.approx(scale) and d["causal"] == causal, d
+
+
+def tanh_after_bias(q, k, v, m):
+    att = torch.tanh(q @ k.transpose(-2, -1) + m.rel_bias[:, :, :T, :T]) * 2.0
+    return F.softmax(att, dim=-1) @ v
+
+
+def baddbmm_rows_from_2d(q, k, v, m):
+    """baddbmm whose operands come from 2-D tensors (no 4-D (batch, head) source to read Q/K from)."""
+    B = q.shape[0]
+    q3, k3 = (t.reshape(B * H * T, D).reshape(B * H, T, D) for t in (q, k))
+    s = torch.zeros(1, 1, T).baddbmm(q3, k3.transpose(1, 2), alpha=D ** -0.5).view(B, H, T, T)
+    return F.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn,reason", [(baddbmm_rows_from_2d, "baddbmm"), (tanh_after_bias, "not a logit softcap")])
+def test_unfused_score_modifications_are_declined_with_their_name(fn, reason):
+    """Variants no kernel takes yet are reported with what was found, and training stays exact."""
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(fn), *_inputs())
+    assert rep.count("attention") == 0
+    assert any(d.pattern == "attention" and reason in d.reason for d in rep.declines), rep.declines
+
+
+class _WideHeadSoftcap(nn.Module):
+    """One head of dim 136 (past SOFTCAP_INDUCTOR_HEAD_DIM) with Gemma-2's softcap."""
+
+    def __init__(self, d=136):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.d = d
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unsqueeze(1).split(self.d, dim=-1)
+        att = torch.tanh(q @ k.transpose(-2, -1) * self.d ** -0.5 / 20.0) * 20.0
+        return (F.softmax(att, dim=-1) @ v).sum()
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+def test_wide_head_softcap_is_left_to_inductor_only_under_inductor(inductor):
+    """Where Inductor's compiled chain measured faster than the kernel (softcap above head dim 128), the
+    rewrite declines under Inductor with that reason; op by op the kernel still takes it."""
+    torch.manual_seed(0)
+    model = _WideHeadSoftcap()
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model, inductor=inductor)
+    x = torch.randn(2, 9, 136)
+    y, y_e = opt(x), eager(x)
+    assert rel_err(y, y_e) < 1e-5
+    rep = opsmath.report(opt)
+    assert rep.count("attention") == (0 if inductor else 1), rep.render(width=120)
+    if inductor:
+        assert any("head dim 136" in d.reason for d in rep.declines), rep.declines
+
+
+def test_in_place_scale_on_a_view_of_an_input_is_not_folded():
+    """``scores.mul_(c)`` folds into the scale only on a fresh intermediate: on a view of something
+    else the mutation is visible there, so the op stays and training stays exact."""
+    def scaled_through_a_view(q, k, v, m):
+        s = q @ k.transpose(-1, -2)
+        keep = s.view(-1)      # an alias that sees the in-place scale
+        s.mul_(D ** -0.5)
+        m.seen = keep.sum()
+        return F.softmax(s, dim=-1) @ v + 0 * m.seen
+
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(scaled_through_a_view), *_inputs())
+    assert rep.count("attention") == 0
+
+
+def test_additive_mask_with_fully_masked_rows_stays_exact():
+    """A row whose every key is masked by ``where(keep, 0, finfo.min)`` is uniform in eager (s + min
+    rounds to min) and still passes gradients to Q and K: the rewrite keeps it additive, so both match."""
+    def all_masked_for_one_sample(q, k, v, m):
+        keep = (m.pad[:, None, None, :] > 0) & (torch.arange(q.shape[0]) != 1)[:, None, None, None]
+        s = q @ k.transpose(-1, -2) * D ** -0.5
+        return F.softmax(s + torch.where(keep, torch.zeros(()), torch.finfo(torch.float32).min), -1) @ v
+
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(all_masked_for_one_sample), *_inputs())
+    assert rep.count("attention") == 1, rep.render(width=120)
