@@ -135,13 +135,22 @@ def scalar_scale(node) -> Optional[tuple[fx.Node, float]]:
     return None
 
 
-def strip_scales(node) -> tuple[fx.Node, float]:
-    """Look through scalar multiplications: returns (base, product of the scales)."""
+def strip_scales(node, constant=None) -> tuple[fx.Node, float]:
+    """Look through scalar multiplications: returns (base, product of the scales). With ``constant``
+    (a node -> tensor-or-None evaluator, e.g. ``constant_value`` bound to a graph) a multiplication or
+    division by a one-element constant tensor counts too (DeBERTa's ``k / sqrt(tensor(d))``)."""
     c = 1.0
-    while (s := scalar_scale(node)) is not None:
+    while True:
+        s = scalar_scale(node)
+        if s is None and constant is not None and is_op(node, (aten.mul.Tensor, aten.div.Tensor)) \
+                and isinstance(node.args[1], fx.Node):
+            v = constant(node.args[1])
+            if v is not None and v.numel() == 1 and v.is_floating_point() and float(v) != 0:
+                s = node.args[0], float(v) if node.target is aten.mul.Tensor else 1.0 / float(v)
+        if s is None:
+            return node, c
         node, k = s
         c *= k
-    return node, c
 
 
 def last_two_transposed(node) -> Optional[fx.Node]:

@@ -14,11 +14,11 @@ from typing import Optional, Union
 
 import torch.fx as fx
 
-from opsmath.canonicalize import (aten, as_matmul, dropout_info, last_two_transposed, passes_through,
+from opsmath.canonicalize import (aten, as_matmul, constant_value, dropout_info, last_two_transposed, passes_through,
                                   scalar_scale, shape, strip_scales)
 from opsmath.match import RewriteContext
 
-from ._attention_flat import flat_pv, flat_scores, unflattened
+from ._attention_flat import flat_pv, flat_scores, rows_to_heads, unflattened
 from ._attention_plan import Plan, fill_value, finish_plan, line_up
 
 
@@ -39,7 +39,10 @@ def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
     if isinstance(found, str):
         return found
     down, pv, p_drop = found
-    plan = _operands(qk, pv, p_drop, [*reversed(up), sm, *down], sshape)
+    plan = _operands(ctx, qk, pv, p_drop, [*reversed(up), sm, *down], sshape,
+                     any(rows_to_heads(n) is not None for n in up))
+    if isinstance(plan, str):
+        return plan
     if (why := line_up(plan)) is not None:
         return why
     if (why := _compose(plan, ops)) is not None:
@@ -75,6 +78,8 @@ def _score_op(ctx: RewriteContext, cur: fx.Node):
     t, a = cur.target, cur.args
     if passes_through(cur):
         return a[0], None
+    if (rows := rows_to_heads(cur)) is not None:   # (B*H)-row scores seen as 4-D: biases above it unflatten
+        return rows, None
     if (s := scalar_scale(cur)) is not None:
         return s[0], ("scale", s[1])
     if t is aten.tanh.default:
@@ -94,8 +99,9 @@ def _score_op(ctx: RewriteContext, cur: fx.Node):
 
 def _baddbmm_scores(node: fx.Node) -> bool:
     """``baddbmm(bias, q, k^T)`` viewed as (B, H, Sq, Sk): BLOOM's scores with ALiBi inside the GEMM."""
-    return node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) \
-        and isinstance(node.args[0], fx.Node) and node.args[0].target is aten.baddbmm.default
+    return node.target is aten.baddbmm.default or (
+        node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+        and isinstance(node.args[0], fx.Node) and node.args[0].target is aten.baddbmm.default)
 
 
 def _unsupported(cur: fx.Node) -> Optional[str]:
@@ -158,20 +164,28 @@ def _downward(sm: fx.Node):
     return down, u, p_drop
 
 
-def _operands(qk: fx.Node, pv: fx.Node, p_drop: float, nodes: list, scores: tuple) -> Plan:
-    """Q, K (un-transposed where the chain transposed it), V and the scales on q and k."""
+def _operands(ctx: RewriteContext, qk: fx.Node, pv: fx.Node, p_drop: float, nodes: list, scores: tuple,
+              flat_rows: bool) -> Union[str, Plan]:
+    """Q, K (un-transposed where the chain transposed it), V and the scales on q and k (numbers, or one-
+    element constant tensors); for (B*H)-row scores (``flat_rows``) the 4-D tensors Q and K came from."""
     v, flat_out = as_matmul(pv)[1], unflattened(pv.args[0]) is not None   # P V over (B*H) rows: 4-D v
     if flat_out and unflattened(v) is not None:
         v = unflattened(v)
     if (fs := flat_scores(qk)) is not None:
         return Plan(qk=qk, pv=pv, q=fs["q"], k=fs["k"], k_needs_transpose=False, v=v, dropout_p=p_drop,
                     nodes=nodes, scores=scores, flat_rows=True, flat_out=flat_out)
+    const = lambda n: constant_value(ctx.gm, n, ctx.constants)  # noqa: E731
     a, b, b_transposed = as_matmul(qk)
-    q, cq = strip_scales(a)
+    q, cq = strip_scales(a, const)
+    b, cb = strip_scales(b, const)
     kt = b if b_transposed else last_two_transposed(b)
-    k, ck = strip_scales(kt if kt is not None else b)
+    k, ck = strip_scales(kt if kt is not None else b, const)
+    if flat_rows:
+        q, k = unflattened(q), (unflattened(k) if kt is not None else None)
+        if q is None or k is None:
+            return "scores over (B*H) rows whose Q or K has no 4-D (batch, head) source"
     return Plan(qk=qk, pv=pv, q=q, k=k, k_needs_transpose=kt is None, v=v, dropout_p=p_drop,
-                scale=cq * ck, nodes=nodes, scores=scores, flat_out=flat_out)
+                scale=cq * cb * ck, nodes=nodes, scores=scores, flat_rows=flat_rows, flat_out=flat_out)
 
 
 def _compose(plan: Plan, ops: list) -> Optional[str]:
@@ -219,7 +233,8 @@ def leads_to_matmul(node, depth: int = 12) -> bool:
             return False
         if _baddbmm_scores(node):
             return True     # recognized so that the chain is declined with its reason (_unsupported)
-        if passes_through(node) or scalar_scale(node) is not None or node.target is aten.tanh.default:
+        if passes_through(node) or scalar_scale(node) is not None or node.target is aten.tanh.default \
+                or rows_to_heads(node) is not None:
             node = node.args[0]
         elif node.target in (aten.add.Tensor, aten.sub.Tensor):
             return any(leads_to_matmul(a, depth - 1) for a in node.args[:2] if isinstance(a, fx.Node))

@@ -1,4 +1,5 @@
-"""Attention written over flattened (B*H) rows, as HF BLOOM spells it::
+"""Attention written over flattened (B*H) rows, as HF BLOOM spells it (DeBERTa likewise, with ``bmm``
+and its relative-position bias added before the view to 4-D)::
 
     S = baddbmm(alibi, q.reshape(B*H, Sq, D), k.reshape(B*H, Sk, D).transpose(1, 2), beta=b, alpha=a)
     P = softmax(S.view(B, H, Sq, Sk) [+ mask], -1)              # the softmax sees 4-D scores
@@ -26,6 +27,18 @@ def unflattened(node) -> Optional[fx.Node]:
     x = node.args[0]
     sx, sn = shape(x), shape(node)
     if len(sx) != 4 or len(sn) != 3 or sx[0] * sx[1] != sn[0] or sx[2:] != sn[1:]:
+        return None
+    return x
+
+
+def rows_to_heads(node) -> Optional[fx.Node]:
+    """The 3-D ``x`` (B*H, Sq, Sk) if ``node`` is ``x`` viewed as 4-D (B, H, Sq, Sk) (DeBERTa's scores
+    after a (B*H)-row ``bmm`` and bias), else None."""
+    if not is_op(node, RESHAPES) or not isinstance(node.args[0], fx.Node):
+        return None
+    x = node.args[0]
+    sx, sn = shape(x), shape(node)
+    if len(sx) != 3 or len(sn) != 4 or sn[0] * sn[1] != sx[0] or sn[2:] != sx[1:]:
         return None
     return x
 

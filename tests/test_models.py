@@ -76,6 +76,18 @@ def bloom_alibi():
     return m, dict(input_ids=ids, labels=ids), 2, 0
 
 
+def deberta_v2_relative():
+    """Disentangled attention (c2p + p2c relative biases) over (B*H) rows, scale a constant tensor."""
+    m = _hf("DebertaV2ForMaskedLM", "DebertaV2Config", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+            intermediate_size=64, vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8, max_relative_positions=16,
+            norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False)
+    ids = _tokens(100)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    return m, dict(input_ids=ids, labels=ids, attention_mask=mask), 2, 0
+
+
 def _tokens(vocab, B=2, T=16):
     return torch.randint(0, vocab, (B, T))
 
@@ -188,6 +200,7 @@ MODELS = {  # name: factory -> (model, inputs, attention layers, at least this m
     "hf_t5": t5_relative_bias, "timm_vit": timm_vit, "hf_mixtral_moe": mixtral_moe, "hf_qwen2_moe": qwen2_moe,
     "dit_handwritten": dit_handwritten, "hf_gpt_neox": gpt_neox, "hf_gemma2_softcap": gemma2_softcap,
     "hf_falcon_alibi": falcon_alibi, "hf_bloom_alibi": bloom_alibi,
+    "hf_deberta_v2": deberta_v2_relative,
     # Hugging Face's default attention: one scaled_dot_product_attention call per layer
     **{f"{name}_sdpa": _default_attention(f) for name, f in [
         ("hf_llama_gqa", llama_gqa), ("hf_mistral_mqa", mistral_gqa), ("hf_qwen2", qwen2_gqa_bias),

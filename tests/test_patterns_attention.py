@@ -189,6 +189,17 @@ def falcon_alibi_inplace(q, k, v, m):
     return F.softmax(s, dim=-1).view(B, H, T, T) @ v
 
 
+def deberta_rows(q, k, v, m):
+    """DeBERTa's spelling: (B*H)-row ``bmm`` with K divided by a constant tensor, a learned relative bias
+    added before the view to 4-D, the mask filled there, and ``bmm`` with the rows again."""
+    B = q.shape[0]
+    q3, k3, v3 = (t.reshape(B * H, T, D) for t in (q, k, v))
+    scale = torch.sqrt(torch.tensor(D, dtype=torch.float) * 3)
+    s = torch.bmm(q3, k3.transpose(-1, -2) / scale.to(q.dtype)) + m.rel_bias[0, :, :T, :T].repeat(B, 1, 1)
+    s = s.view(-1, H, T, T).masked_fill(~(m.pad[:, None, None, :] > 0), torch.finfo(q.dtype).min)
+    return torch.bmm(F.softmax(s, dim=-1).view(-1, T, T), v3).view(B, H, T, D)
+
+
 def _alibi():
     slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
     return (slopes[:, None, None] * torch.arange(T)[None, None, :]).view(1, H, 1, T)
@@ -244,6 +255,7 @@ SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "bloom_baddbmm_alibi": (baddbmm_alibi, True, True, False),
     "where_mask_and_alibi": (where_mask_and_alibi, False, True, False),
     "where_causal_and_alibi": (where_causal_and_alibi, True, True, False),
+    "deberta_rows": (deberta_rows, False, True, True),
 }
 
 

@@ -1,0 +1,73 @@
+"""Held-out Hugging Face models (tiny configs, CPU, fp32) with eager and with SDPA attention, a padded
+batch: how many attention layers opsmath rewrites, the loss difference to eager, and the worst parameter
+gradient error ``||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||)`` (the atol keeps gradients that
+are zero in exact arithmetic, a key projection's bias under softmax, from reading as errors), and the
+attention declines with their reasons. Every model has 2 layers: ``attn 2`` is full coverage.
+
+    python benchmarks/hf_coverage.py [model ...]
+"""
+import copy
+import sys
+
+import torch
+import transformers as T
+
+import opsmath
+
+torch.manual_seed(0)
+SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+MODELS = {  # name: (model class, config class, config)
+ "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(SMALL, num_key_value_heads=2, head_dim=16)),
+ "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(SMALL, num_key_value_heads=2, head_dim=16, sliding_window=8)),
+ "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(SMALL, num_key_value_heads=2, head_dim=16)),
+ "phi": ("PhiForCausalLM", "PhiConfig", dict(SMALL, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)),
+ "stablelm": ("StableLmForCausalLM", "StableLmConfig", dict(SMALL, num_key_value_heads=2)),
+ "opt": ("OPTForCausalLM", "OPTConfig", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=64)),
+ "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+ "codegen": ("CodeGenForCausalLM", "CodeGenConfig", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+ "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", dict(SMALL, num_key_value_heads=2, residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)),
+ "cohere": ("CohereForCausalLM", "CohereConfig", dict(SMALL, num_key_value_heads=2)),
+ "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(SMALL, num_key_value_heads=2)),
+ "granite": ("GraniteForCausalLM", "GraniteConfig", dict(SMALL, num_key_value_heads=2)),
+ "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+ "roberta": ("RobertaForMaskedLM", "RobertaConfig", dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+ "distilbert": ("DistilBertForMaskedLM", "DistilBertConfig", dict(vocab_size=128, dim=64, n_layers=2, n_heads=4, hidden_dim=128, dropout=0.0, attention_dropout=0.0)),
+ "deberta_v2": ("DebertaV2ForMaskedLM", "DebertaV2Config", dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=16, max_relative_positions=32,
+                norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False)),
+ "mistral_sw": ("MistralForCausalLM", "MistralConfig", dict(SMALL, num_key_value_heads=2, sliding_window=8)),
+}
+
+
+def check(cls, cfg_cls, kw, attn) -> str:
+    try:
+        model = getattr(T, cls)(getattr(T, cfg_cls)(attn_implementation=attn, **kw)).train()
+    except Exception as ex:   # the model does not offer this attention implementation
+        return f"not built ({type(ex).__name__})"
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    opt = opsmath.optimize(model)
+    ids = torch.randint(0, 128, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, 14:] = 0
+    loss = opt(input_ids=ids, labels=ids, attention_mask=mask).loss
+    loss_e = eager(input_ids=ids, labels=ids, attention_mask=mask).loss
+    loss.backward()
+    loss_e.backward()
+    pairs = [(p.grad, q.grad) for p, q in zip(opt.parameters(), eager.parameters()) if q.grad is not None]
+    atol = 1e-3 * max(q.norm().item() for _, q in pairs)
+    grad = max((p - q).norm().item() / (q.norm().item() + atol) for p, q in pairs)
+    rep = opsmath.report(opt)
+    declines = sorted({d.reason[:70] for d in rep.declines if d.pattern == "attention"})
+    return (f"attn {rep.count('attention')}  dloss {(loss - loss_e).abs().item():.1e}  dgrad {grad:.1e}  "
+            f"fallbacks {len(rep.fallback_errors)}  declines {declines}")
+
+
+def main():
+    for name in sys.argv[1:] or list(MODELS):
+        for attn in ("eager", "sdpa"):
+            print(f"{name:12} {attn:5} {check(*MODELS[name], attn)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
