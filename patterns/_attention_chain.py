@@ -174,7 +174,8 @@ def _operands(ctx: RewriteContext, qk: fx.Node, pv: fx.Node, p_drop: float, node
     if (fs := flat_scores(qk)) is not None:
         return Plan(qk=qk, pv=pv, q=fs["q"], k=fs["k"], k_needs_transpose=False, v=v, dropout_p=p_drop,
                     nodes=nodes, scores=scores, flat_rows=True, flat_out=flat_out)
-    const = lambda n: constant_value(ctx.gm, n, ctx.constants)  # noqa: E731
+    # scales from literal tensors only (no buffers: a buffer's value may change between steps)
+    const = lambda n: constant_value(ctx.gm, n, {})  # noqa: E731
     a, b, b_transposed = as_matmul(qk)
     q, cq = strip_scales(a, const)
     b, cb = strip_scales(b, const)

@@ -119,3 +119,22 @@ def test_additive_mask_with_fully_masked_rows_stays_exact():
     torch.manual_seed(0)
     rep = _compare(AttnModel(all_masked_for_one_sample), *_inputs())
     assert rep.count("attention") == 1, rep.render(width=120)
+
+
+def test_scale_read_from_a_buffer_is_not_baked_in():
+    """A one-element scale from a literal tensor is a constant; one from a buffer may change between
+    steps, so it stays an op on K, read at run time: after the buffer changes, still equal to eager."""
+    def buffer_scaled(q, k, v, m):
+        return F.softmax(q @ (k.transpose(-1, -2) / m.temperature), dim=-1) @ v
+
+    torch.manual_seed(0)
+    model = AttnModel(buffer_scaled)
+    model.register_buffer("temperature", torch.tensor(2.0))
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    x, pad = _inputs()
+    for t in (2.0, 0.5):
+        opt.temperature.fill_(t)
+        eager.temperature.fill_(t)
+        assert rel_err(opt(x, pad), eager(x, pad)) < 1e-5, t
+    assert opsmath.report(opt).matches[0].details["scale"] == 1.0
