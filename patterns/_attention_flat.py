@@ -20,27 +20,27 @@ from opsmath.canonicalize import aten, is_op, last_two_transposed, shape
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
-def unflattened(node) -> Optional[fx.Node]:
-    """The 4-D ``x`` (B, H, S, D) if ``node`` is ``x`` reshaped to (B*H, S, D), else None."""
+def _heads_reshape(node, src_rank: int) -> Optional[fx.Node]:
+    """The input ``x`` of reshape ``node`` where one of the two is (B, H, M, N) and the other
+    (B*H, M, N); ``src_rank`` is x's rank (4: heads merged into rows, 3: rows split into heads)."""
     if not is_op(node, RESHAPES) or not isinstance(node.args[0], fx.Node):
         return None
     x = node.args[0]
-    sx, sn = shape(x), shape(node)
-    if len(sx) != 4 or len(sn) != 3 or sx[0] * sx[1] != sn[0] or sx[2:] != sn[1:]:
+    four, three = (shape(x), shape(node)) if src_rank == 4 else (shape(node), shape(x))
+    if len(four) != 4 or len(three) != 3 or four[0] * four[1] != three[0] or four[2:] != three[1:]:
         return None
     return x
+
+
+def unflattened(node) -> Optional[fx.Node]:
+    """The 4-D ``x`` (B, H, S, D) if ``node`` is ``x`` reshaped to (B*H, S, D), else None."""
+    return _heads_reshape(node, 4)
 
 
 def rows_to_heads(node) -> Optional[fx.Node]:
     """The 3-D ``x`` (B*H, Sq, Sk) if ``node`` is ``x`` viewed as 4-D (B, H, Sq, Sk) (DeBERTa's scores
     after a (B*H)-row ``bmm`` and bias), else None."""
-    if not is_op(node, RESHAPES) or not isinstance(node.args[0], fx.Node):
-        return None
-    x = node.args[0]
-    sx, sn = shape(x), shape(node)
-    if len(sx) != 3 or len(sn) != 4 or sn[0] * sn[1] != sx[0] or sn[2:] != sx[1:]:
-        return None
-    return x
+    return _heads_reshape(node, 3)
 
 
 def flat_scores(node) -> Optional[dict]:
