@@ -114,9 +114,23 @@ def private_temporary(node) -> bool:
     return schema is not None and len(schema.returns) == 1 and schema.returns[0].alias_info is None
 
 
-def scalar_scale(node) -> Optional[tuple[fx.Node, float]]:
+def _factor(x, constant=None) -> Optional[float]:
+    """``x`` as a scale factor: a Python number, or (given ``constant``, a node -> tensor-or-None
+    evaluator) a one-element nonzero floating constant tensor; else None."""
+    if isinstance(x, numbers.Number):
+        return float(x)
+    if constant is None or not isinstance(x, fx.Node):
+        return None
+    v = constant(x)
+    if v is None or v.numel() != 1 or not v.is_floating_point() or float(v) == 0:
+        return None
+    return float(v)
+
+
+def scalar_scale(node, constant=None) -> Optional[tuple[fx.Node, float]]:
     """(input, c) if ``node`` multiplies a tensor by a Python number c (``x*c``, ``c*x``, ``x/c``, and
-    their in-place forms on an intermediate nothing else reads)."""
+    their in-place forms on an intermediate nothing else reads). With ``constant`` (see ``_factor``)
+    ``x * t`` and ``x / t`` by a one-element constant tensor t count too (DeBERTa's ``k / sqrt(tensor(d))``)."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or node.kwargs:
         return None
     a = node.args
@@ -124,33 +138,25 @@ def scalar_scale(node) -> Optional[tuple[fx.Node, float]]:
         # in place on an intermediate only it uses (Falcon's ``scores *= inv_norm``): the same value
         if not private_temporary(a[0]):
             return None
-        node = SimpleNamespace(target=getattr(aten, node.target._opname.rstrip("_")).Tensor, args=a)
+        node, constant = SimpleNamespace(target=getattr(aten, node.target._opname.rstrip("_")).Tensor, args=a), None
     if node.target in (aten.mul.Tensor, aten.mul.Scalar):
-        if isinstance(a[1], numbers.Number) and isinstance(a[0], fx.Node):
-            return a[0], float(a[1])
+        if (f := _factor(a[1], constant)) is not None and isinstance(a[0], fx.Node):
+            return a[0], f
         if isinstance(a[0], numbers.Number) and isinstance(a[1], fx.Node):
             return a[1], float(a[0])
-    if node.target in (aten.div.Tensor, aten.div.Scalar) and isinstance(a[1], numbers.Number) and a[1] != 0:
-        return a[0], 1.0 / float(a[1])
+    if node.target in (aten.div.Tensor, aten.div.Scalar) and (f := _factor(a[1], constant)) is not None and f != 0:
+        return a[0], 1.0 / f
     return None
 
 
 def strip_scales(node, constant=None) -> tuple[fx.Node, float]:
-    """Look through scalar multiplications: returns (base, product of the scales). With ``constant``
-    (a node -> tensor-or-None evaluator, e.g. ``constant_value`` bound to a graph) a multiplication or
-    division by a one-element constant tensor counts too (DeBERTa's ``k / sqrt(tensor(d))``)."""
+    """Look through scalar multiplications (``scalar_scale``, with ``constant`` passed on): returns
+    (base, product of the scales)."""
     c = 1.0
-    while True:
-        s = scalar_scale(node)
-        if s is None and constant is not None and is_op(node, (aten.mul.Tensor, aten.div.Tensor)) \
-                and isinstance(node.args[1], fx.Node):
-            v = constant(node.args[1])
-            if v is not None and v.numel() == 1 and v.is_floating_point() and float(v) != 0:
-                s = node.args[0], float(v) if node.target is aten.mul.Tensor else 1.0 / float(v)
-        if s is None:
-            return node, c
+    while (s := scalar_scale(node, constant)) is not None:
         node, k = s
         c *= k
+    return node, c
 
 
 def last_two_transposed(node) -> Optional[fx.Node]:

@@ -39,7 +39,7 @@ def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
     if isinstance(found, str):
         return found
     down, pv, p_drop = found
-    plan = _operands(ctx, qk, pv, p_drop, [*reversed(up), sm, *down], sshape,
+    plan = _operands(ctx, qk, fs, pv, p_drop, [*reversed(up), sm, *down], sshape,
                      any(rows_to_heads(n) is not None for n in up))
     if isinstance(plan, str):
         return plan
@@ -164,14 +164,14 @@ def _downward(sm: fx.Node):
     return down, u, p_drop
 
 
-def _operands(ctx: RewriteContext, qk: fx.Node, pv: fx.Node, p_drop: float, nodes: list, scores: tuple,
-              flat_rows: bool) -> Union[str, Plan]:
+def _operands(ctx: RewriteContext, qk: fx.Node, fs: Optional[dict], pv: fx.Node, p_drop: float, nodes: list,
+              scores: tuple, flat_rows: bool) -> Union[str, Plan]:
     """Q, K (un-transposed where the chain transposed it), V and the scales on q and k (numbers, or one-
     element constant tensors); for (B*H)-row scores (``flat_rows``) the 4-D tensors Q and K came from."""
     v, flat_out = as_matmul(pv)[1], unflattened(pv.args[0]) is not None   # P V over (B*H) rows: 4-D v
     if flat_out and unflattened(v) is not None:
         v = unflattened(v)
-    if (fs := flat_scores(qk)) is not None:
+    if fs is not None:   # the scores are BLOOM's baddbmm (``flat_scores``)
         return Plan(qk=qk, pv=pv, q=fs["q"], k=fs["k"], k_needs_transpose=False, v=v, dropout_p=p_drop,
                     nodes=nodes, scores=scores, flat_rows=True, flat_out=flat_out)
     # scales from literal tensors only (no buffers: a buffer's value may change between steps)
