@@ -63,11 +63,16 @@ def build(cfg, device, variant, shared_mask=False):
 
 
 
+def llama_config(attn_implementation: str = "sdpa"):
+    """The 1.1B LLaMA config: hidden 2048, 16 layers, 16 heads, 8 kv heads, MLP 5632, vocab 32000."""
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                       intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096,
+                       attn_implementation=attn_implementation)
+
+
 def hf_llama(attn_implementation: str, device="cuda", dtype=torch.bfloat16):
-    """LlamaForCausalLM, 1.1B: hidden 2048, 16 layers, 16 heads, 8 kv heads, MLP 5632, vocab 32000."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """LlamaForCausalLM of ``llama_config`` (1.1B)."""
+    from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-                      intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096,
-                      attn_implementation=attn_implementation)
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+    return LlamaForCausalLM(llama_config(attn_implementation)).to(device=device, dtype=dtype)

@@ -13,10 +13,16 @@ Math, for every parameter tensor with a gradient (t = its step count after this 
     p     = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     param = p rounded to the parameter's dtype                  (master weights only)
 
-Multi-tensor: every tensor is cut in chunks of ``CHUNK`` elements; one program per chunk reads its
-tensor's addresses from int64 pointer tables, so one launch covers any number of tensors of one dtype
-combination. Per-tensor lr, weight decay and step come from small tables too (param groups differ).
-The CPU path (``adamw_reference``) computes the same math with torch ops.
+Multi-tensor launches: every tensor is cut in chunks of ``CHUNK`` elements and one program runs per
+chunk; it reads its tensor's addresses from int64 pointer tables, so one launch covers any number of
+tensors of one dtype combination. Bandwidth: a chunk runs ``BLOCK``-element steps without masks (only
+its last step is masked) and, when every address is 16-byte aligned (``ALIGNED``, checked on the
+host), the compiler is told so, so loads and stores are 16-byte vectors. Per-tensor step counts are
+read through a pointer table too, and lr / weight decay per param group (schedulers move them).
+
+Caveats: tensors must be contiguous (``opsmath.optim`` sends others to the reference path, and a
+non-contiguous gradient is copied: it is only read). The CPU path (``adamw_reference``) computes the
+same math with torch ops.
 """
 from __future__ import annotations
 
@@ -26,7 +32,9 @@ import triton.language as tl
 
 from ._spec import OpSpec, register
 
-CHUNK = 2048
+CHUNK = 16384     # elements per program
+BLOCK = 1024      # elements per vectorized step of a program
+_ALIGN = 16       # bytes: a 16-byte vector per thread and access
 
 
 def global_grad_norm_reference(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -55,149 +63,191 @@ def adamw_reference(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lrs, w
             p.copy_(w)
 
 
+# --------------------------------------------------------------------------------------------------
+# Multi-tensor plumbing, shared with kernels/adamw_8bit.py
+# --------------------------------------------------------------------------------------------------
+
+
 @triton.jit
-def _sumsq_kernel(G_PTRS, SIZES, CHUNK_TENSOR, CHUNK_START, PARTIAL, G_TY: tl.constexpr,
-                  CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def chunk_of(CHUNK_TENSOR, CHUNK_START, SIZES, CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """(tensor index, first element, elements in this program's chunk) of ``program_id(0)``."""
     c = tl.program_id(0)
     i = tl.load(CHUNK_TENSOR + c)
-    start = tl.load(CHUNK_START + c)
-    n = tl.load(SIZES + i)
-    g_ptr = tl.load(G_PTRS + i).to(tl.pointer_type(G_TY))
-    acc = tl.zeros([BLOCK], tl.float32)
-    for off in range(0, CHUNK_SIZE, BLOCK):
-        idx = start + off + tl.arange(0, BLOCK)
-        g = tl.load(g_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
-        acc += g * g
-    tl.store(PARTIAL + c, tl.sum(acc, 0))
+    start = tl.multiple_of(tl.load(CHUNK_START + c), BLOCK)
+    rem = tl.minimum(tl.load(SIZES + i) - start, CHUNK_SIZE)
+    return i, start, rem
 
 
 @triton.jit
-def _adamw_kernel(P_PTRS, G_PTRS, M_PTRS, V_PTRS, W_PTRS, SIZES, STEPS, LRS, WDS, CHUNK_TENSOR, CHUNK_START,
-                  COEF, FOUND, beta1, beta2, eps,
-                  P_TY: tl.constexpr, G_TY: tl.constexpr, S_TY: tl.constexpr, HAS_MASTER: tl.constexpr,
-                  CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per chunk. W is the fp32 master (HAS_MASTER) whose rounding is written to P."""
-    if tl.load(FOUND) == 0:
-        c = tl.program_id(0)
-        i = tl.load(CHUNK_TENSOR + c)
-        start = tl.load(CHUNK_START + c)
-        n = tl.load(SIZES + i)
-        t = tl.load(STEPS + i)
-        lr = tl.load(LRS + i)
-        wd = tl.load(WDS + i)
-        coef = tl.load(COEF)
-        p_ptr = tl.load(P_PTRS + i).to(tl.pointer_type(P_TY))
-        g_ptr = tl.load(G_PTRS + i).to(tl.pointer_type(G_TY))
-        m_ptr = tl.load(M_PTRS + i).to(tl.pointer_type(S_TY))
-        v_ptr = tl.load(V_PTRS + i).to(tl.pointer_type(S_TY))
-        if HAS_MASTER:
-            w_ptr = tl.load(W_PTRS + i).to(tl.pointer_type(tl.float32))
-        else:
-            w_ptr = p_ptr
-        step_size = lr / (1.0 - tl.exp2(t * tl.log2(beta1)))
-        bc2_sqrt = tl.sqrt(1.0 - tl.exp2(t * tl.log2(beta2)))
-        decay = 1.0 - lr * wd
-        for off in range(0, CHUNK_SIZE, BLOCK):
-            idx = start + off + tl.arange(0, BLOCK)
-            mask = idx < n
-            g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32) * coef
-            w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32) * decay
-            m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32) * beta1 + g * (1.0 - beta1)
-            v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32) * beta2 + g * g * (1.0 - beta2)
-            w = w - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
-            tl.store(m_ptr + idx, m.to(S_TY), mask=mask)
-            tl.store(v_ptr + idx, v.to(S_TY), mask=mask)
-            if HAS_MASTER:
-                tl.store(w_ptr + idx, w, mask=mask)
-            tl.store(p_ptr + idx, w.to(P_TY, fp_downcast_rounding="rtne"), mask=mask)
+def addr(TABLE, i, TY: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tensor ``i``'s base pointer from an int64 address table; 16-byte aligned when ``ALIGNED``."""
+    p = tl.load(TABLE + i).to(tl.pointer_type(TY))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)   # on the pointer: the hint does not pass through int_to_ptr
+    return p
 
 
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+       torch.int8: tl.int8, torch.uint8: tl.uint8}
 
 
-def _ptrs(tensors, device) -> torch.Tensor:
-    """int64 addresses of ``tensors``, copied to ``device`` without a host sync (pinned staging)."""
-    host = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+def tl_type(dtype: torch.dtype):
+    return _TL[dtype]
+
+
+def _upload(values: list, dtype, device) -> torch.Tensor:
+    """A small host list as a device tensor, without a host sync (pinned staging)."""
+    host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host
 
 
-class _Tables:
-    """Chunk and pointer tables for one list of tensors. Everything but the gradient addresses (and
-    lr / weight decay when a scheduler moves them) is built once and reused while the same tensors
-    stay in place; the chunk table is built with tensor ops, not a Python loop over chunks."""
+def aligned(tensors) -> bool:
+    return all(t.data_ptr() % _ALIGN == 0 for t in tensors)
 
-    def __init__(self, key, sizes: list[int], static: list[list[torch.Tensor]], device):
-        self.key = key
-        self.static = [_ptrs(ts, device) for ts in static]
-        sizes = torch.tensor(sizes, dtype=torch.int64)
-        per = (sizes + CHUNK - 1) // CHUNK
-        per = torch.maximum(per, torch.ones_like(per))
+
+class MultiTensor:
+    """Launch tables for one fixed list of tensors: the chunk table (built with tensor ops), address
+    tables of the tensors whose storage stays put between steps (parameters, state; references are
+    kept, so an address never dangles), the param-group index of each tensor, and the gradients'
+    addresses, re-uploaded only when the allocator hands out different ones."""
+
+    def __init__(self, sizes: list[int], static: list[list[torch.Tensor]], group_index: list[int], device,
+                 quant_block: int = 1):
+        self.device = device
+        self.keep = static
+        self.static = [_upload([t.data_ptr() for t in ts], torch.int64, device) for ts in static]
+        self.static_aligned = all(aligned(ts) for ts in static)
+        self.group = _upload(group_index, torch.int32, device)
+        sz = torch.tensor(sizes, dtype=torch.int64)
+        per = torch.clamp((sz + CHUNK - 1) // CHUNK, min=1)
         tensor_idx = torch.repeat_interleave(torch.arange(len(sizes)), per)
         first = torch.cumsum(per, 0) - per
         starts = (torch.arange(int(per.sum())) - first[tensor_idx]) * CHUNK
-        self.sizes = sizes.to(device)
+        self.sizes = sz.to(device)
         self.chunk_tensor = tensor_idx.to(torch.int32).to(device)
         self.chunk_start = starts.to(device)
         self.n_chunks = int(per.sum())
-        self.hparams: tuple = ()
-        self.lrs = self.wds = None
+        self._grad_key: tuple = ()
+        self._grad_table = None
+        self._grad_aligned = False
 
-    def hyper(self, lrs, wds, device):
-        if (tuple(lrs), tuple(wds)) != self.hparams:
-            self.hparams = (tuple(lrs), tuple(wds))
-            self.lrs = torch.tensor(lrs, dtype=torch.float32).to(device)
-            self.wds = torch.tensor(wds, dtype=torch.float32).to(device)
-        return self.lrs, self.wds
-
-
-def _tables(cache: dict | None, name, sizes: list[int], static, device) -> _Tables:
-    """Tables for tensors of ``sizes`` whose ``static`` tensors keep their addresses between steps."""
-    key = (tuple(sizes), tuple(t.data_ptr() for ts in static for t in ts))
-    if cache is not None and name in cache and cache[name].key == key:
-        return cache[name]
-    tables = _Tables(key, sizes, static, device)
-    if cache is not None:
-        cache[name] = tables
-    return tables
+    def grads(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """(address table, all aligned) for this step's gradients (contiguous ones)."""
+        key = tuple(g.data_ptr() for g in grads)
+        if key != self._grad_key:
+            self._grad_key = key
+            self._grad_table = _upload(list(key), torch.int64, self.device)
+            self._grad_aligned = all(k % _ALIGN == 0 for k in key)
+        return self._grad_table, self._grad_aligned
 
 
-def grad_sumsq_triton(grads: list[torch.Tensor], cache: dict | None = None) -> torch.Tensor:
-    """sum of g^2 over every grad (one launch per grad dtype), as a 0-d fp32 device tensor."""
-    device = grads[0].device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    by_dtype: dict = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for dt, gs in by_dtype.items():
-        tb = _tables(cache, ("sumsq", device, dt), [g.numel() for g in gs], [], device)
-        partial = torch.empty(tb.n_chunks, dtype=torch.float32, device=device)
-        _sumsq_kernel[(tb.n_chunks,)](
-            _ptrs(gs, device), tb.sizes, tb.chunk_tensor, tb.chunk_start, partial,
-            G_TY=_TL[dt], CHUNK_SIZE=CHUNK, BLOCK=512, num_warps=4)
-        total = total + partial.sum()
-    return total
+def group_table(values: list[float], device) -> torch.Tensor:
+    """Per-param-group fp32 values (lr, weight decay) for the kernels."""
+    return _upload(values, torch.float32, device)
 
 
-def adamw_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lrs, wds, beta1, beta2, eps,
-                 coef_scale, found_inf, cache: dict | None = None):
-    """The update pass over tensors that share (param dtype, grad dtype, state dtype, master or not).
-    ``steps`` is a device fp32 tensor of new step counts, one per tensor; ``cache`` (a dict the caller
-    keeps) lets the tables of unchanged tensors be reused across steps."""
-    device = params[0].device
-    has_master = masters[0] is not None
-    static = [params, exp_avgs, exp_avg_sqs] + ([masters] if has_master else [])
-    tb = _tables(cache, ("update", device, params[0].dtype, has_master, beta1, beta2, eps),
-                 [p.numel() for p in params], static, device)
-    lr_t, wd_t = tb.hyper(lrs, wds, device)
-    f32 = dict(dtype=torch.float32, device=device)
-    _adamw_kernel[(tb.n_chunks,)](
-        tb.static[0], _ptrs(grads, device), tb.static[1], tb.static[2], tb.static[3 if has_master else 0],
-        tb.sizes, steps, lr_t, wd_t, tb.chunk_tensor, tb.chunk_start,
-        coef_scale.reshape(1).to(**f32), found_inf.reshape(1).to(**f32), float(beta1), float(beta2), float(eps),
-        P_TY=_TL[params[0].dtype], G_TY=_TL[grads[0].dtype], S_TY=_TL[exp_avgs[0].dtype], HAS_MASTER=has_master,
-        CHUNK_SIZE=CHUNK, BLOCK=512, num_warps=4)
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sumsq_kernel(G_PTRS, SIZES, CHUNK_TENSOR, CHUNK_START, PARTIAL, G_TY: tl.constexpr, ALIGNED: tl.constexpr,
+                  CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    i, start, rem = chunk_of(CHUNK_TENSOR, CHUNK_START, SIZES, CHUNK_SIZE, BLOCK)
+    g_ptr = addr(G_PTRS, i, G_TY, ALIGNED) + start
+    acc = tl.zeros([BLOCK], tl.float32)
+    full = rem // BLOCK * BLOCK
+    for off in range(0, full, BLOCK):
+        g = tl.load(g_ptr + off + tl.arange(0, BLOCK)).to(tl.float32)
+        acc += g * g
+    idx = full + tl.arange(0, BLOCK)
+    g = tl.load(g_ptr + idx, mask=idx < rem, other=0.0).to(tl.float32)
+    acc += g * g
+    tl.store(PARTIAL + tl.program_id(0), tl.sum(acc, 0))
+
+
+@triton.jit
+def _adamw_step(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, idx, mask, other, coef, decay, step_size, bc2_sqrt,
+                beta1, beta2, eps, P_TY: tl.constexpr, S_TY: tl.constexpr, HAS_MASTER: tl.constexpr):
+    """One BLOCK of the update; ``mask``/``other`` are None on the unmasked steps."""
+    g = tl.load(g_ptr + idx, mask=mask, other=other).to(tl.float32) * coef
+    w = tl.load(w_ptr + idx, mask=mask, other=other).to(tl.float32) * decay
+    m = tl.load(m_ptr + idx, mask=mask, other=other).to(tl.float32) * beta1 + g * (1.0 - beta1)
+    v = tl.load(v_ptr + idx, mask=mask, other=other).to(tl.float32) * beta2 + g * g * (1.0 - beta2)
+    w = w - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    tl.store(m_ptr + idx, m.to(S_TY), mask=mask)
+    tl.store(v_ptr + idx, v.to(S_TY), mask=mask)
+    if HAS_MASTER:
+        tl.store(w_ptr + idx, w, mask=mask)
+    tl.store(p_ptr + idx, w.to(P_TY, fp_downcast_rounding="rtne"), mask=mask)
+
+
+@triton.jit
+def step_scalars(STEP_PTRS, GROUP, LRS, WDS, i, beta1, beta2):
+    """(bias-corrected step size, sqrt(1 - b2^t), 1 - lr wd) of tensor ``i`` at its new step t."""
+    t = tl.load(tl.load(STEP_PTRS + i).to(tl.pointer_type(tl.float32))) + 1.0
+    gi = tl.load(GROUP + i)
+    lr = tl.load(LRS + gi)
+    wd = tl.load(WDS + gi)
+    step_size = lr / (1.0 - tl.exp2(t * tl.log2(beta1)))
+    bc2_sqrt = tl.sqrt(1.0 - tl.exp2(t * tl.log2(beta2)))
+    return step_size, bc2_sqrt, 1.0 - lr * wd
+
+
+@triton.jit
+def _adamw_kernel(P_PTRS, G_PTRS, M_PTRS, V_PTRS, W_PTRS, STEP_PTRS, SIZES, GROUP, LRS, WDS, CHUNK_TENSOR,
+                  CHUNK_START, COEF, FOUND, beta1, beta2, eps,
+                  P_TY: tl.constexpr, G_TY: tl.constexpr, S_TY: tl.constexpr, HAS_MASTER: tl.constexpr,
+                  ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per chunk. W is the fp32 master (HAS_MASTER) whose rounding is written to P."""
+    if tl.load(FOUND) == 0:
+        i, start, rem = chunk_of(CHUNK_TENSOR, CHUNK_START, SIZES, CHUNK_SIZE, BLOCK)
+        step_size, bc2_sqrt, decay = step_scalars(STEP_PTRS, GROUP, LRS, WDS, i, beta1, beta2)
+        coef = tl.load(COEF)
+        p_ptr = addr(P_PTRS, i, P_TY, ALIGNED) + start
+        g_ptr = addr(G_PTRS, i, G_TY, ALIGNED) + start
+        m_ptr = addr(M_PTRS, i, S_TY, ALIGNED) + start
+        v_ptr = addr(V_PTRS, i, S_TY, ALIGNED) + start
+        if HAS_MASTER:
+            w_ptr = addr(W_PTRS, i, tl.float32, ALIGNED) + start
+        else:
+            w_ptr = p_ptr
+        full = rem // BLOCK * BLOCK
+        for off in range(0, full, BLOCK):
+            _adamw_step(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, off + tl.arange(0, BLOCK), None, None, coef, decay,
+                        step_size, bc2_sqrt, beta1, beta2, eps, P_TY, S_TY, HAS_MASTER)
+        idx = full + tl.arange(0, BLOCK)
+        _adamw_step(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, idx, idx < rem, 0.0, coef, decay,
+                    step_size, bc2_sqrt, beta1, beta2, eps, P_TY, S_TY, HAS_MASTER)
+
+
+def grad_sumsq_triton(tables: MultiTensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    """sum of g^2 over ``grads`` (one dtype, the tensors ``tables`` was built for): a 0-d fp32 tensor."""
+    gptrs, galigned = tables.grads(grads)
+    partial = torch.empty(tables.n_chunks, dtype=torch.float32, device=tables.device)
+    _sumsq_kernel[(tables.n_chunks,)](
+        gptrs, tables.sizes, tables.chunk_tensor, tables.chunk_start, partial, G_TY=tl_type(grads[0].dtype),
+        ALIGNED=galigned, CHUNK_SIZE=CHUNK, BLOCK=BLOCK, num_warps=4)
+    return partial.sum()
+
+
+def adamw_triton(tables: MultiTensor, grads, lrs: torch.Tensor, wds: torch.Tensor, beta1, beta2, eps,
+                 coef_scale: torch.Tensor, found_inf: torch.Tensor, dtypes) -> None:
+    """The update pass over the tensors ``tables`` holds: ``tables.keep`` = [params, exp_avgs,
+    exp_avg_sqs, steps] (+ [masters]); ``lrs``/``wds`` per param group; ``dtypes`` = (param, grad,
+    state) dtypes. Step counts are read, not advanced (the caller adds 1 unless the step is skipped)."""
+    gptrs, galigned = tables.grads(grads)
+    has_master = len(tables.static) == 5
+    p_ty, g_ty, s_ty = (tl_type(d) for d in dtypes)
+    st = tables.static
+    _adamw_kernel[(tables.n_chunks,)](
+        st[0], gptrs, st[1], st[2], st[4] if has_master else st[0], st[3], tables.sizes, tables.group, lrs, wds,
+        tables.chunk_tensor, tables.chunk_start, coef_scale.reshape(1), found_inf.reshape(1),
+        float(beta1), float(beta2), float(eps), P_TY=p_ty, G_TY=g_ty, S_TY=s_ty, HAS_MASTER=has_master,
+        ALIGNED=galigned and tables.static_aligned, CHUNK_SIZE=CHUNK, BLOCK=BLOCK, num_warps=4)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,16 +255,24 @@ def adamw_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lrs, wds,
 # --------------------------------------------------------------------------------------------------
 
 
+def exercise_tables(dtype, sdt, master: bool, sizes=(40, 15, 3000)):
+    """Small params, grads and their tables for the op specs' exercise."""
+    params = [torch.randn(n, dtype=dtype) for n in sizes]
+    grads = [torch.randn_like(p) for p in params]
+    state = [[torch.zeros_like(p, dtype=sdt) for p in params] for _ in range(2)]
+    steps = [torch.zeros(()) for _ in params]
+    static = [params, *state, steps] + ([[p.float() for p in params]] if master else [])
+    return MultiTensor([p.numel() for p in params], static, [0] * len(params), params[0].device), grads
+
+
 def _exercise(dtype: torch.dtype) -> None:
-    for master, clip in ((False, True), (True, False)):
-        params = [torch.randn(40, dtype=dtype), torch.randn(3, 5, dtype=dtype)]
-        grads = [torch.randn_like(p) for p in params]
-        sdt = torch.float32 if master else dtype
-        coef = grad_sumsq_triton(grads).rsqrt() if clip else torch.ones(())
-        adamw_triton(params, grads, [torch.zeros_like(p, dtype=sdt) for p in params],
-                     [torch.zeros_like(p, dtype=sdt) for p in params],
-                     [p.float() for p in params] if master else [None] * len(params),
-                     torch.ones(len(params)), [1e-3] * 2, [0.01] * 2, 0.9, 0.999, 1e-8, coef, torch.zeros(()))
+    one, zero = torch.ones(()), torch.zeros(())
+    for master in (False, True):
+        tables, grads = exercise_tables(dtype, torch.float32 if master else dtype, master)
+        coef = grad_sumsq_triton(tables, grads).rsqrt()
+        adamw_triton(tables, grads, group_table([1e-3], tables.device), group_table([0.01], tables.device),
+                     0.9, 0.999, 1e-8, coef if master else one, zero,
+                     (dtype, dtype, torch.float32 if master else dtype))
 
 
 # the optimizer step (opsmath.optim.AdamW), not a rewrite family

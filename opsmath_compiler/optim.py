@@ -1,5 +1,6 @@
 """``opsmath.optim.AdamW``: a drop-in for ``torch.optim.AdamW`` with the gradient clip, GradScaler
-unscaling/skip and optional fp32 master weights fused into its step (math in ``kernels/adamw.py``).
+unscaling/skip, optional fp32 master weights and optional 8-bit moments fused into its step (math in
+``kernels/adamw.py`` and ``kernels/adamw_8bit.py``).
 
     opt = opsmath.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, max_grad_norm=1.0)
     loss.backward(); opt.step(); opt.zero_grad()       # no separate clip_grad_norm_ pass
@@ -9,31 +10,40 @@ unscaling/skip and optional fp32 master weights fused into its step (math in ``k
   ``opt.last_grad_norm`` holds it (a 0-d tensor, no host sync).
 * ``master_weights=True``: 16-bit parameters get an fp32 master copy and fp32 moments in the state;
   the step updates the master and writes the rounded parameter in the same pass.
+* ``state_bits=8``: both moments stored block-wise quantized (``kernels/adamw_8bit.py``): 2 bytes of
+  state per parameter instead of 8 (fp32) or 4 (bf16).
 * ``torch.amp.GradScaler``: the optimizer declares ``_step_supports_amp_scaling``, so the scaler hands it
   ``grad_scale`` and ``found_inf``; gradients are unscaled inside the kernel and a step with inf/NaN
   gradients changes nothing (parameters, moments and step counts stay).
 * ``state_dict()``/``load_state_dict()`` use torch's AdamW layout (``step``, ``exp_avg``,
-  ``exp_avg_sq``; ``master`` extra), so checkpoints move both ways.
+  ``exp_avg_sq``; ``master`` extra), so checkpoints move both ways. 8-bit state is saved as its codes
+  and block maxima (``exp_avg_q``, ``exp_avg_max``, ``exp_avg_sq_q``, ``exp_avg_sq_max``); loading
+  converts between the layouts either way (a torch checkpoint into 8-bit state, or 8-bit state into
+  ``state_bits=32``, whose ``state_dict()`` torch then reads).
 
-CUDA tensors take two multi-tensor Triton launches per dtype combination (one without clipping);
-CPU tensors the reference path.
+CUDA tensors take two multi-tensor Triton launches per dtype combination (one without clipping); the
+launch tables are built once and reused while the parameters stay in place, so a step does no
+per-tensor host work beyond reading the gradients' addresses. CPU tensors and non-contiguous
+parameters take the reference path (torch ops).
 """
 from __future__ import annotations
 
 import torch
 
+from opsmath.kernels import adamw_8bit as q8
 from opsmath.kernels._common import use_triton
-from opsmath.kernels.adamw import adamw_reference, adamw_triton, global_grad_norm_reference, grad_sumsq_triton
+from opsmath.kernels.adamw import (MultiTensor, adamw_reference, adamw_triton, global_grad_norm_reference,
+                                   grad_sumsq_triton, group_table)
 
-_FP32_STATE = ("master", "exp_avg", "exp_avg_sq")
+_Q8_KEYS = ("exp_avg_q", "exp_avg_sq_q", "exp_avg_max", "exp_avg_sq_max")
 
 
 class AdamW(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 max_grad_norm: float | None = None, master_weights: bool = False, amsgrad=False,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
+                 max_grad_norm: float | None = None, master_weights: bool = False, state_bits: int = 32,
+                 amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
         for name, flag in (("amsgrad", amsgrad), ("maximize", maximize), ("differentiable", differentiable)):
             if flag:
                 raise NotImplementedError(f"opsmath.optim.AdamW does not support {name}=True; "
@@ -46,44 +56,63 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid betas {betas}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+        if state_bits not in (8, 32):
+            raise ValueError(f"state_bits must be 32 (moments in fp32, or the parameter's dtype) or 8, got {state_bits}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
                         foreach=foreach, capturable=capturable, differentiable=False, fused=fused,
-                        decoupled_weight_decay=True, master_weights=master_weights)
+                        decoupled_weight_decay=True, master_weights=master_weights, state_bits=state_bits)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
-        self._tables: dict = {}   # kernel tables reused across steps (kernels/adamw.py)
+        self._plan: _Plan | None = None
+        self._plan_key: tuple = ()
 
     # ---- state ---------------------------------------------------------------------------------
     def _state_for(self, p: torch.Tensor, group: dict) -> dict:
+        """The state of ``p``, created or converted to what ``group`` asks for (master, 8-bit)."""
         st = self.state[p]
         master = group.get("master_weights", False) and p.dtype != torch.float32
         sdt = torch.float32 if master else p.dtype
-        if not st:
+        if "step" not in st:
             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            st["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.contiguous_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.contiguous_format)
+        if st["step"].device != p.device or st["step"].dtype != torch.float32:
+            st["step"] = st["step"].to(p.device, torch.float32)
+        if group.get("state_bits", 32) == 8:
+            if "exp_avg" in st:         # torch's layout (e.g. loaded from a torch AdamW checkpoint)
+                for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                    st[key + "_q"], st[key + "_max"] = q8.encode(st.pop(key).to(p.device).float(), signed)
+            elif "exp_avg_q" not in st:
+                st.update(q8.new_state(p))
+        else:
+            if "exp_avg_q" in st:       # 8-bit layout loaded into 32-bit state
+                for key in ("exp_avg", "exp_avg_sq"):
+                    st[key] = q8.decode(st.pop(key + "_q"), st.pop(key + "_max")).to(sdt)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in st:
+                    st[key] = torch.zeros_like(p, dtype=sdt, memory_format=torch.contiguous_format)
+                elif st[key].dtype != sdt:
+                    st[key] = st[key].to(sdt)
         if master and "master" not in st:
             st["master"] = p.detach().float().clone()   # e.g. loaded from a torch AdamW checkpoint
-        if st["step"].device != p.device:
-            st["step"] = st["step"].to(p.device, torch.float32)
-        for k in ("exp_avg", "exp_avg_sq"):
-            if st[k].dtype != sdt:
-                st[k] = st[k].to(sdt)
         return st
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loader casts floating state to the parameter dtype; fp32 masters and moments of
-        16-bit parameters are put back in fp32 so a save/load round trip loses nothing."""
+        """torch's loader casts state tensors to the parameter's dtype; fp32 masters, moments and block
+        maxima of 16-bit parameters and the 8-bit codes keep the dtype they were saved in, so a save/load
+        round trip loses nothing. How this optimizer stores state (``master_weights``, ``state_bits``)
+        stays as constructed: the loaded state is converted to it at the next step."""
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        storage = [{k: g[k] for k in ("master_weights", "state_bits")} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for g, keep in zip(self.param_groups, storage):
+            g.update(keep)
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):
-            for k in _FP32_STATE:
-                v = saved.get(i, {}).get(k)
-                if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and p.dtype != torch.float32:
+            for k, v in saved.get(i, {}).items():
+                if k != "step" and isinstance(v, torch.Tensor) and v.dtype != self.state[p][k].dtype:
                     self.state[p][k] = v.to(p.device, copy=True)
+        self._plan, self._plan_key = None, ()
 
     # ---- step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -92,64 +121,117 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []  # (group, param, state)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+        entries = [(gi, p) for gi, group in enumerate(self.param_groups) for p in group["params"]
+                   if p.grad is not None]
+        if not entries:
+            return loss
+        key = (tuple((id(p), p.data_ptr(), p.grad.dtype, p.grad.device) for _, p in entries),
+               tuple((g["betas"], g["eps"], g.get("master_weights"), g.get("state_bits")) for g in self.param_groups))
+        if key != self._plan_key or self._plan is None:
+            for gi, p in entries:
                 if p.grad.is_sparse:
                     raise RuntimeError("opsmath.optim.AdamW does not support sparse gradients")
-                work.append((group, p, self._state_for(p, group)))
-        if not work:
-            return loss
-        device = work[0][1].device
-        fast = use_triton(work[0][1])
-        grads = [p.grad for _, p, _ in work]
-        scale = getattr(self, "grad_scale", None)
-        found = getattr(self, "found_inf", None)
+            self._plan = _Plan([(self.param_groups[gi], gi, p, self._state_for(p, self.param_groups[gi]))
+                                for gi, p in entries])
+            self._plan_key = key
+        self.last_grad_norm = self._plan.run(self.param_groups, self.max_grad_norm,
+                                             getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        return loss
+
+
+class _Bucket:
+    """Parameters that share one update launch: device, dtypes, master or not, state bits, betas, eps."""
+
+    def __init__(self, items, fast: bool):
+        group = items[0][0]
+        self.params = [p for _, _, p, _ in items]
+        self.states = [st for _, _, _, st in items]
+        self.group_index = [gi for _, gi, _, _ in items]
+        self.device = self.params[0].device
+        self.bits = group.get("state_bits", 32)
+        self.master = "master" in self.states[0]
+        self.betas, self.eps = group["betas"], group["eps"]
+        self.dtypes = (self.params[0].dtype, self.params[0].grad.dtype,
+                       None if self.bits == 8 else self.states[0]["exp_avg"].dtype)
+        self.tables = MultiTensor([p.numel() for p in self.params], self._static(), self.group_index,
+                                  self.device) if fast else None
+
+    def _static(self) -> list[list[torch.Tensor]]:
+        keys = (("exp_avg_q", "exp_avg_sq_q", "step", "exp_avg_max", "exp_avg_sq_max") if self.bits == 8
+                else ("exp_avg", "exp_avg_sq", "step"))
+        lists = [self.params] + [[st[k] for st in self.states] for k in keys]
+        return lists + ([[st["master"] for st in self.states]] if self.master else [])
+
+    def grads(self) -> list[torch.Tensor]:
+        return [g if g.is_contiguous() else g.contiguous() for g in (p.grad for p in self.params)]
+
+    def sumsq(self, grads) -> torch.Tensor:
+        if self.tables is not None:
+            return grad_sumsq_triton(self.tables, grads)
+        return global_grad_norm_reference(grads) ** 2
+
+    def update(self, grads, groups, hyper, coef_scale, found) -> None:
+        b1, b2 = self.betas
+        if self.tables is not None:
+            lrs, wds = hyper
+            fn = q8.adamw8_triton if self.bits == 8 else adamw_triton
+            fn(self.tables, grads, lrs, wds, b1, b2, self.eps, coef_scale, found, self.dtypes)
+            return
+        lrs = [float(groups[gi]["lr"]) for gi in self.group_index]
+        wds = [float(groups[gi]["weight_decay"]) for gi in self.group_index]
+        steps = [float(st["step"]) + 1.0 for st in self.states]
+        masters = [st.get("master") for st in self.states]
+        if self.bits == 8:
+            q = [[st[k] for st in self.states] for k in _Q8_KEYS]
+            q8.adamw8_reference(self.params, grads, *q, masters, steps, lrs, wds, b1, b2, self.eps, coef_scale, found)
+        else:
+            adamw_reference(self.params, grads, [st["exp_avg"] for st in self.states],
+                            [st["exp_avg_sq"] for st in self.states], masters, steps, lrs, wds, b1, b2, self.eps,
+                            coef_scale, found)
+
+
+class _Plan:
+    """The buckets of one set of parameters with gradients, and their step counters per device."""
+
+    def __init__(self, items):
+        by_key: dict = {}
+        for group, gi, p, st in items:
+            fast = use_triton(p) and p.is_contiguous()
+            k = (p.device, p.dtype, p.grad.dtype, "master" in st, group.get("state_bits", 32),
+                 tuple(group["betas"]), group["eps"], fast)
+            by_key.setdefault(k, []).append((group, gi, p, st))
+        self.buckets = [_Bucket(v, k[-1]) for k, v in by_key.items()]
+        self.steps: dict = {}
+        for _, _, p, st in items:
+            self.steps.setdefault(p.device, []).append(st["step"])
+        self._hyper_key: dict = {}
+        self._hyper: dict = {}
+
+    def hyper(self, groups, device):
+        """Per-group lr and weight decay tables on ``device``, re-uploaded when a value changes."""
+        values = ([float(g["lr"]) for g in groups], [float(g["weight_decay"]) for g in groups])
+        if self._hyper_key.get(device) != values:
+            self._hyper_key[device] = values
+            self._hyper[device] = tuple(group_table(v, device) for v in values)
+        return self._hyper[device]
+
+    def run(self, groups, max_grad_norm, scale, found):
+        """One step; returns the global gradient norm (None without clipping)."""
+        device = self.buckets[0].device
         scale = torch.ones((), device=device) if scale is None else scale.to(device, torch.float32)
         found = torch.zeros((), device=device) if found is None else found.to(device, torch.float32)
         coef_scale = 1.0 / scale
-        if self.max_grad_norm is not None:
-            # pass 1: the global norm of the unscaled gradients (per device, then summed)
-            sumsq = sum((grad_sumsq_triton(gs, self._tables) if use_triton(gs[0])
-                         else global_grad_norm_reference(gs) ** 2).to(device) for gs in _by_device(grads).values())
-            norm = sumsq.sqrt() / scale
-            self.last_grad_norm = norm
+        grads = [b.grads() for b in self.buckets]
+        norm = None
+        if max_grad_norm is not None:
+            # pass 1: the global norm of the unscaled gradients (per bucket, summed on the first device)
+            norm = sum(b.sumsq(g).to(device) for b, g in zip(self.buckets, grads)).sqrt() / scale
             found = torch.maximum(found, (~torch.isfinite(norm)).float())
-            coef_scale = coef_scale * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-        # pass 2: one update launch per (device, dtypes, master, betas, eps) bucket: betas and eps are
-        # kernel scalars, lr and weight decay per-tensor tables, so param groups mostly share a launch
-        buckets: dict = {}
-        for group, p, st in work:
-            key = (p.device, p.dtype, p.grad.dtype, st["exp_avg"].dtype, "master" in st,
-                   tuple(group["betas"]), group["eps"])
-            buckets.setdefault(key, []).append((group, p, st))
-        for (dev, *_), items in buckets.items():
-            coef = coef_scale.to(dev) if torch.is_tensor(coef_scale) else torch.tensor(coef_scale, device=dev)
-            self._update(items, fast, coef, found.to(dev), self._tables)
-        steps = [st["step"] for _, _, st in work]
-        torch._foreach_add_(steps, 1.0 - found.to(steps[0].device))
-        return loss
-
-    @staticmethod
-    def _update(items, fast: bool, coef_scale: torch.Tensor, found: torch.Tensor, tables: dict) -> None:
-        ps = [p for _, p, _ in items]
-        args = (ps, [p.grad for p in ps], [st["exp_avg"] for _, _, st in items],
-                [st["exp_avg_sq"] for _, _, st in items], [st.get("master") for _, _, st in items])
-        lrs = [float(g["lr"]) for g, _, _ in items]
-        wds = [float(g["weight_decay"]) for g, _, _ in items]
-        (b1, b2), eps = items[0][0]["betas"], items[0][0]["eps"]
-        if fast:
-            new_steps = torch.stack([st["step"] for _, _, st in items]) + 1.0
-            adamw_triton(*args, new_steps, lrs, wds, b1, b2, eps, coef_scale, found, cache=tables)
-        else:
-            new_steps = [float(st["step"]) + 1.0 for _, _, st in items]
-            adamw_reference(*args, new_steps, lrs, wds, b1, b2, eps, coef_scale, found)
-
-
-def _by_device(tensors):
-    out: dict = {}
-    for t in tensors:
-        out.setdefault(t.device, []).append(t)
-    return out
+            coef_scale = coef_scale * torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+        # pass 2: one update launch per bucket
+        for b, g in zip(self.buckets, grads):
+            hyper = self.hyper(groups, b.device) if b.tables is not None else None
+            b.update(g, groups, hyper, coef_scale.to(b.device), found.to(b.device))
+        for dev, steps in self.steps.items():
+            torch._foreach_add_(steps, 1.0 - found.to(dev))
+        return norm
