@@ -6,8 +6,8 @@ and the 1.1B LLaMA of ``_models.llama_config``; with ``--train``, a whole GPT-2-
 
 Method (docs/design.md, Measuring): every variant lives at once and they run interleaved (A B C A B C
 ...) for ``--rounds`` rounds of ``--steps`` steps; the row gives the median ms per step and the spread
-over rounds, and the GPU kernel time per step (torch.profiler) beside it. State memory is what the
-optimizer's first step allocates and keeps. Floor = bytes a step must move / 4.13 TB/s (the H200's
+over rounds, the GPU kernel time per step (torch.profiler) and the host time to issue one step beside
+it. State memory is what the optimizer's first step allocates and keeps. Floor = bytes a step must move / 4.13 TB/s (the H200's
 measured copy bandwidth): fp32 with clip reads grads twice and reads+writes param, exp_avg, exp_avg_sq
 (32 B/param); bf16 + master: 30; 8-bit state: 20 (fp32) and 18 (bf16 + master).
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import time
 
 import torch
 
@@ -100,6 +101,17 @@ def interleaved(fns: dict, rounds: int, steps: int) -> dict:
     return times
 
 
+def host_ms(fn, calls: int = 10) -> float:
+    """Host milliseconds to issue one ``fn()`` (the GPU drained first, so nothing waits on it)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / calls * 1e3
+
+
 def param_set(set_name: str, shapes, args) -> list[dict]:
     n = sum(torch.Size(s).numel() for s in shapes)
     fns, meta = {}, {}
@@ -120,13 +132,20 @@ def param_set(set_name: str, shapes, args) -> list[dict]:
         meta[name] = dict(dtype=str(dtype).replace("torch.", ""), floor_ms=n * floor_b / COPY_TBPS / 1e9,
                           state_gib=(torch.cuda.memory_allocated() - before) / 2**30)
     times = interleaved(fns, args.rounds, args.steps)
+    if args.host_profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                fns["opsmath, clip inside"]()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     rows = []
     for name, ts in times.items():
         gpu = sum(kernel_ms(fns[name], calls=5).values())
+        host = host_ms(fns[name])
         med = statistics.median(ts)
         rows.append(dict(set=set_name, impl=name, params=n, ms=med, ms_min=min(ts), ms_max=max(ts), gpu_ms=gpu,
-                         x_floor=med / meta[name]["floor_ms"], **meta[name]))
-        print(f"{set_name:6} {name:50} {med:7.3f} ms [{min(ts):.3f}-{max(ts):.3f}]  gpu {gpu:7.3f}  "
+                         host_ms=host, x_floor=med / meta[name]["floor_ms"], **meta[name]))
+        print(f"{set_name:6} {name:50} {med:7.3f} ms [{min(ts):.3f}-{max(ts):.3f}]  gpu {gpu:7.3f}  host {host:6.3f}  "
               f"{med / meta[name]['floor_ms']:5.2f}x floor  state {meta[name]['state_gib']:6.2f} GiB")
     return rows
 
@@ -195,6 +214,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--baseline", default=None)
+    ap.add_argument("--host-profile", action="store_true", help="torch.profiler CPU table of opsmath's step")
     args = ap.parse_args()
     rows, sets = [], {"gpt2": gpt2_small_shapes, "llama": llama_shapes}
     for s in args.sets.split(","):

@@ -26,6 +26,8 @@ same math with torch ops.
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -148,6 +150,43 @@ def group_table(values: list[float], device) -> torch.Tensor:
     return _upload(values, torch.float32, device)
 
 
+class Gate(NamedTuple):
+    """What scales and gates a step, read on the device by every program of the update kernels (so a
+    step costs no host sync and no scalar torch ops): ``scale`` (1,) the GradScaler's scale (1 without
+    one); ``found`` (1,) nonzero when it found inf/NaN; ``sumsq`` (1,) the scaled gradients' sum of
+    squares, or None without clipping; ``norm_out`` (1,) receives ``sqrt(sumsq) / scale``; ``inc_out``
+    (1,) receives 1, or 0 when the step is skipped (the caller adds it to the step counts)."""
+    scale: torch.Tensor
+    found: torch.Tensor
+    sumsq: Optional[torch.Tensor]
+    max_norm: float
+    norm_out: torch.Tensor
+    inc_out: torch.Tensor
+
+    def args(self) -> tuple:
+        clip = self.sumsq is not None
+        return (self.sumsq if clip else self.scale, self.scale, self.found, self.norm_out, self.inc_out,
+                float(self.max_norm if clip else 1.0))
+
+
+@triton.jit
+def step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP: tl.constexpr):
+    """(skip, coef) with coef = min(1, max_norm / (norm + 1e-6)) / scale; program 0 publishes the norm
+    and the step increment (every program computes the same values from the same inputs)."""
+    scale = tl.load(SCALE)
+    skip = tl.load(FOUND) != 0
+    coef = 1.0 / scale
+    if CLIP:
+        norm = tl.sqrt_rn(tl.load(SUMSQ)) / scale
+        skip = skip | (norm != norm) | (norm == float("inf"))
+        coef = coef * tl.minimum(max_norm / (norm + 1e-6), 1.0)
+        if tl.program_id(0) == 0:
+            tl.store(NORM_OUT, norm)
+    if tl.program_id(0) == 0:
+        tl.store(INC_OUT, tl.where(skip, 0.0, 1.0))
+    return skip, coef
+
+
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
@@ -199,14 +238,14 @@ def step_scalars(STEP_PTRS, GROUP, LRS, WDS, i, beta1, beta2):
 
 @triton.jit
 def _adamw_kernel(P_PTRS, G_PTRS, M_PTRS, V_PTRS, W_PTRS, STEP_PTRS, SIZES, GROUP, LRS, WDS, CHUNK_TENSOR,
-                  CHUNK_START, COEF, FOUND, beta1, beta2, eps,
+                  CHUNK_START, SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, beta1, beta2, eps,
                   P_TY: tl.constexpr, G_TY: tl.constexpr, S_TY: tl.constexpr, HAS_MASTER: tl.constexpr,
-                  ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+                  CLIP: tl.constexpr, ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     """One program per chunk. W is the fp32 master (HAS_MASTER) whose rounding is written to P."""
-    if tl.load(FOUND) == 0:
+    skip, coef = step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP)
+    if not skip:
         i, start, rem = chunk_of(CHUNK_TENSOR, CHUNK_START, SIZES, CHUNK_SIZE, BLOCK)
         step_size, bc2_sqrt, decay = step_scalars(STEP_PTRS, GROUP, LRS, WDS, i, beta1, beta2)
-        coef = tl.load(COEF)
         p_ptr = addr(P_PTRS, i, P_TY, ALIGNED) + start
         g_ptr = addr(G_PTRS, i, G_TY, ALIGNED) + start
         m_ptr = addr(M_PTRS, i, S_TY, ALIGNED) + start
@@ -235,18 +274,18 @@ def grad_sumsq_triton(tables: MultiTensor, grads: list[torch.Tensor]) -> torch.T
 
 
 def adamw_triton(tables: MultiTensor, grads, lrs: torch.Tensor, wds: torch.Tensor, beta1, beta2, eps,
-                 coef_scale: torch.Tensor, found_inf: torch.Tensor, dtypes) -> None:
+                 gate: Gate, dtypes) -> None:
     """The update pass over the tensors ``tables`` holds: ``tables.keep`` = [params, exp_avgs,
     exp_avg_sqs, steps] (+ [masters]); ``lrs``/``wds`` per param group; ``dtypes`` = (param, grad,
-    state) dtypes. Step counts are read, not advanced (the caller adds 1 unless the step is skipped)."""
+    state) dtypes. Step counts are read, not advanced (the caller adds ``gate.inc_out``)."""
     gptrs, galigned = tables.grads(grads)
     has_master = len(tables.static) == 5
     p_ty, g_ty, s_ty = (tl_type(d) for d in dtypes)
     st = tables.static
     _adamw_kernel[(tables.n_chunks,)](
         st[0], gptrs, st[1], st[2], st[4] if has_master else st[0], st[3], tables.sizes, tables.group, lrs, wds,
-        tables.chunk_tensor, tables.chunk_start, coef_scale.reshape(1), found_inf.reshape(1),
-        float(beta1), float(beta2), float(eps), P_TY=p_ty, G_TY=g_ty, S_TY=s_ty, HAS_MASTER=has_master,
+        tables.chunk_tensor, tables.chunk_start, *gate.args(), float(beta1), float(beta2), float(eps),
+        P_TY=p_ty, G_TY=g_ty, S_TY=s_ty, HAS_MASTER=has_master, CLIP=gate.sumsq is not None,
         ALIGNED=galigned and tables.static_aligned, CHUNK_SIZE=CHUNK, BLOCK=BLOCK, num_warps=4)
 
 
@@ -265,13 +304,21 @@ def exercise_tables(dtype, sdt, master: bool, sizes=(40, 15, 3000)):
     return MultiTensor([p.numel() for p in params], static, [0] * len(params), params[0].device), grads
 
 
+def exercise_gate(clip_grads=None) -> Gate:
+    """A gate for the op specs' exercise: clipping when ``clip_grads`` are given."""
+    one = torch.ones(1)
+    sumsq = None
+    if clip_grads is not None:
+        tables = MultiTensor([g.numel() for g in clip_grads], [], [0] * len(clip_grads), clip_grads[0].device)
+        sumsq = grad_sumsq_triton(tables, clip_grads).reshape(1)
+    return Gate(one, torch.zeros(1), sumsq, 1.0, torch.empty(1), torch.empty(1))
+
+
 def _exercise(dtype: torch.dtype) -> None:
-    one, zero = torch.ones(()), torch.zeros(())
     for master in (False, True):
         tables, grads = exercise_tables(dtype, torch.float32 if master else dtype, master)
-        coef = grad_sumsq_triton(tables, grads).rsqrt()
         adamw_triton(tables, grads, group_table([1e-3], tables.device), group_table([0.01], tables.device),
-                     0.9, 0.999, 1e-8, coef if master else one, zero,
+                     0.9, 0.999, 1e-8, exercise_gate(grads if master else None),
                      (dtype, dtype, torch.float32 if master else dtype))
 
 

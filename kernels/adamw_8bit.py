@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from ._spec import OpSpec, register
-from .adamw import BLOCK, CHUNK, MultiTensor, addr, chunk_of, exercise_tables, group_table, step_scalars, tl_type
+from .adamw import (BLOCK, CHUNK, Gate, MultiTensor, addr, chunk_of, exercise_gate, exercise_tables, group_table,
+                    step_gate, step_scalars, tl_type)
 
 QBLOCK = 256
 
@@ -157,13 +158,13 @@ def _adamw8_step(p_ptr, g_ptr, mq_ptr, vq_ptr, ms_ptr, vs_ptr, w_ptr, off, rem, 
 
 @triton.jit
 def _adamw8_kernel(P_PTRS, G_PTRS, MQ_PTRS, VQ_PTRS, MS_PTRS, VS_PTRS, W_PTRS, STEP_PTRS, SIZES, GROUP, LRS, WDS,
-                   CHUNK_TENSOR, CHUNK_START, COEF, FOUND, beta1, beta2, eps,
-                   P_TY: tl.constexpr, G_TY: tl.constexpr, HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr,
-                   CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr):
-    if tl.load(FOUND) == 0:
+                   CHUNK_TENSOR, CHUNK_START, SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, beta1, beta2, eps,
+                   P_TY: tl.constexpr, G_TY: tl.constexpr, HAS_MASTER: tl.constexpr, CLIP: tl.constexpr,
+                   ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr):
+    skip, coef = step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP)
+    if not skip:
         i, start, rem = chunk_of(CHUNK_TENSOR, CHUNK_START, SIZES, CHUNK_SIZE, BLOCK)
         step_size, bc2_sqrt, decay = step_scalars(STEP_PTRS, GROUP, LRS, WDS, i, beta1, beta2)
-        coef = tl.load(COEF)
         p_ptr = addr(P_PTRS, i, P_TY, ALIGNED) + start
         g_ptr = addr(G_PTRS, i, G_TY, ALIGNED) + start
         mq_ptr = addr(MQ_PTRS, i, tl.int8, ALIGNED) + start
@@ -182,7 +183,7 @@ def _adamw8_kernel(P_PTRS, G_PTRS, MQ_PTRS, VQ_PTRS, MS_PTRS, VS_PTRS, W_PTRS, S
                      step_size, bc2_sqrt, beta1, beta2, eps, P_TY, HAS_MASTER, BLOCK // QB, QB)
 
 
-def adamw8_triton(tables: MultiTensor, grads, lrs, wds, beta1, beta2, eps, coef_scale, found_inf, dtypes) -> None:
+def adamw8_triton(tables: MultiTensor, grads, lrs, wds, beta1, beta2, eps, gate: Gate, dtypes) -> None:
     """The 8-bit update over ``tables.keep`` = [params, m codes, v codes, steps, m maxima, v maxima]
     (+ [masters]); other arguments as ``kernels.adamw.adamw_triton``."""
     gptrs, galigned = tables.grads(grads)
@@ -190,9 +191,9 @@ def adamw8_triton(tables: MultiTensor, grads, lrs, wds, beta1, beta2, eps, coef_
     has_master = len(st) == 7
     _adamw8_kernel[(tables.n_chunks,)](
         st[0], gptrs, st[1], st[2], st[4], st[5], st[6] if has_master else st[0], st[3], tables.sizes,
-        tables.group, lrs, wds, tables.chunk_tensor, tables.chunk_start, coef_scale.reshape(1),
-        found_inf.reshape(1), float(beta1), float(beta2), float(eps),
-        P_TY=tl_type(dtypes[0]), G_TY=tl_type(dtypes[1]), HAS_MASTER=has_master,
+        tables.group, lrs, wds, tables.chunk_tensor, tables.chunk_start, *gate.args(), float(beta1), float(beta2),
+        float(eps), P_TY=tl_type(dtypes[0]), G_TY=tl_type(dtypes[1]), HAS_MASTER=has_master,
+        CLIP=gate.sumsq is not None,
         ALIGNED=galigned and tables.static_aligned, CHUNK_SIZE=CHUNK, BLOCK=BLOCK, QB=QBLOCK, num_warps=4)
 
 
@@ -207,7 +208,6 @@ def new_state(p: torch.Tensor) -> dict:
 
 
 def _exercise(dtype: torch.dtype) -> None:
-    one, zero = torch.ones(()), torch.zeros(())
     for master in (False, True):
         tables, grads = exercise_tables(dtype, torch.float32, master)
         params, steps = tables.keep[0], tables.keep[3]
@@ -216,7 +216,7 @@ def _exercise(dtype: torch.dtype) -> None:
                   [s["exp_avg_max"] for s in st], [s["exp_avg_sq_max"] for s in st]] + tables.keep[4:]
         tables = MultiTensor([p.numel() for p in params], static, [0] * len(params), params[0].device)
         adamw8_triton(tables, grads, group_table([1e-3], tables.device), group_table([0.01], tables.device),
-                      0.9, 0.999, 1e-8, one, zero, (dtype, dtype))
+                      0.9, 0.999, 1e-8, exercise_gate(grads if master else None), (dtype, dtype))
 
 
 SPEC = register(OpSpec("adamw_8bit", exercise=_exercise))

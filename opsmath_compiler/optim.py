@@ -32,7 +32,7 @@ import torch
 
 from opsmath.kernels import adamw_8bit as q8
 from opsmath.kernels._common import use_triton
-from opsmath.kernels.adamw import (MultiTensor, adamw_reference, adamw_triton, global_grad_norm_reference,
+from opsmath.kernels.adamw import (Gate, MultiTensor, adamw_reference, adamw_triton, global_grad_norm_reference,
                                    grad_sumsq_triton, group_table)
 
 _Q8_KEYS = ("exp_avg_q", "exp_avg_sq_q", "exp_avg_max", "exp_avg_sq_max")
@@ -170,13 +170,13 @@ class _Bucket:
             return grad_sumsq_triton(self.tables, grads)
         return global_grad_norm_reference(grads) ** 2
 
-    def update(self, grads, groups, hyper, coef_scale, found) -> None:
+    def update_fast(self, grads, hyper, gate: Gate) -> None:
         b1, b2 = self.betas
-        if self.tables is not None:
-            lrs, wds = hyper
-            fn = q8.adamw8_triton if self.bits == 8 else adamw_triton
-            fn(self.tables, grads, lrs, wds, b1, b2, self.eps, coef_scale, found, self.dtypes)
-            return
+        fn = q8.adamw8_triton if self.bits == 8 else adamw_triton
+        fn(self.tables, grads, *hyper, b1, b2, self.eps, gate, self.dtypes)
+
+    def update_reference(self, grads, groups, coef_scale, found) -> None:
+        b1, b2 = self.betas
         lrs = [float(groups[gi]["lr"]) for gi in self.group_index]
         wds = [float(groups[gi]["weight_decay"]) for gi in self.group_index]
         steps = [float(st["step"]) + 1.0 for st in self.states]
@@ -206,6 +206,11 @@ class _Plan:
             self.steps.setdefault(p.device, []).append(st["step"])
         self._hyper_key: dict = {}
         self._hyper: dict = {}
+        dev = self.buckets[0].device
+        # one device, every bucket on the kernels: the gate stays on the device (no scalar torch ops)
+        self.on_device = len(self.steps) == 1 and all(b.tables is not None for b in self.buckets)
+        self._one, self._zero = torch.ones(1, device=dev), torch.zeros(1, device=dev)
+        self._inc = torch.empty(1, device=dev)
 
     def hyper(self, groups, device):
         """Per-group lr and weight decay tables on ``device``, re-uploaded when a value changes."""
@@ -218,20 +223,37 @@ class _Plan:
     def run(self, groups, max_grad_norm, scale, found):
         """One step; returns the global gradient norm (None without clipping)."""
         device = self.buckets[0].device
-        scale = torch.ones((), device=device) if scale is None else scale.to(device, torch.float32)
-        found = torch.zeros((), device=device) if found is None else found.to(device, torch.float32)
-        coef_scale = 1.0 / scale
+        scale = self._one if scale is None else scale.to(device, torch.float32).reshape(1)
+        found = self._zero if found is None else found.to(device, torch.float32).reshape(1)
         grads = [b.grads() for b in self.buckets]
-        norm = None
+        sumsq = None
         if max_grad_norm is not None:
-            # pass 1: the global norm of the unscaled gradients (per bucket, summed on the first device)
-            norm = sum(b.sumsq(g).to(device) for b, g in zip(self.buckets, grads)).sqrt() / scale
+            # pass 1: the scaled gradients' sum of squares (per bucket, summed on the first device)
+            parts = [b.sumsq(g).to(device) for b, g in zip(self.buckets, grads)]
+            sumsq = (parts[0] if len(parts) == 1 else torch.stack(parts).sum()).reshape(1)
+        norm_out = torch.empty(1, device=device)
+        for b, g in zip(self.buckets, grads):
+            if b.tables is not None:
+                # the norm, clip factor and skip are computed on the bucket's device, in its kernel
+                dev = b.device
+                gate = Gate(scale.to(dev), found.to(dev), None if sumsq is None else sumsq.to(dev),
+                            max_grad_norm or 1.0, norm_out if dev == device else torch.empty(1, device=dev),
+                            self._inc if dev == device else torch.empty(1, device=dev))
+                b.update_fast(g, self.hyper(groups, dev), gate)
+        if self.on_device:
+            # alpha= selects the Tensor overload: without it the 0-d tensor binds to the Scalar one,
+            # whose .item() is a host sync every step
+            torch._foreach_add_(self.steps[device], self._inc.reshape(()), alpha=1.0)
+            return norm_out.reshape(()) if sumsq is not None else None
+        # CPU (or non-contiguous) parameters: the same gate with torch ops
+        coef_scale, norm = 1.0 / scale, None
+        if sumsq is not None:
+            norm = sumsq.sqrt() / scale
             found = torch.maximum(found, (~torch.isfinite(norm)).float())
             coef_scale = coef_scale * torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
-        # pass 2: one update launch per bucket
         for b, g in zip(self.buckets, grads):
-            hyper = self.hyper(groups, b.device) if b.tables is not None else None
-            b.update(g, groups, hyper, coef_scale.to(b.device), found.to(b.device))
+            if b.tables is None:
+                b.update_reference(g, groups, coef_scale.reshape(()).to(b.device), found.reshape(()).to(b.device))
         for dev, steps in self.steps.items():
-            torch._foreach_add_(steps, 1.0 - found.to(dev))
-        return norm
+            torch._foreach_add_(steps, 1.0 - found.reshape(()).to(dev), alpha=1.0)
+        return None if norm is None else norm.reshape(())

@@ -189,3 +189,21 @@ def test_unsupported_options_are_clear_errors():
         AdamW(_model().parameters(), amsgrad=True)
     with pytest.raises(ValueError, match="max_grad_norm"):
         AdamW(_model().parameters(), max_grad_norm=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+@pytest.mark.parametrize("kw", [dict(max_grad_norm=1.0), dict(), dict(state_bits=8, max_grad_norm=1.0)])
+def test_cuda_step_never_syncs_with_the_host(kw):
+    """After the first step (which builds the launch tables), a step issues its kernels without waiting
+    for the GPU: a sync would stall the host behind backward in every training step."""
+    model = _model(device="cuda")
+    opt = AdamW(model.parameters(), lr=1e-3, **kw)
+    x, y = _batch(0, "cuda")
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
