@@ -9,6 +9,8 @@ checked against what its first steps measured and made again if needed (``_repla
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import time
 from collections import Counter
@@ -32,11 +34,17 @@ log = logging.getLogger("opsmath")
 
 def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
     """Inductor on the rewritten graph; ``cuda_graphs``: with CUDA-graph trees, as ``torch.compile``'s
-    ``mode="reduce-overhead"`` sets them up."""
+    ``mode="reduce-overhead"`` sets them up.
+
+    A graph with recompute tags (opsmath's plan, a user's checkpoint) bypasses AOTAutograd's cache: its
+    key is the graph's code, and node meta (where the tags live) is not part of it, so a tagged graph
+    would be served the partition of an identical graph compiled with other tags or none."""
     from torch._inductor.compile_fx import compile_fx as inductor
-    if cuda_graphs:
-        return inductor(gm, example_inputs, config_patches={"triton.cudagraphs": True})
-    return inductor(gm, example_inputs)
+    tagged = any("recompute" in n.meta for n in gm.graph.nodes)
+    with torch._functorch.config.patch(enable_autograd_cache=False) if tagged else contextlib.nullcontext():
+        if cuda_graphs:
+            return inductor(gm, example_inputs, config_patches={"triton.cudagraphs": True})
+        return inductor(gm, example_inputs)
 
 
 # Families Inductor does better than opsmath's opaque op when it compiles the graph anyway (each op
@@ -108,7 +116,7 @@ def make_backend(state, model: torch.nn.Module):
 
     def _backend(gm: fx.GraphModule, example_inputs):
         regions = eager_nodes(gm)
-        _inline_checkpoints(state, gm, regions)
+        _inline_checkpoints(state, gm, regions, _uses_inductor(state, example_inputs))
         if not regions:
             return compile_graph(state, model, gm, list(example_inputs))
         # autograd Functions and tensor hooks run as dynamo traced them, checkpoints as the user wrote
@@ -144,17 +152,25 @@ def _uses_inductor(state, example_inputs) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
 
-def _inline_checkpoints(state, gm: fx.GraphModule, regions: dict) -> None:
-    """Under a memory budget the user's checkpoint regions go to opsmath's plan: inlined (untagged), taken
-    out of ``regions`` and reported. Without a budget they run through ``run_checkpoint`` as written."""
-    if state.memory_budget is None:
+def _inline_checkpoints(state, gm: fx.GraphModule, regions: dict, use_inductor: bool) -> None:
+    """The user's checkpoint regions that can be inlined are, and are taken out of ``regions`` and
+    reported: under a memory budget untagged, for opsmath's plan to decide; without one, on a graph
+    Inductor compiles, tagged for recompute (the user's choice, kept inside one compiled graph, as
+    ``torch.compile`` does). Otherwise they run through ``run_checkpoint`` as written."""
+    if state.memory_budget is None and not use_inductor:
         return
     for node, region in list(regions.items()):
-        if region.kind == "checkpoint" and inline_checkpoint(gm, node):
+        if region.kind != "checkpoint":
+            continue
+        tag = None if state.memory_budget is not None else next(_CHECKPOINT_IDS)
+        if inline_checkpoint(gm, node, tag):
             del regions[node]
-            state.eager_regions.append(EagerRegion(
-                "checkpoint", region.location, region.code,
-                "handed to the recompute plan (memory_budget): recomputed where the plan chooses"))
+            reason = ("handed to the recompute plan (memory_budget): recomputed where the plan chooses"
+                      if tag is None else "compiled inline, recomputed in the compiled backward (as written)")
+            state.eager_regions.append(EagerRegion("checkpoint", region.location, region.code, reason))
+
+
+_CHECKPOINT_IDS = itertools.count(1)
 
 
 def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inputs: list):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -143,11 +144,15 @@ def run_checkpoint(body, *args, **kwargs):
     return checkpoint(body, *args, **ckpt_kwargs, **body_kwargs)
 
 
-def inline_checkpoint(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Replace a plain checkpoint node of dynamo's graph ``gm`` by its body's nodes (the user's region
-    then computes inline, and opsmath's recompute plan decides what to recompute). Only a body without
-    attributes of its own (no nested higher-order op) and without keyword arguments for it; returns
-    whether it was inlined."""
+def inline_checkpoint(gm: fx.GraphModule, node: fx.Node, tag: Optional[int] = None) -> bool:
+    """Replace a plain checkpoint node of dynamo's graph ``gm`` by its body's nodes. Untagged, the
+    user's region then computes inline and opsmath's recompute plan decides what to recompute; with
+    ``tag`` (a region id), every body node is marked ``PREFER_RECOMPUTE`` with ``ac_graph_id=tag``,
+    which is how ``torch.compile`` lowers a checkpoint: the tags survive the ATen re-trace
+    (``preserve_node_meta``) and opsmath's rewrites (``RewriteContext.call``), and AOTAutograd's
+    partitioner recomputes the region inside the compiled backward. Only a body without attributes of
+    its own (no nested higher-order op) and without keyword arguments for it; returns whether it was
+    inlined."""
     from torch._higher_order_ops.wrap import TagActivationCheckpoint
     body = getattr(gm, node.args[0].target, None)
     if not checkpoint_body_is_plain(gm, node) or TagActivationCheckpoint.divide_kwargs(node.kwargs)[1] \
@@ -158,6 +163,12 @@ def inline_checkpoint(gm: fx.GraphModule, node: fx.Node) -> bool:
     env = dict(zip(inputs, node.args[1:]))
     with gm.graph.inserting_before(node):
         outs = gm.graph.graph_copy(body.graph, env)
+    if tag is not None:
+        from torch.utils.checkpoint import CheckpointPolicy
+        for old, new in env.items():
+            if old.op in ("call_function", "call_method", "call_module") and isinstance(new, fx.Node):
+                new.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+                new.meta["ac_graph_id"] = tag
     for u in list(node.users):
         u.replace_all_uses_with(outs[u.args[1]])
         gm.graph.erase_node(u)

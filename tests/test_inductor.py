@@ -196,3 +196,33 @@ def test_cuda_graph_replays_train_like_eager_and_draw_fresh_dropout():
         loss.backward()
         seen.append(loss.item())
     assert len(set(seen[1:])) == 3, seen
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_users_checkpoint_is_compiled_inline_and_recomputed():
+    """Without a budget, on a graph Inductor compiles, a user's checkpointed blocks are inlined with
+    recompute tags (as torch.compile lowers them): attention is rewritten inside, the step equals eager,
+    and the blocks' activations are recomputed, not saved. The plain model is compiled first in the same
+    process: a tagged graph must not be served the untagged twin's cached partition."""
+    saved = {}
+    for ck in (False, True):
+        ref, model, batch = pair(dropout=0.0)
+        if ck:
+            model.h = torch.nn.ModuleList([Checkpointed(b) for b in model.h])
+        model = opsmath.optimize(model, inductor=True)
+        step_equals_eager(model, ref, batch)
+        _, saved[ck] = saved_bytes(lambda: model(*batch))
+        rep = opsmath.report(model)
+        assert len(rep.graphs) == 1 and rep.count("attention") == 2
+    regions = [r for r in rep.eager_regions if r.kind == "checkpoint"]
+    assert len(regions) == 2 and all("compiled inline" in r.reason for r in regions)
+    assert {n.meta.get("ac_graph_id") for n in rep.graphs[0].graph.graph.nodes} - {None} != set()
+    assert saved[True] < 0.75 * saved[False], saved

@@ -308,7 +308,9 @@ def test_hf_gradient_checkpointing_is_rewritten_inside_and_keeps_recompute(name,
     rep = opsmath.report(optimized)
     assert rep.count("attention") == 2 and sum(r.kind == "checkpoint" for r in rep.eager_regions) >= 1, \
         rep.render(width=140)
-    if not reentrant:   # (torch 2.11's dynamo traced the reentrant call differently: no recompute count)
+    if any(g.inductor for g in rep.graphs):   # inlined with recompute tags (tests/test_inductor.py)
+        assert any(r.kind == "checkpoint" and "compiled inline" in r.reason for r in rep.eager_regions)
+    elif not reentrant:   # (torch 2.11's dynamo traced the reentrant call differently: no recompute count)
         assert any(g.calls >= 2 * 3 and any(m.pattern == "attention" for m in g.matches) for g in rep.graphs), \
             [(g.calls, [m.pattern for m in g.matches]) for g in rep.graphs]
 
