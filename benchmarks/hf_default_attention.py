@@ -119,6 +119,23 @@ VARIANTS = {  # label: (wrap the built model, attn_implementation or None for th
     "opsmath.optimize": (opsmath.optimize, None),
     "torch.compile (flex_attention)": (torch.compile, "flex_attention"),
 }
+# built after the first variant's warm-up: the model without the user's checkpointing, under an absolute
+# memory_budget equal to the first variant's total step peak (its resident bytes + its step's peak)
+OWN_PLAN = "opsmath own plan at the same peak"
+
+
+def resident_bytes(v: Variant) -> int:
+    """Parameters, their gradients and the optimizer state of ``v`` (what stays between steps)."""
+    params = sum(p.numel() * p.element_size() for p in v.model.parameters())
+    state = sum(t.numel() * t.element_size() for st in v.opt.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor))
+    return 2 * params + state
+
+
+def own_plan(name, device, first: Variant, batch) -> Variant:
+    budget = int(resident_bytes(first) + first.peak_gib * 2**30)
+    print(f"{name} {OWN_PLAN}: memory_budget={budget / 2**30:.2f} GiB", flush=True)
+    return Variant(OWN_PLAN, opsmath.optimize(build(name, device), memory_budget=budget), batch, device)
 
 
 def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile", "opsmath.optimize")):
@@ -128,10 +145,13 @@ def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile
     batch = dict(input_ids=ids, labels=ids, use_cache=False)
     torch._dynamo.reset()
     variants = [Variant(label, VARIANTS[label][0](build(name, device, checkpointing, VARIANTS[label][1])), batch,
-                        device) for label in labels]
+                        device) for label in labels if label != OWN_PLAN]
     for v in variants:
         v.warm_up()
         print(f"{name} {v.label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
+    if OWN_PLAN in labels and device == "cuda":
+        variants.append(own_plan(name, device, variants[0], batch))
+        variants[-1].warm_up()
     for _ in range(rounds):     # A B A B: host noise falls on both
         for v in variants:
             v.timed_round(steps)
@@ -153,7 +173,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="model.gradient_checkpointing_enable() (non-reentrant) on both variants")
-    ap.add_argument("--variants", default="torch.compile,opsmath.optimize", help=", ".join(VARIANTS))
+    ap.add_argument("--variants", default="torch.compile,opsmath.optimize",
+                    help=", ".join([*VARIANTS, OWN_PLAN]))
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
