@@ -119,9 +119,11 @@ VARIANTS = {  # label: (wrap the built model, attn_implementation or None for th
     "opsmath.optimize": (opsmath.optimize, None),
     "torch.compile (flex_attention)": (torch.compile, "flex_attention"),
 }
-# built after the first variant's warm-up: the model without the user's checkpointing, under an absolute
-# memory_budget equal to the first variant's total step peak (its resident bytes + its step's peak)
+# built after the first variant's warm-up, under an absolute memory_budget equal to the first variant's
+# total step peak (its resident bytes + its step's peak): the model without the user's checkpointing
+# (opsmath's plan alone), and with it (the user's regions handed to the plan as candidates)
 OWN_PLAN = "opsmath own plan at the same peak"
+USER_PLAN = "opsmath plan with the user's checkpoints at the same peak"
 
 
 def resident_bytes(v: Variant) -> int:
@@ -132,10 +134,11 @@ def resident_bytes(v: Variant) -> int:
     return 2 * params + state
 
 
-def own_plan(name, device, first: Variant, batch) -> Variant:
+def planned(label, name, device, first: Variant, batch) -> Variant:
     budget = int(resident_bytes(first) + first.peak_gib * 2**30)
-    print(f"{name} {OWN_PLAN}: memory_budget={budget / 2**30:.2f} GiB", flush=True)
-    return Variant(OWN_PLAN, opsmath.optimize(build(name, device), memory_budget=budget), batch, device)
+    print(f"{name} {label}: memory_budget={budget / 2**30:.2f} GiB", flush=True)
+    return Variant(label, opsmath.optimize(build(name, device, label == USER_PLAN), memory_budget=budget), batch,
+                   device)
 
 
 def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile", "opsmath.optimize")):
@@ -145,13 +148,18 @@ def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile
     batch = dict(input_ids=ids, labels=ids, use_cache=False)
     torch._dynamo.reset()
     variants = [Variant(label, VARIANTS[label][0](build(name, device, checkpointing, VARIANTS[label][1])), batch,
-                        device) for label in labels if label != OWN_PLAN]
+                        device) for label in labels if label not in (OWN_PLAN, USER_PLAN)]
     for v in variants:
         v.warm_up()
         print(f"{name} {v.label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
-    if OWN_PLAN in labels and device == "cuda":
-        variants.append(own_plan(name, device, variants[0], batch))
-        variants[-1].warm_up()
+    for label in [x for x in labels if x in (OWN_PLAN, USER_PLAN) and device == "cuda"]:
+        try:
+            variants.append(planned(label, name, device, variants[0], batch))
+            variants[-1].warm_up()
+        except opsmath.InfeasibleBudget as e:   # the plan's floor is above the first variant's peak
+            print(f"{name} {label}: {e}", flush=True)
+            variants = [v for v in variants if v.label != label]
+            torch.cuda.empty_cache()
     for _ in range(rounds):     # A B A B: host noise falls on both
         for v in variants:
             v.timed_round(steps)
@@ -174,7 +182,7 @@ def main():
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="model.gradient_checkpointing_enable() (non-reentrant) on both variants")
     ap.add_argument("--variants", default="torch.compile,opsmath.optimize",
-                    help=", ".join([*VARIANTS, OWN_PLAN]))
+                    help=", ".join([*VARIANTS, OWN_PLAN, USER_PLAN]))
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"

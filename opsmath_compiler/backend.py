@@ -162,10 +162,11 @@ def _inline_checkpoints(state, gm: fx.GraphModule, regions: dict, use_inductor: 
     for node, region in list(regions.items()):
         if region.kind != "checkpoint":
             continue
-        tag = None if state.memory_budget is not None else next(_CHECKPOINT_IDS)
-        if inline_checkpoint(gm, node, tag):
+        region_id = next(_CHECKPOINT_IDS)
+        tag = None if state.memory_budget is not None else region_id
+        if inline_checkpoint(gm, node, tag, region=region_id if tag is None else None):
             del regions[node]
-            reason = ("handed to the recompute plan (memory_budget): recomputed where the plan chooses"
+            reason = ("handed to the recompute plan (memory_budget): a candidate segment of its own"
                       if tag is None else "compiled inline, recomputed in the compiled backward (as written)")
             state.eager_regions.append(EagerRegion("checkpoint", region.location, region.code, reason))
 

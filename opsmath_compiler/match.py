@@ -140,8 +140,8 @@ class RewriteContext:
         and getting ``meta["val"]`` from running ``target`` on the inputs' fake values, so later
         matches in the same pass can read shapes and dtypes of what was inserted."""
         node = self.graph.call_function(target, tuple(args), kwargs or {})
-        # (recompute / ac_graph_id: a user's checkpoint region stays recomputed when rewritten)
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "recompute", "ac_graph_id"):
+        # (recompute / ac_graph_id / custom: a user's checkpoint region stays one when rewritten)
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "recompute", "ac_graph_id", "custom"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]
         if self.fake_mode is not None:

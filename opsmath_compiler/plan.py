@@ -4,16 +4,14 @@
    ``saved_tensors_hooks`` inside an ``fx.Interpreter`` that knows which node is running, so every
    byte autograd saves is attributed to the node that saved it (deduplicated by storage; graph
    inputs: parameters, buffers, user inputs are not activations).
-2. **Segments**: cut points are the places in the forward order where the activations crossing the
-   cut are fewest (local minima of the crossing bytes, e.g. the residual stream between blocks).
-   Checkpointing a segment keeps only its external activation inputs and recomputes the rest in
-   backward; its saving is ``saved(segment) - inputs(segment)``.
-3. **Cost**: a modelled recompute time per node: matmul/attention FLOPs at 400 TFLOP/s, every other
-   op's bytes at 3 TB/s (about 55% and 75% of the H200 ceilings in docs/design.md), plus 5 us per launch.
-4. **Choice**: exact 0/1 knapsack (vectorized DP over savings in 1/4096 steps of the total, savings
+2. **Segments** and **cost** (``opsmath.segments``): candidate segments cut at opsmath's points (the
+   fewest activations crossing) and, where the model checkpoints its own layers, the user's regions;
+   a modelled recompute time per segment.
+3. **Choice**: exact 0/1 knapsack (vectorized DP over savings in 1/4096 steps of the total, savings
    rounded down so the budget holds) for every candidate "largest recomputed segment", minimizing cost,
-   then predicted peak, so a smaller budget never gives a larger predicted peak.
-5. **Emission**: each chosen segment becomes a sub-GraphModule called through
+   then predicted peak, so a smaller budget never gives a larger predicted peak; solved for each
+   segmentation, the cheaper kept (ties: the user's).
+4. **Emission**: each chosen segment becomes a sub-GraphModule called through
    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (RNG state preserved, so dropout
    masks, opsmath's seeds included, are the same in the recompute). When the graph goes on to
    Inductor, the segment's nodes are tagged ``MUST_RECOMPUTE`` instead (``tag_recompute``).
@@ -32,13 +30,10 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from opsmath.kernels import spec_of
-
-from .canonicalize import aten
+from .segments import Segment, forward_order, segments_of, user_regions, user_segments
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_FLOP_RATE, _BYTE_RATE, _LAUNCH_S = 400e12, 3e12, 5e-6
 
 
 def parse_budget(budget) -> tuple[str, float]:
@@ -87,50 +82,9 @@ def parse_budget(budget) -> tuple[str, float]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _nbytes(node) -> int:
-    v = node.meta.get("val")
-    if isinstance(v, torch.Tensor):
-        return v.untyped_storage().nbytes()
-    if isinstance(v, (tuple, list)):
-        return sum(t.untyped_storage().nbytes() for t in v if isinstance(t, torch.Tensor))
-    return 0
-
-
-def node_cost(n: fx.Node) -> float:
-    """Modelled seconds to recompute ``n`` (see module docstring)."""
-    if n.op != "call_function" or n.target is operator.getitem:
-        return 0.0
-    out = n.meta.get("val")
-    t = _LAUNCH_S
-    if n.target in (aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default,
-                    aten.addmm.default) and isinstance(out, torch.Tensor):
-        a = n.args[1] if n.target is aten.addmm.default else n.args[0]
-        k = a.meta["val"].shape[-1] if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else 1
-        return t + 2 * out.numel() * k / _FLOP_RATE
-    spec = spec_of(n.target)
-    if spec is not None and spec.flops is not None:    # a fused op with GEMMs inside (its op spec)
-        vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
-        return t + spec.flops(*vals) / _FLOP_RATE
-    moved = _nbytes(n) + sum(_nbytes(i) for i in n.all_input_nodes if i.op != "get_attr")
-    return t + moved / _BYTE_RATE
-
-
 # ---------------------------------------------------------------------------------------------------
 # Segments and the plan
 # ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Segment:
-    start: int                 # positions in the forward order, inclusive
-    end: int
-    saved: int                 # activation bytes its nodes save
-    inputs: int                # activation bytes it would keep as checkpoint inputs
-    cost: float                # modelled recompute seconds
-
-    @property
-    def saving(self) -> int:
-        return max(0, self.saved - self.inputs)
 
 
 @dataclass
@@ -147,6 +101,8 @@ class Plan:
     planning_seconds: float = 0.0
     measured_peak: int | None = None
     replanned: str = ""         # why the plan was re-made at the graph's second call, if it was
+    segmentation: str = "opsmath"   # whose cut points the segments follow: "opsmath" or "user"
+    user_regions: int = 0       # the user's checkpoint regions handed to the plan
 
     def timeline(self) -> list[tuple[str, int, int]]:
         """Predicted memory over the step at segment granularity: ``(phase, segment, bytes)``.
@@ -176,6 +132,7 @@ class Plan:
                                  cost=self.segments[i].cost) for i in self.chosen],
                     recompute_seconds=self.recompute_seconds, planning_seconds=self.planning_seconds,
                     measured_peak=self.measured_peak, replanned=self.replanned,
+                    segmentation=self.segmentation, user_regions=self.user_regions,
                     timeline=[list(t) for t in self.timeline()])
 
 
@@ -188,7 +145,11 @@ def _size(n: float) -> str:
 
 
 class InfeasibleBudget(ValueError):
-    pass
+    """A budget below the smallest the plan can reach; ``floor``: that smallest, in bytes."""
+
+    def __init__(self, message: str, floor: int = 0):
+        super().__init__(message)
+        self.floor = floor
 
 
 def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -197,38 +158,6 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     out = g.graph_copy(gm.graph, {})
     g.output(out)
     return fx.GraphModule(gm, g)
-
-
-def forward_order(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function"]
-
-
-def segments_of(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6) -> list[Segment]:
-    """Cut the forward order at local minima of the activation bytes crossing each position."""
-    order = forward_order(gm)
-    pos = {n: i for i, n in enumerate(order)}
-    last_use = {n: max((pos.get(u, len(order)) for u in n.users), default=pos[n]) for n in order}
-    crossing = [0] * len(order)
-    for n in order:
-        b = _nbytes(n)
-        for i in range(pos[n], min(last_use[n], len(order))):
-            crossing[i] += b
-    cuts = []
-    for i in range(len(order) - 1):
-        lo, hi = max(0, i - window), min(len(order) - 1, i + window)
-        if crossing[i] <= min(crossing[lo:hi + 1]) and (not cuts or i - cuts[-1] >= 3):
-            cuts.append(i)
-    bounds = [-1] + cuts + [len(order) - 1]
-    segs = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        nodes = order[a + 1:b + 1]
-        if not nodes:
-            continue
-        inside = set(nodes)
-        ext = {i for n in nodes for i in n.all_input_nodes if i not in inside and i.op == "call_function"}
-        segs.append(Segment(a + 1, b, sum(saved_by.get(n.name, 0) for n in nodes),
-                            sum(_nbytes(i) for i in ext), sum(node_cost(n) for n in nodes)))
-    return segs
 
 
 def choose(segs: list[Segment], resident: int, budget_kind: str, budget: float,
@@ -282,7 +211,7 @@ def choose(segs: list[Segment], resident: int, budget_kind: str, budget: float,
         asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
         raise InfeasibleBudget(
             f"memory budget {asked} cannot be met: the smallest feasible is about {_size(floor)} ({floor} bytes"
-            + (f", fraction {smallest / total:.3f}" if total else "") + ")")
+            + (f", fraction {smallest / total:.3f}" if total else "") + ")", floor)
     return best
 
 
@@ -340,10 +269,24 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     import time
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
-    segs = segments_of(gm, saved_by)
-    chosen, kept, trans, cost = choose(segs, resident, kind, value)
+    options = [("opsmath", segments_of(gm, saved_by))]
+    user = user_segments(gm, saved_by)
+    if user is not None:
+        options.insert(0, ("user", user))
+    best, errors = None, []
+    for label, sg in options:
+        try:
+            got = choose(sg, resident, kind, value)
+        except InfeasibleBudget as e:
+            errors.append(e)
+            continue
+        if best is None or (got[3], got[1] + got[2]) < (best[2][3], best[2][1] + best[2][2]):
+            best = (label, sg, got)
+    if best is None:
+        raise min(errors, key=lambda e: e.floor)
+    label, segs, (chosen, kept, trans, cost) = best
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
-                chosen, cost)
+                chosen, cost, segmentation=label, user_regions=len(user_regions(forward_order(gm))))
     if chosen:
         (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen)
     plan.planning_seconds = time.perf_counter() - t0

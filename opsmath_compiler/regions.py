@@ -25,8 +25,10 @@ from typing import Optional
 import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .capture import source_location
+from .segments import USER_REGION
 
 # Higher-order ops ``make_fx(pre_dispatch=True)`` lowers without changing values or gradients:
 # ``wrap`` is a plain call; flex_attention stays one op with its own backward.
@@ -144,13 +146,16 @@ def run_checkpoint(body, *args, **kwargs):
     return checkpoint(body, *args, **ckpt_kwargs, **body_kwargs)
 
 
-def inline_checkpoint(gm: fx.GraphModule, node: fx.Node, tag: Optional[int] = None) -> bool:
+def inline_checkpoint(gm: fx.GraphModule, node: fx.Node, tag: Optional[int] = None,
+                      region: Optional[int] = None) -> bool:
     """Replace a plain checkpoint node of dynamo's graph ``gm`` by its body's nodes. Untagged, the
     user's region then computes inline and opsmath's recompute plan decides what to recompute; with
     ``tag`` (a region id), every body node is marked ``PREFER_RECOMPUTE`` with ``ac_graph_id=tag``,
     which is how ``torch.compile`` lowers a checkpoint: the tags survive the ATen re-trace
     (``preserve_node_meta``) and opsmath's rewrites (``RewriteContext.call``), and AOTAutograd's
-    partitioner recomputes the region inside the compiled backward. Only a body without attributes of
+    partitioner recomputes the region inside the compiled backward. With ``region`` (an id), the body's
+    nodes carry ``meta["custom"][USER_REGION]``: the plan offers the region as one candidate segment
+    (``opsmath.segments.user_segments``). Only a body without attributes of
     its own (no nested higher-order op) and without keyword arguments for it; returns whether it was
     inlined."""
     from torch._higher_order_ops.wrap import TagActivationCheckpoint
@@ -163,12 +168,13 @@ def inline_checkpoint(gm: fx.GraphModule, node: fx.Node, tag: Optional[int] = No
     env = dict(zip(inputs, node.args[1:]))
     with gm.graph.inserting_before(node):
         outs = gm.graph.graph_copy(body.graph, env)
-    if tag is not None:
-        from torch.utils.checkpoint import CheckpointPolicy
-        for old, new in env.items():
-            if old.op in ("call_function", "call_method", "call_module") and isinstance(new, fx.Node):
+    for old, new in env.items():
+        if old.op in ("call_function", "call_method", "call_module") and isinstance(new, fx.Node):
+            if tag is not None:
                 new.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
                 new.meta["ac_graph_id"] = tag
+            if region is not None:
+                new.meta["custom"] = {**(new.meta.get("custom") or {}), USER_REGION: region}
     for u in list(node.users):
         u.replace_all_uses_with(outs[u.args[1]])
         gm.graph.erase_node(u)

@@ -197,6 +197,10 @@ class Report(Rendered):
         t.append(f"activations {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
                  f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms); planned in "
                  f"{p.planning_seconds:.2f}s", style="magenta")
+        if p.user_regions:
+            t.append(f"\nsegments: the user's {p.user_regions} checkpoint regions as candidates, "
+                     + ("kept: the plan recomputes the chosen ones" if p.segmentation == "user" else
+                        "replaced by opsmath's own cut points (cheaper, or the only feasible)"))
         t.append("\nmemory over the step (predicted; forward, then backward): ")
         t.append(_sparkline([b for _, _, b in p.timeline()], 48), style="cyan")
         if p.measured_peak is not None:

@@ -1,0 +1,136 @@
+"""Segments of a captured graph for the recompute plan (``opsmath.plan``): sizes, modelled costs, and
+the two ways of cutting the forward order into candidate segments.
+
+* **Cost**: a modelled recompute time per node: matmul/attention FLOPs at 400 TFLOP/s, every other op's
+  bytes at 3 TB/s (about 55% and 75% of the H200 ceilings in docs/design.md), plus 5 us per launch.
+* **opsmath's cut points** (``segments_of``): the places in the forward order where the activations
+  crossing the cut are fewest (local minima of the crossing bytes, e.g. the residual stream between
+  blocks). Checkpointing a segment keeps only its external activation inputs and recomputes the rest in
+  backward; its saving is ``saved(segment) - inputs(segment)``.
+* **The user's checkpoint regions** (``user_segments``): where the model checkpoints its own layers and a
+  memory budget hands them to the plan, each region (its inlined nodes, marked
+  ``meta["custom"][USER_REGION]``) is one candidate segment, exactly as the user cut it, and the forward
+  order between regions is cut at opsmath's points. The plan solves both and keeps the cheaper.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from opsmath.kernels import spec_of
+
+from .canonicalize import aten
+
+_FLOP_RATE, _BYTE_RATE, _LAUNCH_S = 400e12, 3e12, 5e-6
+USER_REGION = "opsmath_checkpoint_region"   # meta["custom"] key of an inlined checkpoint body's nodes
+
+
+def _nbytes(node) -> int:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return v.untyped_storage().nbytes()
+    if isinstance(v, (tuple, list)):
+        return sum(t.untyped_storage().nbytes() for t in v if isinstance(t, torch.Tensor))
+    return 0
+
+
+def node_cost(n: fx.Node) -> float:
+    """Modelled seconds to recompute ``n`` (see module docstring)."""
+    if n.op != "call_function" or n.target is operator.getitem:
+        return 0.0
+    out = n.meta.get("val")
+    t = _LAUNCH_S
+    if n.target in (aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default,
+                    aten.addmm.default) and isinstance(out, torch.Tensor):
+        a = n.args[1] if n.target is aten.addmm.default else n.args[0]
+        k = a.meta["val"].shape[-1] if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else 1
+        return t + 2 * out.numel() * k / _FLOP_RATE
+    spec = spec_of(n.target)
+    if spec is not None and spec.flops is not None:    # a fused op with GEMMs inside (its op spec)
+        vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
+        return t + spec.flops(*vals) / _FLOP_RATE
+    moved = _nbytes(n) + sum(_nbytes(i) for i in n.all_input_nodes if i.op != "get_attr")
+    return t + moved / _BYTE_RATE
+
+
+
+@dataclass
+class Segment:
+    start: int                 # positions in the forward order, inclusive
+    end: int
+    saved: int                 # activation bytes its nodes save
+    inputs: int                # activation bytes it would keep as checkpoint inputs
+    cost: float                # modelled recompute seconds
+
+    @property
+    def saving(self) -> int:
+        return max(0, self.saved - self.inputs)
+
+
+
+def forward_order(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _crossing_cuts(order: list[fx.Node], window: int) -> list[int]:
+    """Positions i (cut after order[i]) at local minima of the activation bytes crossing them."""
+    pos = {n: i for i, n in enumerate(order)}
+    last_use = {n: max((pos.get(u, len(order)) for u in n.users), default=pos[n]) for n in order}
+    crossing = [0] * len(order)
+    for n in order:
+        b = _nbytes(n)
+        for i in range(pos[n], min(last_use[n], len(order))):
+            crossing[i] += b
+    cuts = []
+    for i in range(len(order) - 1):
+        lo, hi = max(0, i - window), min(len(order) - 1, i + window)
+        if crossing[i] <= min(crossing[lo:hi + 1]) and (not cuts or i - cuts[-1] >= 3):
+            cuts.append(i)
+    return cuts
+
+
+def _segments(order: list[fx.Node], cuts: list[int], saved_by: dict[str, int]) -> list[Segment]:
+    bounds = [-1] + sorted(set(cuts)) + [len(order) - 1]
+    segs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        nodes = order[a + 1:b + 1]
+        if not nodes:
+            continue
+        inside = set(nodes)
+        ext = {i for n in nodes for i in n.all_input_nodes if i not in inside and i.op == "call_function"}
+        segs.append(Segment(a + 1, b, sum(saved_by.get(n.name, 0) for n in nodes),
+                            sum(_nbytes(i) for i in ext), sum(node_cost(n) for n in nodes)))
+    return segs
+
+
+def segments_of(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6) -> list[Segment]:
+    """Cut the forward order at local minima of the activation bytes crossing each position."""
+    order = forward_order(gm)
+    return _segments(order, _crossing_cuts(order, window), saved_by)
+
+
+def user_regions(order: list[fx.Node]) -> list[tuple[int, int]]:
+    """(first, last) positions of each inlined user checkpoint region in ``order``, in order."""
+    spans: dict = {}
+    for i, n in enumerate(order):
+        r = (n.meta.get("custom") or {}).get(USER_REGION)
+        if r is not None:
+            lo, hi = spans.get(r, (i, i))
+            spans[r] = (min(lo, i), max(hi, i))
+    return sorted(spans.values())
+
+
+def user_segments(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6) -> list[Segment] | None:
+    """Segments whose candidates are the user's checkpoint regions (each exactly as cut), with the
+    order between and around them cut at opsmath's points; None without (disjoint) regions."""
+    order = forward_order(gm)
+    spans = user_regions(order)
+    if not spans or any(a[1] >= b[0] for a, b in zip(spans, spans[1:])):
+        return None
+    cuts = [i for i in _crossing_cuts(order, window) if not any(lo - 1 <= i <= hi for lo, hi in spans)]
+    for lo, hi in spans:
+        cuts += [lo - 1, hi] if lo > 0 else [hi]
+    return _segments(order, [c for c in cuts if c < len(order) - 1], saved_by)
