@@ -119,8 +119,8 @@ VARIANTS = {  # label: (wrap the built model, attn_implementation or None for th
     "opsmath.optimize": (opsmath.optimize, None),
     "torch.compile (flex_attention)": (torch.compile, "flex_attention"),
 }
-# built after the first variant's warm-up, under an absolute memory_budget equal to the first variant's
-# total step peak (its resident bytes + its step's peak): the model without the user's checkpointing
+# built after the first variant's warm-up, under an absolute memory_budget at the first variant's total
+# step peak (``planned``): the model without the user's checkpointing
 # (opsmath's plan alone), and with it (the user's regions handed to the plan as candidates)
 OWN_PLAN = "opsmath own plan at the same peak"
 USER_PLAN = "opsmath plan with the user's checkpoints at the same peak"
@@ -135,7 +135,10 @@ def resident_bytes(v: Variant) -> int:
 
 
 def planned(label, name, device, first: Variant, batch) -> Variant:
-    budget = int(resident_bytes(first) + first.peak_gib * 2**30)
+    """The variant ``label`` under the budget that reproduces ``first``'s peak in this process: what is
+    allocated now (the other variants; an absolute budget counts the whole process, as
+    ``max_memory_allocated`` does), plus ``first``'s resident bytes and its step's peak."""
+    budget = int(torch.cuda.memory_allocated() + resident_bytes(first) + first.peak_gib * 2**30)
     print(f"{name} {label}: memory_budget={budget / 2**30:.2f} GiB", flush=True)
     return Variant(label, opsmath.optimize(build(name, device, label == USER_PLAN), memory_budget=budget), batch,
                    device)
