@@ -127,11 +127,12 @@ USER_PLAN = "opsmath plan with the user's checkpoints at the same peak"
 
 
 def resident_bytes(v: Variant) -> int:
-    """Parameters, their gradients and the optimizer state of ``v`` (what stays between steps)."""
+    """Parameters and optimizer state of ``v``: what stays between steps. (Gradients are freed by
+    ``zero_grad(set_to_none=True)``, so they are part of the step's peak, ``peak_gib``.)"""
     params = sum(p.numel() * p.element_size() for p in v.model.parameters())
     state = sum(t.numel() * t.element_size() for st in v.opt.state.values() for t in st.values()
                 if isinstance(t, torch.Tensor))
-    return 2 * params + state
+    return params + state
 
 
 def planned(label, name, device, first: Variant, batch) -> Variant:
