@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from .segments import Segment, forward_order, segments_of, user_regions, user_segments
+from .segments import Segment, forward_order, runs_of, segments_of, user_regions, user_segments
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -160,50 +160,79 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, g)
 
 
-def choose(segs: list[Segment], resident: int, budget_kind: str, budget: float,
-           units: int = 4096) -> tuple[list[int], int, int, float]:
-    """(chosen segment indices, kept bytes, transient bytes, cost) minimizing modelled cost, then
-    predicted peak, subject to the budget; raises InfeasibleBudget naming the smallest feasible one."""
+def _max_saving(n: int, runs: dict, T: int) -> int:
+    """The most bytes disjoint runs of saved <= T can save (1-D DP over positions)."""
+    best = [0] * (n + 1)
+    for p in range(n):
+        best[p + 1] = max(best[p + 1], best[p])
+        for j in range(p, n):
+            r = runs.get((p, j))
+            if r is not None and r.saved <= T and r.saving > 0:
+                best[j + 1] = max(best[j + 1], best[p] + r.saving)
+    return best[n]
+
+
+def _solve(n: int, runs: dict, T: int, need: float, unit: float) -> list[tuple[int, int]] | None:
+    """Disjoint runs (i, j) of saved <= T saving >= ``need`` bytes at the least modelled cost: DP over
+    positions and saving units (``dp[p][u]``: least cost over segments < p saving >= u units; savings
+    rounded down to units, so the budget holds), then a backtrack. None when no choice saves enough."""
+    cap = int(math.ceil(need / unit))
+    states = torch.arange(cap + 1)
+    dp = torch.full((n + 1, cap + 1), math.inf, dtype=torch.float64)
+    dp[0, 0] = 0.0
+    came = torch.full((n + 1, cap + 1), -1, dtype=torch.int32)   # start p of the step that reached it
+    run_end = torch.full((n + 1, cap + 1), -1, dtype=torch.int32)  # -1: segment p kept, else the run's end
+    by_start: dict = {}
+    for (i, j), r in runs.items():
+        if r.saved <= T and int(r.saving // unit) > 0:
+            by_start.setdefault(i, []).append((j, int(r.saving // unit), r.cost))
+    for p in range(n):
+        cur = dp[p]
+        better = cur < dp[p + 1]
+        dp[p + 1] = torch.where(better, cur, dp[p + 1])
+        came[p + 1][better], run_end[p + 1][better] = p, -1
+        for j, w, cost in by_start.get(p, ()):
+            new = cur[(states - w).clamp(min=0)] + cost
+            better = new < dp[j + 1]
+            dp[j + 1] = torch.where(better, new, dp[j + 1])
+            came[j + 1][better], run_end[j + 1][better] = p, j
+    if not math.isfinite(dp[n, cap].item()):
+        return None
+    chosen, q, u = [], n, cap
+    while q > 0:
+        p, j = int(came[q, u]), int(run_end[q, u])
+        if j >= 0:
+            chosen.append((p, j))
+            u = max(0, u - int(runs[(p, j)].saving // unit))
+        q = p
+    return sorted(chosen)
+
+
+def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, budget: float,
+           units: int = 4096, max_transients: int = 24) -> tuple[list[tuple[int, int]], int, int, float]:
+    """(chosen runs as (first, last) segment index pairs, kept bytes, transient bytes, cost) minimizing
+    modelled cost, then predicted peak, subject to the budget. ``runs`` maps (i, j) to segments i..j
+    recomputed as one unit (``segments.runs_of``); for each candidate largest recomputation T (every
+    distinct run size, thinned to ``max_transients`` spread over the range) the exact DP of ``_solve``.
+    Raises InfeasibleBudget naming the smallest feasible budget."""
     total = sum(s.saved for s in segs)
     limit = budget * total if budget_kind == "fraction" else budget - resident  # on kept + transient
-    best = None
-    candidates = sorted({0} | {s.saved for s in segs if s.saving > 0})
-    smallest = math.inf
-    for T in candidates:
-        items = [i for i, s in enumerate(segs) if s.saving > 0 and s.saved <= T]
-        need = total + T - limit     # bytes of saving needed
-        max_save = sum(segs[i].saving for i in items)
+    sizes = sorted({r.saved for r in runs.values() if r.saving > 0})
+    if len(sizes) > max_transients:
+        sizes = [sizes[round(k * (len(sizes) - 1) / (max_transients - 1))] for k in range(max_transients)]
+    best, smallest, unit = None, math.inf, max(1.0, total / units)
+    for T in [0] + sizes:
+        max_save = _max_saving(len(segs), runs, T)
         smallest = min(smallest, total - max_save + T)
+        need = total + T - limit     # bytes of saving needed
         if need > max_save:
             continue
-        if need <= 0:
-            cand = ([], total, 0, 0.0)
-        else:
-            unit = max(1.0, max_save / units)
-            cap = int(math.ceil(need / unit))
-            dp = torch.full((cap + 1,), math.inf, dtype=torch.float64)   # min cost to save >= u units
-            dp[0] = 0.0
-            take = torch.zeros((len(items), cap + 1), dtype=torch.bool)
-            states = torch.arange(cap + 1)
-            for j, i in enumerate(items):
-                w = int(segs[i].saving // unit)  # rounded down: the budget holds
-                if w == 0:
-                    continue
-                new = dp[(states - w).clamp(min=0)] + segs[i].cost   # from the state before this item
-                better = new < dp
-                take[j] = better
-                dp = torch.where(better, new, dp)
-            if not math.isfinite(dp[cap].item()):
-                continue
-            chosen, u = [], cap
-            for j in range(len(items) - 1, -1, -1):
-                if u > 0 and take[j, u]:
-                    i = items[j]
-                    chosen.append(i)
-                    u = max(0, u - int(segs[i].saving // unit))
-            kept = total - sum(segs[i].saving for i in chosen)
-            trans = max((segs[i].saved for i in chosen), default=0)
-            cand = (sorted(chosen), kept, trans, sum(segs[i].cost for i in chosen))
+        picked = [] if need <= 0 else _solve(len(segs), runs, T, need, unit)
+        if picked is None:
+            continue
+        saving = sum(runs[c].saving for c in picked)
+        cand = (picked, total - saving, max((runs[c].saved for c in picked), default=0),
+                sum(runs[c].cost for c in picked))
         if best is None or (cand[3], cand[1] + cand[2]) < (best[3], best[1] + best[2]):
             best = cand
     if best is None:
@@ -213,6 +242,20 @@ def choose(segs: list[Segment], resident: int, budget_kind: str, budget: float,
             f"memory budget {asked} cannot be met: the smallest feasible is about {_size(floor)} ({floor} bytes"
             + (f", fraction {smallest / total:.3f}" if total else "") + ")", floor)
     return best
+
+
+def merged(segs: list[Segment], runs: dict, picked: list[tuple[int, int]]) -> tuple[list[Segment], list[int]]:
+    """The segment list with each picked run (i, j) as one segment, and the indices of those."""
+    out, chosen, ends, i = [], [], dict(picked), 0
+    while i < len(segs):
+        if i in ends:
+            chosen.append(len(out))
+            out.append(runs[(i, ends[i])])
+            i = ends[i] + 1
+        else:
+            out.append(segs[i])
+            i += 1
+    return out, chosen
 
 
 def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) -> None:
@@ -275,16 +318,18 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         options.insert(0, ("user", user))
     best, errors = None, []
     for label, sg in options:
+        runs = runs_of(gm, sg)
         try:
-            got = choose(sg, resident, kind, value)
+            got = choose(sg, runs, resident, kind, value)
         except InfeasibleBudget as e:
             errors.append(e)
             continue
         if best is None or (got[3], got[1] + got[2]) < (best[2][3], best[2][1] + best[2][2]):
-            best = (label, sg, got)
+            best = (label, sg, got, runs)
     if best is None:
         raise min(errors, key=lambda e: e.floor)
-    label, segs, (chosen, kept, trans, cost) = best
+    label, fine, (picked, kept, trans, cost), runs = best
+    segs, chosen = merged(fine, runs, picked)
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
                 chosen, cost, segmentation=label, user_regions=len(user_regions(forward_order(gm))))
     if chosen:

@@ -134,3 +134,25 @@ def user_segments(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6)
     for lo, hi in spans:
         cuts += [lo - 1, hi] if lo > 0 else [hi]
     return _segments(order, [c for c in cuts if c < len(order) - 1], saved_by)
+
+
+def runs_of(gm: fx.GraphModule, segs: list[Segment], max_len: int = 16) -> dict[tuple[int, int], Segment]:
+    """Every run of up to ``max_len`` consecutive segments i..j as one candidate (merged) segment: saved
+    and cost summed, inputs the external activation inputs of the union, each counted once (a tensor
+    two segments of the run read is one checkpoint input). Merging adjacent segments trades a larger
+    recomputation for fewer kept boundary tensors, which is how a plan reaches a per-block floor."""
+    order = forward_order(gm)
+    pos = {n: k for k, n in enumerate(order)}
+    runs = {}
+    for i in range(len(segs)):
+        start, ext, inputs, saved, cost = segs[i].start, set(), 0, 0, 0.0
+        for j in range(i, min(len(segs), i + max_len)):
+            s = segs[j]
+            for n in order[s.start:s.end + 1]:
+                for x in n.all_input_nodes:
+                    if x.op == "call_function" and pos.get(x, start) < start and x not in ext:
+                        ext.add(x)
+                        inputs += _nbytes(x)
+            saved, cost = saved + s.saved, cost + s.cost
+            runs[(i, j)] = Segment(start, s.end, saved, inputs, cost)
+    return runs
