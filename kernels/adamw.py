@@ -237,6 +237,23 @@ def step_scalars(STEP_PTRS, GROUP, LRS, WDS, i, beta1, beta2):
 
 
 @triton.jit
+def chunk_prologue(CHUNK_TENSOR, CHUNK_START, SIZES, STEP_PTRS, GROUP, LRS, WDS, P_PTRS, G_PTRS, W_PTRS, beta1, beta2,
+                   P_TY: tl.constexpr, G_TY: tl.constexpr, HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr,
+                   CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's tensor ``i``, chunk (``start``, ``rem`` elements), step scalars, and the parameter,
+    gradient and update-target pointers at the chunk (the target: the fp32 master, or the parameter)."""
+    i, start, rem = chunk_of(CHUNK_TENSOR, CHUNK_START, SIZES, CHUNK_SIZE, BLOCK)
+    step_size, bc2_sqrt, decay = step_scalars(STEP_PTRS, GROUP, LRS, WDS, i, beta1, beta2)
+    p_ptr = addr(P_PTRS, i, P_TY, ALIGNED) + start
+    g_ptr = addr(G_PTRS, i, G_TY, ALIGNED) + start
+    if HAS_MASTER:
+        w_ptr = addr(W_PTRS, i, tl.float32, ALIGNED) + start
+    else:
+        w_ptr = p_ptr
+    return i, start, rem, step_size, bc2_sqrt, decay, p_ptr, g_ptr, w_ptr
+
+
+@triton.jit
 def _adamw_kernel(P_PTRS, G_PTRS, M_PTRS, V_PTRS, W_PTRS, STEP_PTRS, SIZES, GROUP, LRS, WDS, CHUNK_TENSOR,
                   CHUNK_START, SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, beta1, beta2, eps,
                   P_TY: tl.constexpr, G_TY: tl.constexpr, S_TY: tl.constexpr, HAS_MASTER: tl.constexpr,
@@ -244,16 +261,11 @@ def _adamw_kernel(P_PTRS, G_PTRS, M_PTRS, V_PTRS, W_PTRS, STEP_PTRS, SIZES, GROU
     """One program per chunk. W is the fp32 master (HAS_MASTER) whose rounding is written to P."""
     skip, coef = step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP)
     if not skip:
-        i, start, rem = chunk_of(CHUNK_TENSOR, CHUNK_START, SIZES, CHUNK_SIZE, BLOCK)
-        step_size, bc2_sqrt, decay = step_scalars(STEP_PTRS, GROUP, LRS, WDS, i, beta1, beta2)
-        p_ptr = addr(P_PTRS, i, P_TY, ALIGNED) + start
-        g_ptr = addr(G_PTRS, i, G_TY, ALIGNED) + start
+        i, start, rem, step_size, bc2_sqrt, decay, p_ptr, g_ptr, w_ptr = chunk_prologue(
+            CHUNK_TENSOR, CHUNK_START, SIZES, STEP_PTRS, GROUP, LRS, WDS, P_PTRS, G_PTRS, W_PTRS, beta1, beta2,
+            P_TY, G_TY, HAS_MASTER, ALIGNED, CHUNK_SIZE, BLOCK)
         m_ptr = addr(M_PTRS, i, S_TY, ALIGNED) + start
         v_ptr = addr(V_PTRS, i, S_TY, ALIGNED) + start
-        if HAS_MASTER:
-            w_ptr = addr(W_PTRS, i, tl.float32, ALIGNED) + start
-        else:
-            w_ptr = p_ptr
         full = rem // BLOCK * BLOCK
         for off in range(0, full, BLOCK):
             _adamw_step(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, off + tl.arange(0, BLOCK), None, None, coef, decay,

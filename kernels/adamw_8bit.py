@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from ._spec import OpSpec, register
-from .adamw import (BLOCK, CHUNK, Gate, MultiTensor, addr, chunk_of, exercise_gate, exercise_tables, group_table,
-                    step_gate, step_scalars, tl_type)
+from .adamw import (BLOCK, CHUNK, Gate, MultiTensor, addr, chunk_prologue, exercise_gate, exercise_tables,
+                    group_table, step_gate, tl_type)
 
 QBLOCK = 256
 
@@ -163,18 +163,13 @@ def _adamw8_kernel(P_PTRS, G_PTRS, MQ_PTRS, VQ_PTRS, MS_PTRS, VS_PTRS, W_PTRS, S
                    ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr):
     skip, coef = step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP)
     if not skip:
-        i, start, rem = chunk_of(CHUNK_TENSOR, CHUNK_START, SIZES, CHUNK_SIZE, BLOCK)
-        step_size, bc2_sqrt, decay = step_scalars(STEP_PTRS, GROUP, LRS, WDS, i, beta1, beta2)
-        p_ptr = addr(P_PTRS, i, P_TY, ALIGNED) + start
-        g_ptr = addr(G_PTRS, i, G_TY, ALIGNED) + start
+        i, start, rem, step_size, bc2_sqrt, decay, p_ptr, g_ptr, w_ptr = chunk_prologue(
+            CHUNK_TENSOR, CHUNK_START, SIZES, STEP_PTRS, GROUP, LRS, WDS, P_PTRS, G_PTRS, W_PTRS, beta1, beta2,
+            P_TY, G_TY, HAS_MASTER, ALIGNED, CHUNK_SIZE, BLOCK)
         mq_ptr = addr(MQ_PTRS, i, tl.int8, ALIGNED) + start
         vq_ptr = addr(VQ_PTRS, i, tl.uint8, ALIGNED) + start
         ms_ptr = addr(MS_PTRS, i, tl.float32, ALIGNED) + start // QB
         vs_ptr = addr(VS_PTRS, i, tl.float32, ALIGNED) + start // QB
-        if HAS_MASTER:
-            w_ptr = addr(W_PTRS, i, tl.float32, ALIGNED) + start
-        else:
-            w_ptr = p_ptr
         full = rem // BLOCK * BLOCK
         for off in range(0, full, BLOCK):
             _adamw8_step(p_ptr, g_ptr, mq_ptr, vq_ptr, ms_ptr, vs_ptr, w_ptr, off, rem, False, coef, decay,

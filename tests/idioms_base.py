@@ -41,3 +41,15 @@ def reduce_output(out) -> torch.Tensor:
     else:
         return torch.zeros(())
     return sum((reduce_output(v) for v in values), torch.zeros(()))
+
+
+class Checkpointed(nn.Module):
+    """``block`` under ``torch.utils.checkpoint`` (non-reentrant), as a model that checkpoints its own
+    layers wraps them."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)

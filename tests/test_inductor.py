@@ -9,6 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import opsmath
+from idioms_base import Checkpointed
 from opsmath.examples import gpt
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -196,15 +197,6 @@ def test_cuda_graph_replays_train_like_eager_and_draw_fresh_dropout():
         loss.backward()
         seen.append(loss.item())
     assert len(set(seen[1:])) == 3, seen
-
-
-class Checkpointed(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
 def test_users_checkpoint_is_compiled_inline_and_recomputed():

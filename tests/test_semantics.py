@@ -19,6 +19,7 @@ import torch.nn as nn
 import opsmath
 from conftest import DEVICE
 from tolerance import grads_close, max_err, rel_err
+from idioms_base import Checkpointed
 from semantics_idioms import IDIOMS, GradReverse, random_stack, reduce_output
 
 
@@ -320,14 +321,6 @@ def test_memory_budget_takes_over_the_users_checkpoints():
     opsmath's plan decides what to recompute (the report says so); training still equals eager."""
     from opsmath import examples
 
-    class Checkpointed(nn.Module):
-        def __init__(self, block):
-            super().__init__()
-            self.block = block
-
-        def forward(self, x):
-            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
-
     def make():
         model, (idx, tgt) = examples.gpt(batch_size=2, seq_len=16, dropout=0.0)
         model.h = nn.ModuleList([Checkpointed(b) for b in model.h])
@@ -345,14 +338,6 @@ def test_users_checkpoint_regions_are_plan_candidates():
     unmerged cut points could not reach (their floor was 0.39): the plan weighs the user's 6 regions
     against its own (merged) segments, says so, and training equals eager."""
     from opsmath import examples
-
-    class Checkpointed(nn.Module):
-        def __init__(self, block):
-            super().__init__()
-            self.block = block
-
-        def forward(self, x):
-            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
     def make():
         model, (idx, tgt) = examples.gpt(batch_size=2, seq_len=128, dropout=0.0, n_layer=6)
