@@ -204,6 +204,8 @@ def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = 
     for pattern in patterns:
         pattern.apply(ctx)
         ctx.graph.lint()
+    for pattern in patterns:
+        pattern.finalize(ctx)
     batch_seeds(ctx.graph)
     ctx.graph.lint()
     ctx.gm.recompile()

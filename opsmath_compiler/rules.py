@@ -15,6 +15,7 @@ when that is not the anchor itself.
 ``after`` lists families whose rewrites must come first (e.g. ``cross_entropy`` takes only the losses
 ``linear_cross_entropy`` left). ``ordered()`` sorts the registered rules topologically by it, ties in
 registration order. ``dynamic_shapes`` says the rule is sound on graphs with symbolic sizes.
+``finalize(ctx)`` runs once all rules have applied (the attention family chooses its backends there).
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ class Rule:
 
     def anchor_for(self, node: fx.Node, plan: Any) -> fx.Node:
         return node
+
+    def finalize(self, ctx: RewriteContext) -> None:
+        """A pass after every rule has matched and emitted (e.g. attention's backend choice, which
+        measures kernels): what must not run while matching, so that matching stays pure."""
 
     def apply(self, ctx: RewriteContext) -> None:
         for node in anchored(ctx.graph, self.anchors):

@@ -11,24 +11,20 @@ kv head. Every intermediate must be used only inside the chain, or the occurrenc
 from __future__ import annotations
 
 import operator
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import torch.fx as fx
 
-from opsmath.canonicalize import SOFTMAXES, SDPAS, aten, dtype, hinted, is_op, sdpa_args, shape
+from opsmath.canonicalize import SOFTMAXES, SDPAS, aten, dtype, is_op, sdpa_args, shape
 from opsmath.kernels.attention import SOFTCAP_INDUCTOR_HEAD_DIM
-from opsmath.kernels.attention_tuning import backend_for, fold_bias, sdpa
 from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
 
+from ._attention_backend import MATCH, choose_backends
 from ._attention_chain import analyze_chain
 from ._attention_flat import flat_bias_rows
 from ._attention_plan import Plan, bias_shape, finish_plan, line_up
-
-
-def _shape_or_none(node) -> Optional[tuple]:
-    return hinted(node.meta["val"]).shape if node is not None else None
 
 
 class AttentionRule(Rule):
@@ -45,6 +41,9 @@ class AttentionRule(Rule):
 
     def emit(self, ctx: RewriteContext, anchor: fx.Node, plan: Plan) -> None:
         self._emit(ctx, anchor, plan)
+
+    def finalize(self, ctx: RewriteContext) -> None:
+        choose_backends(ctx)   # measures kernels on the GPU: after matching, which stays pure
 
     def _analyze_sdpa(self, ctx: RewriteContext, node: fx.Node) -> Union[None, str, Plan]:
         """An SDPA call as a plan: ``attn_mask`` a boolean keep-mask (a mask with fill -inf) or an
@@ -118,21 +117,12 @@ class AttentionRule(Rule):
                 mask = term if mask is None else ctx.call(aten.logical_or.default, (mask, term), sm)
             if mask is not None:
                 mask = to4d(mask, max(len(shape(m)) for m, _ in plan.masks))
-            backend = backend_for(hinted(q.meta["val"]), hinted(k.meta["val"]), _shape_or_none(bias), _shape_or_none(mask),
-                                  plan.fill, plan.causal, plan.scale, plan.dropout_p,
-                                  bias is not None and ctx.may_require_grad(bias), plan.softcap)
-            if backend == "opsmath":
-                seed = ctx.dropout_seed(plan.dropout_p, q, sm)
-                res = ctx.call(torch.ops.opsmath.attention.default,
-                               (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed,
-                                plan.softcap), sm)
-                out = ctx.call(operator.getitem, (res, 0), sm)
-            else:
-                vb = None
-                if bias is not None or mask is not None:
-                    vb = ctx.call(fold_bias, (bias, mask, plan.causal, ctx.size(q, -2), ctx.size(k, -2)), sm)
-                out = ctx.call(sdpa, (q, k, v, vb, plan.causal and vb is None, plan.scale, plan.dropout_p,
-                                      backend), sm)
+            seed = ctx.dropout_seed(plan.dropout_p, q, sm)
+            res = ctx.call(torch.ops.opsmath.attention.default,
+                           (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed,
+                            plan.softcap), sm)
+            res.meta[MATCH] = len(ctx.matches)   # the match recorded below; its backend is chosen after matching
+            out = ctx.call(operator.getitem, (res, 0), sm)
             if nd == 3:
                 out = ctx.call(aten.squeeze.dim, (out, 1), sm)
             if plan.flat_out:
@@ -152,9 +142,7 @@ class AttentionRule(Rule):
             desc.append(f"dropout={plan.dropout_p:g}")
         if plan.rep > 1:
             desc.append(f"gqa {H}/{H // plan.rep}")
-        text = f"opsmath::attention({', '.join(desc)})" if backend == "opsmath" else \
-            f"{backend}({', '.join(desc)}), measured fastest"
-        ctx.replaced(self.name, sm, chain, text, before, backend=backend,
+        ctx.replaced(self.name, sm, chain, f"opsmath::attention({', '.join(desc)})", before, backend="opsmath",
                      causal=plan.causal, scale=plan.scale, softcap=plan.softcap, dropout_p=plan.dropout_p,
                      gqa_rep=plan.rep,
                      has_bias=bool(plan.biases), has_mask=bool(plan.masks), batch=B, heads=H,
