@@ -104,6 +104,14 @@ class Plan:
     segmentation: str = "opsmath"   # whose cut points the segments follow: "opsmath" or "user"
     user_regions: int = 0       # the user's checkpoint regions handed to the plan
 
+    def budget_both_units(self) -> tuple[int, float]:
+        """The budget as bytes of the whole step and as a share of the unconstrained activations: the
+        two are one target, ``bytes = resident + share * unconstrained``."""
+        kind, value = parse_budget(self.budget)
+        if kind == "fraction":
+            return int(self.resident + value * self.unconstrained), value
+        return int(value), (value - self.resident) / max(1, self.unconstrained)
+
     def timeline(self) -> list[tuple[str, int, int]]:
         """Predicted memory over the step at segment granularity: ``(phase, segment, bytes)``.
 
@@ -125,7 +133,9 @@ class Plan:
         return points
 
     def to_dict(self) -> dict:
-        return dict(budget=str(self.budget), resident=self.resident, unconstrained=self.unconstrained,
+        as_bytes, share = self.budget_both_units()
+        return dict(budget=str(self.budget), budget_bytes=as_bytes, budget_share=share,
+                    resident=self.resident, unconstrained=self.unconstrained,
                     kept=self.kept, transient=self.transient, predicted_peak=self.predicted_peak,
                     chosen=[dict(start=self.segments[i].start, end=self.segments[i].end,
                                  saved=self.segments[i].saved, inputs=self.segments[i].inputs,

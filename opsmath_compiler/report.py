@@ -192,7 +192,9 @@ class Report(Rendered):
     @staticmethod
     def _plan_text(p) -> Text:
         t = Text()
-        t.append(f"memory plan: budget {p.budget} | predicted peak {_mib(p.predicted_peak)} = resident "
+        as_bytes, share = p.budget_both_units()
+        t.append(f"memory plan: budget {p.budget} (= {_mib(as_bytes)}, {share:.2f} of activations) | predicted "
+                 f"peak {_mib(p.predicted_peak)} = resident "
                  f"{_mib(p.resident)} + kept {_mib(p.kept)} + recompute {_mib(p.transient)}\n", style="bold")
         t.append(f"activations {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
                  f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms); planned in "

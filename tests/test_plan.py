@@ -327,3 +327,21 @@ def test_solver_merges_runs_when_single_segments_cannot_reach_the_budget():
         choose(segs, singles, 0, "fraction", 0.95)
     out, chosen = merged(segs, runs, picked)
     assert [(s.start, s.end) for s in out] == [(0, 5), (6, 11)] and chosen == [0, 1]
+
+
+def test_budget_is_one_target_in_two_units():
+    """A fraction and the bytes it stands for are one target: the plan under 0.6, and the plan under its
+    byte equivalent (resident + 0.6 * activations), keep the same bytes; the report and the plan's JSON
+    give both units."""
+    _, _, rep = _run(0.6)
+    by_frac = rep.graphs[0].plan
+    as_bytes, share = by_frac.budget_both_units()
+    assert share == 0.6 and as_bytes == int(by_frac.resident + 0.6 * by_frac.unconstrained)
+    torch._dynamo.reset()
+    _, _, rep2 = _run(as_bytes)
+    by_bytes = rep2.graphs[0].plan
+    assert abs(by_bytes.budget_both_units()[1] - 0.6) < 1e-6
+    assert by_bytes.kept + by_bytes.transient == by_frac.kept + by_frac.transient
+    d = by_bytes.to_dict()
+    assert d["budget_bytes"] == as_bytes and abs(d["budget_share"] - 0.6) < 1e-6
+    assert "0.60 of activations" in rep2.render(width=200)
