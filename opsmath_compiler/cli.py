@@ -69,6 +69,8 @@ def _report(args) -> int:
     loss = out if out.dim() == 0 else out.float().sum()
     loss.backward()
     rep = opsmath.report(opt)
+    if args.plot:
+        _plot_plans(rep, args.plot)
     if args.json:
         print(rep.to_json(indent=2))
     else:
@@ -76,6 +78,23 @@ def _report(args) -> int:
         Console(width=args.width).print(rep)
         print(f"one training step on CPU: loss {loss.item():.4f}")
     return 0
+
+
+def _plot_plans(rep, path: str) -> None:
+    """The memory plan of every planned graph, one chart each, saved to ``path`` (format by extension)."""
+    plans = [g.plan for g in rep.graphs if g.plan is not None]
+    if not plans:
+        raise SystemExit("opsmath report --plot: no memory plan to draw (add --memory-budget)")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(plans), 1, figsize=(7, 3.2 * len(plans)), squeeze=False)
+    for plan, ax in zip(plans, axes[:, 0]):
+        plan.plot(ax)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"memory plan chart: {path}")
 
 
 def _tune(args) -> int:
@@ -121,6 +140,8 @@ def main(argv=None) -> int:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--memory-budget", help="plan recompute under this budget and show the plan: a fraction "
                                             "of the activations (0.5), bytes, or a size (6GiB)")
+    rp.add_argument("--plot", metavar="FILE", help="with --memory-budget: save the plan's predicted memory over "
+                                                   "the step as a chart (.png, .svg, .pdf)")
     tp = sub.add_parser("tune", help="on a GPU: optimize a model, tune its rewritten ops, fill the cache")
     tp.add_argument("target", nargs="?", help="<file.py>:<factory>")
     tp.add_argument("--example", help="a bundled example: gpt, llama or dit")

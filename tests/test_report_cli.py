@@ -136,6 +136,32 @@ def test_cli_memory_budget_shows_the_plan_and_rejects_bad_budgets(capsys):
             cli.main(["report", "--example", "gpt", "--memory-budget", bad])
 
 
+def test_cli_plots_the_memory_plan(tmp_path, capsys):
+    """``--plot FILE`` saves the plan's predicted memory over the step; the chart's step line has one
+    point per timeline entry and the budget line sits at the budget in bytes."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    assert cli.main(["report", "--example", "gpt", "--memory-budget", "0.6", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "memory plan chart" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="add --memory-budget"):
+        cli.main(["report", "--example", "gpt", "--plot", str(tmp_path / "none.png")])
+
+
+def test_plan_plot_draws_the_timeline_and_the_budget():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    model, batch = examples.gpt(batch_size=2, seq_len=32)
+    opt = opsmath.optimize(model, memory_budget=0.6)
+    opt(*batch).backward()
+    plan = opsmath.report(opt).graphs[0].plan
+    ax = plan.plot()
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label() == "predicted"]
+    assert len(line.get_xdata()) == len(plan.timeline())
+    budget = [ln for ln in ax.get_lines() if ln.get_label() == "budget"][0]
+    assert abs(budget.get_ydata()[0] - plan.budget_both_units()[0] / 2**20) < 1e-9
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(skip=["atention"]), "unknown pattern families ['atention']"),
     (dict(skip=["atention@softmax_3"]), "unknown pattern families ['atention']"),
