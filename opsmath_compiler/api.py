@@ -20,6 +20,8 @@ autograd. ``report(model)`` shows what happened to every captured graph.
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -143,7 +145,7 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
         patches = dict(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit))
         if inductor is False or (inductor is None and not _on_cuda(model)):
             patches["optimize_ddp"] = False
-        with torch._dynamo.config.patch(**patches):
+        with _dynamo_settings(patches):
             breaks, runs = graph_breaks(), state.graph_runs
             try:
                 return compiled(*args, **kwargs)
@@ -163,6 +165,21 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
                 if state.graph_runs == runs:
                     state.unoptimized_calls += 1
     return call
+
+
+@contextlib.contextmanager
+def _dynamo_settings(patches: dict):
+    """``torch._dynamo.config.patch`` for the settings that differ, without its per-call class: this runs
+    on every call of an optimized model, where host time counts (a step can be host-bound)."""
+    cfg = torch._dynamo.config
+    changed = {k: getattr(cfg, k) for k, v in patches.items() if getattr(cfg, k) != v}
+    for k in changed:
+        setattr(cfg, k, patches[k])
+    try:
+        yield
+    finally:
+        for k, v in changed.items():
+            setattr(cfg, k, v)
 
 
 def _names(value, what: str):

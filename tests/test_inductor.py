@@ -218,3 +218,18 @@ def test_users_checkpoint_is_compiled_inline_and_recomputed():
     assert len(regions) == 2 and all("compiled inline" in r.reason for r in regions)
     assert {n.meta.get("ac_graph_id") for n in rep.graphs[0].graph.graph.nodes} - {None} != set()
     assert saved[True] < 0.75 * saved[False], saved
+
+
+def test_dynamo_settings_apply_inside_a_call_and_restore_after():
+    """Each call of an optimized model runs with opsmath's dynamo settings and leaves the user's as they
+    were (also when the call raises); a setting already at its value is not touched."""
+    from opsmath.api import _dynamo_settings
+    cfg = torch._dynamo.config
+    before = (cfg.recompile_limit, cfg.optimize_ddp)
+    with _dynamo_settings(dict(recompile_limit=before[0] + 7, optimize_ddp=before[1])):
+        assert (cfg.recompile_limit, cfg.optimize_ddp) == (before[0] + 7, before[1])
+    assert (cfg.recompile_limit, cfg.optimize_ddp) == before
+    with pytest.raises(RuntimeError):
+        with _dynamo_settings(dict(optimize_ddp=not before[1])):
+            raise RuntimeError("inside")
+    assert (cfg.recompile_limit, cfg.optimize_ddp) == before
