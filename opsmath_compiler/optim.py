@@ -213,7 +213,12 @@ class _Plan:
         self._inc = torch.empty(1, device=dev)
 
     def hyper(self, groups, device):
-        """Per-group lr and weight decay tables on ``device``, re-uploaded when a value changes."""
+        """Per-group lr and weight decay tables on ``device``, re-uploaded when a value changes. A tensor
+        lr (a scheduler that keeps it on the device) is gathered on the device: no host sync."""
+        if any(torch.is_tensor(g["lr"]) or torch.is_tensor(g["weight_decay"]) for g in groups):
+            f32 = dict(device=device, dtype=torch.float32)
+            return tuple(torch.stack([torch.as_tensor(g[k], **f32).reshape(()) for g in groups])
+                         for k in ("lr", "weight_decay"))
         values = ([float(g["lr"]) for g in groups], [float(g["weight_decay"]) for g in groups])
         if self._hyper_key.get(device) != values:
             self._hyper_key[device] = values

@@ -207,3 +207,15 @@ def test_cuda_step_never_syncs_with_the_host(kw):
             opt.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_tensor_lr_steps_like_a_float_lr(triton_on_cpu):
+    """A learning rate held as a tensor (schedulers on the device keep it so) gives the float lr's step,
+    on the kernel path, without turning it into a Python number."""
+    m1, m2 = _model(device=DEVICE), _model(device=DEVICE)
+    o1 = AdamW(m1.parameters(), lr=torch.tensor(1e-3, device=DEVICE), max_grad_norm=1.0)
+    o2 = AdamW(m2.parameters(), lr=1e-3, max_grad_norm=1.0)
+    _train(m1, o1, 3, DEVICE)
+    _train(m2, o2, 3, DEVICE)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
