@@ -172,7 +172,8 @@ def _dynamo_settings(patches: dict):
     """``torch._dynamo.config.patch`` for the settings that differ, without its per-call class: this runs
     on every call of an optimized model, where host time counts (a step can be host-bound)."""
     cfg = torch._dynamo.config
-    changed = {k: getattr(cfg, k) for k, v in patches.items() if getattr(cfg, k) != v}
+    current = {k: getattr(cfg, k) for k in patches}   # one read each: the config's getattr is not cheap
+    changed = {k: old for k, old in current.items() if old != patches[k]}
     for k in changed:
         setattr(cfg, k, patches[k])
     try:

@@ -197,19 +197,24 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, g)
 
 
-def _max_saving(n: int, runs: dict, T: int) -> int:
+def _rank(choice) -> tuple:
+    """How ``choose``'s results compare: modelled cost, then predicted kept + transient bytes."""
+    picked, kept, trans, cost = choice
+    return cost, kept + trans
+
+
+def _max_saving(n: int, starts: dict, T: int) -> int:
     """The most bytes disjoint runs of saved <= T can save (1-D DP over positions)."""
     best = [0] * (n + 1)
     for p in range(n):
         best[p + 1] = max(best[p + 1], best[p])
-        for j in range(p, n):
-            r = runs.get((p, j))
-            if r is not None and r.saved <= T and r.saving > 0:
+        for j, r in starts.get(p, {}).items():
+            if r.saved <= T:
                 best[j + 1] = max(best[j + 1], best[p] + r.saving)
     return best[n]
 
 
-def _solve(n: int, runs: dict, T: int, need: float, unit: float) -> list[tuple[int, int]] | None:
+def _solve(n: int, starts: dict, T: int, need: float, unit: float) -> list[tuple[int, int]] | None:
     """Disjoint runs (i, j) of saved <= T saving >= ``need`` bytes at the least modelled cost: DP over
     positions and saving units (``dp[p][u]``: least cost over segments < p saving >= u units; savings
     rounded down to units, so the budget holds), then a backtrack. None when no choice saves enough."""
@@ -219,17 +224,16 @@ def _solve(n: int, runs: dict, T: int, need: float, unit: float) -> list[tuple[i
     dp[0, 0] = 0.0
     came = torch.full((n + 1, cap + 1), -1, dtype=torch.int32)   # start p of the step that reached it
     run_end = torch.full((n + 1, cap + 1), -1, dtype=torch.int32)  # -1: segment p kept, else the run's end
-    by_start: dict = {}
-    for (i, j), r in runs.items():
-        if r.saved <= T and int(r.saving // unit) > 0:
-            by_start.setdefault(i, []).append((j, int(r.saving // unit), r.cost))
     for p in range(n):
         cur = dp[p]
         better = cur < dp[p + 1]
         dp[p + 1] = torch.where(better, cur, dp[p + 1])
         came[p + 1][better], run_end[p + 1][better] = p, -1
-        for j, w, cost in by_start.get(p, ()):
-            new = cur[(states - w).clamp(min=0)] + cost
+        for j, r in starts.get(p, {}).items():
+            w = int(r.saving // unit)
+            if r.saved > T or w == 0:
+                continue
+            new = cur[(states - w).clamp(min=0)] + r.cost
             better = new < dp[j + 1]
             dp[j + 1] = torch.where(better, new, dp[j + 1])
             came[j + 1][better], run_end[j + 1][better] = p, j
@@ -240,7 +244,7 @@ def _solve(n: int, runs: dict, T: int, need: float, unit: float) -> list[tuple[i
         p, j = int(came[q, u]), int(run_end[q, u])
         if j >= 0:
             chosen.append((p, j))
-            u = max(0, u - int(runs[(p, j)].saving // unit))
+            u = max(0, u - int(starts[p][j].saving // unit))
         q = p
     return sorted(chosen)
 
@@ -254,23 +258,27 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     Raises InfeasibleBudget naming the smallest feasible budget."""
     total = sum(s.saved for s in segs)
     limit = budget * total if budget_kind == "fraction" else budget - resident  # on kept + transient
-    sizes = sorted({r.saved for r in runs.values() if r.saving > 0})
+    starts: dict = {}   # the runs that save something: starts[i][j] is segments i..j
+    for (i, j), r in runs.items():
+        if r.saving > 0:
+            starts.setdefault(i, {})[j] = r
+    sizes = sorted({r.saved for rs in starts.values() for r in rs.values()})
     if len(sizes) > max_transients:
         sizes = [sizes[round(k * (len(sizes) - 1) / (max_transients - 1))] for k in range(max_transients)]
     best, smallest, unit = None, math.inf, max(1.0, total / units)
     for T in [0] + sizes:
-        max_save = _max_saving(len(segs), runs, T)
+        max_save = _max_saving(len(segs), starts, T)
         smallest = min(smallest, total - max_save + T)
         need = total + T - limit     # bytes of saving needed
         if need > max_save:
             continue
-        picked = [] if need <= 0 else _solve(len(segs), runs, T, need, unit)
+        picked = [] if need <= 0 else _solve(len(segs), starts, T, need, unit)
         if picked is None:
             continue
         saving = sum(runs[c].saving for c in picked)
         cand = (picked, total - saving, max((runs[c].saved for c in picked), default=0),
                 sum(runs[c].cost for c in picked))
-        if best is None or (cand[3], cand[1] + cand[2]) < (best[3], best[1] + best[2]):
+        if best is None or _rank(cand) < _rank(best):
             best = cand
     if best is None:
         floor = resident + int(smallest)
@@ -361,7 +369,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         except InfeasibleBudget as e:
             errors.append(e)
             continue
-        if best is None or (got[3], got[1] + got[2]) < (best[2][3], best[2][1] + best[2][2]):
+        if best is None or _rank(got) < _rank(best[2]):
             best = (label, sg, got, runs)
     if best is None:
         raise min(errors, key=lambda e: e.floor)
