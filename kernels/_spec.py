@@ -11,7 +11,8 @@ Each kernel file registers an ``OpSpec`` at import (``register(OpSpec(...))``); 
 - ``profile``: a class name and substrings of kernel names that ``opsmath.profile`` groups time under;
 - ``saves``: what the op keeps for backward, in words (the report's reason where a rewrite keeps more);
 - ``exercise(dtype)``: runs the op forward and backward once with every flag and launch configuration
-  it has (tiny sizes), so that ``tests/test_kernels_compile_for_hopper.py`` compiles each launch for sm_90.
+  it has (tiny sizes), so that ``tests/test_kernels_compile_for_hopper.py`` compiles each launch for sm_90
+  (ops with ``triton=False`` run PyTorch's kernels and have no launch of their own to compile).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class OpSpec:
     profile: Optional[tuple[str, tuple[str, ...]]] = None
     saves: str = ""
     exercise: Optional[Callable[[torch.dtype], None]] = None
+    triton: bool = True           # its kernels are Triton's (else torch's own, e.g. a grouped GEMM)
 
 
 SPECS: dict[str, OpSpec] = {}

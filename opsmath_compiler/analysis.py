@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .canonicalize import aten
+from .canonicalize import aten, size_hint
 
 log = logging.getLogger("opsmath")
 
@@ -72,7 +72,7 @@ def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> dict[s
 
     def pack(t):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            owner.setdefault(key(t), (Attributing.current, t.untyped_storage().nbytes()))
+            owner.setdefault(key(t), (Attributing.current, size_hint(t.untyped_storage().nbytes())))
         return t
 
     try:

@@ -135,6 +135,8 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
 def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
     """What the optimized module's ``__call__`` runs: dynamo's compiled frame, with opsmath's dynamo
     settings, bookkeeping for the report, and eager's own error for a call that cannot be traced."""
+    experts = any(p.name == "experts" for p in state.patterns)
+
     def call(*args, **kwargs):
         # Run op by op under autograd, the rewritten graph fires DDP's per-parameter gradient hooks as
         # each gradient is produced; dynamo's DDP graph splitting (optimize_ddp) is then not needed and
@@ -143,6 +145,8 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
         # Past dynamo's recompile limit (8 by default) a frame silently runs eager: opsmath's frames get
         # RECOMPILE_LIMIT, and a call that ran none of opsmath's graphs is counted for the report.
         patches = dict(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit))
+        if experts:   # a torch.where per expert is traced (an unbacked size), not a graph break
+            patches["capture_dynamic_output_shape_ops"] = True
         if inductor is False or (inductor is None and not _on_cuda(model)):
             patches["optimize_ddp"] = False
         with _dynamo_settings(patches):

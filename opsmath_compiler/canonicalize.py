@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 aten = torch.ops.aten
 
@@ -51,11 +52,19 @@ def dtype(node) -> Optional[torch.dtype]:
 
 
 def size_hint(s) -> int:
-    """An int size, or a symbolic one's value at capture (its shape env's hint), without a guard."""
+    """An int size, or a symbolic one's value at capture (its shape env's hint), without a guard. A
+    data-dependent size (``torch.where``'s row count) has no value at capture: its largest possible
+    value is taken (0 if unbounded), so byte counts built on it are upper estimates."""
     if isinstance(s, int):
         return s
     h = getattr(s.node, "hint", None)
-    return int(h if h is not None else s.node.shape_env.size_hint(s.node.expr))
+    if h is not None:
+        return int(h)
+    env = s.node.shape_env
+    if not free_unbacked_symbols(s):
+        return int(env.size_hint(s.node.expr))
+    upper = env.bound_sympy(s.node.expr).upper
+    return int(upper) if upper.is_finite else 0
 
 
 def hinted(t: torch.Tensor) -> SimpleNamespace:

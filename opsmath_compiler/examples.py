@@ -5,6 +5,9 @@ dropout on attention probabilities and residual branches). ``llama``: a LLaMA-st
 hand (RMSNorm as ``x * rsqrt(mean(x^2) + eps) * w``, RoPE, GQA through ``repeat_kv``, SwiGLU).
 ``dit``: a diffusion transformer as the DiT repository writes it (timm-style attention by hand, adaLN
 modulation of affine-free LayerNorms, gated residuals, tanh-GELU MLP) with the noise-prediction loss.
+``moe``: the LLaMA decoder with a Mixtral-style sparse MLP as the Mistral reference code writes it (a
+linear router, top-k, softmax over the chosen logits, a Python loop over ``nn.ModuleList`` experts with
+``torch.where``) plus the Switch Transformer auxiliary load-balancing loss.
 Each factory returns ``(model, example_batch)`` where ``model(*batch)`` returns the loss.
 """
 from __future__ import annotations
@@ -183,6 +186,71 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class Expert(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routing over ``n_expert`` SwiGLU experts; ``aux`` holds the last call's load-balancing loss
+    ``n_expert * sum_e(fraction of routed slots to e * mean router probability of e)``."""
+
+    def __init__(self, dim, hidden, n_expert=4, top_k=2):
+        super().__init__()
+        self.gate = nn.Linear(dim, n_expert, bias=False)
+        self.experts = nn.ModuleList([Expert(dim, hidden) for _ in range(n_expert)])
+        self.top_k = top_k
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.view(-1, shape[-1])
+        logits = self.gate(x)
+        weights, selected = torch.topk(logits, self.top_k)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).to(x.dtype)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            batch_idx, nth = torch.where(selected == i)
+            out[batch_idx] += weights[batch_idx, nth, None] * expert(x[batch_idx])
+        routed = F.one_hot(selected, len(self.experts)).float().sum(1).mean(0) / self.top_k
+        self.aux = len(self.experts) * (routed * F.softmax(logits.float(), -1).mean(0)).sum()
+        return out.view(shape)
+
+
+class MoEBlock(LlamaBlock):
+    def __init__(self, dim, n_head, n_kv_head, hidden, max_len, n_expert, top_k):
+        super().__init__(dim, n_head, n_kv_head, hidden, max_len)
+        del self.w1, self.w2, self.w3
+        self.moe = SparseMoE(dim, hidden, n_expert, top_k)
+
+    def forward(self, x, mask):
+        h = x + self.attention(self.attention_norm(x), mask)
+        return h + self.moe(self.ffn_norm(h))
+
+
+class Mixtral(Llama):
+    """``Llama`` with a sparse MoE MLP in every block; the loss adds ``aux_weight`` times the blocks'
+    load-balancing losses."""
+
+    def __init__(self, n_expert=4, top_k=2, aux_weight=0.01, **kw):
+        super().__init__(**kw)
+        dim, n_head = self.tok_embeddings.embedding_dim, self.layers[0].attention.n_head
+        n_kv, hidden = self.layers[0].attention.n_kv_head, self.layers[0].w1.out_features
+        max_len = self.layers[0].attention.cos.shape[0]
+        self.layers = nn.ModuleList([MoEBlock(dim, n_head, n_kv, hidden, max_len, n_expert, top_k)
+                                     for _ in self.layers])
+        self.aux_weight = aux_weight
+
+    def forward(self, tokens, targets):
+        loss = super().forward(tokens, targets)
+        return loss + self.aux_weight * sum(layer.moe.aux for layer in self.layers)
+
+
 def _modulate(x, shift, scale):
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
@@ -267,6 +335,13 @@ def llama(batch_size=4, seq_len=64, **kw):
     return model, (tok, torch.roll(tok, -1, dims=1))
 
 
+def moe(batch_size=4, seq_len=64, **kw):
+    """A small Mixtral-style decoder (4 experts, top-2, hand-written routing loop) and one batch."""
+    model = Mixtral(max_len=max(seq_len, 64), **kw)
+    tok = torch.randint(0, model.tok_embeddings.num_embeddings, (batch_size, seq_len))
+    return model, (tok, torch.roll(tok, -1, dims=1))
+
+
 def dit(batch_size=4, img=16, **kw):
     """A small class-conditional DiT and one batch: latents, timesteps, labels, noise."""
     model = DiT(img=img, **kw)
@@ -274,4 +349,4 @@ def dit(batch_size=4, img=16, **kw):
                    torch.randint(0, 10, (batch_size,)), torch.randn(batch_size, 4, img, img))
 
 
-EXAMPLES = {"gpt": gpt, "llama": llama, "dit": dit}
+EXAMPLES = {"gpt": gpt, "llama": llama, "dit": dit, "moe": moe}

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsmath.kernels import SPECS
+from opsmath.kernels.grouped_mm import LOAD_STEPS, LOADS
 
 from .api import state_of
 from .match import Decline, Match
@@ -64,10 +65,27 @@ class Report(Rendered):
         return sum(m.pattern == pattern for m in self.matches)
 
     # ---- machine-readable ---------------------------------------------------------------------
+    def expert_load(self) -> list[dict]:
+        """Per rewritten MoE layer that ran: ``layer``, ``calls`` and ``tokens`` ([steps][experts], the
+        tokens each expert received in each of the last ``LOAD_STEPS`` calls), ``imbalance`` (the busiest
+        expert's mean over the experts' mean, 1.0 = balanced) and ``starved`` (experts that got no token
+        in any of those calls)."""
+        rows = []
+        for m in self.matches:
+            site = m.details.get("load_site")
+            if site is None or not LOADS[site].calls:
+                continue
+            counts = LOADS[site].counts().double()
+            per_expert = counts.mean(0)
+            rows.append(dict(layer=LOADS[site].where, calls=LOADS[site].calls, tokens=counts.long().tolist(),
+                             imbalance=(per_expert.max() / per_expert.mean().clamp_min(1e-9)).item(),
+                             starved=[e for e in range(counts.shape[1]) if counts[:, e].sum() == 0]))
+        return rows
+
     def to_dict(self) -> dict:
         return dict(model=self.model_name, graphs=[g.to_dict() for g in self.graphs],
                     eager_regions=[r.to_dict() for r in self.eager_regions], fallback_errors=self.fallback_errors,
-                    unoptimized_calls=self.unoptimized_calls)
+                    unoptimized_calls=self.unoptimized_calls, expert_load=self.expert_load())
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -83,6 +101,13 @@ class Report(Rendered):
             yield self._graph_panel(g)
         if self.eager_regions:
             yield self._eager_table()
+        load = self.expert_load()
+        if load:
+            yield self._load_table(load)
+        for r in load:
+            if r["starved"]:
+                yield Text(f"warning: in {r['layer']}, expert(s) {r['starved']} got no tokens in the last "
+                           f"{len(r['tokens'])} steps", style="red")
         for err in self.fallback_errors:
             yield Text(f"fallback: {err}", style="red")
         if self.unoptimized_calls:
@@ -146,6 +171,18 @@ class Report(Rendered):
         t.add_column("how", overflow="fold")
         for r in self.eager_regions:
             t.add_row(r.kind, r.location, r.reason + (f": {r.code}" if r.code else ""))
+        return t
+
+    @staticmethod
+    def _load_table(load: list[dict]) -> Table:
+        t = Table(title=f"expert load (tokens per expert, last {LOAD_STEPS} steps at most)", title_justify="left",
+                  show_header=True, header_style="bold", box=None, padding=(0, 1))
+        for col in ("layer", "steps", "per expert (mean)", "min", "max", "imbalance"):
+            t.add_column(col, no_wrap=True)
+        for r in load:
+            mean = [sum(c) / len(r["tokens"]) for c in zip(*r["tokens"])]
+            t.add_row(r["layer"], str(len(r["tokens"])), _sparkline([round(x) for x in mean], 16),
+                      f"{min(mean):.0f}", f"{max(mean):.0f}", f"{r['imbalance']:.2f}x")
         return t
 
     @staticmethod

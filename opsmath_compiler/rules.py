@@ -14,7 +14,9 @@ when that is not the anchor itself.
 
 ``after`` lists families whose rewrites must come first (e.g. ``cross_entropy`` takes only the losses
 ``linear_cross_entropy`` left). ``ordered()`` sorts the registered rules topologically by it, ties in
-registration order. ``dynamic_shapes`` says the rule is sound on graphs with symbolic sizes.
+registration order. ``dynamic_shapes`` says the rule is sound on graphs with symbolic sizes;
+``data_dependent_shapes`` that it is offered anchors whose sizes are known only at run time (the
+unbacked sizes of ``torch.where(mask)``, ``nonzero``): other rules never see those.
 ``finalize(ctx)`` runs once all rules have applied (the attention family chooses its backends there).
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Optional
 
 import networkx as nx
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .match import RewriteContext
 
@@ -32,6 +35,7 @@ class Rule:
     anchors: tuple = ()
     after: tuple[str, ...] = ()
     dynamic_shapes: bool = False
+    data_dependent_shapes: bool = False
 
     def match(self, ctx: RewriteContext, node: fx.Node) -> Any:
         raise NotImplementedError
@@ -50,10 +54,17 @@ class Rule:
         for node in anchored(ctx.graph, self.anchors):
             if getattr(node, "_erased", False):
                 continue
+            if not self.data_dependent_shapes and data_dependent(node):
+                continue
             plan = self.match(ctx, node)
             if plan is not None:
                 ctx.offer(self.name, self.anchor_for(node, plan), plan,
                           lambda node=node, plan=plan: self.emit(ctx, node, plan))
+
+
+def data_dependent(node: fx.Node) -> bool:
+    """Whether ``node``'s value or one of its inputs' has a size known only at run time."""
+    return any(free_unbacked_symbols(n.meta.get("val")) for n in (node, *node.all_input_nodes))
 
 
 def anchored(graph: fx.Graph, targets) -> list[fx.Node]:

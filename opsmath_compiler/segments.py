@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from opsmath.kernels import spec_of
 
-from .canonicalize import aten
+from .canonicalize import aten, size_hint
 
 _FLOP_RATE, _BYTE_RATE, _LAUNCH_S = 400e12, 3e12, 5e-6
 USER_REGION = "opsmath_checkpoint_region"   # meta["custom"] key of an inlined checkpoint body's nodes
@@ -31,9 +31,9 @@ USER_REGION = "opsmath_checkpoint_region"   # meta["custom"] key of an inlined c
 def _nbytes(node) -> int:
     v = node.meta.get("val")
     if isinstance(v, torch.Tensor):
-        return v.untyped_storage().nbytes()
+        return size_hint(v.untyped_storage().nbytes())
     if isinstance(v, (tuple, list)):
-        return sum(t.untyped_storage().nbytes() for t in v if isinstance(t, torch.Tensor))
+        return sum(size_hint(t.untyped_storage().nbytes()) for t in v if isinstance(t, torch.Tensor))
     return 0
 
 

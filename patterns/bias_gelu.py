@@ -76,7 +76,8 @@ def _feeds_gemms(node, depth: int = 4) -> bool:
 class BiasGeluRule(Rule):
     name = "bias_gelu"
     anchors = (aten.gelu.default, aten.mul.Tensor)   # the library op, or the last mul of the spelled form
-    after = ("dropout_add_norm",)    # a dropout both could take goes with the residual add and norm
+    after = ("dropout_add_norm", "experts")   # a dropout both could take goes with the residual add
+    # and norm; inside an expert, the grouped rows (static sizes) are what it can fuse
 
     def match(self, ctx: RewriteContext, n: fx.Node):
         if is_op(n, {aten.gelu.default}):

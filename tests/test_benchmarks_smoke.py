@@ -22,6 +22,8 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
     ["inductor_partition.py", "--smoke"],
     ["sass_stats.py", "--op", "dropout_add_norm", "--width", "256", "--config", "1"],
     ["dynamic_guards.py", "--inductor", "0"],
+    ["moe.py", "--smoke", "--variants", "torch.compile,opsmath.optimize"],
+    ["moe.py", "--smoke", "--curve", "3"],
 ], ids=lambda a: a[0])
 def test_benchmark_script_smoke(args, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), OPSMATH_CACHE_DIR=str(tmp_path / "cache"))

@@ -29,7 +29,7 @@ def test_every_kernel_compiles_for_sm90(triton_on_cpu):
     from opsmath.kernels import SPECS
     launches: list = []
     torch.manual_seed(0)
-    for spec in SPECS.values():      # every op's spec says how to reach each of its launches
+    for spec in [s for s in SPECS.values() if s.triton]:   # every op's spec says how to reach its launches
         assert spec.exercise is not None, f"op spec {spec.family} has no exercise"
         mine: list = []
         with record_launches(mine):

@@ -213,7 +213,7 @@ def test_identical_rewrites_grouped_and_no_token_split(width):
     rep = opsmath.report(_optimized_gpt())
     text = rep.render(width=width)
     assert max(len(line) for line in text.splitlines()) <= width
-    assert "attention x2  examples.py:37" in text and "bias_gelu x2" in text
+    assert re.search(r"attention x2  examples\.py:\d+", text) and "bias_gelu x2" in text
     words = text.replace("│", " ").split()
     for token in ("opsmath::attention(scale=0.25,", "causal,", "eps=1e-05,", "opsmath::bias_gelu(256"):
         assert token in words, (token, text)

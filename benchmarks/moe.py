@@ -1,0 +1,165 @@
+"""Mixture-of-experts training steps: ``torch.compile`` vs ``opsmath.optimize``, interleaved in one process.
+
+Models (bf16 weights, torch fused AdamW, B4 T2048 unless ``--batch``/``--seq``):
+- ``mixtral``: Hugging Face Mixtral-style (hidden 1024, 8 layers, GQA 16/8, 8 experts top-2, MLP 2816) as
+  it loads by default (SDPA attention, the ``grouped_mm`` experts implementation);
+- ``mixtral-eager-experts``: the same with ``experts_implementation="eager"`` (a loop over hit experts);
+- ``qwen2_moe``: Qwen2-MoE-style, 64 experts top-8 (MLP 704) plus a gated shared expert (2816);
+- ``loop``/``loop64``: ``opsmath.examples.Mixtral`` at the same sizes, the Mistral reference's routing
+  loop over ``nn.ModuleList`` experts with ``torch.where`` (8 top-2; 64 top-8 with MLP 704);
+- ``loop-imbalanced``: ``loop`` with a router bias that puts expert 0 in every token's top-2 (half of
+  all routed slots on one expert).
+
+Per variant: median and spread of per-round median step times (``--rounds`` rounds of ``--steps``), GPU
+kernel time per step, the step's peak memory above what is resident, and for opsmath what it rewrote.
+
+    python benchmarks/moe.py [--models loop,mixtral] [--rounds 5] [--steps 3] [--variants ...] [--smoke]
+    python benchmarks/moe.py --curve 200 --models loop --batch 2 --seq 1024     # loss curves vs eager
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import opsmath
+from opsmath import examples
+from _harness import write
+from hf_default_attention import Variant
+
+HF = {  # name: (transformers class, config class, config kwargs)
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
+        hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=2816, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=4096)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=2816, moe_intermediate_size=704, shared_expert_intermediate_size=2816,
+        num_experts=64, num_experts_per_tok=8, vocab_size=32000, max_position_embeddings=4096)),
+}
+LOOP = {"loop": dict(n_expert=8, top_k=2, hidden=2816), "loop64": dict(n_expert=64, top_k=8, hidden=704)}
+TINY = dict(dim=64, n_layer=2, n_head=4, n_kv_head=2, vocab_size=256)
+SIZE = dict(dim=1024, n_layer=8, n_head=16, n_kv_head=8, vocab_size=32000)
+
+
+def build(name: str, device: str, seq: int, seed: int = 0):
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    base = name.replace("-eager-experts", "").replace("-imbalanced", "")
+    if base in HF:
+        import transformers
+        cls, cfg_cls, cfg = HF[base]
+        extra = dict(experts_implementation="eager") if name.endswith("eager-experts") else {}
+        model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**cfg, **extra))
+        batch = lambda ids: dict(input_ids=ids, labels=ids, use_cache=False)   # noqa: E731
+    else:
+        size = TINY if device == "cpu" else SIZE
+        model = examples.Mixtral(max_len=seq, **size, **LOOP[base])
+        if name.endswith("imbalanced"):
+            for layer in model.layers:
+                gate = layer.moe.gate
+                layer.moe.gate = torch.nn.Linear(gate.in_features, gate.out_features)
+                with torch.no_grad():
+                    layer.moe.gate.weight.copy_(gate.weight)
+                    layer.moe.gate.bias.zero_()[0] = 10.0
+        batch = lambda ids: (ids, torch.roll(ids, -1, dims=1))                   # noqa: E731
+    return model.to(device=device, dtype=dtype).train(), batch
+
+
+class MoEVariant(Variant):
+    def step(self):
+        out = self.model(**self.batch) if isinstance(self.batch, dict) else self.model(*self.batch)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+
+VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m}
+
+
+def run(name, rounds, steps, device, labels, B, T):
+    vocab = (TINY if device == "cpu" else SIZE)["vocab_size"]
+    torch.manual_seed(0)
+    ids = torch.randint(0, vocab, (B, T), device=device)
+    torch._dynamo.reset()
+    variants = []
+    for label in labels:
+        model, batch = build(name, device, T)
+        variants.append(MoEVariant(label, VARIANTS[label](model), batch(ids), device))
+    for v in variants:
+        v.warm_up()
+        print(f"{name} {v.label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
+    for _ in range(rounds):     # A B A B: host noise falls on both
+        for v in variants:
+            v.timed_round(steps)
+    rows = [v.row() for v in variants]
+    for r in rows:
+        r["speedup_vs_first"] = rows[0]["ms"] / r["ms"]
+        print(f"{name:22} {r['name']:18} {r['ms']:8.2f} ms [{r['ms_min']:.2f}-{r['ms_max']:.2f}] "
+              f"gpu {r.get('gpu_ms', 0):8.2f} ms peak {r.get('step_peak_gib', 0):6.2f} GiB "
+              f"x{r['speedup_vs_first']:.3f} {r.get('rewrites', '')} graphs {r.get('graphs', '')} "
+              f"{r.get('fallbacks', '')}", flush=True)
+    return dict(batch=[B, T], rows=rows)
+
+
+def curve(name, steps, device, B, T, lr=3e-4):
+    """Loss per step of eager and opsmath from one initialization on one data stream, and of eager from
+    another initialization (``eager, seed 1``): the run-to-run noise the opsmath curve is judged against."""
+    vocab = (TINY if device == "cpu" else SIZE)["vocab_size"]
+    curves = {}
+    for label, seed, wrap in (("eager", 0, None), ("opsmath.optimize", 0, opsmath.optimize), ("eager, seed 1", 1, None)):
+        torch._dynamo.reset()
+        model, batch = build(name, device, T, seed=seed)
+        model = wrap(model) if wrap else model
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device == "cuda")
+        data = torch.Generator(device="cpu").manual_seed(1234)
+        losses = []
+        for _ in range(steps):
+            ids = torch.randint(0, vocab, (B, T), generator=data).to(device)
+            inputs = batch(ids)
+            out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+            loss = out if isinstance(out, torch.Tensor) else out.loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        curves[label] = losses
+        print(f"{name} {label}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    gap = max(abs(a - b) for a, b in zip(curves["eager"], curves["opsmath.optimize"]))
+    noise = max(abs(a - b) for a, b in zip(curves["eager"], curves["eager, seed 1"]))
+    tail = lambda c: sum(c[-20:]) / len(c[-20:])   # noqa: E731
+    print(f"{name}: max |opsmath - eager| {gap:.4f}, max |eager seed 1 - eager| {noise:.4f}; last-20 means "
+          + ", ".join(f"{k} {tail(v):.4f}" for k, v in curves.items()), flush=True)
+    return dict(batch=[B, T], lr=lr, curves=curves, max_gap=gap, max_seed_gap=noise)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="loop,loop64,loop-imbalanced,mixtral,qwen2_moe")
+    ap.add_argument("--variants", default="torch.compile,opsmath.optimize")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--curve", type=int, default=0, help="loss curves of this many steps instead of timing")
+    ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script, measures nothing")
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.rounds, args.steps, args.batch, args.seq = 2, 1, 2, 32
+        args.models = "loop,loop-imbalanced"
+    out = {}
+    for n in args.models.split(","):   # written after each model: a run cut short keeps what it measured
+        if args.curve:
+            out[n] = curve(n, args.curve, device, args.batch, args.seq)
+        else:
+            out[n] = run(n, args.rounds, args.steps, device, args.variants.split(","), args.batch, args.seq)
+        if not args.smoke:
+            print("wrote", write("moe" + ("-curve" if args.curve else "") + args.tag, out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
