@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from opsmath.kernels import SPECS
 
@@ -190,7 +191,11 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     before_launches = kernel_launches(captured.gm)
     # byte counts of a graph with symbolic sizes would be formulas: not analyzed (nor planned)
     analyze = state.analyze and not captured.dynamic
-    before_by_node = saved_bytes_by_node(captured.gm, captured.requires_grad) if analyze else None
+    # a graph with data-dependent sizes (a loop over experts) is slow to run on fake tensors and its
+    # byte counts would be bounds: the replacement (static sizes, once the loop is rewritten) is analyzed
+    data_dependent = any(free_unbacked_symbols(n.meta.get("val")) for n in captured.gm.graph.nodes)
+    before_by_node = saved_bytes_by_node(captured.gm, captured.requires_grad) \
+        if analyze and not data_dependent else None
     before_saved = sum(before_by_node.values()) if before_by_node is not None else None
     before_nx = to_networkx(captured.gm)
     use_inductor = _uses_inductor(state, example_inputs)

@@ -70,33 +70,27 @@ def _slices(ps: list) -> Optional[tuple[fx.Node, int]]:
     return (ps[0].args[0], first) if [p.args[2] for p in ps] == list(range(first, first + len(ps))) else None
 
 
-def body_of(ex: Expert) -> list[fx.Node] | str:
-    """The nodes computing ``ex.contrib`` from the routed indices, in graph order; a reason if a value
-    inside is read by anything outside the expert."""
-    start = {ex.tok, ex.pos} - {None}
+def body_of(ex: Expert, position: dict) -> list[fx.Node] | str:
+    """The nodes computing ``ex.contrib`` from the routed indices, in graph order (``position``: node ->
+    index in the graph); a reason if a value inside is read by anything outside the expert."""
+    start, stop = {ex.tok, ex.pos} - {None}, {ex.acc, *ex.extra}
+    reach, todo = set(), list(start)          # everything downstream of the indices, up to the output
+    while todo:
+        for u in todo.pop().users:
+            if u not in reach and u not in stop:
+                reach.add(u)
+                todo.append(u)
     inside, todo = set(), [ex.contrib]
     while todo:
         n = todo.pop()
-        if n in inside or n in start or not isinstance(n, fx.Node):
-            continue
-        if depends_on(n, start):
+        if n in reach and n not in inside:
             inside.add(n)
             todo.extend(n.all_input_nodes)
-    allowed = inside | {ex.acc, *ex.extra}
+    allowed = inside | stop
     for n in inside:
         if any(u not in allowed for u in n.users):
             return f"{n.name}, inside expert {ex.eid}, is also read outside it"
-    return [n for n in ex.contrib.graph.nodes if n in inside]
-
-
-def depends_on(n: fx.Node, start: set, _memo: Optional[dict] = None) -> bool:
-    memo = {} if _memo is None else _memo
-    if n in start:
-        return True
-    if n not in memo:
-        memo[n] = False
-        memo[n] = any(depends_on(i, start, memo) for i in n.all_input_nodes)
-    return memo[n]
+    return sorted(inside, key=position.__getitem__)
 
 
 class Correspondence:

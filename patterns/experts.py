@@ -119,7 +119,7 @@ def _experts(graph: fx.Graph, sel: fx.Node) -> list[tuple[fx.Node, int, tuple]]:
     return found
 
 
-def _occurrence(where, eid, axes) -> Expert | str:
+def _occurrence(where, eid, axes, position) -> Expert | str:
     outs = {u.args[1]: u for u in where.users if u.target is operator.getitem}
     tok = outs.get(axes.index(0))
     pos = outs.get(axes.index(1)) if len(axes) == 2 else None
@@ -130,7 +130,7 @@ def _occurrence(where, eid, axes) -> Expert | str:
         return f"expert {eid}'s rows are not added into an output by index"
     ex = Expert(eid, where, tok, pos, acc[1], acc[2], acc[3])
     ex.acc_in = acc[0]
-    body = body_of(ex)
+    body = body_of(ex, position)
     if isinstance(body, str):
         return body
     ex.body = body
@@ -184,14 +184,14 @@ def plan_loop(graph: fx.Graph, where: fx.Node) -> Loop | str | None:
     found = _experts(graph, sel)
     if min(found, key=lambda f: f[1])[0] is not where or len(found) < 2:
         return None
-    experts = [_occurrence(*f) for f in found]
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    experts = [_occurrence(*f, position) for f in found]
     for ex in experts:
         if isinstance(ex, str):
             return ex
     ids = sorted(ex.eid for ex in experts)
     if ids != list(range(ids[0], ids[0] + len(ids))):
         return f"experts routed by ids {ids}, not consecutive"
-    position = {n: i for i, n in enumerate(graph.nodes)}
     chain = _chain(experts, position)
     if isinstance(chain, str):
         return chain
