@@ -56,6 +56,7 @@ class OptimizeState:
     eager_regions: list[EagerRegion] = field(default_factory=list)   # left to eager (regions.py), why
     graph_runs: int = 0                     # calls of opsmath's graphs, all together
     unoptimized_calls: int = 0              # model calls that ran none of them (e.g. past the recompile limit)
+    notes: list[str] = field(default_factory=list)   # what rules changed on the module (Rule.prepare)
 
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
@@ -115,6 +116,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
                           memory_budget=memory_budget, analyze=analyze, inductor=inductor,
                           default_patterns=patterns is None, cuda_graphs=bool(cuda_graphs))
     model._opsmath = state
+    state.notes = [note for p in chosen if p.name not in skip for note in p.prepare(model)]
     # dynamo skips a top-level frame that lives in torch/ (``nn.Sequential``, ``nn.TransformerEncoderLayer``
     # called directly): it compiles this frame instead and inlines the module's ``_call_impl`` from here
     def opsmath_frame(*args, **kwargs):

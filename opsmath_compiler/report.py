@@ -52,6 +52,7 @@ class Report(Rendered):
         self.fallback_errors = list(state.fallback_errors)
         self.eager_regions = list(state.eager_regions)
         self.unoptimized_calls = state.unoptimized_calls
+        self.notes = list(state.notes)
 
     @property
     def matches(self) -> list[Match]:
@@ -85,7 +86,7 @@ class Report(Rendered):
     def to_dict(self) -> dict:
         return dict(model=self.model_name, graphs=[g.to_dict() for g in self.graphs],
                     eager_regions=[r.to_dict() for r in self.eager_regions], fallback_errors=self.fallback_errors,
-                    unoptimized_calls=self.unoptimized_calls, expert_load=self.expert_load())
+                    unoptimized_calls=self.unoptimized_calls, expert_load=self.expert_load(), notes=self.notes)
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -95,6 +96,8 @@ class Report(Rendered):
         n_m, n_d = len(self.matches), len(self.declines)
         title = f"opsmath report: {self.model_name}: {len(self.graphs)} graph(s), {n_m} rewrite(s), {n_d} declined"
         yield Text(title, style="bold")
+        for note in self.notes:
+            yield Text(note, style="dim")
         if not self.graphs:
             yield Text("nothing captured yet: call the optimized model once", style="yellow")
         for g in self.graphs:

@@ -46,6 +46,12 @@ class Rule:
     def anchor_for(self, node: fx.Node, plan: Any) -> fx.Node:
         return node
 
+    def prepare(self, model) -> list[str]:
+        """Called once by ``optimize`` before anything is captured, for a choice the family makes on the
+        module itself (a library's implementation switch with the same math); what it changed, for
+        the report."""
+        return []
+
     def finalize(self, ctx: RewriteContext) -> None:
         """A pass after every rule has matched and emitted (e.g. attention's backend choice, which
         measures kernels): what must not run while matching, so that matching stays pure."""

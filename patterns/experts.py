@@ -287,6 +287,23 @@ class ExpertsRule(Rule):
     def match(self, ctx: RewriteContext, where: fx.Node):
         return plan_loop(ctx.graph, where)
 
+    def prepare(self, model) -> list[str]:
+        """Hugging Face experts set to ``experts_implementation="eager"`` loop over the experts that got
+        tokens (``for i in expert_hit``: a graph break per expert, which no graph rewrite can undo):
+        switched to the library's own ``"grouped_mm"``, the same function."""
+        notes = []
+        for m in model.modules():
+            cfg = getattr(m, "config", None)
+            if getattr(cfg, "_experts_implementation", None) == "eager" and hasattr(m, "set_experts_implementation"):
+                try:
+                    m.set_experts_implementation("grouped_mm")
+                except (ValueError, KeyError, ImportError) as e:
+                    notes.append(f"experts: {type(m).__name__} keeps experts_implementation='eager' ({e})")
+                    continue
+                notes.append(f"experts: {type(m).__name__}'s experts_implementation 'eager' (a graph break per "
+                             "expert) switched to its 'grouped_mm' (the same function)")
+        return notes
+
     def emit(self, ctx: RewriteContext, where: fx.Node, loop: Loop) -> None:
         last = loop.experts[-1].acc
         before = [node_line(n) for n in [loop.first.where, *loop.first.body, loop.first.acc]]

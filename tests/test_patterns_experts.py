@@ -204,3 +204,23 @@ def test_cuda_bf16_experts_under_inductor_train_like_eager():
     flat = [torch.cat([p.grad.float().flatten() for p in m.parameters()]) for m in (reference, eager, opt)]
     err_e, err_o = ((flat[i] - flat[0]).norm() / flat[0].norm() for i in (1, 2))
     assert err_o <= 3 * err_e + 2e-2, (err_o.item(), err_e.item())
+
+
+def test_hugging_face_eager_experts_switched_to_grouped_mm():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64, vocab_size=100,
+                                        num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager")
+    model = transformers.MixtralForCausalLM(config)
+    ids = torch.randint(0, 100, (2, 12))
+    eager, opt = copy.deepcopy(model), opsmath.optimize(copy.deepcopy(model))
+    le, lo = eager(input_ids=ids, labels=ids).loss, opt(input_ids=ids, labels=ids).loss
+    le.backward()
+    lo.backward()
+    assert rel_err(lo.detach(), le.detach()) <= 1e-5
+    for (name, p), q in zip(eager.named_parameters(), opt.parameters()):
+        assert grads_close(q.grad, p.grad, rtol=1e-4), name
+    rep = opsmath.report(opt)
+    assert len(rep.graphs) == 1 and any("grouped_mm" in n for n in rep.notes)
+    assert eager.config._experts_implementation == "eager"      # the user's other copies are untouched
