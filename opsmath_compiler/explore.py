@@ -113,6 +113,10 @@ class Exploration(Rendered):
         ax.set_title(title + " (red: rewritten, grey: skipped)", fontsize=9)
         return ax
 
+    def plot_expert_load(self, ax=None):
+        """Tokens per expert of each rewritten MoE layer in the exploration's run (``Report.plot_expert_load``)."""
+        return self.report.plot_expert_load(ax)
+
     def __rich_console__(self, console, options):
         t = Table(title=f"opsmath.explore: {len(self.candidates)} candidates, {len(self.declines)} declined",
                   box=None, padding=(0, 1))

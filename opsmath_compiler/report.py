@@ -83,6 +83,28 @@ class Report(Rendered):
                              starved=[e for e in range(counts.shape[1]) if counts[:, e].sum() == 0]))
         return rows
 
+    def plot_expert_load(self, ax=None):
+        """Tokens per expert (mean over the kept steps) per rewritten MoE layer as a heatmap, each row
+        titled with its imbalance; starved experts crossed out. Returns the matplotlib Axes."""
+        import matplotlib.pyplot as plt
+        load = self.expert_load()
+        if not load:
+            raise ValueError("no rewritten mixture-of-experts layer has run yet")
+        width = max(len(r["tokens"][0]) for r in load)
+        grid = [[sum(c) / len(r["tokens"]) for c in zip(*r["tokens"])] + [float("nan")] * (width - len(r["tokens"][0]))
+                for r in load]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(min(14, 2 + 0.25 * width), 1 + 0.35 * len(load)))
+        image = ax.imshow(grid, aspect="auto", cmap="viridis")
+        ax.figure.colorbar(image, ax=ax, label="tokens per step")
+        ax.set_yticks(range(len(load)), [f"{r['layer']} ({r['imbalance']:.2f}x)" for r in load], fontsize=7)
+        ax.set_xlabel("expert")
+        for i, r in enumerate(load):
+            for e in r["starved"]:
+                ax.text(e, i, "x", ha="center", va="center", color="red")
+        ax.set_title("expert load (imbalance: busiest expert / mean)", fontsize=9)
+        return ax
+
     def to_dict(self) -> dict:
         return dict(model=self.model_name, graphs=[g.to_dict() for g in self.graphs],
                     eager_regions=[r.to_dict() for r in self.eager_regions], fallback_errors=self.fallback_errors,

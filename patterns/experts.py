@@ -241,8 +241,9 @@ def _routed(ctx: RewriteContext, loop: Loop, like: fx.Node) -> dict:
     srt = call(aten.sort.stable, key, stable=True, dim=0)
     sorted_key, order = call(operator.getitem, srt, 0), call(operator.getitem, srt, 1)
     k = shape(loop.sel)[1] if len(shape(loop.sel)) == 2 else 1
+    two_d = len(shape(loop.sel)) == 2          # [T, k] (a slot per token, k = 1 included) or [T]
     tok = call(aten.div.Tensor_mode, order, k, rounding_mode="floor") if k > 1 else order
-    pos = call(aten.remainder.Scalar, order, k) if k > 1 else None
+    pos = call(aten.remainder.Scalar, order, k) if two_d else None
     bounds = call(aten.arange.start, 1, n + 1, dtype=val(sorted_key).dtype, device=val(sorted_key).device)
     offs = call(aten.searchsorted.Tensor, sorted_key, bounds, out_int32=True)
     offs = call(torch.ops.opsmath.expert_load.default, offs, new_load_site(n, _module_path(like)))

@@ -127,6 +127,8 @@ def _compare(model, x, rewrites=1):
 
 @pytest.mark.parametrize("make,shape", [
     (lambda: examples.SparseMoE(16, 24), (2, 8, 16)),
+    (lambda: examples.SparseMoE(16, 24, n_expert=5, top_k=1), (3, 7, 16)),     # [T, 1] routing
+    (lambda: examples.SparseMoE(20, 12, n_expert=7, top_k=3), (1, 9, 20)),
     (OneHotLoop, (2, 7, 30)),
     (StackedLoop, (13, 16)),
     (lambda: StackedLoop(experts=range(2, 4)), (13, 16)),
@@ -224,3 +226,27 @@ def test_hugging_face_eager_experts_switched_to_grouped_mm():
     rep = opsmath.report(opt)
     assert len(rep.graphs) == 1 and any("grouped_mm" in n for n in rep.notes)
     assert eager.config._experts_implementation == "eager"      # the user's other copies are untouched
+
+
+def test_expert_load_in_report_with_imbalance_and_starvation_warning():
+    torch.manual_seed(0)
+    model = examples.SparseMoE(16, 24, n_expert=4, top_k=1)
+    with torch.no_grad():            # expert 3 never wins the top-1 choice; expert 0 nearly always
+        model.gate.weight.zero_()
+        model.gate.weight[3].fill_(-1.0)
+    x = torch.randn(6, 5, 16).abs()
+    with torch.no_grad():
+        model.gate.weight[0] = 1.0 + 0.01 * torch.randn(16)
+    opt = opsmath.optimize(model)
+    for _ in range(3):
+        opt(x).sum().backward()
+    rep = opsmath.report(opt)
+    (load,) = rep.expert_load()
+    assert load["calls"] == 3 and len(load["tokens"]) == 3
+    assert all(sum(step) == 30 for step in load["tokens"])         # top-1: one slot per token
+    assert load["starved"] == [1, 2, 3] and load["imbalance"] == pytest.approx(4.0)
+    text = rep.render(width=100)
+    assert "expert load" in text and "got no tokens" in text
+    assert rep.to_dict()["expert_load"][0]["tokens"] == load["tokens"]
+    pytest.importorskip("matplotlib")
+    assert rep.plot_expert_load() is not None
