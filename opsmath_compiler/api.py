@@ -62,8 +62,9 @@ class OptimizeState:
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
              inductor=None, cuda_graphs=False, **options) -> torch.nn.Module:
     """Rewrite ``model``'s fusable subgraphs (attention, dropout-add-norm, the LM-head loss, cross-entropy,
-    SwiGLU, bias-GELU, scaled softmax: ``opsmath.patterns.NAMES``) into fused kernels, lazily, at the
-    first call; on CUDA the families Inductor does better are left to it (``INDUCTOR_FUSES_BETTER``).
+    SwiGLU, bias-GELU, scaled softmax, loops over mixture-of-experts experts: ``opsmath.patterns.NAMES``)
+    into fused kernels, lazily, at the first call; on CUDA the families Inductor does better are left to
+    it (``INDUCTOR_FUSES_BETTER``).
 
     Args:
         model: any ``nn.Module``; it is compiled in place and returned (same object).
