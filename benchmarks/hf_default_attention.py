@@ -40,6 +40,10 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
         intermediate_size=36864, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=144,
         attn_implementation="eager"), 4, 2048),
+    # Llama-3-8B's layer shape (hidden 4096, MLP 14336, GQA 32/8), 4 layers, sequence 4096: GEMM-bound
+    "llama8b4": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=32000, max_position_embeddings=8192), 2, 4096),
     "tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=256), 2, 32),
@@ -118,6 +122,7 @@ VARIANTS = {  # label: (wrap the built model, attn_implementation or None for th
     "torch.compile": (torch.compile, None),
     "opsmath.optimize": (opsmath.optimize, None),
     "torch.compile (flex_attention)": (torch.compile, "flex_attention"),
+    "opsmath.optimize(fp8=True)": (lambda m: opsmath.optimize(m, fp8=True), None),
 }
 # built after the first variant's warm-up, under an absolute memory_budget at the first variant's total
 # step peak (``planned``): the model without the user's checkpointing
@@ -197,7 +202,8 @@ def main():
     for n in names:   # written after each model: a run cut short keeps what it measured
         out[n] = run(n, args.rounds, args.steps, device, args.gradient_checkpointing, args.variants.split(","))
         if not args.smoke:
-            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n == "gemma2" else "")
+            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n == "gemma2" else "") \
+                + ("-fp8" if any("fp8" in v for v in args.variants.split(",")) else "")
             print("wrote", write("hf_default_attention" + tag, out), flush=True)
 
 

@@ -60,7 +60,7 @@ class OptimizeState:
 
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
-             inductor=None, cuda_graphs=False, **options) -> torch.nn.Module:
+             inductor=None, cuda_graphs=False, fp8=False, **options) -> torch.nn.Module:
     """Rewrite ``model``'s fusable subgraphs (attention, dropout-add-norm, the LM-head loss, cross-entropy,
     SwiGLU, bias-GELU, scaled softmax, loops over mixture-of-experts experts: ``opsmath.patterns.NAMES``)
     into fused kernels, lazily, at the first call; on CUDA the families Inductor does better are left to
@@ -94,6 +94,11 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             are overwritten by the next replay (``.item()`` or clone what you keep), and graphs on CPU
             tensors run without. Needs the Inductor path (not ``inductor=False``). An outer
             ``torch.compile(..., mode="reduce-overhead")`` does not reach opsmath's graphs: ask here.
+        fp8: ``True`` or ``"tensorwise"``: bf16 linear layers whose GEMMs are large enough to gain
+            (``patterns/fp8_linear.py``: K, N and the rows >= 2048) run forward and backward on FP8
+            tensor cores with dynamic tensorwise scaling (e4m3 operands, e5m2 gradients); the report
+            lists every linear as FP8 or not, with the reason. Numerics change beyond the tolerance
+            rule (judge by loss curves). Needs sm_89+ on CUDA; on CPU it runs PyTorch's FP8 reference.
 
     Returns:
         ``model``, whose next call captures and rewrites; ``opsmath.report(model)`` shows the result.
@@ -105,8 +110,13 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     if cuda_graphs and inductor is False:
         raise ValueError("optimize(cuda_graphs=True) replays Inductor's compiled graphs; it needs the Inductor "
                          "path, not inductor=False")
+    if fp8 not in (False, True, "tensorwise"):
+        raise ValueError(f"fp8={fp8!r}: use True or 'tensorwise' (dynamic tensorwise scaling; rowwise and "
+                         "delayed scaling are not implemented)")
     patterns, skip = _names(patterns, "patterns"), _names(skip, "skip") or []
-    chosen = ALL_PATTERNS if patterns is None else [p for p in ALL_PATTERNS if p.name in set(patterns)]
+    enabled = {"fp8": bool(fp8)}
+    chosen = [p for p in ALL_PATTERNS if p.opt_in is None or enabled[p.opt_in]] if patterns is None else \
+        [p for p in ALL_PATTERNS if p.name in set(patterns)]
     unknown = sorted({s.split("@")[0] for s in [*(patterns or []), *skip]} - set(PATTERN_NAMES))
     if unknown:
         raise ValueError(f"unknown pattern families {unknown}; known: {PATTERN_NAMES} (skip also takes one "

@@ -17,6 +17,7 @@ when that is not the anchor itself.
 registration order. ``dynamic_shapes`` says the rule is sound on graphs with symbolic sizes;
 ``data_dependent_shapes`` that it is offered anchors whose sizes are known only at run time (the
 unbacked sizes of ``torch.where(mask)``, ``nonzero``): other rules never see those.
+``opt_in`` names an ``optimize`` keyword (``fp8``) without which the rule is not applied by default.
 ``finalize(ctx)`` runs once all rules have applied (the attention family chooses its backends there).
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Rule:
     after: tuple[str, ...] = ()
     dynamic_shapes: bool = False
     data_dependent_shapes: bool = False
+    opt_in: Optional[str] = None      # an ``optimize`` keyword that must be set for the rule to apply
 
     def match(self, ctx: RewriteContext, node: fx.Node) -> Any:
         raise NotImplementedError

@@ -1,0 +1,100 @@
+"""A linear layer on FP8 tensor cores: ``y = x @ W^T (+ b)`` with both GEMM operands in FP8 and both
+backward GEMMs in FP8, tensorwise dynamic scaling.
+
+    forward:   s_x = amax|x| / 448,  s_w = amax|W| / 448              (e4m3: largest finite 448)
+               y   = scaled_mm(e4m3(x / s_x), e4m3(W / s_w)^T) * s_x * s_w        [M, K] x [K, N]
+    backward:  s_g = amax|dy| / 57344                                 (e5m2: largest finite 57344)
+               dx  = scaled_mm(e5m2(dy / s_g), e4m3 W) * s_g * s_w               [M, N] x [N, K]
+               dW  = scaled_mm(e5m2(dy / s_g)^T, e4m3 x) * s_g * s_x             [N, M] x [M, K]
+               db  = sum_rows dy (bf16, exact as eager)
+
+Shapes: ``x`` [..., K], ``W`` [N, K], ``b`` [N]; K and N multiples of 16 (``torch._scaled_mm``). The
+forward saves the FP8 copies of x and W (half of bf16) and the two scales. The casts and amax
+reductions are plain ATen ops: under Inductor (``opsmath.optimize`` on CUDA) AOTAutograd traces through
+this ``autograd.Function`` and fuses them into the kernels that produce x and dy.
+
+Caveats: FP8 is not within docs/design.md's tolerance rule; its numerics are judged by loss curves
+(BENCHMARKS.md). A tensor whose amax is 0 gets scale 1 (all zeros stay zeros). Overflow cannot happen
+with dynamic scaling; values below the smallest subnormal flush to zero (counted by ``underflow``).
+Runs on CPU too (PyTorch's CPU ``_scaled_mm``): the reference path CI tests.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._spec import OpSpec, backward, leaf, register
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t / s) as dtype, s``: one fp32 scale for the tensor, amax mapped to the format's largest value."""
+    amax = t.abs().amax().float()
+    scale = torch.where(amax > 0, amax / MAX[dtype], torch.ones_like(amax))
+    return (t.float() / scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype), scale
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix laid out column-major (what ``_scaled_mm`` wants for its second operand)."""
+    return t.t().contiguous().t()
+
+
+class FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xq, sx = quantize(x2, E4M3)
+        wq, sw = quantize(w, E4M3)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+        if b is not None:
+            y = y + b
+        ctx.save_for_backward(xq, sx, wq, sw)
+        ctx.shape, ctx.has_bias, ctx.dtype = shape, b is not None, x.dtype
+        return y.reshape(*shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        xq, sx, wq, sw = ctx.saved_tensors
+        g = dy.reshape(-1, dy.shape[-1])
+        gq, sg = quantize(g, E5M2)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = torch._scaled_mm(gq, _col_major(wq), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
+            dx = dx.reshape(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            dw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg, scale_b=sx, out_dtype=ctx.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.sum(0)
+        return dx, dw, db
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, b=None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` with FP8 GEMMs forward and backward (module docstring)."""
+    return FP8Linear.apply(x, w, b)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b=None) -> torch.Tensor:
+    """The same quantization in fp32 matmuls (what tests compare ``fp8_linear`` against)."""
+    xq, sx = quantize(x.reshape(-1, x.shape[-1]), E4M3)
+    wq, sw = quantize(w, E4M3)
+    y = (xq.float() * sx) @ (wq.float() * sw).t()
+    y = (y + b.float() if b is not None else y).to(x.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def underflow(t: torch.Tensor, dtype: torch.dtype = E4M3) -> float:
+    """The share of nonzero elements of ``t`` that tensorwise scaling to ``dtype`` flushes to zero."""
+    q, _ = quantize(t, dtype)
+    nonzero = t != 0
+    return ((q.float() == 0) & nonzero).sum().item() / max(nonzero.sum().item(), 1)
+
+
+def _exercise(dtype):
+    backward(fp8_linear(leaf(4, 32, dtype=torch.bfloat16), leaf(16, 32, dtype=torch.bfloat16)))
+
+
+SPEC = register(OpSpec("fp8_linear", ops=(fp8_linear,), exercise=_exercise, triton=False,
+                       flops=lambda x, w, b=None: 2.0 * x.numel() * w.shape[0],
+                       saves="the FP8 copies of x and W (half of bf16) and their two scales"))

@@ -1,0 +1,84 @@
+"""FP8 linear layers (``optimize(model, fp8=True)``): the FP8 GEMMs forward and backward against the
+same quantization in fp32 matmuls and against bf16, the per-layer decision with its reason, opt-in.
+
+FP8 is outside the tolerance rule: bounds here are the quantization's own error (e4m3 keeps 3 mantissa
+bits, e5m2 2), measured on CPU through PyTorch's FP8 ``_scaled_mm``."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opsmath
+from opsmath.kernels.fp8_linear import E4M3, fp8_linear, quantize, reference, underflow
+from tolerance import rel_err
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch without FP8 dtypes")
+
+
+def test_fp8_linear_matches_its_quantized_reference_and_bf16():
+    torch.manual_seed(0)
+    x = torch.randn(3, 37, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(48, 64) / 8).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(48, dtype=torch.bfloat16, requires_grad=True)
+    y = fp8_linear(x, w, b)
+    assert rel_err(y.float(), reference(x, w, b).float()) < 1e-2            # the same quantization
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert 1e-3 < rel_err(y.float(), ref) < 6e-2                              # FP8's own error
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    gx, gw, gb = torch.autograd.grad(ref, (x, w, b), dy.float())
+    assert rel_err(x.grad.float(), gx) < 0.1 and rel_err(w.grad.float(), gw) < 0.1
+    assert rel_err(b.grad.float(), gb) < 1e-2                                  # bias grad: no FP8
+
+
+def test_quantize_scales_amax_to_the_format_max_and_keeps_zeros():
+    t = torch.tensor([0.0, 1.0, -3.0, 2e-7])
+    q, s = quantize(t, E4M3)
+    assert s.item() == pytest.approx(3.0 / 448) and q.float().abs().max().item() == 448
+    assert q.float()[0] == 0 and underflow(t) == pytest.approx(1 / 3)       # 2e-7 flushes
+    zq, zs = quantize(torch.zeros(4), E4M3)
+    assert zs.item() == 1.0 and zq.float().abs().sum() == 0
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.odd, self.down = nn.Linear(64, 128), nn.Linear(128, 24), nn.Linear(24 + 128 - 24, 64)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return self.down(h) + self.odd(h).sum(-1, keepdim=True)
+
+
+def test_optimize_fp8_rewrites_large_enough_linears_and_says_why_not_others(monkeypatch):
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    eager, opt = copy.deepcopy(model), opsmath.optimize(copy.deepcopy(model), fp8=True)
+    le, lo = eager(x).float().pow(2).mean(), opt(x).float().pow(2).mean()
+    le.backward()
+    lo.backward()
+    assert rel_err(lo.detach(), le.detach()) < 5e-2
+    for p, q in zip(eager.parameters(), opt.parameters()):
+        assert rel_err(q.grad.float(), p.grad.float()) < 0.15
+    rep = opsmath.report(opt)
+    assert sorted(m.details["K"] for m in rep.matches if m.pattern == "fp8_linear") == [64, 128]
+    (why,) = [d.reason for d in rep.declines if d.pattern == "fp8_linear"]
+    assert "multiples of 16" in why
+
+
+def test_fp8_is_opt_in_and_small_gemms_stay_bf16():
+    model = MLP().to(torch.bfloat16)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    plain = opsmath.optimize(copy.deepcopy(model))
+    plain(x).sum().backward()
+    assert not [m for m in opsmath.report(plain).matches if m.pattern == "fp8_linear"]
+    small = opsmath.optimize(copy.deepcopy(model), fp8=True)      # 16 rows, K 64: below MIN_DIM
+    small(x).sum().backward()
+    rep = opsmath.report(small)
+    assert not [m for m in rep.matches if m.pattern == "fp8_linear"]
+    assert any("stays bf16" in d.reason for d in rep.declines if d.pattern == "fp8_linear")
+    with pytest.raises(ValueError, match="rowwise"):
+        opsmath.optimize(copy.deepcopy(model), fp8="rowwise")
