@@ -21,6 +21,7 @@ import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 
 @dataclass
@@ -46,7 +47,8 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
     # Trace under dynamo's own fake mode (as aot_autograd does): a second fake mode would create
     # symbols that dynamo's shape env cannot guard on. Where dynamo made a size dynamic (it changed
     # between calls), trace with dynamo's own symbolic example values: one graph for every length.
-    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    # (a shape env of its own elsewhere: a data-dependent size, ``torch.where``'s, becomes a symbol)
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = _fake_inputs(fake_mode, gm, example_inputs)
     dynamic = any(_symbolic(v) for v in fake_inputs)
     if not dynamic:

@@ -43,6 +43,7 @@ from opsmath.rules import Rule, register_rule
 
 from ._experts_body import Correspondence, Emitter, Expert, body_of, unsupported
 
+WHERES = (aten.where.default, aten.nonzero_numpy.default)   # torch.where(m), torch.nonzero(m, as_tuple=True)
 ZEROS = {aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default}
 BOOKKEEPING = {aten.sym_size.int, aten._assert_scalar.default, aten.sym_constrain_range_for_size.default,
                operator.ge, operator.le, operator.gt, operator.lt, operator.eq}
@@ -112,7 +113,7 @@ class Loop:
 
 def _experts(graph: fx.Graph, sel: fx.Node) -> list[tuple[fx.Node, int, tuple]]:
     found = []
-    for w in graph.find_nodes(op="call_function", target=aten.where.default):
+    for w in [n for t in WHERES for n in graph.find_nodes(op="call_function", target=t)]:
         r = routing(w)
         if r is not None and r[0] is sel:
             found.append((w, r[1], r[2]))
@@ -281,7 +282,7 @@ def _combine(ctx: RewriteContext, loop: Loop, routed: dict, c: fx.Node, like: fx
 
 class ExpertsRule(Rule):
     name = "experts"
-    anchors = (aten.where.default,)
+    anchors = WHERES
     dynamic_shapes = True
     data_dependent_shapes = True
 

@@ -94,6 +94,18 @@ class Top1Loop(nn.Module):
         return out
 
 
+class NonzeroLoop(Top1Loop):
+    """``torch.nonzero(mask, as_tuple=True)`` instead of ``torch.where``, top-2 from topk."""
+
+    def forward(self, x):
+        w, sel = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        for i, e in enumerate(self.experts):
+            tok, slot = torch.nonzero(sel == i, as_tuple=True)
+            out.index_add_(0, tok, e(x[tok]) * w[tok, slot, None])
+        return out
+
+
 class MixedActivations(examples.SparseMoE):
     """Expert 2 computes another function: left as written."""
 
@@ -133,6 +145,7 @@ def _compare(model, x, rewrites=1):
     (StackedLoop, (13, 16)),
     (lambda: StackedLoop(experts=range(2, 4)), (13, 16)),
     (Top1Loop, (11, 16)),
+    (NonzeroLoop, (10, 16)),
 ])
 def test_expert_loop_rewritten_and_trains_like_eager(make, shape):
     torch.manual_seed(0)
@@ -250,3 +263,27 @@ def test_expert_load_in_report_with_imbalance_and_starvation_warning():
     assert rep.to_dict()["expert_load"][0]["tokens"] == load["tokens"]
     pytest.importorskip("matplotlib")
     assert rep.plot_expert_load() is not None
+
+
+class CheckpointedLayers(nn.Module):
+    """Two MoE layers, each under the user's non-reentrant checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = OneHotLoop(), OneHotLoop()
+
+    def forward(self, x):
+        x = x + torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+        return x + torch.utils.checkpoint.checkpoint(self.b, x, use_reentrant=False)
+
+
+def test_expert_loops_inside_user_checkpoints_are_rewritten():
+    torch.manual_seed(0)
+    model, x = CheckpointedLayers(), torch.randn(2, 7, 30)
+    eager, opt = copy.deepcopy(model), opsmath.optimize(copy.deepcopy(model))
+    le, lo = _train_step(eager, x), _train_step(opt, x)
+    assert rel_err(lo.detach(), le.detach()) <= 1e-5
+    for p, q in zip(eager.parameters(), opt.parameters()):
+        assert grads_close(q.grad, p.grad, rtol=1e-4)
+    rep = opsmath.report(opt)
+    assert sum(m.pattern == "experts" for m in rep.matches) == 2 and not rep.fallback_errors
