@@ -110,13 +110,8 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     if cuda_graphs and inductor is False:
         raise ValueError("optimize(cuda_graphs=True) replays Inductor's compiled graphs; it needs the Inductor "
                          "path, not inductor=False")
-    if fp8 not in (False, True, "tensorwise"):
-        raise ValueError(f"fp8={fp8!r}: use True or 'tensorwise' (dynamic tensorwise scaling; rowwise and "
-                         "delayed scaling are not implemented)")
     patterns, skip = _names(patterns, "patterns"), _names(skip, "skip") or []
-    enabled = {"fp8": bool(fp8)}
-    chosen = [p for p in ALL_PATTERNS if p.opt_in is None or enabled[p.opt_in]] if patterns is None else \
-        [p for p in ALL_PATTERNS if p.name in set(patterns)]
+    chosen = _chosen(patterns, fp8)
     unknown = sorted({s.split("@")[0] for s in [*(patterns or []), *skip]} - set(PATTERN_NAMES))
     if unknown:
         raise ValueError(f"unknown pattern families {unknown}; known: {PATTERN_NAMES} (skip also takes one "
@@ -143,6 +138,17 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     # skips this frame instead, and the frames below it go through opsmath (and Inductor) as usual.
     model._compiled_call_impl = torch._dynamo.disable(call, recursive=False)
     return model
+
+
+def _chosen(patterns, fp8) -> list:
+    """The rules ``optimize`` applies: all but the opt-in ones not asked for, or exactly ``patterns``."""
+    if fp8 not in (False, True, "tensorwise"):
+        raise ValueError(f"fp8={fp8!r}: use True or 'tensorwise' (dynamic tensorwise scaling; rowwise and "
+                         "delayed scaling are not implemented)")
+    if patterns is not None:
+        return [p for p in ALL_PATTERNS if p.name in set(patterns)]
+    enabled = {"fp8": bool(fp8)}
+    return [p for p in ALL_PATTERNS if p.opt_in is None or enabled[p.opt_in]]
 
 
 def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
