@@ -27,6 +27,9 @@ ROW_SAFE = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clo
             aten.contiguous.default, aten.alias.default, aten.dropout.default, aten.type_as.default}
 FEATURE_DIM = {aten.softmax.int: 1, aten._softmax.default: 1, aten.log_softmax.int: 1, aten.chunk.default: 2,
                aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.unsqueeze.default: 1}
+# dynamo's checks of a data-dependent size (``u0 >= 0``): read sizes, never values
+BOOKKEEPING = {aten.sym_size.int, aten._assert_scalar.default, aten.sym_constrain_range_for_size.default,
+               operator.ge, operator.le, operator.gt, operator.lt, operator.eq}
 GEMMS = {aten.linear.default, aten.matmul.default, aten.mm.default}
 
 
@@ -88,7 +91,7 @@ def body_of(ex: Expert, position: dict) -> list[fx.Node] | str:
             todo.extend(n.all_input_nodes)
     allowed = inside | stop
     for n in inside:
-        if any(u not in allowed for u in n.users):
+        if any(u not in allowed and u.target not in BOOKKEEPING for u in n.users):
             return f"{n.name}, inside expert {ex.eid}, is also read outside it"
     return sorted(inside, key=position.__getitem__)
 

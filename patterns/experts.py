@@ -41,12 +41,11 @@ from opsmath.kernels.grouped_mm import new_load_site
 from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
 
-from ._experts_body import Correspondence, Emitter, Expert, body_of, unsupported
+from ._experts_body import BOOKKEEPING, Correspondence, Emitter, Expert, body_of, unsupported
 
 WHERES = (aten.where.default, aten.nonzero_numpy.default)   # torch.where(m), torch.nonzero(m, as_tuple=True)
+EMPTY = {aten.empty_like.default, aten.empty.memory_format}
 ZEROS = {aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default}
-BOOKKEEPING = {aten.sym_size.int, aten._assert_scalar.default, aten.sym_constrain_range_for_size.default,
-               operator.ge, operator.le, operator.gt, operator.lt, operator.eq}
 
 
 def routing(where: fx.Node) -> Optional[tuple[fx.Node, int, tuple]]:
@@ -89,7 +88,57 @@ def _accumulation(tok: fx.Node) -> Optional[tuple[fx.Node, fx.Node, fx.Node, tup
             if is_op(v, {aten.add_.Tensor, aten.add.Tensor}) and len(v.args) == 2 and not v.kwargs \
                     and is_op(v.args[0], {aten.index.Tensor}) and list(v.args[0].args[1]) == [tok]:
                 return acc_in, u, v.args[1], (v, v.args[0])
+            if len(shape(tok.args[0].args[0])) == 1:   # y[rows of i] = ...: a 1-D routing, one expert a row
+                return acc_in, u, v, ASSIGN
     return None
+
+
+ASSIGN = ("assign",)   # ``extra`` of an accumulation that assigns its rows (no node of its own)
+
+
+def masks_to_indices(graph: fx.Graph) -> None:
+    """``x[sel == i]`` and ``y[sel == i] = v`` (a boolean mask of a 1-D integer routing, DeepSeek-MoE's
+    spelling) become ``x[where(sel == i)[0]]`` and ``y[where(sel == i)[0]] = v``: the same rows, as an
+    index the loop matcher reads; one ``where`` per (routing, expert), shared by its gathers and writes.
+    Applied only where at least two experts of one routing are masked this way."""
+    sites: dict = {}
+    for n in [*graph.find_nodes(op="call_function", target=aten.index.Tensor),
+              *graph.find_nodes(op="call_function", target=aten.index_put_.default)]:
+        idx = n.args[1]
+        m = idx[0] if len(idx) == 1 else None
+        if is_op(m, {aten.eq.Scalar}) and isinstance(m.args[1], int) and len(shape(m.args[0])) == 1 \
+                and val(m.args[0]).dtype in (torch.int64, torch.int32) and shape(m) == shape(n.args[0])[:1]:
+            sites.setdefault(m.args[0], {}).setdefault(m.args[1], []).append(n)
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for sel, by_id in sites.items():
+        if len(by_id) < 2:
+            continue
+        for eid, users in by_id.items():
+            users.sort(key=position.__getitem__)
+            gathers = [u for u in users if u.target is aten.index.Tensor]
+            if gathers:
+                _index_by_rows(graph, sel, eid, users, val(gathers[0]).shape[0])
+
+
+def _index_by_rows(graph: fx.Graph, sel: fx.Node, eid: int, users: list, count) -> None:
+    """Replace the boolean mask ``sel == eid`` of ``users`` by ``where(sel == eid)[0]``, whose size is the
+    data-dependent row count ``count`` the gathers already carry."""
+    first = users[0]
+    with graph.inserting_before(first):
+        mask = graph.call_function(aten.eq.Scalar, (sel, eid))
+        where = graph.call_function(aten.where.default, (mask,))
+        rows = graph.call_function(operator.getitem, (where, 0))
+    old_mask = first.args[1][0]
+    with val(old_mask).fake_mode:
+        rows.meta["val"] = torch.empty((count,), dtype=torch.int64, device=val(old_mask).device)
+    mask.meta["val"], where.meta["val"] = val(old_mask), (rows.meta["val"],)
+    for n in (mask, where, rows):
+        n.meta.update({k: first.meta[k] for k in ("stack_trace", "nn_module_stack") if k in first.meta})
+    for u in users:
+        old = u.args[1][0]
+        u.args = (u.args[0], [rows], *u.args[2:])
+        if not old.users:
+            graph.erase_node(old)
 
 
 def _from_topk(sel: fx.Node) -> Optional[fx.Node]:
@@ -120,7 +169,7 @@ def _experts(graph: fx.Graph, sel: fx.Node) -> list[tuple[fx.Node, int, tuple]]:
     return found
 
 
-def _occurrence(where, eid, axes, position) -> Expert | str:
+def _occurrence(where, eid, axes, position) -> Expert | str | None:
     outs = {u.args[1]: u for u in where.users if u.target is operator.getitem}
     tok = outs.get(axes.index(0))
     pos = outs.get(axes.index(1)) if len(axes) == 2 else None
@@ -128,9 +177,9 @@ def _occurrence(where, eid, axes, position) -> Expert | str:
         return f"expert {eid}: routing by a {len(axes)}-D index"
     acc = _accumulation(tok)
     if acc is None:
-        return f"expert {eid}'s rows are not added into an output by index"
-    ex = Expert(eid, where, tok, pos, acc[1], acc[2], acc[3])
-    ex.acc_in = acc[0]
+        return None
+    ex = Expert(eid, where, tok, pos, acc[1], acc[2], () if acc[3] is ASSIGN else acc[3])
+    ex.acc_in, ex.assign = acc[0], acc[3] is ASSIGN
     body = body_of(ex, position)
     if isinstance(body, str):
         return body
@@ -142,7 +191,7 @@ def _bookkeeping(ex: Expert) -> Optional[list[fx.Node]]:
     """The shape assertions on ``ex``'s routed indices (dynamo's checks of the unbacked sizes); None if
     the indices are read by anything else outside the expert."""
     inside = {*ex.body, ex.acc, *ex.extra}
-    found, todo = [], [u for g in (ex.tok, ex.pos) if g is not None for u in g.users if u not in inside]
+    found, todo = [], [u for g in (ex.tok, ex.pos, *ex.body) if g is not None for u in g.users if u not in inside]
     while todo:
         n = todo.pop()
         if n in found:
@@ -163,7 +212,8 @@ def _chain(experts: list[Expert], position: dict) -> tuple[fx.Node, list[fx.Node
         if ex.acc_in not in aliases:
             return f"expert {ex.eid} adds into another tensor"
         aliases.append(ex.acc)
-    if init.target not in ZEROS:
+    fresh = ZEROS | (EMPTY if all(ex.assign for ex in experts) else set())
+    if init.target not in fresh:
         return f"the experts add into {init.name}, not a fresh zeros tensor"
     inside = {n for ex in experts for n in (ex.acc, *ex.extra)}
     end, readers = position[experts[-1].acc], []
@@ -187,7 +237,11 @@ def plan_loop(graph: fx.Graph, where: fx.Node) -> Loop | str | None:
         return None
     position = {n: i for i, n in enumerate(graph.nodes)}
     experts = [_occurrence(*f, position) for f in found]
+    if all(ex is None for ex in experts):
+        return None            # rows picked per id but never added into one output: not a MoE loop
     for ex in experts:
+        if ex is None:
+            return "some experts' rows are not added into the output by index"
         if isinstance(ex, str):
             return ex
     ids = sorted(ex.eid for ex in experts)
@@ -285,6 +339,10 @@ class ExpertsRule(Rule):
     anchors = WHERES
     dynamic_shapes = True
     data_dependent_shapes = True
+
+    def apply(self, ctx: RewriteContext) -> None:
+        masks_to_indices(ctx.graph)
+        super().apply(ctx)
 
     def match(self, ctx: RewriteContext, where: fx.Node):
         return plan_loop(ctx.graph, where)

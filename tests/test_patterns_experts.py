@@ -106,6 +106,19 @@ class NonzeroLoop(Top1Loop):
         return out
 
 
+class MaskAssignLoop(Top1Loop):
+    """DeepSeek-MoE's training path: tokens repeated k times, ``y[flat == i] = expert_i(x[flat == i])``
+    into ``empty_like``, then the weighted sum over the k copies."""
+
+    def forward(self, x):
+        w, idx = torch.topk(self.gate(x).softmax(-1), 2)
+        flat, xr = idx.view(-1), x.repeat_interleave(2, dim=0)
+        y = torch.empty_like(xr)
+        for i, e in enumerate(self.experts):
+            y[flat == i] = e(xr[flat == i])
+        return (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1)
+
+
 class MixedActivations(examples.SparseMoE):
     """Expert 2 computes another function: left as written."""
 
@@ -151,6 +164,7 @@ def _compare(model, x, rewrites=1):
     (lambda: StackedLoop(experts=range(2, 4)), (13, 16)),
     (Top1Loop, (11, 16)),
     (NonzeroLoop, (10, 16)),
+    (MaskAssignLoop, (9, 16)),
 ])
 def test_expert_loop_rewritten_and_trains_like_eager(make, shape):
     torch.manual_seed(0)
@@ -280,3 +294,27 @@ def test_expert_loops_inside_user_checkpoints_are_rewritten():
     torch.manual_seed(0)
     rep = _trains_like_eager(CheckpointedLayers(), torch.randn(2, 7, 30))
     assert sum(m.pattern == "experts" for m in rep.matches) == 2 and not rep.fallback_errors
+
+
+class PerClassLoss(nn.Module):
+    """Rows picked per class id, never added into one output: no MoE, nothing to report."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x, labels):
+        h = self.proj(x)
+        return sum(h[labels == c].pow(2).mean() for c in range(3))
+
+
+def test_rows_picked_by_id_without_an_expert_sum_are_not_reported():
+    torch.manual_seed(0)
+    model, x, labels = PerClassLoss(), torch.randn(12, 16), torch.arange(12) % 3
+    eager, opt = copy.deepcopy(model), opsmath.optimize(copy.deepcopy(model))
+    le, lo = eager(x, labels), opt(x, labels)
+    le.backward()
+    lo.backward()
+    assert rel_err(lo.detach(), le.detach()) <= 1e-6
+    rep = opsmath.report(opt)
+    assert not [d for d in rep.declines if d.pattern == "experts"] and not rep.fallback_errors
