@@ -24,6 +24,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
     ["dynamic_guards.py", "--inductor", "0"],
     ["moe.py", "--smoke", "--variants", "torch.compile,opsmath.optimize"],
     ["moe.py", "--smoke", "--curve", "3"],
+    ["multi_gpu.py", "--smoke"],
 ], ids=lambda a: a[0])
 def test_benchmark_script_smoke(args, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), OPSMATH_CACHE_DIR=str(tmp_path / "cache"))
