@@ -318,3 +318,20 @@ def test_rows_picked_by_id_without_an_expert_sum_are_not_reported():
     assert rel_err(lo.detach(), le.detach()) <= 1e-6
     rep = opsmath.report(opt)
     assert not [d for d in rep.declines if d.pattern == "experts"] and not rep.fallback_errors
+
+
+def test_expert_loops_rewritten_when_sequence_lengths_change():
+    torch.manual_seed(0)
+    model, _ = examples.moe()
+    eager, opt = copy.deepcopy(model), opsmath.optimize(copy.deepcopy(model))
+    for T in (64, 48, 40):
+        tok = torch.randint(0, 256, (4, T))
+        lo, le = opt(tok, torch.roll(tok, -1, 1)), eager(tok, torch.roll(tok, -1, 1))
+        lo.backward()
+        le.backward()
+        assert rel_err(lo.detach(), le.detach()) <= 1e-5
+    for p, q in zip(eager.parameters(), opt.parameters()):
+        assert grads_close(q.grad, p.grad, rtol=1e-4)
+    rep = opsmath.report(opt)
+    assert [g.dynamic for g in rep.graphs] == [False, True] and not rep.unoptimized_calls
+    assert all(sum(m.pattern == "experts" for m in g.matches) == 2 for g in rep.graphs)
