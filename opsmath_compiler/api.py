@@ -140,6 +140,14 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     return model
 
 
+def _has_experts(model: torch.nn.Module) -> bool:
+    """Whether ``model`` looks like a mixture of experts (a submodule named ``*expert*``, or a 3-D
+    parameter: experts' weights stacked): only then are data-dependent sizes traced instead of breaking
+    the graph, so other models (a boolean-mask loss) keep torch.compile's behaviour."""
+    return any("expert" in name.lower() for name, _ in model.named_modules()) or \
+        any(p.dim() == 3 for p in model.parameters())
+
+
 def _chosen(patterns, fp8) -> list:
     """The rules ``optimize`` applies: all but the opt-in ones not asked for, or exactly ``patterns``."""
     if fp8 not in (False, True, "tensorwise"):
@@ -154,7 +162,8 @@ def _chosen(patterns, fp8) -> list:
 def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
     """What the optimized module's ``__call__`` runs: dynamo's compiled frame, with opsmath's dynamo
     settings, bookkeeping for the report, and eager's own error for a call that cannot be traced."""
-    experts = any(p.name == "experts" for p in state.patterns)
+    experts = any(p.name == "experts" for p in state.patterns) and "experts" not in state.skip \
+        and _has_experts(model)
 
     def call(*args, **kwargs):
         # Run op by op under autograd, the rewritten graph fires DDP's per-parameter gradient hooks as

@@ -297,14 +297,15 @@ def test_expert_loops_inside_user_checkpoints_are_rewritten():
 
 
 class PerClassLoss(nn.Module):
-    """Rows picked per class id, never added into one output: no MoE, nothing to report."""
+    """Rows picked per class id, never added into one output: no MoE, nothing to report. (Its layer's
+    name has "expert" in it, so opsmath traces the picks instead of breaking the graph there.)"""
 
     def __init__(self):
         super().__init__()
-        self.proj = nn.Linear(16, 8)
+        self.expert_head = nn.Linear(16, 8)
 
     def forward(self, x, labels):
-        h = self.proj(x)
+        h = self.expert_head(x)
         return sum(h[labels == c].pow(2).mean() for c in range(3))
 
 
@@ -318,6 +319,13 @@ def test_rows_picked_by_id_without_an_expert_sum_are_not_reported():
     assert rel_err(lo.detach(), le.detach()) <= 1e-6
     rep = opsmath.report(opt)
     assert not [d for d in rep.declines if d.pattern == "experts"] and not rep.fallback_errors
+    assert len(rep.graphs) == 1
+
+
+def test_data_dependent_sizes_traced_only_in_models_with_experts():
+    from opsmath.api import _has_experts
+    assert _has_experts(examples.SparseMoE(8, 8)) and _has_experts(StackedLoop())
+    assert not _has_experts(examples.gpt()[0]) and not _has_experts(nn.Linear(4, 4))
 
 
 def test_expert_loops_rewritten_when_sequence_lengths_change():
