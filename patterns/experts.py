@@ -75,6 +75,8 @@ def _occurrence(where, eid, axes, position) -> Expert | str | None:
     if tok is None or len(axes) > 2:
         return f"expert {eid}: routing by a {len(axes)}-D index"
     acc = accumulation(tok)
+    if acc is None and any(u.target in (aten.slice.Tensor, aten.narrow.default) for u in tok.users):
+        return f"expert {eid} keeps only some of its rows (a capacity limit): token dropping stays as written"
     if acc is None:
         return None
     ex = Expert(eid, where, tok, pos, acc[1], acc[2], () if acc[3] is ASSIGN else acc[3])

@@ -343,3 +343,24 @@ def test_expert_loops_rewritten_when_sequence_lengths_change():
     rep = opsmath.report(opt)
     assert [g.dynamic for g in rep.graphs] == [False, True] and not rep.unoptimized_calls
     assert all(sum(m.pattern == "experts" for m in g.matches) == 2 for g in rep.graphs)
+
+
+class CapacityLoop(Top1Loop):
+    """Switch-style capacity: each expert keeps its first ``cap`` tokens, the rest pass through."""
+
+    def forward(self, x, cap=3):
+        probs = self.gate(x).softmax(-1)
+        sel = probs.argmax(-1)
+        out = x.clone()
+        for i, e in enumerate(self.experts):
+            (tok,) = torch.where(sel == i)
+            tok = tok[:cap]
+            out.index_add_(0, tok, e(x[tok]) * probs[tok, i, None])
+        return out
+
+
+def test_capacity_limited_loops_keep_the_models_token_dropping():
+    torch.manual_seed(0)
+    rep = _trains_like_eager(CapacityLoop(), torch.randn(13, 16))
+    assert not [m for m in rep.matches if m.pattern == "experts"]
+    assert [d for d in rep.declines if d.pattern == "experts"]
