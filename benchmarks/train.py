@@ -5,12 +5,14 @@ eager; eager + SDPA; torch.compile; torch.compile + SDPA; ``opsmath.optimize``; 
 ``opsmath.optim.AdamW``; ``torch.compile(opsmath.optimize(model))``; and torch.compile + SDPA and
 ``opsmath.optimize`` each replayed as CUDA graphs (``mode="reduce-overhead"``, ``cuda_graphs=True``).
 ``--llama``: Hugging Face ``LlamaForCausalLM`` 1.1B (bf16 weights, B4 T2048),
-``attn_implementation="eager"`` vs ``"sdpa"``. For each: median step ms over ``--steps`` timed steps after
-two warm-up steps, tokens/s, peak memory (``max_memory_allocated`` over the timed steps) and the first
-step's wall time (capture + compile).
-The first loss of every variant is printed: same init and data, so they agree to bf16 noise.
+``attn_implementation="eager"`` vs ``"sdpa"``. Every variant is built and warmed up (first step timed:
+capture + compile; the third step's peak memory above what is resident), then the variants alternate:
+``--rounds`` rounds in which each runs ``--steps`` timed steps (A B A B: the host's noise falls on all of
+them). Per variant: median of the per-round medians and their spread [min-max], GPU kernel time per step
+(torch.profiler), tokens/s, the step's peak. The first loss of every variant is printed: same init and
+data, so they agree to bf16 noise.
 
-    python benchmarks/train.py [--gpt] [--llama] [--steps 10] [--only NAME]
+    python benchmarks/train.py [--gpt] [--llama] [--rounds 5] [--steps 3] [--only NAME,NAME]
 """
 from __future__ import annotations
 
@@ -23,64 +25,107 @@ import torch
 
 import opsmath
 import opsmath.optim
+from _harness import kernel_ms
 from _models import GPT2_SMALL, build, hf_llama
 
 
-def run_variant(name, make_model, make_opt, batch, amp, steps):
-    """``batch`` is ``(args, kwargs)`` of the model call; its output is the loss or has ``.loss``."""
-    args, kwargs = batch
-    dev = args[0].device.type
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    torch._dynamo.reset()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        model = make_model()
-        opt = make_opt(model)
+class Runner:
+    """One variant, built and warmed up; ``timed_round`` adds the median of ``steps`` timed steps, so
+    that variants can alternate round by round (A B A B) in one process and host noise falls on all."""
 
-        def step():
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
-                out = model(*args, **kwargs)
-            loss = out if isinstance(out, torch.Tensor) else out.loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+    def __init__(self, name, make_model, make_opt, batch, amp):
+        self.name, (self.args, self.kwargs), self.amp = name, batch, amp
+        self.dev = self.args[0].device.type
+        self.sync = torch.cuda.synchronize if self.dev == "cuda" else (lambda: None)
+        self.model = make_model()
+        self.opt = make_opt(self.model)
+        self.round_ms, self.error = [], None
+
+    def step(self):
+        with torch.autocast(self.dev, dtype=torch.bfloat16, enabled=self.amp):
+            out = self.model(*self.args, **self.kwargs)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def warm_up(self):
+        """First step (capture + compile) timed, second untimed, third measured for its peak memory."""
         t0 = time.perf_counter()
-        first_loss = step().item()
-        first_s = time.perf_counter() - t0
-        step()
-        sync()
-        if dev == "cuda":
+        self.first_loss = self.step().item()
+        self.first_s = time.perf_counter() - t0
+        self.step()
+        self.sync()
+        self.peak_gib = 0.0
+        if self.dev == "cuda":
+            base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+            self.step()
+            self.sync()
+            self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    def timed_round(self, steps):
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            step()
-            sync()
+            self.step()
+            self.sync()
             times.append((time.perf_counter() - t0) * 1e3)
-        ms = statistics.median(times)
-        tokens = args[0].numel()
-        row = dict(name=name, ms=ms, tok_s=tokens / ms * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0,
-                   first_step_s=first_s, first_loss=first_loss)
-        if hasattr(model, "_opsmath") or hasattr(getattr(model, "_orig_mod", None), "_opsmath"):
-            rep = opsmath.report(getattr(model, "_orig_mod", model))
-            row["rewrites"] = dict(Counter(m.pattern for g in rep.graphs for m in g.matches))
-            row["attention_backends"] = sorted({m.details.get("backend", "") for g in rep.graphs
-                                                for m in g.matches if m.pattern == "attention"})
-            row["graphs"] = len(rep.graphs)
-            row["capture_s"] = sum(g.capture_seconds for g in rep.graphs)
-            row["inductor_s"] = sum(g.inductor_seconds for g in rep.graphs)
-            row["fallbacks"] = rep.fallback_errors
-    except Exception as e:  # recorded, not fatal: the other variants still run
-        row = dict(name=name, error=f"{type(e).__name__}: {str(e)[:300]}")
-    finally:
-        model = opt = None
-    print(f"{name:34} " + (f"{row['ms']:8.1f} ms {row['tok_s']:9.0f} tok/s {row['peak_gib']:6.2f} GiB "
-                           f"first {row['first_step_s']:6.1f} s loss {row['first_loss']:.4f} "
-                           f"{row.get('attention_backends', '')}" if "ms" in row else row["error"]), flush=True)
-    return row
+        self.round_ms.append(statistics.median(times))
+
+    def row(self):
+        if self.error:
+            return dict(name=self.name, error=self.error)
+        ms = statistics.median(self.round_ms)
+        row = dict(name=self.name, ms=ms, ms_min=min(self.round_ms), ms_max=max(self.round_ms),
+                   rounds=self.round_ms, tok_s=self.args[0].numel() / ms * 1e3, step_peak_gib=self.peak_gib,
+                   first_step_s=self.first_s, first_loss=self.first_loss)
+        if self.dev == "cuda":
+            row["gpu_ms"] = sum(kernel_ms(self.step, calls=3).values())
+        target = getattr(self.model, "_orig_mod", self.model)
+        if hasattr(target, "_opsmath"):
+            rep = opsmath.report(target)
+            row.update(rewrites=dict(Counter(m.pattern for m in rep.matches)), graphs=len(rep.graphs),
+                       attention_backends=sorted({m.details.get("backend", "") for m in rep.matches
+                                                  if m.pattern == "attention"}),
+                       capture_s=sum(g.capture_seconds for g in rep.graphs),
+                       inductor_s=sum(g.inductor_seconds for g in rep.graphs), fallbacks=rep.fallback_errors)
+        return row
+
+
+def run(kind, dev, batch, amp, rounds, steps, only):
+    """Every variant built and warmed up (a failure is recorded, not fatal), then ``rounds`` rounds in
+    which each runs ``steps`` timed steps in turn."""
+    runners = []
+    for name, (make_model, make_opt) in variants(kind, dev).items():
+        if only and name not in only:
+            continue
+        try:
+            r = Runner(name, make_model, make_opt, batch, amp)
+            r.warm_up()
+            runners.append(r)
+            print(f"{name:34} first step {r.first_s:6.1f} s, loss {r.first_loss:.4f}", flush=True)
+        except Exception as e:
+            failed = Runner.__new__(Runner)
+            failed.name, failed.error = name, f"{type(e).__name__}: {str(e)[:300]}"
+            runners.append(failed)
+            print(f"{name:34} {failed.error}", flush=True)
+    live = [r for r in runners if not r.error]
+    for _ in range(rounds):
+        for r in live:
+            try:
+                r.timed_round(steps)
+            except Exception as e:
+                r.error = f"{type(e).__name__}: {str(e)[:300]}"
+        live = [r for r in live if not r.error]
+    rows = [r.row() for r in runners]
+    for row in rows:
+        print(f"{row['name']:34} " + (f"{row['ms']:8.2f} ms [{row['ms_min']:.2f}-{row['ms_max']:.2f}] "
+                                      f"gpu {row.get('gpu_ms', 0):7.2f} ms {row['tok_s']:9.0f} tok/s "
+                                      f"peak {row['step_peak_gib']:6.2f} GiB {row.get('attention_backends', '')}"
+                                      if "ms" in row else row["error"]), flush=True)
+    return rows
 
 
 def variants(kind, device="cuda"):
@@ -118,13 +163,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpt", action="store_true")
     ap.add_argument("--llama", action="store_true")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; in each, every variant runs --steps steps")
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated variant names to run")
     ap.add_argument("--smoke", action="store_true", help="tiny GPT on CPU: checks the script, measures nothing")
     args = ap.parse_args()
     dev = "cpu" if args.smoke else "cuda"
     if args.smoke:
-        args.steps = 1
+        args.rounds, args.steps = 2, 1
     kinds = [k for k in ("gpt", "llama") if getattr(args, k)] or ["gpt"]
     only = [s for s in args.only.split(",") if s]
     out = {}
@@ -138,9 +184,8 @@ def main():
         batch = ((idx, torch.roll(idx, -1, 1)), {}) if kind == "gpt" else \
             ((idx,), dict(labels=idx, use_cache=False))
         print(f"== {kind}: B{B} T{T}", flush=True)
-        out[kind] = dict(batch=[B, T], rows=[run_variant(n, mm, mo, batch, amp, args.steps)
-                                             for n, (mm, mo) in variants(kind, dev).items()
-                                             if not only or n in only])
+        out[kind] = dict(batch=[B, T], rounds=args.rounds, steps=args.steps,
+                         rows=run(kind, dev, batch, amp, args.rounds, args.steps, only))
     if not args.smoke:
         from _harness import write
         print("wrote", write("train-" + "-".join(kinds), out))
