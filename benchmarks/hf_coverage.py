@@ -54,19 +54,25 @@ def check(cls, cfg_cls, kw, attn) -> str:
     loss_e = eager(input_ids=ids, labels=ids, attention_mask=mask).loss
     loss.backward()
     loss_e.backward()
-    pairs = [(p.grad, q.grad) for p, q in zip(opt.parameters(), eager.parameters()) if q.grad is not None]
-    atol = 1e-3 * max(q.norm().item() for _, q in pairs)
-    grad = max((p - q).norm().item() / (q.norm().item() + atol) for p, q in pairs)
+    grad = worst_grad_error(opt, eager)
     rep = opsmath.report(opt)
     declines = sorted({d.reason[:70] for d in rep.declines if d.pattern == "attention"})
     return (f"attn {rep.count('attention')}  dloss {(loss - loss_e).abs().item():.1e}  dgrad {grad:.1e}  "
             f"fallbacks {len(rep.fallback_errors)}  declines {declines}")
 
 
-def main():
-    for name in sys.argv[1:] or list(MODELS):
-        for attn in ("eager", "sdpa"):
-            print(f"{name:12} {attn:5} {check(*MODELS[name], attn)}", flush=True)
+def worst_grad_error(opt, eager) -> float:
+    """``max ||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||)`` over the parameters."""
+    pairs = [(p.grad, q.grad) for p, q in zip(opt.parameters(), eager.parameters()) if q.grad is not None]
+    atol = 1e-3 * max(q.norm().item() for _, q in pairs)
+    return max((p - q).norm().item() / (q.norm().item() + atol) for p, q in pairs)
+
+
+def main(models=MODELS, variants=("eager", "sdpa"), check=check):
+    """``check(*models[name], variant)`` for each model named on the command line (default: all)."""
+    for name in sys.argv[1:] or list(models):
+        for variant in variants:
+            print(f"{name:12} {variant:10} {check(*models[name], variant)}", flush=True)
 
 
 if __name__ == "__main__":

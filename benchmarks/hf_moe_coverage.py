@@ -6,12 +6,12 @@ parameter gradient error ``||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||
     python benchmarks/hf_moe_coverage.py [model ...]
 """
 import copy
-import sys
 
 import torch
 import transformers as T
 
 import opsmath
+from hf_coverage import main, worst_grad_error
 
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128)
@@ -47,9 +47,7 @@ def check(cls, cfg_cls, kw, impl) -> str:
     loss_e = eager(input_ids=ids, labels=ids).loss
     loss.backward()
     loss_e.backward()
-    pairs = [(p.grad, q.grad) for p, q in zip(opt.parameters(), eager.parameters()) if q.grad is not None]
-    atol = 1e-3 * max(q.norm().item() for _, q in pairs)
-    grad = max((p - q).norm().item() / (q.norm().item() + atol) for p, q in pairs)
+    grad = worst_grad_error(opt, eager)
     rep = opsmath.report(opt)
     declines = sorted({d.reason[:60] for d in rep.declines if d.pattern == "experts"})
     notes = "switched to grouped_mm" if rep.notes else ""
@@ -58,11 +56,5 @@ def check(cls, cfg_cls, kw, impl) -> str:
             f"declines {declines}")
 
 
-def main():
-    for name in sys.argv[1:] or list(MODELS):
-        for impl in ("eager", "grouped_mm"):
-            print(f"{name:12} {impl:10} {check(*MODELS[name], impl)}", flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    main(MODELS, ("eager", "grouped_mm"), check)
