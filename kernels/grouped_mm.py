@@ -79,11 +79,17 @@ def _backward(ctx, dy):
 grouped_mm_loop.register_autograd(_backward, setup_context=_setup)
 
 
+def grouped_op(x_dtype: torch.dtype, w_dtype: torch.dtype, k: int, n: int):
+    """The op of the fastest path for operands of these dtypes and sizes: ``aten._grouped_mm`` where
+    ``native`` holds (and both operands share the dtype), else ``opsmath::grouped_mm``."""
+    if native(x_dtype, k, n) and w_dtype == x_dtype:
+        return torch.ops.aten._grouped_mm.default
+    return torch.ops.opsmath.grouped_mm.default
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The grouped GEMM on the fastest path the operands allow (see the module docstring)."""
-    if native(x.dtype, x.shape[1], w.shape[2]) and w.dtype == x.dtype:
-        return torch._grouped_mm(x, w, offs)
-    return grouped_mm_loop(x, w, offs)
+    return grouped_op(x.dtype, w.dtype, x.shape[1], w.shape[2])(x, w, offs)
 
 
 LOAD_STEPS = 16    # calls of each MoE layer whose expert load is kept

@@ -193,7 +193,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     analyze = state.analyze and not captured.dynamic
     # a graph with data-dependent sizes (a loop over experts) is slow to run on fake tensors and its
     # byte counts would be bounds: the replacement (static sizes, once the loop is rewritten) is analyzed
-    data_dependent = any(free_unbacked_symbols(n.meta.get("val")) for n in captured.gm.graph.nodes)
+    data_dependent = analyze and any(free_unbacked_symbols(n.meta.get("val")) for n in captured.gm.graph.nodes)
     before_by_node = saved_bytes_by_node(captured.gm, captured.requires_grad) \
         if analyze and not data_dependent else None
     before_saved = sum(before_by_node.values()) if before_by_node is not None else None

@@ -68,7 +68,8 @@ class Report(Rendered):
     # ---- machine-readable ---------------------------------------------------------------------
     def expert_load(self) -> list[dict]:
         """Per rewritten MoE layer that ran: ``layer``, ``calls`` and ``tokens`` ([steps][experts], the
-        tokens each expert received in each of the last ``LOAD_STEPS`` calls), ``imbalance`` (the busiest
+        tokens each expert received in each of the last ``LOAD_STEPS`` calls), ``mean`` (per expert, over
+        those calls), ``imbalance`` (the busiest
         expert's mean over the experts' mean, 1.0 = balanced) and ``starved`` (experts that got no token
         in any of those calls)."""
         rows = []
@@ -79,6 +80,7 @@ class Report(Rendered):
             counts = LOADS[site].counts().double()
             per_expert = counts.mean(0)
             rows.append(dict(layer=LOADS[site].where, calls=LOADS[site].calls, tokens=counts.long().tolist(),
+                             mean=per_expert.tolist(),
                              imbalance=(per_expert.max() / per_expert.mean().clamp_min(1e-9)).item(),
                              starved=[e for e in range(counts.shape[1]) if counts[:, e].sum() == 0]))
         return rows
@@ -90,9 +92,8 @@ class Report(Rendered):
         load = self.expert_load()
         if not load:
             raise ValueError("no rewritten mixture-of-experts layer has run yet")
-        width = max(len(r["tokens"][0]) for r in load)
-        grid = [[sum(c) / len(r["tokens"]) for c in zip(*r["tokens"])] + [float("nan")] * (width - len(r["tokens"][0]))
-                for r in load]
+        width = max(len(r["mean"]) for r in load)
+        grid = [r["mean"] + [float("nan")] * (width - len(r["mean"])) for r in load]
         if ax is None:
             _, ax = plt.subplots(figsize=(min(14, 2 + 0.25 * width), 1 + 0.35 * len(load)))
         image = ax.imshow(grid, aspect="auto", cmap="viridis")
@@ -205,7 +206,7 @@ class Report(Rendered):
         for col in ("layer", "steps", "per expert (mean)", "min", "max", "imbalance"):
             t.add_column(col, no_wrap=True)
         for r in load:
-            mean = [sum(c) / len(r["tokens"]) for c in zip(*r["tokens"])]
+            mean = r["mean"]
             t.add_row(r["layer"], str(len(r["tokens"])), _sparkline([round(x) for x in mean], 16),
                       f"{min(mean):.0f}", f"{max(mean):.0f}", f"{r['imbalance']:.2f}x")
         return t

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from opsmath.canonicalize import aten, val
-from opsmath.kernels.grouped_mm import native
+from opsmath.kernels.grouped_mm import grouped_op
 
 ROW_SAFE = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
             aten.contiguous.default, aten.alias.default, aten.dropout.default, aten.type_as.default}
@@ -217,7 +217,8 @@ class Emitter:
         """The experts' copies of parameter ``p0`` as one [E, ...] tensor: a view of the stacked parameter
         they are slices of, else a stack (a copy)."""
         if p0 not in self.stacks:
-            ps, sliced = list(self.params[p0]), _slices(list(self.params[p0]))
+            ps = list(self.params[p0])
+            sliced = _slices(ps)
             if sliced is not None:
                 w, first = sliced
                 self.stacks[p0] = w if (first, len(ps)) == (0, val(w).shape[0]) else \
@@ -251,10 +252,8 @@ class Emitter:
         if n.target is aten.linear.default:
             weights = self.call(aten.transpose.int, weights, 1, 2)
         k, out = val(w).shape[-1 if n.target is aten.linear.default else 0], val(n).shape[-1]
-        dtype = val(n).dtype
-        fast = native(dtype, k, out) and val(w).dtype == dtype
-        op = aten._grouped_mm.default if fast else torch.ops.opsmath.grouped_mm.default
-        self.gemms.append("torch._grouped_mm" if fast else "opsmath::grouped_mm")
+        op = grouped_op(val(n).dtype, val(w).dtype, k, out)
+        self.gemms.append("torch._grouped_mm" if op is aten._grouped_mm.default else "opsmath::grouped_mm")
         y = self.call(op, x, weights, self.routed["offs"])
         bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
         if bias is not None:

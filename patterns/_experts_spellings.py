@@ -24,8 +24,7 @@ def routing(where: fx.Node) -> Optional[tuple[fx.Node, int, tuple]]:
         return m.args[0], m.args[1], tuple(range(len(shape(m.args[0]))))
     if not (is_op(m, {aten.select.int}) and isinstance(m.args[2], int)):
         return None
-    src, labels = m.args[0], None
-    perm = None
+    src, perm = m.args[0], None
     if is_op(src, {aten.permute.default}):
         src, perm = src.args[0], list(src.args[1])
     if not is_op(src, {aten.one_hot.default}) or not isinstance(src.args[0], fx.Node):

@@ -52,8 +52,8 @@ ZEROS = {aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default}
 class Loop:
     """A recognized loop: the experts in accumulation order, the accumulator and what the body needs."""
 
-    def __init__(self, sel, experts, init, corr, mask, readers, bookkeeping):
-        self.sel, self.experts, self.init, self.corr = sel, experts, init, corr
+    def __init__(self, sel, k, experts, init, corr, mask, readers, bookkeeping):
+        self.sel, self.k, self.experts, self.init, self.corr = sel, k, experts, init, corr
         self.mask, self.readers, self.bookkeeping = mask, readers, bookkeeping
         self.first = min(experts, key=lambda e: e.eid)
         self.lo = self.first.eid
@@ -177,14 +177,13 @@ def _finish(sel, experts, init, readers, topk) -> Loop | str:
         return f"output {tuple(shape(init))} is not one row per token"
     n_ids = len(experts)
     proven = topk is not None and first.eid == 0 and shape(topk.args[0])[-1] == n_ids and k == topk.args[1]
-    return Loop(sel, experts, init, corr, not proven, readers, [n for b in book for n in b])
+    return Loop(sel, k, experts, init, corr, not proven, readers, [n for b in book for n in b])
 
 
 def _routed(ctx: RewriteContext, loop: Loop, like: fx.Node) -> dict:
     """The rows sorted by expert: ``tok``, ``pos``, ``gid`` (each row's expert, from 0; ``eid`` its id),
-    ``offs`` (int32 ends of
-    each expert's rows), ``order`` (the sort permutation), ``valid`` (rows routed to an expert; None when
-    the routing is known to hit one always)."""
+    ``offs`` (int32 ends of each expert's rows), ``order`` (the sort permutation), ``valid`` (rows routed
+    to an expert; None when the routing is known to hit one always), ``site`` (its expert-load record)."""
     def call(target, *args, **kwargs):
         return ctx.call(target, args, like, kwargs)
     n = len(loop.experts)
@@ -196,17 +195,18 @@ def _routed(ctx: RewriteContext, loop: Loop, like: fx.Node) -> dict:
         key = call(aten.where.ScalarOther, inside, key, n)
     srt = call(aten.sort.stable, key, stable=True, dim=0)
     sorted_key, order = call(operator.getitem, srt, 0), call(operator.getitem, srt, 1)
-    k = shape(loop.sel)[1] if len(shape(loop.sel)) == 2 else 1
+    k = loop.k
     two_d = len(shape(loop.sel)) == 2          # [T, k] (a slot per token, k = 1 included) or [T]
     tok = call(aten.div.Tensor_mode, order, k, rounding_mode="floor") if k > 1 else order
     pos = call(aten.remainder.Scalar, order, k) if two_d else None
     bounds = call(aten.arange.start, 1, n + 1, dtype=val(sorted_key).dtype, device=val(sorted_key).device)
     offs = call(aten.searchsorted.Tensor, sorted_key, bounds, out_int32=True)
-    offs = call(torch.ops.opsmath.expert_load.default, offs, new_load_site(n, _module_path(like)))
+    site = new_load_site(n, _module_path(like))
+    offs = call(torch.ops.opsmath.expert_load.default, offs, site)
     gid = call(aten.clamp.default, sorted_key, None, n - 1) if loop.mask else sorted_key
     valid = call(aten.lt.Scalar, sorted_key, n) if loop.mask else None
     eid = call(aten.add.Tensor, gid, loop.lo) if loop.lo else gid
-    return dict(tok=tok, pos=pos, gid=gid, eid=eid, offs=offs, order=order, valid=valid, k=k)
+    return dict(tok=tok, pos=pos, gid=gid, eid=eid, offs=offs, order=order, valid=valid, site=site)
 
 
 def _module_path(node: fx.Node) -> str:
@@ -228,8 +228,8 @@ def _combine(ctx: RewriteContext, loop: Loop, routed: dict, c: fx.Node, like: fx
     ranks = call(aten.sub.Tensor, call(aten.cumsum.default, call(aten.ones_like.default, order), 0), 1)
     inverse = call(aten.scatter.src, order, 0, order, ranks)
     out = call(aten.index.Tensor, c, [inverse])
-    if routed["k"] > 1:
-        out = call(aten.sum.dim_IntList, call(aten.view.default, out, [-1, routed["k"], shape(c)[-1]]), [1])
+    if loop.k > 1:
+        out = call(aten.sum.dim_IntList, call(aten.view.default, out, [-1, loop.k, shape(c)[-1]]), [1])
     if val(out).dtype != val(loop.init).dtype:
         out = call(aten._to_copy.default, out, dtype=val(loop.init).dtype)
     return out
@@ -276,12 +276,12 @@ class ExpertsRule(Rule):
             for a in [loop.init, *(ex.acc for ex in loop.experts)]:
                 r.replace_input_with(a, out)
         replaced = _erase(ctx, loop)
-        n, k = len(loop.experts), routed["k"]
+        n, k = len(loop.experts), loop.k
         gemms = sorted(set(body.gemms))
         ctx.replaced(self.name, where, replaced,
                      f"grouped experts ({n} experts, top-{k}, {len(body.gemms)} grouped GEMMs: {', '.join(gemms)})",
                      before, experts=n, top_k=k, gemms=body.gemms, masked=loop.mask,
-                     load_site=routed["offs"].args[1])
+                     load_site=routed["site"])
 
 
 def _erase(ctx: RewriteContext, loop: Loop) -> list[fx.Node]:
