@@ -50,10 +50,10 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
 }
 
 
-def build(name, device, checkpointing=False, attn=None):
+def build(name, device, checkpointing=False, attn=None, seed=0):
     import transformers
     cls, cfg_cls, cfg, _, _ = MODELS[name]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = dict(cfg, **({"attn_implementation": attn} if attn else {}))
     model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**cfg))   # default attention
     if checkpointing:   # as fine-tuning recipes turn it on: every decoder layer recomputed in backward
@@ -118,11 +118,21 @@ class Variant:
         return r
 
 
+def torchao_float8(model):
+    """torchao's float8 training (dynamic tensorwise scaling), every linear but the LM head whose
+    dims are multiples of 16, then ``torch.compile``: torchao's own recipe (needs torchao installed)."""
+    from torchao.float8 import convert_to_float8_training
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "lm_head" and isinstance(
+        mod, torch.nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+    return torch.compile(model)
+
+
 VARIANTS = {  # label: (wrap the built model, attn_implementation or None for the model's default)
     "torch.compile": (torch.compile, None),
     "opsmath.optimize": (opsmath.optimize, None),
     "torch.compile (flex_attention)": (torch.compile, "flex_attention"),
     "opsmath.optimize(fp8=True)": (lambda m: opsmath.optimize(m, fp8=True), None),
+    "torchao float8 + torch.compile": (torchao_float8, None),
 }
 # built after the first variant's warm-up, under an absolute memory_budget at the first variant's total
 # step peak (``planned``): the model without the user's checkpointing

@@ -4,6 +4,7 @@ GPT-2-small (12x768, B8 T1024, bf16 autocast, dropout 0.1, attention written by 
 eager; eager + SDPA; torch.compile; torch.compile + SDPA; ``opsmath.optimize``; ``opsmath.optimize`` +
 ``opsmath.optim.AdamW``; ``torch.compile(opsmath.optimize(model))``; and torch.compile + SDPA and
 ``opsmath.optimize`` each replayed as CUDA graphs (``mode="reduce-overhead"``, ``cuda_graphs=True``).
+``--gpt6``: the same at 6 layers x 512 wide, B16 T512, where host time dominates more.
 ``--llama``: Hugging Face ``LlamaForCausalLM`` 1.1B (bf16 weights, B4 T2048),
 ``attn_implementation="eager"`` vs ``"sdpa"``. Every variant is built and warmed up (first step timed:
 capture + compile; the third step's peak memory above what is resident), then the variants alternate:
@@ -12,7 +13,7 @@ them). Per variant: median of the per-round medians and their spread [min-max], 
 (torch.profiler), tokens/s, the step's peak. The first loss of every variant is printed: same init and
 data, so they agree to bf16 noise.
 
-    python benchmarks/train.py [--gpt] [--llama] [--rounds 5] [--steps 3] [--only NAME,NAME]
+    python benchmarks/train.py [--gpt] [--gpt6] [--llama] [--rounds 5] [--steps 3] [--only NAME,NAME]
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import opsmath
 import opsmath.optim
 from _harness import kernel_ms
 from _models import GPT2_SMALL, build, hf_llama
+
+GPT_6x512 = dict(GPT2_SMALL, n_layer=6, n_embd=512, n_head=8, block_size=512)
 
 
 class Runner:
@@ -130,9 +133,10 @@ def run(kind, dev, batch, amp, rounds, steps, only):
 
 def variants(kind, device="cuda"):
     """name -> (model factory, optimizer factory)."""
-    if kind == "gpt":
-        cfg = GPT2_SMALL if device == "cuda" else dict(GPT2_SMALL, n_layer=2, n_embd=64, n_head=4,
-                                                         vocab_size=256, block_size=64)
+    if kind in ("gpt", "gpt6"):
+        cfg = GPT2_SMALL if kind == "gpt" else GPT_6x512
+        if device != "cuda":
+            cfg = dict(cfg, n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=64)
         hand = lambda: build(cfg, device, "eager")  # noqa: E731
         sdpa = lambda: build(cfg, device, "sdpa")  # noqa: E731
     else:
@@ -162,6 +166,7 @@ def variants(kind, device="cuda"):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpt", action="store_true")
+    ap.add_argument("--gpt6", action="store_true", help="6 layers x 512 wide, B16 T512: host time dominates more")
     ap.add_argument("--llama", action="store_true")
     ap.add_argument("--rounds", type=int, default=5, help="rounds; in each, every variant runs --steps steps")
     ap.add_argument("--steps", type=int, default=3)
@@ -171,24 +176,26 @@ def main():
     dev = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.rounds, args.steps = 2, 1
-    kinds = [k for k in ("gpt", "llama") if getattr(args, k)] or ["gpt"]
+    kinds = [k for k in ("gpt", "gpt6", "llama") if getattr(args, k)] or ["gpt"]
     only = [s for s in args.only.split(",") if s]
     out = {}
     for kind in kinds:
         torch.manual_seed(0)
-        if kind == "gpt":
-            B, T, V, amp = (8, 1024, GPT2_SMALL["vocab_size"], True) if not args.smoke else (2, 64, 256, False)
+        if kind in ("gpt", "gpt6"):
+            B, T, V, amp = ((8, 1024) if kind == "gpt" else (16, 512)) + (GPT2_SMALL["vocab_size"], True)
+            if args.smoke:
+                B, T, V, amp = 2, 64, 256, False
         else:
             B, T, V, amp = 4, 2048, 32000, False
         idx = torch.randint(0, V, (B, T), device=dev)
-        batch = ((idx, torch.roll(idx, -1, 1)), {}) if kind == "gpt" else \
+        batch = ((idx, torch.roll(idx, -1, 1)), {}) if kind != "llama" else \
             ((idx,), dict(labels=idx, use_cache=False))
         print(f"== {kind}: B{B} T{T}", flush=True)
         out[kind] = dict(batch=[B, T], rounds=args.rounds, steps=args.steps,
                          rows=run(kind, dev, batch, amp, args.rounds, args.steps, only))
-    if not args.smoke:
-        from _harness import write
-        print("wrote", write("train-" + "-".join(kinds), out))
+        if not args.smoke:   # after each model: a run cut short keeps what it measured
+            from _harness import write
+            print("wrote", write("train-" + "-".join(kinds), out), flush=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import opsmath.kernels  # noqa: F401  (registers the opsmath:: custom ops)
 from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
 
 from .backend import INDUCTOR_FUSES_BETTER, GraphRecord, make_backend  # noqa: F401  (re-exported)
+from .cudagraphs import CUDA_GRAPHS_NOTE, guard_for
 from .plan import InfeasibleBudget, parse_budget
 from .regions import EagerRegion, graph_breaks, note_graph_breaks
 
@@ -90,9 +91,9 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
         cuda_graphs: let Inductor replay each compiled forward and backward as a CUDA graph (its
             CUDA-graph trees, what ``torch.compile(mode="reduce-overhead")`` uses), which removes the
             per-kernel launch cost of a step. opsmath's kernels read their dropout seeds from device
-            memory, so each replay draws fresh masks. The usual CUDA-graph rules apply: a step's outputs
-            are overwritten by the next replay (``.item()`` or clone what you keep), and graphs on CPU
-            tensors run without. Needs the Inductor path (not ``inductor=False``). An outer
+            memory, so each replay draws fresh masks. Ordinary loops need no change (``cudagraphs.py``),
+            but a large output (logits) kept past the next step's forward must be cloned, as under
+            ``reduce-overhead``. Graphs on CPU tensors run without. Needs the Inductor path (not ``inductor=False``). An outer
             ``torch.compile(..., mode="reduce-overhead")`` does not reach opsmath's graphs: ask here.
         fp8: ``True`` or ``"tensorwise"``: bf16 linear layers whose GEMMs are large enough to gain
             (``patterns/fp8_linear.py``: K, N and the rows >= 2048) run forward and backward on FP8
@@ -123,6 +124,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
                           default_patterns=patterns is None, cuda_graphs=bool(cuda_graphs))
     model._opsmath = state
     state.notes = [note for p in chosen if p.name not in skip for note in p.prepare(model)]
+    state.notes += [CUDA_GRAPHS_NOTE] if cuda_graphs else []
     # dynamo skips a top-level frame that lives in torch/ (``nn.Sequential``, ``nn.TransformerEncoderLayer``
     # called directly): it compiles this frame instead and inlines the module's ``_call_impl`` from here
     def opsmath_frame(*args, **kwargs):
@@ -164,6 +166,7 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
     settings, bookkeeping for the report, and eager's own error for a call that cannot be traced."""
     experts = any(p.name == "experts" for p in state.patterns) and "experts" not in state.skip \
         and _has_experts(model)
+    guard = guard_for(model, state.cuda_graphs)
 
     def call(*args, **kwargs):
         # Run op by op under autograd, the rewritten graph fires DDP's per-parameter gradient hooks as
@@ -180,7 +183,10 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
         with _dynamo_settings(patches):
             breaks, runs = graph_breaks(), state.graph_runs
             try:
-                return compiled(*args, **kwargs)
+                if guard is None:
+                    return compiled(*args, **kwargs)
+                guard.before_call()    # CUDA-graph replay: what the loop reads later leaves the pool
+                return guard.after_call(compiled(*args, **kwargs))
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(getattr(e, "inner_exception", None), InfeasibleBudget):
                     raise e.inner_exception from None

@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from opsmath.kernels import SPECS
 
 from .analysis import kernel_launches, saved_bytes_by_node, to_networkx
-from .capture import lower_to_aten
+from .capture import lower_to_aten, static_inputs
 from .match import Decline, Match, run_patterns
 from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
 from .regions import (EagerRegion, LazyPiece, eager_nodes, hooks_off_while_tracing, inline_checkpoint,
@@ -39,13 +39,13 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
 
     A graph with recompute tags (opsmath's plan, a user's checkpoint) bypasses AOTAutograd's cache: its
     key is the graph's code, and node meta (where the tags live) is not part of it, so a tagged graph
-    would be served the partition of an identical graph compiled with other tags or none."""
+    would be served the partition of an identical graph compiled with other tags or none. Parameters are
+    static inputs, as in dynamo's graphs (``capture.static_inputs``)."""
     from torch._inductor.compile_fx import compile_fx as inductor
     tagged = any("recompute" in n.meta for n in gm.graph.nodes)
+    static_inputs(gm)
     with torch._functorch.config.patch(enable_autograd_cache=False) if tagged else contextlib.nullcontext():
-        if cuda_graphs:
-            return inductor(gm, example_inputs, config_patches={"triton.cudagraphs": True})
-        return inductor(gm, example_inputs)
+        return inductor(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cuda_graphs else None)
 
 
 # Families Inductor does better than opsmath's opaque op when it compiles the graph anyway (each op

@@ -56,6 +56,7 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
     with fx_traceback.preserve_node_meta(), fake_mode:
         aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
     split_size_calls(aten)
+    _keep_input_metadata(aten, gm)
     _source_names(aten, gm)
     constants = {}
     placeholders = [n for n in aten.graph.nodes if n.op == "placeholder"]
@@ -65,6 +66,42 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
             constants[node.name] = value
     requires_grad = [bool(getattr(v, "requires_grad", False)) for v in example_inputs]
     return Captured(aten, constants, requires_grad, dynamic=dynamic)
+
+
+def _keep_input_metadata(aten: fx.GraphModule, dynamo_gm: fx.GraphModule) -> None:
+    """Record on each lowered input what dynamo knew of it: its source and whether it is *static* (a
+    parameter or buffer: same address every call), as ``meta["dynamo_input"]``. ``static_inputs``
+    hands it to AOTAutograd, which reads it only from graphs dynamo made; without it every input is
+    taken for an activation, and a CUDA-graph replay copies each parameter into the graph's own
+    buffers first (host time and one copy of the weights per step)."""
+    compile_id = dynamo_gm.meta.get("dynamo_compile_id")
+    old = dynamo_gm.graph.find_nodes(op="placeholder")
+    new = aten.graph.find_nodes(op="placeholder")
+    if compile_id is None or len(old) != len(new):
+        return
+    for n, o in zip(new, old):
+        static = (o.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type")
+        n.meta["dynamo_input"] = (getattr(o, "_dynamo_source", None), static, compile_id)
+
+
+def static_inputs(gm: fx.GraphModule) -> bool:
+    """Make ``gm`` carry dynamo's input metadata (``_keep_input_metadata``) where AOTAutograd reads it
+    (``_try_get_metadata_from_dynamo``: the module's compile id, ``_param_name_to_source``, each
+    placeholder's ``_dynamo_source`` and static-input type). False, and ``gm`` untouched, when an input
+    lacks it or ``gm`` holds registered parameters (which AOTAutograd would look up by source)."""
+    inputs = [n.meta.get("dynamo_input") for n in gm.graph.find_nodes(op="placeholder")]
+    if not inputs or any(i is None for i in inputs) or next(gm.named_parameters(), None) is not None \
+            or next(gm.named_buffers(), None) is not None:
+        return False
+    seen = set()
+    for node, (source, static, _) in zip(gm.graph.find_nodes(op="placeholder"), inputs):
+        node._dynamo_source = source if source not in seen else None
+        seen.add(source)
+        if static:
+            node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = static
+    gm.meta["dynamo_compile_id"] = inputs[0][2]
+    gm._param_name_to_source = {}
+    return True
 
 
 def _source_names(aten: fx.GraphModule, dynamo_gm: fx.GraphModule) -> None:

@@ -1,0 +1,61 @@
+"""Training loops under ``optimize(cuda_graphs=True)`` (``opsmath_compiler/cudagraphs.py``).
+
+On CPU: the step guard's rules, with the CUDA-graph pool stood in for (which storages it owns). On the
+GPU: every loop of ``benchmarks/cuda_graph_loops.py`` (gradient accumulation, in-place zeroing, kept
+losses, an evaluation forward before the step, changing batch sizes, DDP) gives eager's losses and
+weights."""
+import os
+import sys
+
+import pytest
+import torch
+
+import opsmath
+from opsmath import cudagraphs
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import cuda_graph_loops as loops  # noqa: E402
+
+
+def _pool_of(tensors, monkeypatch):
+    """The pool, as the guard sees it, owning exactly ``tensors``' storages (on any device)."""
+    ptrs = frozenset(t.untyped_storage().data_ptr() for t in tensors)
+    monkeypatch.setattr(cudagraphs, "_pool_storages", lambda device: [ptrs])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+
+
+def test_guard_moves_pool_gradients_out_and_keeps_their_values(monkeypatch):
+    model = torch.nn.Linear(4, 3)
+    model.weight.grad, model.bias.grad = torch.randn(3, 4), torch.randn(3)
+    kept = model.bias.grad
+    cudagraphs.StepGuard(model)
+    w_old = model.weight.grad
+    _pool_of([w_old], monkeypatch)
+    assert cudagraphs.StepGuard.before_call() == 1
+    assert model.weight.grad is not w_old and torch.equal(model.weight.grad, w_old)
+    assert model.weight.grad.untyped_storage().data_ptr() != w_old.untyped_storage().data_ptr()
+    assert model.bias.grad is kept                 # not the pool's: left where it is
+    assert cudagraphs.StepGuard.before_call() == 0   # moved once, then accumulated into in place
+
+
+def test_guard_copies_small_pool_outputs_only(monkeypatch):
+    loss = torch.tensor(2.5, requires_grad=True) * 2
+    logits = torch.randn(cudagraphs.SMALL_OUTPUT_BYTES // 4 + 1)
+    other = torch.randn(3)
+    _pool_of([loss, logits], monkeypatch)
+    out = cudagraphs.StepGuard.after_call({"loss": loss, "logits": logits, "other": other, "n": 3})
+    assert out["loss"] is not loss and out["loss"].item() == 5.0 and out["loss"].requires_grad
+    assert out["logits"] is logits and out["other"] is other and out["n"] == 3
+    out["loss"].backward()                          # autograd flows through the copy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("loop", [*loops.LOOPS, "ddp"])
+def test_cuda_graph_loop_trains_like_eager(loop):
+    torch._dynamo.reset()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    wrap = lambda m: opsmath.optimize(m, cuda_graphs=True)  # noqa: E731
+    row = loops.run_loop(loop, loops.ddp(wrap) if loop == "ddp" else wrap, steps=8)
+    if loop == "ddp":
+        torch.distributed.destroy_process_group()
+    assert row["ok"], row
