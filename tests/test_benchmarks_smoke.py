@@ -18,6 +18,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
     ["activations.py", "--smoke"],
     ["cross_entropy.py", "--smoke"],
     ["learning_curve.py", "--smoke"],
+    ["fp8_curve.py", "--smoke"],
     ["memory.py", "--smoke", "--quick", "--paths", "op-by-op", "--lengths", "64,128"],
     ["inductor_partition.py", "--smoke"],
     ["sass_stats.py", "--op", "dropout_add_norm", "--width", "256", "--config", "1"],

@@ -1,0 +1,127 @@
+"""FP8 training learns as bf16 does: loss curves of ``opsmath.optimize(fp8=True)`` against bf16 runs.
+
+One model, one learnable token stream (``learning_curve.batches``: each token the previous plus 1-3, mod
+the vocabulary, so the loss falls from ln(V) towards ln 3), AdamW with warm-up, bf16 weights, ``--steps``
+steps. Runs: opsmath bf16 from init seed 0 and from seed 1 (run-to-run noise: the same recipe, another
+initialization), opsmath FP8 from seed 0, and torchao float8 + compile from seed 0 when torchao is
+installed. Metric: the largest gap of 20-step means, FP8 vs bf16 seed 0, against the same gap between the
+two bf16 seeds (the row "bf16 seed 1"); both also over the last 100 steps. Writes ``results/fp8_curve-*.json`` and a PNG.
+
+    python benchmarks/fp8_curve.py [--model llama] [--steps 500] [--batch 2] [--seq 2048]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import opsmath
+from _harness import write
+from hf_default_attention import MODELS, build, torchao_float8
+from learning_curve import batches
+
+WINDOW = 20
+
+
+def train(model, data, steps, lr):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=torch.cuda.is_available())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    losses = []
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        loss = model(input_ids=x, labels=y, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses).float().tolist()
+
+
+def smooth(xs):
+    return [sum(xs[i:i + WINDOW]) / WINDOW for i in range(0, len(xs) - WINDOW + 1, WINDOW)]
+
+
+def gap(a, b, last=None):
+    a, b = (a, b) if last is None else (a[-last:], b[-last:])
+    return max(abs(x - y) for x, y in zip(smooth(a), smooth(b)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama")
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip runs that start after this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 40 steps: checks the script")
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.model, args.steps, args.batch, args.seq = "tiny", 40, 2, 32
+    vocab = MODELS[args.model][2]["vocab_size"]
+    data = batches(min(args.steps, 200), args.batch, args.seq, vocab, device)
+    runs = {"bf16 seed 0": (0, opsmath.optimize), "bf16 seed 1": (1, opsmath.optimize),
+            "fp8 seed 0": (0, lambda m: opsmath.optimize(m, fp8=True))}
+    try:
+        import torchao  # noqa: F401
+        runs["torchao float8 seed 0"] = (0, torchao_float8)
+    except ImportError:
+        print("torchao not installed: its run is left out", flush=True)
+    curves, info, start = {}, {}, time.perf_counter()
+    for label, (seed, wrap) in runs.items():
+        if time.perf_counter() - start > args.budget_s:
+            print(f"{label}: skipped (--budget-s)", flush=True)
+            continue
+        torch._dynamo.reset()
+        model = wrap(build(args.model, device, seed=seed))
+        t0 = time.perf_counter()
+        curves[label] = train(model, data, args.steps, args.lr)
+        info[label] = dict(seconds=time.perf_counter() - t0, last100=sum(curves[label][-100:]) / 100)
+        if hasattr(model, "_opsmath"):
+            info[label]["fp8_linears"] = sum(m.pattern == "fp8_linear" for m in opsmath.report(model).matches)
+        print(f"{label:24} {info[label]}", flush=True)
+        del model
+        torch.cuda.empty_cache() if device == "cuda" else None
+        summarize(args, curves, info)
+
+
+def summarize(args, curves, info):
+    """The gaps so far (written after every run: a run cut short keeps what it measured)."""
+    if "bf16 seed 0" not in curves:
+        return
+    ref = curves["bf16 seed 0"]
+    summary = {label: dict(gap=gap(c, ref), gap_last100=gap(c, ref, 100)) for label, c in curves.items()}
+    for k, v in summary.items():
+        print(f"{k:24} largest gap of {WINDOW}-step means vs bf16 seed 0: {v['gap']:.4f}, "
+              f"over the last 100: {v['gap_last100']:.4f}", flush=True)
+    if not args.smoke:
+        path = write(f"fp8_curve-{args.model}", dict(args=vars(args), info=info, summary=summary, curves=curves))
+        print("wrote", path)
+        _plot(curves, path.replace(".json", ".png"))
+
+
+def _plot(curves, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, c in curves.items():
+        s = smooth(c)
+        ax.plot([WINDOW * (i + 1) for i in range(len(s))], s, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss ({WINDOW}-step mean)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The two-GPU NCCL sweep behind BENCHMARKS.md's multi-GPU table (any host with 2 CUDA GPUs):
+#   bash benchmarks/nccl_sweep.sh [SECONDS]   ->  $OUT (or benchmarks/results)/multi_gpu-nccl-<date>.json
+# GPT-2-small: DDP and FSDP2, opsmath vs torch.compile + SDPA, the one-GPU baseline for scaling, and
+# the 2-rank vs 1-device parameter check with a DCP checkpoint; HF LLaMA 1.1B: FSDP2 both ways, opsmath
+# under a per-rank memory_budget. Runs that no longer fit in SECONDS (default 570) are skipped and say so.
+cd "$(dirname "$0")" || exit 1
+end=$((SECONDS + ${1:-570})); dest=${OUT:-results}; tmp=$(mktemp -d)
+export PYTHONUNBUFFERED=1
+run() {  # label, most seconds, command...
+  local label=$1 limit=$2; shift 2
+  local left=$((end - SECONDS))
+  if (( left < 40 )); then echo "== $label: skipped, out of time"; return; fi
+  (( limit > left )) && limit=$left
+  echo "== $label"
+  OUT=$tmp/$label timeout "$limit" "$@" > "$tmp/$label.log" 2>&1
+  local rc=$?
+  grep -E "^\{|^check|Error" "$tmp/$label.log" | grep -v Warning
+  (( rc != 0 )) && { echo "rc=$rc"; tail -4 "$tmp/$label.log"; }
+}
+T="python -m torch.distributed.run --standalone --nproc_per_node=2 multi_gpu.py"
+run gpt2-ddp-opsmath-check 100 $T --model gpt2 --wrap ddp --variant opsmath --check "$tmp/ck"
+run gpt2-1gpu-check 90 python multi_gpu.py --model gpt2 --variant opsmath --single --check "$tmp/ck"
+run gpt2-ddp-compile 75 $T --model gpt2 --wrap ddp --variant compile
+run gpt2-ddp-opsmath 75 $T --model gpt2 --wrap ddp --variant opsmath
+run gpt2-1gpu-opsmath 60 python multi_gpu.py --model gpt2 --variant opsmath --single --world 1
+run gpt2-fsdp-opsmath 75 $T --model gpt2 --wrap fsdp --variant opsmath
+run gpt2-fsdp-compile 75 $T --model gpt2 --wrap fsdp --variant compile
+run llama-fsdp-opsmath-budget 110 $T --model llama --wrap fsdp --variant opsmath --steps 10 --memory-budget 12GiB
+run llama-fsdp-compile 100 $T --model llama --wrap fsdp --variant compile --steps 10
+python - "$tmp" "$dest" <<'PY'
+import glob, json, os, sys, time
+tmp, dest = sys.argv[1:]
+rows = {}
+for label in sorted(os.listdir(tmp)):
+    for f in glob.glob(os.path.join(tmp, label, "*.json")):
+        rows[label] = json.load(open(f))
+os.makedirs(dest, exist_ok=True)
+path = os.path.join(dest, f"multi_gpu-nccl-{time.strftime('%Y%m%d')}.json")
+json.dump(rows, open(path, "w"), indent=1)
+print("wrote", path, len(rows), "runs")
+PY
