@@ -17,50 +17,23 @@ import torch
 import torch.fx as fx
 
 from opsmath.canonicalize import aten, dropout_info, dtype, is_op, shape
+from opsmath.declare import find, trace_pattern
 from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_K = math.sqrt(2.0 / math.pi)
 
 
-def _with_const(node, target, c: float):
-    """x if ``node`` is ``target(x, c)`` or ``target(c, x)`` for the Python number c (``mul`` or ``add``
-    without alpha), else None."""
-    if not is_op(node, {target}) or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
-        return None
-    a, b = node.args
-    for x, k in ((a, b), (b, a)):
-        if isinstance(x, fx.Node) and isinstance(k, (int, float)) and math.isclose(k, c, rel_tol=1e-6):
-            return x
-    return None
-
-
-def _times_const(node, c: float):
-    return _with_const(node, aten.mul.Tensor, c)
-
-
-def _plus_const(node, c: float):
-    return _with_const(node, aten.add.Tensor, c)
+# Hugging Face's ``NewGELUActivation`` (``gelu_new``, GPT-2), written out in elementwise ops
+_SPELLED = trace_pattern(
+    lambda h: 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0)))))
 
 
 def spelled_tanh_gelu(node):
-    """(h, nodes) if ``node`` computes ``0.5 * h * (1 + tanh(sqrt(2/pi) * (h + 0.044715 * h**3)))``,
-    Hugging Face's ``NewGELUActivation`` (``gelu_new``, GPT-2) written out in elementwise ops."""
-    if not is_op(node, {aten.mul.Tensor}) or len(node.args) != 2:
-        return None
-    for half, rest in (node.args, node.args[::-1]):
-        h, t = _times_const(half, 0.5), _plus_const(rest, 1.0)
-        if h is None or not is_op(t, {aten.tanh.default}):
-            continue
-        inner = _times_const(t.args[0], _K)
-        if not is_op(inner, {aten.add.Tensor}) or len(inner.args) != 2:
-            continue
-        for hh, cube in (inner.args, inner.args[::-1]):
-            p3 = _times_const(cube, 0.044715)
-            if hh is h and is_op(p3, {aten.pow.Tensor_Scalar}) and p3.args[0] is h and p3.args[1] == 3:
-                return h, [node, half, rest, t, t.args[0], inner, cube, p3]
-    return None
+    """(h, nodes, result first) if ``node`` computes ``0.5 * h * (1 + tanh(sqrt(2/pi) * (h + 0.044715 *
+    h**3)))`` in any operand order of its adds and multiplies (``declare.find``)."""
+    m = find(_SPELLED, node)
+    return None if m is None else (m["h"], list(reversed(m.nodes)))
 
 
 def _feeds_gemms(node, depth: int = 4) -> bool:

@@ -2,56 +2,46 @@
 and Qwen (``down(silu(gate(x)) * up(x))``) and of one fused projection split in two
 (``a, b = w(x).chunk(2, -1)``).
 
-Anchor: ``aten.mul.Tensor`` with one operand ``aten.silu`` of a tensor whose shape equals the other
-operand's (no broadcasting) and float dtypes. Declines, keeping eager, when silu(a) is also read
+Written as a pattern (``opsmath_compiler/declare.py``): ``silu(a) * b`` in either operand order, float
+dtypes, a and b of one shape (no broadcasting). Declines, keeping eager, when silu(a) is also read
 elsewhere (it must then exist; the fused op never writes it).
 """
 from __future__ import annotations
 
-import torch
-import torch.fx as fx
+import math
 
-from opsmath.canonicalize import aten, dtype, is_op, shape
-from opsmath.match import RewriteContext, node_line
-from opsmath.rules import Rule, register_rule
+import torch
+import torch.nn.functional as F
+
+from opsmath.canonicalize import dtype, shape
+from opsmath.declare import PatternMatch, PatternRule
+from opsmath.rules import register_rule
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class SwiGLURule(Rule):
+class SwiGLURule(PatternRule):
     name = "swiglu"
-    anchors = (aten.mul.Tensor,)
+    patterns = (lambda a, b: F.silu(a) * b,)
+    read_elsewhere = "silu(a) is also read elsewhere, so it must exist"
 
-    def match(self, ctx: RewriteContext, n: fx.Node):
-        if len(n.args) < 2:
+    def check(self, ctx, m: PatternMatch):
+        a, b = m["a"], m["b"]
+        if dtype(a) not in _FLOATS or dtype(b) not in _FLOATS:
             return None
-        x, y = n.args[:2]
-        if is_op(x, {aten.silu.default}):
-            silu, b = x, y
-        elif is_op(y, {aten.silu.default}):
-            silu, b = y, x
-        else:
-            return None
-        a = silu.args[0]
-        if not isinstance(b, fx.Node) or dtype(a) not in _FLOATS or dtype(b) not in _FLOATS:
-            return None
-        if len(silu.users) != 1:
-            return "silu(a) is also read elsewhere, so it must exist"
         if shape(a) != shape(b) or not shape(a):
             return f"silu(a) {shape(a)} and b {shape(b)} broadcast"
-        return silu, a, b
+        return True
 
-    def emit(self, ctx: RewriteContext, mul: fx.Node, plan) -> None:
-        silu, a, b = plan
-        before = [node_line(silu), node_line(mul)]
-        with ctx.graph.inserting_before(mul):
-            y = ctx.call(torch.ops.opsmath.swiglu.default, (a, b), mul)
-        mul.replace_all_uses_with(y)
-        ctx.erase_dead([mul])
+    def replacement(self, ctx, m: PatternMatch):
+        return torch.ops.opsmath.swiglu.default, (m["a"], m["b"])
+
+    def describe(self, m: PatternMatch):
+        a = m["a"]
         H = shape(a)[-1]
-        rows = max(1, int(torch.tensor(shape(a)).prod().item()) // max(H, 1))
-        ctx.replaced(self.name, mul, [silu, mul], f"opsmath::swiglu({rows} x {H}, silu recomputed in backward)",
-                     before, width=H, rows=rows, dtype=str(dtype(a)).replace("torch.", ""))
+        rows = max(1, math.prod(shape(a)) // max(H, 1))
+        return (f"opsmath::swiglu({rows} x {H}, silu recomputed in backward)",
+                dict(width=H, rows=rows, dtype=str(dtype(a)).replace("torch.", "")))
 
 
 PATTERN = register_rule(SwiGLURule())
