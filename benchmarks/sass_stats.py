@@ -5,7 +5,7 @@ specialize it, ``opsmath.kernels._aot``), then every launched kernel is compiled
 SASS instructions (and the share that are tensor-core, async-copy and spill instructions), registers per
 thread, shared memory and how many programs fit on one SM at once (its registers, shared memory and warp
 slots). It measures no time: it tells where a kernel spends instructions and occupancy before device time
-is spent (BENCHMARKS.md S6 used it for bias-GELU and dropout-add-norm).
+is spent (BENCHMARKS.md's kernel static analysis section uses it for bias-GELU and dropout-add-norm).
 
     python benchmarks/sass_stats.py --op bias_gelu --dtype bf16 --width 8192 [--config 0] [--tanh]
     python benchmarks/sass_stats.py --op dropout_add_norm --width 1024 --config 3

@@ -82,41 +82,14 @@ class AttentionRule(Rule):
 
     # ------------------------------------------------------------------------------------------
     def _emit(self, ctx: RewriteContext, sm: fx.Node, plan: Plan) -> None:
-        """Replace the chain (or the SDPA call) anchored at ``sm`` with the chosen backend's call."""
-        nd = len(plan.scores)
-        cdt = dtype(plan.qk)
-        pv = plan.pv
+        """Replace the chain (or the SDPA call) anchored at ``sm`` with ``opsmath::attention`` (its
+        backend is chosen after matching, ``finalize``)."""
+        nd, pv = len(plan.scores), plan.pv
         chain = list(dict.fromkeys([plan.qk, *plan.nodes, pv]))
         before = [node_line(n) for n in chain]
         with ctx.graph.inserting_before(pv):
-            def cast(x):
-                return x if dtype(x) == cdt else ctx.call(aten.to.dtype, (x, cdt), sm)
-
-            def to4d(x, rank):
-                for _ in range(nd - rank):  # leading broadcast dims, then a head dim for 3-D scores
-                    x = ctx.call(aten.unsqueeze.default, (x, 0), sm)
-                return ctx.call(aten.unsqueeze.default, (x, 1), sm) if nd == 3 else x
-
-            q, k, v = plan.q, plan.k, plan.v
-            if plan.k_needs_transpose:
-                k = ctx.call(aten.transpose.int, (k, -2, -1), sm)
-            q, k, v = cast(q), cast(k), cast(v)
-            if nd == 3:
-                q, k, v = (ctx.call(aten.unsqueeze.default, (x, 1), sm) for x in (q, k, v))
-            bias = None
-            for b, mult in plan.biases:
-                if plan.flat_rows and flat_bias_rows(b, plan.scores[1]):
-                    b = ctx.call(aten.unflatten.int, (b, 0, [-1, plan.scores[1]]), sm)
-                term = b if mult == 1.0 else ctx.call(aten.mul.Tensor, (b, mult), sm)
-                bias = term if bias is None else ctx.call(aten.add.Tensor, (bias, term), sm)
-            if bias is not None:
-                bias = to4d(bias, max(len(bias_shape(plan, b)) for b, _ in plan.biases))
-            mask = None
-            for m, negate in plan.masks:
-                term = ctx.call(aten.logical_not.default, (m,), sm) if negate else m
-                mask = term if mask is None else ctx.call(aten.logical_or.default, (mask, term), sm)
-            if mask is not None:
-                mask = to4d(mask, max(len(shape(m)) for m, _ in plan.masks))
+            q, k, v = _operands(ctx, sm, plan)
+            bias, mask = _bias(ctx, sm, plan), _mask(ctx, sm, plan)
             seed = ctx.dropout_seed(plan.dropout_p, q, sm)
             res = ctx.call(torch.ops.opsmath.attention.default,
                            (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed,
@@ -129,25 +102,68 @@ class AttentionRule(Rule):
                 out = ctx.call(aten.flatten.using_ints, (out, 0, 1), sm)
         pv.replace_all_uses_with(out)
         ctx.erase_dead([pv])
-        B = plan.scores[0]
-        H = plan.scores[1] if nd == 4 else 1
-        desc = [f"scale={plan.scale:.4g}"] + ([f"softcap={plan.softcap:.4g}"] if plan.softcap else [])
-        if plan.causal:
-            desc.append("causal")
-        if plan.biases:
-            desc.append("bias" + str(tuple(shape(plan.biases[0][0]))))
-        if plan.masks:
-            desc.append(f"mask(fill={plan.fill:.3g})")
-        if plan.dropout_p:
-            desc.append(f"dropout={plan.dropout_p:g}")
-        if plan.rep > 1:
-            desc.append(f"gqa {H}/{H // plan.rep}")
+        desc, details = _describe(plan)
         ctx.replaced(self.name, sm, chain, f"opsmath::attention({', '.join(desc)})", before, backend="opsmath",
-                     causal=plan.causal, scale=plan.scale, softcap=plan.softcap, dropout_p=plan.dropout_p,
-                     gqa_rep=plan.rep,
-                     has_bias=bool(plan.biases), has_mask=bool(plan.masks), batch=B, heads=H,
-                     q_len=plan.scores[-2], k_len=plan.scores[-1], head_dim=shape(plan.q)[-1],
-                     dtype=str(dtype(plan.qk)).replace("torch.", ""))
+                     **details)
+
+
+def _to4d(ctx: RewriteContext, sm: fx.Node, plan: Plan, x: fx.Node, rank: int) -> fx.Node:
+    """A bias or mask of ``rank`` dims as [B|1, H|1, Sq, Sk]: leading broadcast dims, then a head dim
+    for 3-D scores."""
+    nd = len(plan.scores)
+    for _ in range(nd - rank):
+        x = ctx.call(aten.unsqueeze.default, (x, 0), sm)
+    return ctx.call(aten.unsqueeze.default, (x, 1), sm) if nd == 3 else x
+
+
+def _operands(ctx: RewriteContext, sm: fx.Node, plan: Plan) -> tuple:
+    """q, k, v in the scores' dtype, k as [.., Sk, D], with a head dim for 3-D scores."""
+    cdt = dtype(plan.qk)
+    q, k, v = plan.q, plan.k, plan.v
+    if plan.k_needs_transpose:
+        k = ctx.call(aten.transpose.int, (k, -2, -1), sm)
+    q, k, v = (x if dtype(x) == cdt else ctx.call(aten.to.dtype, (x, cdt), sm) for x in (q, k, v))
+    if len(plan.scores) == 3:
+        q, k, v = (ctx.call(aten.unsqueeze.default, (x, 1), sm) for x in (q, k, v))
+    return q, k, v
+
+
+def _bias(ctx: RewriteContext, sm: fx.Node, plan: Plan):
+    """The sum of the plan's additive biases (each times its multiplier), 4-D, or None."""
+    bias = None
+    for b, mult in plan.biases:
+        if plan.flat_rows and flat_bias_rows(b, plan.scores[1]):
+            b = ctx.call(aten.unflatten.int, (b, 0, [-1, plan.scores[1]]), sm)
+        term = b if mult == 1.0 else ctx.call(aten.mul.Tensor, (b, mult), sm)
+        bias = term if bias is None else ctx.call(aten.add.Tensor, (bias, term), sm)
+    if bias is None:
+        return None
+    return _to4d(ctx, sm, plan, bias, max(len(bias_shape(plan, b)) for b, _ in plan.biases))
+
+
+def _mask(ctx: RewriteContext, sm: fx.Node, plan: Plan):
+    """The union of the plan's boolean masks (True = filled), 4-D, or None."""
+    mask = None
+    for m, negate in plan.masks:
+        term = ctx.call(aten.logical_not.default, (m,), sm) if negate else m
+        mask = term if mask is None else ctx.call(aten.logical_or.default, (mask, term), sm)
+    return None if mask is None else _to4d(ctx, sm, plan, mask, max(len(shape(m)) for m, _ in plan.masks))
+
+
+def _describe(plan: Plan) -> tuple[list, dict]:
+    """The report's description of an attention rewrite and its details."""
+    nd = len(plan.scores)
+    H = plan.scores[1] if nd == 4 else 1
+    desc = [f"scale={plan.scale:.4g}"] + ([f"softcap={plan.softcap:.4g}"] if plan.softcap else [])
+    desc += ["causal"] if plan.causal else []
+    desc += ["bias" + str(tuple(shape(plan.biases[0][0])))] if plan.biases else []
+    desc += [f"mask(fill={plan.fill:.3g})"] if plan.masks else []
+    desc += [f"dropout={plan.dropout_p:g}"] if plan.dropout_p else []
+    desc += [f"gqa {H}/{H // plan.rep}"] if plan.rep > 1 else []
+    return desc, dict(causal=plan.causal, scale=plan.scale, softcap=plan.softcap, dropout_p=plan.dropout_p,
+                      gqa_rep=plan.rep, has_bias=bool(plan.biases), has_mask=bool(plan.masks),
+                      batch=plan.scores[0], heads=H, q_len=plan.scores[-2], k_len=plan.scores[-1],
+                      head_dim=shape(plan.q)[-1], dtype=str(dtype(plan.qk)).replace("torch.", ""))
 
 
 PATTERN = register_rule(AttentionRule())

@@ -99,63 +99,23 @@ class DropoutAddNormRule(Rule):
                      is_rms=is_rms, out=n, internal=[d for d in (drop,) if d is not None] + [n])
 
     def _handwritten_rms(self, r: fx.Node) -> Union[None, str, _Plan]:
-        add_eps = r.args[0]
-        if not (is_op(add_eps, {aten.add.Tensor}) and len(add_eps.users) == 1):
+        """``h * rsqrt(mean(h**2, -1, keepdim=True) + eps) [* w]`` anchored at the ``rsqrt`` ``r``."""
+        core = _rms_statistic(r)
+        if core is None:
             return None
-        var, eps = add_eps.args[0], add_eps.args[1]
-        if isinstance(var, (int, float)):
-            var, eps = eps, var
-        if not (is_op(var, {aten.mean.dim}) and isinstance(eps, (int, float)) and len(var.users) == 1):
+        sq, var, add_eps, eps, hf = core
+        tail = _rms_scaling(r, hf)
+        if tail is None:
             return None
-        dims = var.args[1] if len(var.args) > 1 else var.kwargs.get("dim")
-        keep = var.args[2] if len(var.args) > 2 else var.kwargs.get("keepdim", False)
-        sq = var.args[0]
-        nd = len(shape(sq))
-        if not keep or dims is None or [d % nd for d in dims] != [nd - 1] or len(sq.users) != 1:
-            return None
-        if is_op(sq, {aten.pow.Tensor_Scalar}) and sq.args[1] == 2:
-            hf = sq.args[0]
-        elif is_op(sq, {aten.mul.Tensor}) and sq.args[0] is sq.args[1]:
-            hf = sq.args[0]
-        else:
-            return None
-        users = list(r.users)
-        if len(users) != 1 or not is_op(users[0], {aten.mul.Tensor}):
-            return None
-        normed = users[0]
-        scaled = normed.args[0] if normed.args[1] is r else normed.args[1]
-        if not isinstance(scaled, fx.Node) or strip_casts(scaled) is not strip_casts(hf):
-            return None  # T5 scales h itself, LLaMA its fp32 cast: either is this pattern
-        chain, cur = [sq, var, add_eps, r, normed], normed
-        weight = None
-        while len(cur.users) == 1:
-            u = next(iter(cur.users))
-            if is_cast(u):
-                chain.append(u)
-                cur = u
-                continue
-            if is_op(u, {aten.mul.Tensor}) and weight is None:
-                other = u.args[1] if u.args[0] is cur else u.args[0]
-                if isinstance(other, fx.Node) and shape(other) == (shape(hf)[-1],):
-                    weight = other
-                    chain.append(u)
-                    cur = u
-                    continue
-            break
-        # casts between h and the two places it is read (squared, scaled) belong to the pattern
-        h, h_casts = strip_casts(hf), []
-        for start in (hf, scaled):
-            while is_cast(start):
-                if start not in h_casts:
-                    h_casts.append(start)
-                start = start.args[0]
+        normed, scaled, weight, scale_chain, cur = tail
+        h, h_casts = strip_casts(hf), _casts_of_h(hf, scaled)
         res = _residual_add(h)
         if res is None:
             return None
         x, resid, p, drop = res
         return _Plan(h=h, x=x, residual=resid, dropout_p=p, weight=weight, bias=None, eps=float(eps),
-                     is_rms=True, out=cur, internal=[d for d in (drop,) if d is not None] + chain,
-                     h_casts=h_casts)
+                     is_rms=True, out=cur, internal=[d for d in (drop,) if d is not None]
+                     + [sq, var, add_eps, r, normed, *scale_chain], h_casts=h_casts)
 
     # ------------------------------------------------------------------------------------------
     def _check_order(self, ctx, plan: _Plan) -> Union[str, _Plan]:
@@ -176,37 +136,13 @@ class DropoutAddNormRule(Rule):
         return plan
 
     def _emit(self, ctx: RewriteContext, plan: _Plan) -> None:
-        hd = dtype(plan.h)
-        out_dtype = dtype(plan.out)
         before = [node_line(n) for n in [plan.h, *plan.h_casts, *plan.internal]]
-        with ctx.graph.inserting_after(plan.anchor):
-            # inserting_after places each new node after the previous one: emit in order
-            nodes = []
-
-            def call(target, args, kwargs=None):
-                if nodes:
-                    with ctx.graph.inserting_after(nodes[-1]):
-                        node = ctx.call(target, args, plan.out, kwargs)
-                else:
-                    node = ctx.call(target, args, plan.out, kwargs)
-                nodes.append(node)
-                return node
-
-            x = plan.x if dtype(plan.x) == hd else call(aten.to.dtype, (plan.x, hd))
-            r = plan.residual if dtype(plan.residual) == hd else call(aten.to.dtype, (plan.residual, hd))
-            seed = None   # no dropout: the op takes no seed
-            if plan.dropout_p > 0:
-                seed = call(new_seed, (x,))
-            res = call(torch.ops.opsmath.dropout_add_norm.default,
-                       (x, r, plan.weight, plan.bias, plan.is_rms, plan.eps, plan.dropout_p, seed, out_dtype))
-            y = call(operator.getitem, (res, 0))
-            h_out = call(operator.getitem, (res, 1))
+        y, h_out = _insert_op(ctx, plan)
         inside = set(plan.internal) | set(plan.h_casts)
         plan.out.replace_all_uses_with(y)
         plan.h.replace_all_uses_with(h_out, delete_user_cb=lambda u: u not in inside)
-        for c in plan.h_casts:
-            outside = [u for u in c.users if u not in inside]
-            if outside:
+        for c in plan.h_casts:    # a cast of h read outside the pattern reads h_out's cast instead
+            if any(u not in inside for u in c.users):
                 with ctx.graph.inserting_after(h_out):
                     hc = ctx.call(aten.to.dtype, (h_out, dtype(c)), c)
                 c.replace_all_uses_with(hc, delete_user_cb=lambda u: u not in inside)
@@ -218,7 +154,89 @@ class DropoutAddNormRule(Rule):
             (", residual out" if h_out.users else "") + ")"
         ctx.replaced(self.name, plan.out, replaced, desc, before, norm=kind, dropout_p=plan.dropout_p,
                      width=shape(plan.h)[-1], residual_out=bool(h_out.users),
-                     dtype=str(hd).replace("torch.", ""))
+                     dtype=str(dtype(plan.h)).replace("torch.", ""))
+
+
+def _insert_op(ctx: RewriteContext, plan: _Plan) -> tuple[fx.Node, fx.Node]:
+    """``opsmath::dropout_add_norm`` and its two results (normed y, residual sum h) inserted after the
+    plan's anchor, operands cast to h's dtype (``inserting_after`` places each node after the last)."""
+    hd = dtype(plan.h)
+    nodes = []
+
+    def call(target, args, kwargs=None):
+        with ctx.graph.inserting_after(nodes[-1] if nodes else plan.anchor):
+            nodes.append(ctx.call(target, args, plan.out, kwargs))
+        return nodes[-1]
+
+    x = plan.x if dtype(plan.x) == hd else call(aten.to.dtype, (plan.x, hd))
+    r = plan.residual if dtype(plan.residual) == hd else call(aten.to.dtype, (plan.residual, hd))
+    seed = call(new_seed, (x,)) if plan.dropout_p > 0 else None   # no dropout: the op takes no seed
+    res = call(torch.ops.opsmath.dropout_add_norm.default,
+               (x, r, plan.weight, plan.bias, plan.is_rms, plan.eps, plan.dropout_p, seed, dtype(plan.out)))
+    return call(operator.getitem, (res, 0)), call(operator.getitem, (res, 1))
+
+
+def _rms_statistic(r: fx.Node):
+    """(square, mean, add-eps, eps, h) if ``r = rsqrt(mean(h*h or h**2, -1, keepdim=True) + eps)``,
+    each intermediate read once, else None."""
+    add_eps = r.args[0]
+    if not (is_op(add_eps, {aten.add.Tensor}) and len(add_eps.users) == 1):
+        return None
+    var, eps = add_eps.args[0], add_eps.args[1]
+    if isinstance(var, (int, float)):
+        var, eps = eps, var
+    if not (is_op(var, {aten.mean.dim}) and isinstance(eps, (int, float)) and len(var.users) == 1):
+        return None
+    dims = var.args[1] if len(var.args) > 1 else var.kwargs.get("dim")
+    keep = var.args[2] if len(var.args) > 2 else var.kwargs.get("keepdim", False)
+    sq = var.args[0]
+    nd = len(shape(sq))
+    if not keep or dims is None or [d % nd for d in dims] != [nd - 1] or len(sq.users) != 1:
+        return None
+    if is_op(sq, {aten.pow.Tensor_Scalar}) and sq.args[1] == 2:
+        return sq, var, add_eps, eps, sq.args[0]
+    if is_op(sq, {aten.mul.Tensor}) and sq.args[0] is sq.args[1]:
+        return sq, var, add_eps, eps, sq.args[0]
+    return None
+
+
+def _rms_scaling(r: fx.Node, hf: fx.Node):
+    """(normed, scaled h, weight or None, casts and weight product after normed, result) for
+    ``normed = scaled * r`` followed by casts and at most one product with a [D] weight, else None."""
+    users = list(r.users)
+    if len(users) != 1 or not is_op(users[0], {aten.mul.Tensor}):
+        return None
+    normed = users[0]
+    scaled = normed.args[0] if normed.args[1] is r else normed.args[1]
+    if not isinstance(scaled, fx.Node) or strip_casts(scaled) is not strip_casts(hf):
+        return None  # T5 scales h itself, LLaMA its fp32 cast: either is this pattern
+    chain, cur, weight = [], normed, None
+    while len(cur.users) == 1:
+        u = next(iter(cur.users))
+        if is_cast(u):
+            chain.append(u)
+            cur = u
+            continue
+        if is_op(u, {aten.mul.Tensor}) and weight is None:
+            other = u.args[1] if u.args[0] is cur else u.args[0]
+            if isinstance(other, fx.Node) and shape(other) == (shape(hf)[-1],):
+                weight = other
+                chain.append(u)
+                cur = u
+                continue
+        break
+    return normed, scaled, weight, chain, cur
+
+
+def _casts_of_h(hf: fx.Node, scaled: fx.Node) -> list:
+    """The casts between h and the two places it is read (squared, scaled): part of the pattern."""
+    h_casts = []
+    for start in (hf, scaled):
+        while is_cast(start):
+            if start not in h_casts:
+                h_casts.append(start)
+            start = start.args[0]
+    return h_casts
 
 
 PATTERN = register_rule(DropoutAddNormRule())

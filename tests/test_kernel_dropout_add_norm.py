@@ -132,7 +132,7 @@ def test_mismatched_dtypes_are_a_clear_error():
 
 def test_resident_programs_from_the_compiled_kernel(monkeypatch):
     """The backward's one-wave grid: programs per SM = what the register file, shared memory and warp
-    slots allow for the compiled kernel (S6: 72 registers x 128 threads -> 7 on an H200); anything
+    slots allow for the compiled kernel (the sm_90 build: 72 registers x 128 threads -> 7 on an H200); anything
     unreadable falls back to the fixed grid."""
     from types import SimpleNamespace
 
