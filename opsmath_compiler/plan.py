@@ -5,7 +5,8 @@
    byte autograd saves is attributed to the node that saved it (deduplicated by storage; graph
    inputs: parameters, buffers, user inputs are not activations).
 2. **Segments** and **cost** (``opsmath.segments``): candidate segments cut at opsmath's points (the
-   fewest activations crossing) and, where the model checkpoints its own layers, the user's regions;
+   fewest activations crossing, at two granularities) and, where the model checkpoints its own layers,
+   the user's regions;
    a modelled recompute time per segment.
 3. **Choice**: exact 0/1 knapsack (vectorized DP over savings in 1/4096 steps of the total, savings
    rounded down so the budget holds) for every candidate "largest recomputed segment", minimizing cost,
@@ -101,7 +102,7 @@ class Plan:
     planning_seconds: float = 0.0
     measured_peak: int | None = None
     replanned: str = ""         # why the plan was re-made at the graph's second call, if it was
-    segmentation: str = "opsmath"   # whose cut points the segments follow: "opsmath" or "user"
+    segmentation: str = "opsmath"   # whose cut points: "opsmath", "opsmath-fine" (half-blocks) or "user"
     user_regions: int = 0       # the user's checkpoint regions handed to the plan
 
     def budget_both_units(self) -> tuple[int, float]:
@@ -357,7 +358,9 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     import time
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
-    options = [("opsmath", segments_of(gm, saved_by))]
+    # two cuts of opsmath's own: local minima of the crossing bytes within 6 positions (block-sized
+    # segments), and within 2 (about half-blocks: a smaller largest recompute, so a lower floor)
+    options = [("opsmath", segments_of(gm, saved_by)), ("opsmath-fine", segments_of(gm, saved_by, window=2))]
     user = user_segments(gm, saved_by)
     if user is not None:
         options.insert(0, ("user", user))

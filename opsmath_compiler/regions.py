@@ -94,6 +94,9 @@ def split_around(gm: fx.GraphModule, keep: set[fx.Node]) -> tuple[fx.GraphModule
         prev_alone = alone
     parent = split_module(gm, None, lambda n: ids[n], keep_original_order=True)
     names = [f"submod_{p}" for p in sorted(lowered) if hasattr(parent, f"submod_{p}")]
+    for name in names:   # pieces keep dynamo's graph id: their parameters stay static inputs (capture.py)
+        if "dynamo_compile_id" in gm.meta:
+            getattr(parent, name).meta["dynamo_compile_id"] = gm.meta["dynamo_compile_id"]
     return parent, [s for s in names if _computes(getattr(parent, s))]
 
 

@@ -59,3 +59,44 @@ def test_cuda_graph_loop_trains_like_eager(loop):
     if loop == "ddp":
         torch.distributed.destroy_process_group()
     assert row["ok"], row
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class _Split(torch.nn.Module):
+    """Two linears around a custom autograd.Function: two graph pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(_Twice.apply(self.a(x).relu())).sum()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("shutil").which("g++") is None,
+                    reason="Inductor on CPU needs a C++ compiler")
+def test_parameters_reach_inductor_as_static_inputs(monkeypatch):
+    """AOTAutograd reads which inputs are parameters (static addresses: a CUDA-graph replay neither
+    copies nor re-checks them) only from graphs dynamo made; the rewritten graph, and each piece of a
+    graph split around an autograd.Function, must carry it, or every replay copies the weights."""
+    import torch._functorch.aot_autograd as aot
+    seen, real = [], aot._try_get_metadata_from_dynamo
+
+    def spy(mod, *args):
+        got = real(mod, *args)
+        seen.append(got[1])
+        return got
+    monkeypatch.setattr(aot, "_try_get_metadata_from_dynamo", spy)
+    torch._dynamo.reset()
+    model = opsmath.optimize(_Split(), inductor=True)
+    model(torch.randn(4, 8)).backward()
+    assert seen == [[1, 2], [1, 2]], seen     # each piece: its weight and bias, not the activation
