@@ -264,12 +264,15 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
         if r.saving > 0:
             starts.setdefault(i, {})[j] = r
     sizes = sorted({r.saved for rs in starts.values() for r in rs.values()})
-    if len(sizes) > max_transients:
-        sizes = [sizes[round(k * (len(sizes) - 1) / (max_transients - 1))] for k in range(max_transients)]
-    best, smallest, unit = None, math.inf, max(1.0, total / units)
-    for T in [0] + sizes:
-        max_save = _max_saving(len(segs), starts, T)
-        smallest = min(smallest, total - max_save + T)
+    spread = sizes if len(sizes) <= max_transients else \
+        [sizes[round(k * (len(sizes) - 1) / (max_transients - 1))] for k in range(max_transients)]
+    # the floor (kept + largest recompute) is usually reached at a small T: those are all checked
+    # for it (a cheap 1-D DP each), and the exact solve runs on the spread plus the floor's T
+    floors = {T: total - _max_saving(len(segs), starts, T) + T for T in {0, *spread, *sizes[:4 * max_transients]}}
+    smallest = min(floors.values())
+    best, unit = None, max(1.0, total / units)
+    for T in sorted({0, *spread, min(floors, key=floors.get)}):
+        max_save = total + T - floors[T]
         need = total + T - limit     # bytes of saving needed
         if need > max_save:
             continue

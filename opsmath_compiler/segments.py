@@ -37,6 +37,17 @@ def _nbytes(node) -> int:
     return 0
 
 
+def _storage(node) -> object:
+    """What a kept input holds alive: its storage (views of one buffer hold the same), else the node."""
+    v = node.meta.get("val")
+    return v.untyped_storage()._cdata if isinstance(v, torch.Tensor) else node
+
+
+def _input_bytes(ext) -> int:
+    """Bytes a checkpoint keeps for its external inputs ``ext``: each storage once."""
+    return sum(_nbytes(n) for n in {_storage(n): n for n in ext}.values())
+
+
 def node_cost(n: fx.Node) -> float:
     """Modelled seconds to recompute ``n`` (see module docstring)."""
     if n.op != "call_function" or n.target is operator.getitem:
@@ -87,7 +98,12 @@ def _crossing_cuts(order: list[fx.Node], window: int) -> list[int]:
     cuts = []
     for i in range(len(order) - 1):
         lo, hi = max(0, i - window), min(len(order) - 1, i + window)
-        if crossing[i] <= min(crossing[lo:hi + 1]) and (not cuts or i - cuts[-1] >= 3):
+        if crossing[i] > min(crossing[lo:hi + 1]):
+            continue
+        if cuts and i - cuts[-1] < 3:      # two minima close together: the lower one (ties: the first)
+            if crossing[i] < crossing[cuts[-1]]:
+                cuts[-1] = i
+        else:
             cuts.append(i)
     return cuts
 
@@ -102,7 +118,7 @@ def _segments(order: list[fx.Node], cuts: list[int], saved_by: dict[str, int]) -
         inside = set(nodes)
         ext = {i for n in nodes for i in n.all_input_nodes if i not in inside and i.op == "call_function"}
         segs.append(Segment(a + 1, b, sum(saved_by.get(n.name, 0) for n in nodes),
-                            sum(_nbytes(i) for i in ext), sum(node_cost(n) for n in nodes)))
+                            _input_bytes(ext), sum(node_cost(n) for n in nodes)))
     return segs
 
 
@@ -138,20 +154,20 @@ def user_segments(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6)
 
 def runs_of(gm: fx.GraphModule, segs: list[Segment], max_len: int = 16) -> dict[tuple[int, int], Segment]:
     """Every run of up to ``max_len`` consecutive segments i..j as one candidate (merged) segment: saved
-    and cost summed, inputs the external activation inputs of the union, each counted once (a tensor
-    two segments of the run read is one checkpoint input). Merging adjacent segments trades a larger
+    and cost summed, inputs the external activation inputs of the union, each storage counted once (a
+    tensor two segments of the run read, or two views of one buffer, is kept once). Merging adjacent segments trades a larger
     recomputation for fewer kept boundary tensors, which is how a plan reaches a per-block floor."""
     order = forward_order(gm)
     pos = {n: k for k, n in enumerate(order)}
     runs = {}
     for i in range(len(segs)):
-        start, ext, inputs, saved, cost = segs[i].start, set(), 0, 0, 0.0
+        start, held, inputs, saved, cost = segs[i].start, set(), 0, 0, 0.0
         for j in range(i, min(len(segs), i + max_len)):
             s = segs[j]
             for n in order[s.start:s.end + 1]:
                 for x in n.all_input_nodes:
-                    if x.op == "call_function" and pos.get(x, start) < start and x not in ext:
-                        ext.add(x)
+                    if x.op == "call_function" and pos.get(x, start) < start and _storage(x) not in held:
+                        held.add(_storage(x))
                         inputs += _nbytes(x)
             saved, cost = saved + s.saved, cost + s.cost
             runs[(i, j)] = Segment(start, s.end, saved, inputs, cost)
