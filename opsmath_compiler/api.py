@@ -58,6 +58,7 @@ class OptimizeState:
     graph_runs: int = 0                     # calls of opsmath's graphs, all together
     unoptimized_calls: int = 0              # model calls that ran none of them (e.g. past the recompile limit)
     notes: list[str] = field(default_factory=list)   # what rules changed on the module (Rule.prepare)
+    cuda_graph_skips: list[str] = field(default_factory=list)   # Inductor's reasons for not replaying
 
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
@@ -166,7 +167,7 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
     settings, bookkeeping for the report, and eager's own error for a call that cannot be traced."""
     experts = any(p.name == "experts" for p in state.patterns) and "experts" not in state.skip \
         and _has_experts(model)
-    guard = guard_for(model, state.cuda_graphs)
+    guard = guard_for(model, state)
 
     def call(*args, **kwargs):
         # Run op by op under autograd, the rewritten graph fires DDP's per-parameter gradient hooks as

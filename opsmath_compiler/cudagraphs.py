@@ -24,11 +24,16 @@ tensor output of CUDAGraphs that has been overwritten by a subsequent run". ``to
   under ``reduce-overhead``: kept past the next step's forward, they must be cloned by the user (the
   report says so).
 
+Inductor leaves some graphs without CUDA graphs (CPU tensors, dynamic shapes, input mutation) and logs
+why on its ``cudagraphs`` log; ``_SkipReasons`` hands those reasons to the report of every live model
+optimized with ``cuda_graphs=True``.
+
 What it reads of the trees (``get_manager``, ``current_node.path_live_weakrefs()``) is private PyTorch
 API; where it is missing the guard does nothing and the trees' own error stands.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Optional
 
@@ -40,6 +45,24 @@ CUDA_GRAPHS_NOTE = ("CUDA graphs: gradients and outputs up to 1 MiB are kept out
                     "larger output (logits) kept past the next step's forward")
 
 _GUARDED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+# where Inductor says why a graph is not replayed as a CUDA graph (its "cudagraphs" log artifact)
+SKIP_LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"
+
+
+class _SkipReasons(logging.Handler):
+    """Inductor's reasons for not replaying a graph (CPU tensors, dynamic shapes, input mutation),
+    handed to every live model optimized with ``cuda_graphs=True`` for its report."""
+    states: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # id -> OptimizeState
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith(("skipping cudagraphs", "disabling cudagraphs")):
+            for state in list(self.states.values()):
+                if msg not in state.cuda_graph_skips:
+                    state.cuda_graph_skips.append(msg)
+
+
+_SKIPS = _SkipReasons()
 
 
 def _pool_storages(device: torch.device) -> list[frozenset]:
@@ -79,8 +102,13 @@ def _in_pool(t: torch.Tensor, pools: dict) -> bool:
 class StepGuard:
     """Copies out of the CUDA-graph pool what an ordinary loop reads after the next replay (module doc)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, state=None):
         _GUARDED.add(model)
+        if state is not None:
+            _SkipReasons.states[id(state)] = state
+            log = logging.getLogger(SKIP_LOGGER)
+            if _SKIPS not in log.handlers:
+                log.addHandler(_SKIPS)
 
     @staticmethod
     def before_call() -> int:
@@ -109,5 +137,7 @@ class StepGuard:
         return tree_map_only(torch.Tensor, small_copy, out)
 
 
-def guard_for(model: torch.nn.Module, cuda_graphs: bool) -> Optional[StepGuard]:
-    return StepGuard(model) if cuda_graphs else None
+def guard_for(model: torch.nn.Module, state) -> Optional[StepGuard]:
+    """The step guard of a model optimized with ``cuda_graphs=True`` (``state``: its OptimizeState,
+    whose ``cuda_graph_skips`` collects Inductor's reasons for graphs it does not replay)."""
+    return StepGuard(model, state) if state.cuda_graphs else None

@@ -49,6 +49,17 @@ def test_guard_copies_small_pool_outputs_only(monkeypatch):
     out["loss"].backward()                          # autograd flows through the copy
 
 
+def test_report_says_why_inductor_did_not_replay_a_graph():
+    """Inductor logs why it leaves a graph without CUDA graphs (CPU tensors, dynamic shapes, input
+    mutation); the report of a model optimized with ``cuda_graphs=True`` shows the reason."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+    model = opsmath.optimize(torch.nn.Linear(3, 3), cuda_graphs=True)
+    plain = opsmath.optimize(torch.nn.Linear(3, 3))
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances)")
+    assert any("mutated inputs" in n for n in opsmath.report(model).notes)
+    assert not any("mutated inputs" in n for n in opsmath.report(plain).notes)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("loop", [*loops.LOOPS, "ddp"])
 def test_cuda_graph_loop_trains_like_eager(loop):
