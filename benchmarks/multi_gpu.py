@@ -82,12 +82,28 @@ def loss_of(model, ids):
 
 
 def exposed_comm(prof) -> tuple[float, float]:
-    """(NCCL kernel ms, the part of it no other GPU kernel overlaps) in one profiled step."""
-    kernels = [(e.time_range.start, e.time_range.end, "nccl" in e.name.lower()) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
-    compute = sorted((s, e) for s, e, nccl in kernels if not nccl)
+    """(NCCL kernel ms, the part of it no other GPU kernel overlaps) in one profiled step. GPU kernels
+    are read from the exported Chrome trace (``"cat": "kernel"`` events): ``prof.events()`` does not
+    list them as device events on every torch version."""
+    import json
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    return overlap_ms(kernels_of(trace))
+
+
+def kernels_of(trace: dict) -> list[tuple[float, float, bool]]:
+    """(start us, end us, is NCCL) of every GPU kernel in a Chrome trace."""
+    evs = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    return [(e["ts"], e["ts"] + e.get("dur", 0), "nccl" in e.get("name", "").lower())
+            for e in evs if e.get("cat") == "kernel" and "ts" in e]
+
+
+def overlap_ms(kernels: list[tuple[float, float, bool]]) -> tuple[float, float]:
+    """(NCCL kernel ms, NCCL ms not covered by any compute kernel) from (start us, end us, is NCCL)."""
     merged: list[list[float]] = []
-    for s, e in compute:
+    for s, e in sorted((s, e) for s, e, nccl in kernels if not nccl):
         if merged and s <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], e)
         else:

@@ -31,3 +31,19 @@ def test_benchmark_script_smoke(args, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), OPSMATH_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, *args], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_exposed_communication_from_a_trace():
+    """multi_gpu.py's exposed NCCL time: kernels read from a Chrome trace, NCCL time not covered by any
+    compute kernel (compute intervals merged first)."""
+    import sys
+    sys.path.insert(0, BENCH)
+    from multi_gpu import kernels_of, overlap_ms
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "ampere_gemm", "ts": 0, "dur": 100},
+        {"cat": "kernel", "name": "triton_fused", "ts": 80, "dur": 40},        # merged: 0-120
+        {"cat": "kernel", "name": "ncclDevKernel_AllReduce", "ts": 100, "dur": 50},   # 20 us covered
+        {"cat": "cpu_op", "name": "nccl:all_reduce", "ts": 0, "dur": 500},     # host event: not a kernel
+        {"cat": "kernel", "name": "ncclKernel_AllGather", "ts": 200, "dur": 10}]}   # not covered
+    total, exposed = overlap_ms(kernels_of(trace))
+    assert abs(total - 0.060) < 1e-9 and abs(exposed - 0.040) < 1e-9, (total, exposed)
