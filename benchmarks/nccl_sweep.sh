@@ -18,6 +18,20 @@ run() {  # label, most seconds, command...
   grep -E "^\{|^check|Error" "$tmp/$label.log" | grep -v Warning
   (( rc != 0 )) && { echo "rc=$rc"; tail -4 "$tmp/$label.log"; }
 }
+# the machine itself first: clocks and throttling, and one bf16 GEMM's TFLOP/s per GPU (about 750 on a
+# healthy H200), so a slow machine is told apart from a slow program
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,power.draw,power.limit,pstate,clocks_throttle_reasons.active \
+  --format=csv 2>&1 | head -4
+python - <<'PY'
+import torch
+for d in range(torch.cuda.device_count()):
+    a = torch.randn(8192, 8192, device=f"cuda:{d}", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); [a @ a for _ in range(20)]; e.record(); torch.cuda.synchronize()
+    print(f"cuda:{d} bf16 GEMM 8192^3: {20 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3) / 1e12:.0f} TFLOP/s", flush=True)
+PY
 T="python -m torch.distributed.run --standalone --nproc_per_node=2 multi_gpu.py"
 run gpt2-ddp-opsmath-check 100 $T --model gpt2 --wrap ddp --variant opsmath --check "$tmp/ck"
 run gpt2-1gpu-check 90 python multi_gpu.py --model gpt2 --variant opsmath --single --check "$tmp/ck"
@@ -26,8 +40,8 @@ run gpt2-ddp-opsmath 75 $T --model gpt2 --wrap ddp --variant opsmath
 run gpt2-1gpu-opsmath 60 python multi_gpu.py --model gpt2 --variant opsmath --single --world 1
 run gpt2-fsdp-opsmath 75 $T --model gpt2 --wrap fsdp --variant opsmath
 run gpt2-fsdp-compile 75 $T --model gpt2 --wrap fsdp --variant compile
-run llama-fsdp-opsmath-budget 110 $T --model llama --wrap fsdp --variant opsmath --steps 10 --memory-budget 12GiB
-run llama-fsdp-compile 100 $T --model llama --wrap fsdp --variant compile --steps 10
+run llama-fsdp-opsmath-budget 170 $T --model llama --wrap fsdp --variant opsmath --steps 10 --memory-budget 12GiB
+run llama-fsdp-compile 150 $T --model llama --wrap fsdp --variant compile --steps 10
 python - "$tmp" "$dest" <<'PY'
 import glob, json, os, sys, time
 tmp, dest = sys.argv[1:]
