@@ -156,46 +156,64 @@ def unsupported(first: Expert, params: dict, rows, by_id: set) -> Optional[str]:
     count of expert 0, a symbolic size)."""
     inside = set(first.body)
     for n in first.body:
-        v = val(n)
         if n.target is operator.getitem:
             continue
-        if n.op != "call_function" or not isinstance(v, torch.Tensor):
-            return f"{n.name}: {n.target} in an expert is not supported"
-        if v.dim() == 0 or not (_is(v.shape[0], rows) or (v.dim() > 1 and _is(v.shape[0], 1) and _is(v.shape[1], rows))):
-            return f"{n.name} mixes the routed rows ({tuple(v.shape)})"
-        t = n.target
-        if t is aten.index.Tensor:      # a per-token (or per token and slot) gather of a shared tensor
-            routed, src = (first.tok, first.pos, None), n.args[0]
-            if src in by_id and (_dim(id_chain(src, first.eid)[0]) != len(n.args[1])
-                                 or any(d < len(n.args[1]) for d in id_chain(src, first.eid)[1])):
-                return f"{n.name}: gathers expert i's column {src.name} along another dim"
-            if any(a in by_id for a in n.args[1]):
-                return f"{n.name}: indexes by expert i's column"
-            if src in inside or src in params or any(i not in routed for i in n.args[1]):
-                return f"{n.name}: a gather that is not by the routed indices"
-            continue
-        if any(a in by_id for a in n.args if isinstance(a, fx.Node)):
-            return f"{n.name} reads expert i's column other than by the routed indices"
-        if t in GEMMS:
-            w = n.args[1]
-            if w in inside:
-                return f"{n.name}: a GEMM of two routed values"
-            if w in params and val(n.args[0]).dim() != 2:
-                return f"{n.name}: a per-expert GEMM on a {val(n.args[0]).dim()}-D input"
-            continue
-        if t in FEATURE_DIM:
-            d = n.args[FEATURE_DIM[t]] if len(n.args) > FEATURE_DIM[t] else n.kwargs.get("dim", 0)
-            if d % max(val(n.args[0]).dim() + (t is aten.unsqueeze.default), 1) == 0:
-                return f"{n.name}: {t} along the row dim"
-            continue
-        if t in (aten.view.default, aten.reshape.default) and _is(v.shape[0], rows):
-            continue
-        if t in ROW_SAFE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
-            if any(a in params for a in n.args if isinstance(a, fx.Node)) and t not in \
-                    (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor):
-                return f"{n.name}: per-expert parameter in {t}"
-            continue
-        return f"{n.name}: {t} in an expert is not supported"
+        reason = _row_reason(n, rows) or _op_reason(n, first, params, rows, by_id, inside)
+        if reason:
+            return reason
+    return None
+
+
+def _row_reason(n: fx.Node, rows) -> Optional[str]:
+    """A reason when ``n`` is not a tensor op whose first dim (or second, after a leading 1) is the rows."""
+    v = val(n)
+    if n.op != "call_function" or not isinstance(v, torch.Tensor):
+        return f"{n.name}: {n.target} in an expert is not supported"
+    if v.dim() == 0 or not (_is(v.shape[0], rows) or (v.dim() > 1 and _is(v.shape[0], 1) and _is(v.shape[1], rows))):
+        return f"{n.name} mixes the routed rows ({tuple(v.shape)})"
+    return None
+
+
+def _op_reason(n: fx.Node, first: Expert, params: dict, rows, by_id: set, inside: set) -> Optional[str]:
+    """A reason when op ``n`` of the body mixes rows, or reads expert i's column or parameters in a way
+    the grouped form cannot take; None when it treats rows independently."""
+    t = n.target
+    if t is aten.index.Tensor:      # a per-token (or per token and slot) gather of a shared tensor
+        return _gather_reason(n, first, params, by_id, inside)
+    if any(a in by_id for a in n.args if isinstance(a, fx.Node)):
+        return f"{n.name} reads expert i's column other than by the routed indices"
+    if t in GEMMS:
+        w = n.args[1]
+        if w in inside:
+            return f"{n.name}: a GEMM of two routed values"
+        if w in params and val(n.args[0]).dim() != 2:
+            return f"{n.name}: a per-expert GEMM on a {val(n.args[0]).dim()}-D input"
+        return None
+    if t in FEATURE_DIM:
+        d = n.args[FEATURE_DIM[t]] if len(n.args) > FEATURE_DIM[t] else n.kwargs.get("dim", 0)
+        if d % max(val(n.args[0]).dim() + (t is aten.unsqueeze.default), 1) == 0:
+            return f"{n.name}: {t} along the row dim"
+        return None
+    if t in (aten.view.default, aten.reshape.default) and _is(val(n).shape[0], rows):
+        return None
+    if t in ROW_SAFE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+        if any(a in params for a in n.args if isinstance(a, fx.Node)) and t not in \
+                (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor):
+            return f"{n.name}: per-expert parameter in {t}"
+        return None
+    return f"{n.name}: {t} in an expert is not supported"
+
+
+def _gather_reason(n: fx.Node, first: Expert, params: dict, by_id: set, inside: set) -> Optional[str]:
+    """A reason when ``index`` node ``n`` is not a gather of a shared tensor by the routed indices."""
+    routed, src = (first.tok, first.pos, None), n.args[0]
+    if src in by_id and (_dim(id_chain(src, first.eid)[0]) != len(n.args[1])
+                         or any(d < len(n.args[1]) for d in id_chain(src, first.eid)[1])):
+        return f"{n.name}: gathers expert i's column {src.name} along another dim"
+    if any(a in by_id for a in n.args[1]):
+        return f"{n.name}: indexes by expert i's column"
+    if src in inside or src in params or any(i not in routed for i in n.args[1]):
+        return f"{n.name}: a gather that is not by the routed indices"
     return None
 
 
