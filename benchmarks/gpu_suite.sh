@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
-#   STEPS="tests attn_tests semantics attention lce ce dan act train gap recompute memory long curve tune llama hf_sdpa lengths guards"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#   STEPS="tests attn_tests semantics cuda_graphs attention lce ce dan act train gap recompute memory long curve
+#          fp8_curve fp8_speed tune llama hf_sdpa lengths guards"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -62,3 +63,12 @@ step long ${LONG_TIMEOUT:-400} python3 benchmarks/memory.py --long-only ${LONG_A
 step curve 300 python3 benchmarks/learning_curve.py
 step tune 200 python3 -m opsmath.cli tune --example gpt
 step llama 500 python3 benchmarks/train.py --llama --only "${LLAMA_ONLY:-eager + SDPA,torch.compile + SDPA,opsmath.optimize,opsmath.optimize (every family)}"
+# CUDA graphs in ordinary loops: opsmath's tests, then torch's reduce-overhead on the same loops
+step cuda_graphs ${CG_TIMEOUT:-500} bash -c 'OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
+    tests/test_cuda_graph_loops.py tests/test_inductor.py -k "cuda_graph or guard or static or report" && \
+    cd benchmarks && python3 cuda_graph_loops.py --variants "torch.compile reduce-overhead"'
+# FP8: the loss curve against bf16's seed-to-seed noise, and the step time beside torchao's float8 (its
+# wheel carried in .whl and installed to /tmp/site, as the device README describes)
+step fp8_curve ${FP8_CURVE_TIMEOUT:-560} python3 benchmarks/fp8_curve.py ${FP8_CURVE_ARGS:---batch 1}
+step fp8_speed ${FP8_SPEED_TIMEOUT:-560} python3 benchmarks/hf_default_attention.py --models llama,llama8b4 \
+    --variants "torch.compile,opsmath.optimize,opsmath.optimize(fp8=True),torchao float8 + torch.compile" --rounds 4 --steps 3
