@@ -7,6 +7,7 @@ in Jupyter, ``report.to_json()`` is the form for tools.
 from __future__ import annotations
 
 import json
+import weakref
 
 from rich.console import Group
 from rich.panel import Panel
@@ -14,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsmath.kernels import SPECS
+from opsmath.kernels.fp8_linear import underflow
 from opsmath.kernels.grouped_mm import LOAD_STEPS, LOADS
 
 from .api import state_of
@@ -46,7 +48,8 @@ class Report(Rendered):
     text_width = 80
     html_width = 100
 
-    def __init__(self, state):
+    def __init__(self, state, model=None):
+        self._model = weakref.ref(model) if model is not None else (lambda: None)
         self.model_name = state.model_name
         self.graphs = list(state.graphs)
         self.fallback_errors = list(state.fallback_errors)
@@ -86,6 +89,23 @@ class Report(Rendered):
                              starved=[e for e in range(counts.shape[1]) if counts[:, e].sum() == 0]))
         return rows
 
+    def fp8_underflow(self) -> list[dict]:
+        """Per weight an FP8 linear reads (``weight``: its parameter name), the share of its nonzero
+        values that tensorwise e4m3 scaling flushes to zero (``underflow``), computed now from the live
+        weight. Activations and gradients are scaled afresh every step and are not counted here."""
+        model, rows, seen = self._model(), [], set()
+        for m in self.matches:
+            name = m.details.get("weight") if m.pattern == "fp8_linear" else None
+            if model is None or name is None or name in seen:
+                continue
+            seen.add(name)
+            try:
+                w = model.get_parameter(name)
+            except AttributeError:
+                continue
+            rows.append(dict(weight=name, underflow=underflow(w.detach())))
+        return rows
+
     def plot_expert_load(self, ax=None):
         """Tokens per expert (mean over the kept steps) per rewritten MoE layer as a heatmap, each row
         titled with its imbalance; starved experts crossed out. Returns the matplotlib Axes."""
@@ -110,7 +130,8 @@ class Report(Rendered):
     def to_dict(self) -> dict:
         return dict(model=self.model_name, graphs=[g.to_dict() for g in self.graphs],
                     eager_regions=[r.to_dict() for r in self.eager_regions], fallback_errors=self.fallback_errors,
-                    unoptimized_calls=self.unoptimized_calls, expert_load=self.expert_load(), notes=self.notes)
+                    unoptimized_calls=self.unoptimized_calls, expert_load=self.expert_load(), notes=self.notes,
+                    fp8_underflow=self.fp8_underflow())
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -122,6 +143,12 @@ class Report(Rendered):
         yield Text(title, style="bold")
         for note in self.notes:
             yield Text(note, style="dim")
+        flushed = self.fp8_underflow()
+        if flushed:
+            worst = max(flushed, key=lambda r: r["underflow"])
+            yield Text(f"FP8 weights flushed to zero by e4m3 scaling: mean "
+                       f"{sum(r['underflow'] for r in flushed) / len(flushed):.3%}, most {worst['underflow']:.3%} "
+                       f"({worst['weight']}), over {len(flushed)} weights", style="dim")
         if not self.graphs:
             yield Text("nothing captured yet: call the optimized model once", style="yellow")
         for g in self.graphs:
@@ -299,4 +326,4 @@ class Report(Rendered):
 
 def report(optimized) -> Report:
     """The :class:`Report` of a module returned by ``opsmath.optimize``."""
-    return Report(state_of(optimized))
+    return Report(state_of(optimized), optimized)

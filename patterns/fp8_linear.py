@@ -9,6 +9,8 @@ Opt-in: applied only when ``optimize(..., fp8=True)`` (FP8 changes numerics beyo
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 
@@ -54,7 +56,15 @@ class FP8LinearRule(Rule):
         n.replace_all_uses_with(y)
         ctx.erase_dead([n])
         ctx.replaced(self.name, n, [n], f"FP8 linear ({M} x {K} -> {N}, e4m3 fwd, e5m2 grads, tensorwise)",
-                     before, M=M, K=K, N=N)
+                     before, M=M, K=K, N=N, weight=parameter_name(w))
+
+
+def parameter_name(w: fx.Node):
+    """The module's name for the parameter placeholder ``w`` (``"layers.0.mlp.up_proj.weight"``), read
+    from dynamo's source of it (``capture._keep_input_metadata``); None when unknown."""
+    source = (w.meta.get("dynamo_input") or (None,))[0]
+    parts = re.findall(r"\._(?:modules|parameters)\['([^']+)'\]", getattr(source, "name", "") or "")
+    return ".".join(parts) or None
 
 
 PATTERN = register_rule(FP8LinearRule())

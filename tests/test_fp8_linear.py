@@ -82,3 +82,20 @@ def test_fp8_is_opt_in_and_small_gemms_stay_bf16():
     assert any("stays bf16" in d.reason for d in rep.declines if d.pattern == "fp8_linear")
     with pytest.raises(ValueError, match="rowwise"):
         opsmath.optimize(copy.deepcopy(model), fp8="rowwise")
+
+
+def test_report_gives_each_fp8_weights_flushed_share(monkeypatch):
+    """The report names each FP8 linear's weight and the share of its nonzero values e4m3 scaling
+    flushes to zero: none for a normal init, about half when half the weight is 1e-9 x the rest."""
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    with torch.no_grad():
+        model.up.weight[:64] *= 1e-9
+    opt = opsmath.optimize(model, fp8=True)
+    opt(torch.randn(4, 16, 64, dtype=torch.bfloat16)).sum().backward()
+    rep = opsmath.report(opt)
+    got = {r["weight"]: r["underflow"] for r in rep.fp8_underflow()}
+    assert set(got) == {"up.weight", "down.weight"}, got
+    assert 0.45 < got["up.weight"] <= 0.5 and got["down.weight"] < 0.01, got
+    assert "FP8 weights flushed to zero" in rep.render(width=200) and "up.weight" in rep.render(width=200)
