@@ -94,7 +94,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             per-kernel launch cost of a step. opsmath's kernels read their dropout seeds from device
             memory, so each replay draws fresh masks. Ordinary loops need no change (``cudagraphs.py``),
             but a large output (logits) kept past the next step's forward must be cloned, as under
-            ``reduce-overhead``. Graphs on CPU tensors run without. Needs the Inductor path (not ``inductor=False``). An outer
+            ``reduce-overhead``. CPU graphs run without. Needs the Inductor path; an outer
             ``torch.compile(..., mode="reduce-overhead")`` does not reach opsmath's graphs: ask here.
         fp8: ``True`` or ``"tensorwise"``: bf16 linear layers whose GEMMs are large enough to gain
             (``patterns/fp8_linear.py``: K, N and the rows >= 2048) run forward and backward on FP8
