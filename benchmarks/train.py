@@ -93,7 +93,8 @@ class Runner:
                        attention_backends=sorted({m.details.get("backend", "") for m in rep.matches
                                                   if m.pattern == "attention"}),
                        capture_s=sum(g.capture_seconds for g in rep.graphs),
-                       inductor_s=sum(g.inductor_seconds for g in rep.graphs), fallbacks=rep.fallback_errors)
+                       inductor_s=sum(g.inductor_seconds for g in rep.graphs), fallbacks=rep.fallback_errors,
+                       notes=rep.notes)   # with CUDA graphs: Inductor's reasons for any graph it left out
         return row
 
 
