@@ -89,7 +89,8 @@ def exposed_comm(prof) -> tuple[float, float]:
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as g:
+            trace = json.load(g)
     return overlap_ms(kernels_of(trace))
 
 

@@ -56,7 +56,7 @@ class Report(Rendered):
         self.eager_regions = list(state.eager_regions)
         self.unoptimized_calls = state.unoptimized_calls
         self.notes = list(state.notes) + [f"Inductor did not replay a graph as a CUDA graph: {m}"
-                                          for m in getattr(state, "cuda_graph_skips", [])]
+                                          for m in state.cuda_graph_skips]
 
     @property
     def matches(self) -> list[Match]:
