@@ -2,7 +2,7 @@
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
 #   STEPS="tests attn_tests semantics cuda_graphs attention lce ce dan act train gap recompute memory long curve
-#          fp8_curve fp8_speed tune llama hf_sdpa lengths guards"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#          fp8_curve fp8_speed tune llama hf_sdpa lengths guards window_tests window window_model"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -72,3 +72,9 @@ step cuda_graphs ${CG_TIMEOUT:-500} bash -c 'OPSMATH_TEST_DEVICE=cuda python3 -m
 step fp8_curve ${FP8_CURVE_TIMEOUT:-560} python3 benchmarks/fp8_curve.py ${FP8_CURVE_ARGS:---batch 1}
 step fp8_speed ${FP8_SPEED_TIMEOUT:-560} python3 benchmarks/hf_default_attention.py --models llama,llama8b4 \
     --variants "torch.compile,opsmath.optimize,opsmath.optimize(fp8=True),torchao float8 + torch.compile" --rounds 4 --steps 3
+# sliding-window attention: the kernel's GPU tests, fwd+bwd against SDPA with a mask / flex / compiled eager,
+# and a Mistral-shaped training step with a 1024-key window at sequence 8192
+step window_tests ${WINDOW_TESTS_TIMEOUT:-300} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
+    tests/test_kernel_attention_window.py
+step window ${WINDOW_TIMEOUT:-330} python3 benchmarks/attention_variants.py --kind window --rounds 5
+step window_model ${WINDOW_MODEL_TIMEOUT:-300} python3 benchmarks/hf_default_attention.py --models mistral_sw --rounds 3 --steps 3

@@ -33,6 +33,11 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(
         hidden_size=2048, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
         intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096, sliding_window=None), 4, 2048),
+    # Mistral-shaped with a sliding window of 1024 keys (Gemma-3's local layers) at sequence 8192: the
+    # window removes 7/8 of the causal attention's work, if the kernel skips it
+    "mistral_sw": ("MistralForCausalLM", "MistralConfig", dict(
+        hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+        intermediate_size=5632, vocab_size=32000, max_position_embeddings=8192, sliding_window=1024), 1, 8192),
     # Gemma-2-27B's layer shape (head dim 128, logit softcapping 50), 4 layers. Its attention is eager as
     # written (SDPA cannot softcap); "torch.compile (flex_attention)" is HF's flex implementation of it
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(

@@ -7,6 +7,8 @@ Math (per batch b, query head h, with kv head g = h // (H // Hkv) for GQA/MQA)::
     S   = S + bias
     S   = where(mask, mask_fill, S)                 bias, mask: broadcastable to (B, H, Sq, Sk)
     S   = where(j > i, -inf, S)    if is_causal     (top-left aligned, as tril(ones(Sq, Sk)) spells it)
+    S   = where(j <= i - window, -inf, S)  if window > 0   (sliding window: each query sees its last
+                                                   ``window`` keys; the kernels skip key blocks outside it)
     P   = softmax(S, -1)                            stats: (B, H, Sq, 2) fp32 = (row max m, log row sum)
     Pd  = P * keep / (1 - p)   keep = hash(seed, flat index into (B, H, Sq, Sk)) >= p
     O   = Pd V                                      O: (B, H, Sq, D) in q.dtype
@@ -40,7 +42,7 @@ from .attention_configs import configs_for, forced_config
 # --------------------------------------------------------------------------------------------------
 
 
-def _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0):
+def _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0, window=0):
     """fp32 (fp64 for fp64) S, P, dropout-applied Pd, the keep mask (None without dropout), what is
     masked (bool, broadcastable), K/V repeated to H heads, and the softcap's derivative (1.0 without)."""
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -63,16 +65,20 @@ def _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p
         upper = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(upper, float("-inf"))
         masked = masked | upper
+    if window > 0:
+        left = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(-window)
+        s = s.masked_fill(left, float("-inf"))
+        masked = masked | left
     p = torch.softmax(s, dim=-1)
     keep = dropout_keep(int(seed), flat_offsets(p.shape, q.device), dropout_p) if dropout_p > 0 else None
     pd = p * keep / (1.0 - dropout_p) if keep is not None else p
     return s, p, pd, keep, masked, kf, vf, dcap
 
 
-def attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0):
+def attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0, window=0):
     """Returns (out in q.dtype, stats fp32 (B, H, Sq, 2)). Computes in fp32 (fp64 when given fp64)."""
     s, p, pd, _, _, _, vf, _ = _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed,
-                                                softcap)
+                                                softcap, window)
     m = s.amax(-1, keepdim=True)
     log_l = torch.logsumexp(s - m.masked_fill(m == float("-inf"), 0.0), dim=-1)
     stats = torch.stack([m.squeeze(-1), log_l], dim=-1)
@@ -80,10 +86,10 @@ def attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropou
 
 
 def _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad,
-                                  softcap=0.0):
+                                  softcap=0.0, window=0):
     """The module docstring's backward, in plain torch (custom-op bodies run below autograd)."""
     _, p, pd, keep, masked, kf, vf, dcap = _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale,
-                                                            dropout_p, seed, softcap)
+                                                            dropout_p, seed, softcap, window)
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     do = dout.to(p.dtype)
@@ -110,19 +116,20 @@ def _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causa
 @torch.library.custom_op("opsmath::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                  mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
-                 dropout_p: float, seed: Optional[torch.Tensor], softcap: float = 0.0
+                 dropout_p: float, seed: Optional[torch.Tensor], softcap: float = 0.0, window: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     check_seed("attention", dropout_p, seed)
     if use_triton(q):
         out, stats = attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed,
-                                              softcap)
+                                              softcap, window)
     else:
-        out, stats = attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap)
+        out, stats = attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap,
+                                         window)
     return out.contiguous(), stats.contiguous()
 
 
 @attention_op.register_fake
-def _(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0):
+def _(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0, window=0):
     B, H, Sq, D = q.shape
     return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq, 2), dtype=torch.float32)
 
@@ -131,59 +138,60 @@ def _(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, stats: torch.Tensor, bias: Optional[torch.Tensor],
                           mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
-                          dropout_p: float, seed: Optional[torch.Tensor], bias_grad: bool, softcap: float = 0.0
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          dropout_p: float, seed: Optional[torch.Tensor], bias_grad: bool, softcap: float = 0.0,
+                          window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if use_triton(q):
         dq, dk, dv, dbias = attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill,
-                                                      is_causal, scale, dropout_p, seed, bias_grad, softcap)
+                                                      is_causal, scale, dropout_p, seed, bias_grad, softcap, window)
     else:
         dq, dk, dv, dbias = _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causal,
-                                                          scale, dropout_p, seed, bias_grad, softcap)
+                                                          scale, dropout_p, seed, bias_grad, softcap, window)
     if dbias is None:
         dbias = q.new_empty((0,), dtype=torch.float32)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias.contiguous()
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad, softcap=0.0):
+def _(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad, softcap=0.0,
+      window=0):
     B, H, Sq, _ = q.shape
     dbias = q.new_empty((B, H, Sq, k.shape[2]) if bias_grad else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap = inputs
+    q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap, window = inputs
     out, stats = output
     ctx.save_for_backward(q, k, v, bias, mask, seed, out, stats)
-    ctx.args = (mask_fill, is_causal, scale, dropout_p, softcap)
+    ctx.args = (mask_fill, is_causal, scale, dropout_p, softcap, window)
 
 
 def _backward(ctx, dout, dstats):
     q, k, v, bias, mask, seed, out, stats = ctx.saved_tensors
-    mask_fill, is_causal, scale, dropout_p, softcap = ctx.args
+    mask_fill, is_causal, scale, dropout_p, softcap, window = ctx.args
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = attention_backward_op(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal,
-                                              scale, dropout_p, seed, bias_grad, softcap)
+                                              scale, dropout_p, seed, bias_grad, softcap, window)
     if bias_grad:
         dims = [i for i in range(4) if bias.shape[i] == 1 and dbias.shape[i] != 1]
         dbias = (dbias.sum(dims, keepdim=True) if dims else dbias).to(bias.dtype)
     else:
         dbias = None
-    return dq, dk, dv, dbias, None, None, None, None, None, None, None
+    return dq, dk, dv, dbias, None, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, bias=None, mask=None, mask_fill=float("-inf"), is_causal=False, scale=None,
-              dropout_p=0.0, seed=None, softcap=0.0):
+              dropout_p=0.0, seed=None, softcap=0.0, window=0):
     """Convenience entry point: ``O = attention(q, k, v, ...)`` with the op's semantics (see module doc).
     ``scale`` defaults to 1/sqrt(D); a fresh seed is drawn when dropout is on and none is given."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if seed is None and dropout_p > 0:
         seed = new_seed(q)
-    return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap)[0]
+    return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap, window)[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,17 +209,17 @@ def _exercise(dtype: torch.dtype) -> None:
     """Each flag in the block configurations the GPU launches (each variant takes ~10 s to compile for
     sm_90, so the flags are spread over three bf16 cases and one fp32 case)."""
     seed = torch.tensor(7)
-    cases = [(64, 1, True, False, False, 0.0, 0.0)] if dtype == torch.float32 else [
-        (64, 2, True, False, False, 0.0, 0.0), (128, 2, False, True, False, 0.1, 0.0),
-        (32, 1, True, False, True, 0.0, 0.0), (128, 2, True, True, False, 0.0, 30.0)]
-    for D, Hkv, causal, has_bias, has_mask, p, cap in cases:
+    cases = [(64, 1, True, False, False, 0.0, 0.0, 0)] if dtype == torch.float32 else [
+        (64, 2, True, False, False, 0.0, 0.0, 7), (128, 2, False, True, False, 0.1, 0.0, 0),
+        (32, 1, True, False, True, 0.0, 0.0, 0), (128, 2, True, True, False, 0.0, 30.0, 5)]
+    for D, Hkv, causal, has_bias, has_mask, p, cap, window in cases:
         q, k, v = leaf(1, 2, 20, D, dtype=dtype), leaf(1, Hkv, 20, D, dtype=dtype), leaf(1, Hkv, 20, D, dtype=dtype)
         bias = leaf(1, 1, 20, 20, dtype=dtype) if has_bias else None
         mask = torch.rand(1, 1, 20, 20) > 0.2 if has_mask else None
         if mask is not None:
             mask[..., 0] = True
         with forced_config(configs_for(D)[1 if has_bias else 0]):
-            backward(attention_op(q, k, v, bias, mask, float("-inf"), causal, D ** -0.5, p, seed, cap)[0])
+            backward(attention_op(q, k, v, bias, mask, float("-inf"), causal, D ** -0.5, p, seed, cap, window)[0])
 
 
 # Above this head dim a softcapped attention is faster as Inductor's compiled chain than in opsmath's kernel:

@@ -53,13 +53,15 @@ class forced_config:
         _FORCED[0] = self.prev
 
 
-def bucket_key(q, k, has_bias: bool, has_mask: bool, is_causal: bool, dropout_p: float, softcap: float = 0.0) -> str:
+def bucket_key(q, k, has_bias: bool, has_mask: bool, is_causal: bool, dropout_p: float, softcap: float = 0.0,
+               window: int = 0) -> str:
     """dtype, exact head dim and head grouping, batch*heads and lengths rounded up to powers of 2, flags."""
     B, H, Sq, D = q.shape
     p2 = (lambda n: 1 << max(0, math.ceil(math.log2(max(n, 1)))))
     return (f"{str(q.dtype).replace('torch.', '')} D={D} H/Hkv={H // k.shape[1]} B*H<={p2(B * H)} "
             f"Sq<={p2(Sq)} Sk<={p2(k.shape[2])} causal={int(is_causal)} bias={int(has_bias)} "
-            f"mask={int(has_mask)} dropout={int(dropout_p > 0)}" + (" softcap=1" if softcap else ""))
+            f"mask={int(has_mask)} dropout={int(dropout_p > 0)}" + (" softcap=1" if softcap else "")
+            + (f" window={window}" if window else ""))
 
 
 def launch_cfg(q: torch.Tensor, D: int, key: Optional[str] = None):
@@ -79,7 +81,7 @@ def launch_cfg(q: torch.Tensor, D: int, key: Optional[str] = None):
     return cfg[0], cfg[1], block_d, cfg[2], cfg[3]
 
 
-def bucket(q, k, bias, mask, is_causal, dropout_p, softcap=0.0) -> Optional[str]:
+def bucket(q, k, bias, mask, is_causal, dropout_p, softcap=0.0, window=0) -> Optional[str]:
     if not q.is_cuda:
         return None
-    return bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p, softcap)
+    return bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p, softcap, window)

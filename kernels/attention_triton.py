@@ -22,8 +22,8 @@ def _tile(base, rows, n_rows, offs_d, D, s_row, s_d):
 
 @triton.jit
 def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-            H, SQ, SK, scale, softcap, mask_fill, seed, p_drop,
-            HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+            H, SQ, SK, scale, softcap, mask_fill, seed, p_drop, window,
+            HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
             HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr):
     """Scores block S (BM, BN) fp32 with softcap/bias/mask/causal applied, whether each entry is
     masked, the dropout keep-mask (all-true when there is no dropout) and dS_capped/dS_raw = 1 - t^2
@@ -43,6 +43,8 @@ def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, sm
         invalid = cols[None, :] >= SK
         if IS_CAUSAL:
             invalid = invalid | (cols[None, :] > rows[:, None])
+        if WINDOW:
+            invalid = invalid | (cols[None, :] <= rows[:, None] - window)
     else:
         invalid = cols[None, :] < 0     # nothing: the block is wholly valid
     masked = invalid
@@ -61,24 +63,33 @@ def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, sm
 
 
 @triton.jit
-def _key_ranges(pid_m, SK, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(hi, full) for a query block: key blocks from ``full`` to ``hi`` need the bounds/causal test;
-    those before ``full`` lie inside the keys and wholly below the diagonal (every column <= the
-    block's first row), and those from ``hi`` on wholly above it (skipped)."""
+def _key_ranges(pid_m, SK, window, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """(lo, edge, full, hi) for a query block, in multiples of BLOCK_N: key blocks before ``lo`` lie wholly
+    left of the sliding window (skipped); [lo, edge) straddle its left edge (tested); [edge, full) lie inside
+    the keys, the window and wholly below the diagonal (every column <= the block's first row; untested);
+    [full, hi) need the bounds/causal test; from ``hi`` on they lie wholly above the diagonal (skipped)."""
     if IS_CAUSAL:
         hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)
         full = tl.minimum(((pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, (SK // BLOCK_N) * BLOCK_N)
     else:
         hi = SK
         full = (SK // BLOCK_N) * BLOCK_N
-    return hi, full
+    lo = full * 0
+    edge = lo
+    if WINDOW:   # row r sees columns > r - window: the block's first row from r0 - window + 1 on
+        lo = (tl.maximum(pid_m * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
+        # and every row of the block sees column c once c > (r0 + BLOCK_M - 1) - window
+        edge = tl.cdiv(tl.maximum(pid_m * BLOCK_M + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
+        edge = tl.minimum(tl.maximum(edge, lo), full)
+    return lo, edge, full, hi
 
 
 @triton.jit
 def _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, start, end, offs_n, offs_d, dmask,
                 skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop,
-                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window,
+                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over the key blocks [start, end) of one query block."""
     for start_n in range(start, end, BLOCK_N):
@@ -88,8 +99,8 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, start, end, o
         kt = tl.load(K + b * skb + g * skh + cols[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
                      mask=(cols[None, :] < SK) & dmask[:, None], other=0.0)
         s, masked, keep, dcap = _scores(q, kt, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                                  H, SQ, SK, scale, softcap, mask_fill, seed, p_drop,
-                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, SOFTCAP, PRECISION, CHECK)
+                                  H, SQ, SK, scale, softcap, mask_fill, seed, p_drop, window,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP, PRECISION, CHECK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp finite
         p = tl.exp(s - m_safe[:, None])
@@ -119,8 +130,8 @@ def _query_block(H, REP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: 
 def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
               sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
-              H, REP, SQ, SK, D, scale, softcap, mask_fill, p_drop,
-              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              H, REP, SQ, SK, D, scale, softcap, mask_fill, p_drop, window,
+              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m, pid_bh, b, h, g, rows, offs_n, offs_d = _query_block(H, REP, BLOCK_M, BLOCK_N, BLOCK_D)
@@ -130,14 +141,18 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi, full = _key_ranges(pid_m, SK, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, 0, full, offs_n, offs_d, dmask,
+    lo, edge, full, hi = _key_ranges(pid_m, SK, window, IS_CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, lo, edge, offs_n, offs_d, dmask,
                                 skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                                H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                                H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window, HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW,
+                                HAS_DROPOUT, SOFTCAP, PRECISION, True, BLOCK_N)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, edge, full, offs_n, offs_d, dmask,
+                                skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                                H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window, HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW,
                                 HAS_DROPOUT, SOFTCAP, PRECISION, False, BLOCK_N)
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, Bias, Mask, b, h, g, rows, full, hi, offs_n, offs_d, dmask,
                                 skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                                H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                                H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window, HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW,
                                 HAS_DROPOUT, SOFTCAP, PRECISION, True, BLOCK_N)
     out = acc / l_i[:, None]
     rmask = rows < SQ
@@ -151,8 +166,8 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, start, end, offs_m, offs_d,
                  sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                 H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop,
-                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window,
+                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_M: tl.constexpr):
     """dK/dV contributions of query head h's row blocks [start, end) to one key block."""
     for start_m in range(start, end, BLOCK_M):
@@ -164,8 +179,8 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, star
         logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
         delta = tl.load(Delta + (b * H + h) * SQ + rows, mask=rows < SQ, other=0.0)
         s, masked, keep, dcap = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
-                                  smb, smh, smm, smn, H, SQ, SK, scale, softcap, mask_fill, seed, p_drop,
-                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, SOFTCAP, PRECISION, CHECK)
+                                  smb, smh, smm, smn, H, SQ, SK, scale, softcap, mask_fill, seed, p_drop, window,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP, PRECISION, CHECK)
         p = tl.where(rows[:, None] < SQ, tl.exp((s - m_row[:, None]) - logl[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if HAS_DROPOUT:
@@ -183,8 +198,8 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, star
 def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, Seed,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                    sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                   HKV, H, REP, SQ, SK, D, scale, softcap, mask_fill, p_drop,
-                   HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   HKV, H, REP, SQ, SK, D, scale, softcap, mask_fill, p_drop, window,
+                   HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                    HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (kv block, batch, kv head); loops over the REP query heads sharing it (GQA),
@@ -212,16 +227,26 @@ def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, Seed,
         full = ((n0 + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
     if n0 + BLOCK_N > SK:
         full = SQ                       # a partial key block: every query block tests the bounds
+    rhi = SQ + lo * 0
+    wend = rhi
+    if WINDOW:   # rows past n0 + BLOCK_N - 1 + window - 1 see none of it; rows before wend see all of it
+        rhi = tl.minimum(SQ, n0 + BLOCK_N + window - 1)
+        wend = ((n0 + window) // BLOCK_M) * BLOCK_M
     for r in range(0, REP):
         h = g * REP + r
-        dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, lo, tl.minimum(full, SQ),
+        dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, lo, tl.minimum(full, rhi),
                               offs_m, offs_d, sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                              H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                              H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window, HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW,
                               HAS_DROPOUT, SOFTCAP, PRECISION, True, BLOCK_M)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, full, SQ,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, full, tl.minimum(wend, rhi),
                               offs_m, offs_d, sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                              H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL,
+                              H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window, HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW,
                               HAS_DROPOUT, SOFTCAP, PRECISION, False, BLOCK_M)
+        if WINDOW:
+            dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, Stats, Delta, Bias, Mask, b, h, cols, tl.maximum(full, wend),
+                                  rhi, offs_m, offs_d, sqb, sqh, sqm, sqd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                                  H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window, HAS_BIAS, HAS_MASK,
+                                  IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP, PRECISION, True, BLOCK_M)
     out_off = (b * HKV + g) * SK * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
     tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -230,8 +255,8 @@ def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, Seed,
 @triton.jit
 def _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, start, end,
                offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-               H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop,
-               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window,
+               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
                CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ (and dbias) contributions of the key blocks [start, end) to one query block."""
@@ -240,8 +265,8 @@ def _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, 
         k = _tile(K + b * skb + g * skh, cols, SK, offs_d, D, skn, skd)
         v = _tile(V + b * svb + g * svh, cols, SK, offs_d, D, svn, svd)
         s, masked, keep, dcap = _scores(q, tl.trans(k), b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn,
-                                  smb, smh, smm, smn, H, SQ, SK, scale, softcap, mask_fill, seed, p_drop,
-                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, SOFTCAP, PRECISION, CHECK)
+                                  smb, smh, smm, smn, H, SQ, SK, scale, softcap, mask_fill, seed, p_drop, window,
+                                  HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP, PRECISION, CHECK)
         p = tl.exp((s - m_row[:, None]) - logl[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if HAS_DROPOUT:
@@ -255,11 +280,21 @@ def _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, 
 
 
 @triton.jit
+def _zero_dbias(DBias, pid_bh, rows, offs_n, start, end, SQ, SK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Blocks skipped outside the causal diagonal or the window still need their (zero) bias gradient."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
+        tl.store(DBias + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * SK + cols[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_N], tl.float32), mask=inb)
+
+
+@triton.jit
 def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, Seed,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                 H, REP, SQ, SK, D, scale, softcap, mask_fill, p_drop,
-                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 H, REP, SQ, SK, D, scale, softcap, mask_fill, p_drop, window,
+                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m, pid_bh, b, h, g, rows, offs_n, offs_d = _query_block(H, REP, BLOCK_M, BLOCK_N, BLOCK_D)
@@ -272,22 +307,22 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, Seed,
     logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
     delta = tl.load(Delta + pid_bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi, full = _key_ranges(pid_m, SK, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, 0, full,
+    lo, edge, full, hi = _key_ranges(pid_m, SK, window, IS_CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, lo, edge,
                     offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                    H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, SOFTCAP,
+                    H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window, HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP,
+                    BIAS_GRAD, PRECISION, True, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, edge, full,
+                    offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                    H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window, HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP,
                     BIAS_GRAD, PRECISION, False, BLOCK_N)
     dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, full, hi,
                     offs_n, offs_d, skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                    H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, HAS_BIAS, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, SOFTCAP,
+                    H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window, HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP,
                     BIAS_GRAD, PRECISION, True, BLOCK_N)
-    if IS_CAUSAL and BIAS_GRAD:
-        # blocks skipped above the diagonal still need their (zero) bias gradient written
-        for start_n in range(hi, SK, BLOCK_N):
-            cols = start_n + offs_n
-            inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
-            tl.store(DBias + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * SK + cols[None, :],
-                     tl.zeros([BLOCK_M, BLOCK_N], tl.float32), mask=inb)
+    if BIAS_GRAD and (IS_CAUSAL or WINDOW):
+        _zero_dbias(DBias, pid_bh, rows, offs_n, 0, lo, SQ, SK, BLOCK_M, BLOCK_N)
+        _zero_dbias(DBias, pid_bh, rows, offs_n, hi, SK, SQ, SK, BLOCK_M, BLOCK_N)
     tl.store(DQ + (pid_bh.to(tl.int64) * SQ + rows[:, None]) * D + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
@@ -312,25 +347,27 @@ def _aux(q, k, bias, mask):
     return b, m, bs, ms
 
 
-def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0):
+def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0,
+                             window=0):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
     stats = torch.empty((B, H, Sq, 2), device=q.device, dtype=torch.float32)
     b, m, bs, ms = _aux(q, k, bias, mask)
-    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap))
+    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap, window))
     grid = (triton.cdiv(Sq, BM), B * H)
     _attn_fwd[grid](q, k, v, b, m, out, stats, seed_arg(seed, q, dropout_p),
                     *q.stride(), *k.stride(), *v.stride(), *bs, *ms, *out.stride(),
                     H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p),
-                    HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+                    int(window), HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+                    WINDOW=window > 0,
                     HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=_precision(q),
                     BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     return out, stats
 
 
 def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed,
-                              bias_grad, softcap=0.0):
+                              bias_grad, softcap=0.0, window=0):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     dout = dout.contiguous()
@@ -340,16 +377,18 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
     dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
     dbias = torch.empty((B, H, Sq, Sk), device=q.device, dtype=torch.float32) if bias_grad else q.new_empty(1)
     b, m, bs, ms = _aux(q, k, bias, mask)
-    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap))
-    common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap, window))
+    common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal), WINDOW=window > 0,
                   HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=_precision(q),
                   BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)
     seed_t = seed_arg(seed, q, dropout_p)
     _attn_bwd_dkdv[(triton.cdiv(Sk, BN), B * Hkv)](
         q, k, v, b, m, dout, stats, delta, dk, dv, seed_t, *strides,
-        Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), **common)
+        Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
+        **common)
     _attn_bwd_dq[(triton.cdiv(Sq, BM), B * H)](
         q, k, v, b, m, dout, stats, delta, dq, dbias, seed_t, *strides,
-        H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), BIAS_GRAD=bias_grad, **common)
+        H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
+        BIAS_GRAD=bias_grad, **common)
     return dq, dk, dv, (dbias if bias_grad else None)

@@ -59,7 +59,7 @@ def vendor_eligible(device: torch.device, mask_fill: float, bias_requires_grad: 
 
 
 def backend_for(q: torch.Tensor, k: torch.Tensor, bias_shape, mask_shape, mask_fill: float, is_causal: bool,
-                scale: float, dropout_p: float, bias_requires_grad: bool, softcap: float = 0.0) -> str:
+                scale: float, dropout_p: float, bias_requires_grad: bool, softcap: float = 0.0, window: int = 0) -> str:
     """What the attention rewrite emits for ``q``/``k`` (capture-time fake tensors: shapes, dtype, device):
     ``"opsmath"`` or the SDPA backend measured fastest (CUDA only). ``OPSMATH_ATTENTION=opsmath`` (or a
     backend name, where vendors may stand in) forces one. A tuning failure falls back to opsmath's own
@@ -72,42 +72,42 @@ def backend_for(q: torch.Tensor, k: torch.Tensor, bias_shape, mask_shape, mask_f
         return forced
     try:   # opsmath's block configurations are tuned even where no vendor kernel may stand in
         return choose(tuple(q.shape), tuple(k.shape), q.dtype, q.device, bias_shape, mask_shape, mask_fill,
-                      is_causal, scale, dropout_p, vendors=vendors_ok, softcap=softcap)
+                      is_causal, scale, dropout_p, vendors=vendors_ok, softcap=softcap, window=window)
     except Exception as e:
         logging.getLogger("opsmath").warning("opsmath: attention backend tuning failed (%s); using opsmath's kernel", e)
         return "opsmath"
 
 
 def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: float, is_causal: bool,
-           scale: float, dropout_p: float, vendors: bool = True, softcap: float = 0.0) -> str:
+           scale: float, dropout_p: float, vendors: bool = True, softcap: float = 0.0, window: int = 0) -> str:
     """Measure and return the fastest correct implementation for these shapes (see module doc);
     ``vendors=False`` (a bias that needs its gradient) tunes opsmath's block configurations only.
     Runs outside the caller's autocast (which would turn the fp32 reference into bf16) and grad mode."""
     try:
         with torch.autocast(device.type, enabled=False), torch.enable_grad():
             return _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale,
-                           dropout_p, vendors and not softcap, softcap)
+                           dropout_p, vendors and not softcap, softcap, window)
     finally:   # the random inputs and the fp32 reference are gone: give their blocks back
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
 def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale, dropout_p,
-            vendors, softcap=0.0):
+            vendors, softcap=0.0, window=0):
     q, k, v, bias, mask = _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape)
-    key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p, softcap) \
+    key = bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p, softcap, window) \
         + ("" if vendors else OWN_ONLY)
     dout = torch.randn(q_shape, device=device, dtype=dtype)
     seed = torch.tensor(1234, dtype=torch.int64, device=device)
-    vbias = fold_bias(bias, mask, is_causal, q.shape[2], k.shape[2])
+    vbias = fold_bias(bias, mask, is_causal, q.shape[2], k.shape[2], window, device)
 
     def run(name, q, k, v, bias, mask, vbias, p):
         if name == "ref":
-            return attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, p, 0, softcap)[0]
+            return attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, p, 0, softcap, window)[0]
         if name == "eager":
-            return eager_same_dtype(q, k, v, bias, mask, mask_fill, is_causal, scale, softcap=softcap)
+            return eager_same_dtype(q, k, v, bias, mask, mask_fill, is_causal, scale, softcap=softcap, window=window)
         if name == "opsmath":
-            return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, p, seed, softcap)[0]
+            return attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, p, seed, softcap, window)[0]
         return sdpa(q, k, v, vbias, is_causal and vbias is None, scale, p, name)
 
     def fwd_bwd(name, cfg=None):
@@ -189,10 +189,11 @@ def accurate_backends(run, q, k, v, bias, mask, vbias, dout) -> list[str]:
     return ok
 
 
-def eager_same_dtype(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p=0.0, seed=0, softcap=0.0):
+def eager_same_dtype(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p=0.0, seed=0, softcap=0.0, window=0):
     """Attention as user code computes it, in q's dtype (docs/design.md's same-dtype yardstick): scores and
     P @ V in q's dtype, softmax in fp32 (or fp64), GQA by repeating K/V; dropout with opsmath's mask;
-    Gemma-2's softcap ``softcap * tanh(S / softcap)`` before bias and masks."""
+    Gemma-2's softcap ``softcap * tanh(S / softcap)`` before bias and masks; a sliding ``window`` removes
+    keys ``j <= i - window``."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = (q @ k.transpose(-2, -1)) * scale
@@ -204,15 +205,21 @@ def eager_same_dtype(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p
         s = s.masked_fill(mask, mask_fill)
     if is_causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if window > 0:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(-window), float("-inf"))
     p = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), -1).to(q.dtype)
     if dropout_p > 0:
         p = p * dropout_keep(seed, flat_offsets(p.shape, p.device), dropout_p) / (1 - dropout_p)
     return p @ v
 
 
-def fold_bias(bias, mask, is_causal: bool, Sq: int, Sk: int):
+def fold_bias(bias, mask, is_causal: bool, Sq: int, Sk: int, window: int = 0, device=None):
     """The additive bias SDPA gets: ``bias`` with ``-inf`` where ``mask`` (and above the diagonal when
-    causal and a bias exists); ``None`` when there is neither bias nor mask."""
+    causal and a bias, a mask or a window exists; left of a sliding ``window``, built on ``device``);
+    ``None`` when there is neither bias, mask nor window."""
+    if window > 0:
+        left = torch.ones(Sq, Sk, dtype=torch.bool, device=device).tril(-window)
+        mask = left if mask is None else mask | left
     if bias is None and mask is None:
         return None
     out = torch.zeros((), device=mask.device) if bias is None else bias.to(

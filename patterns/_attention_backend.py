@@ -30,9 +30,9 @@ def choose_backends(ctx: RewriteContext) -> None:
     for node in list(ctx.graph.find_nodes(op="call_function", target=torch.ops.opsmath.attention.default)):
         if MATCH not in node.meta:
             continue
-        q, k, v, bias, mask, fill, causal, scale, dropout_p, seed, softcap = node.args
+        q, k, v, bias, mask, fill, causal, scale, dropout_p, seed, softcap, window = node.args
         backend = backend_for(hinted(q.meta["val"]), hinted(k.meta["val"]), _shape(bias), _shape(mask), fill, causal,
-                              scale, dropout_p, bias is not None and ctx.may_require_grad(bias), softcap)
+                              scale, dropout_p, bias is not None and ctx.may_require_grad(bias), softcap, window)
         match = ctx.matches[node.meta[MATCH]]
         match.details["backend"] = backend
         if backend != "opsmath":
@@ -41,12 +41,13 @@ def choose_backends(ctx: RewriteContext) -> None:
 
 def _to_sdpa(ctx: RewriteContext, node: fx.Node, backend: str, match) -> None:
     """Replace ``node`` (and its ``getitem(node, 0)`` readers) by ``backend``'s SDPA call."""
-    q, k, v, bias, mask, fill, causal, scale, dropout_p, seed, softcap = node.args
+    q, k, v, bias, mask, fill, causal, scale, dropout_p, seed, softcap, window = node.args
     present = set(ctx.graph.nodes)
     with ctx.graph.inserting_before(node):
         vb = None
-        if bias is not None or mask is not None:
-            vb = ctx.call(fold_bias, (bias, mask, causal, ctx.size(q, -2), ctx.size(k, -2)), node)
+        if bias is not None or mask is not None or window:
+            vb = ctx.call(fold_bias, (bias, mask, causal, ctx.size(q, -2), ctx.size(k, -2), window,
+                                      q.meta["val"].device), node)
         out = ctx.call(sdpa, (q, k, v, vb, causal and vb is None, scale, dropout_p, backend), node)
     for user in list(node.users):
         assert user.target is operator.getitem and user.args[1] == 0, user.format_node()

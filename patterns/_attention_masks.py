@@ -8,10 +8,14 @@ other axes broadcast), and a comparison between a key index ``j`` (last axis) an
 (second last) becomes ``j - i <= d`` or ``j - i >= d``. The reading holds for every length, so a mask
 recognized here is causal at every length. Anything else (other ops, other axes, a slice that is not
 the whole range) is not recognized.
+
+A mask combined from several conditions (Hugging Face's ``causal & sliding_window & padding``) is split
+into its conjuncts (``band``): the causal and sliding-window comparisons become the kernel's ``is_causal``
+and ``window`` (key blocks outside them are skipped), the rest stays a mask.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.fx as fx
@@ -95,3 +99,79 @@ def is_causal_index_mask(n, removes: bool, Sq, Sk) -> bool:
     if rel is None or not (_same_size(rel[2], Sq) and _same_size(rel[3], Sk)):
         return False
     return rel[:2] == (("ge", 1) if removes else ("le", 0))
+
+
+_AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}
+_OR = {aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default}
+_CASTS = {aten.to.dtype_layout, aten.to.dtype, aten._to_copy.default}
+
+
+class Band(NamedTuple):
+    causal: bool        # a conjunct keeps j <= i
+    window: int         # a conjunct keeps j > i - window (0: none)
+    rest: list          # the other conjuncts, as they are in the graph
+
+
+def _is_bool(n) -> bool:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dtype == torch.bool
+
+
+def _conjuncts(n, ops: set, depth: int = 16) -> list:
+    """The operands of a tree of ``ops`` (``&`` for keep-masks, ``|`` for remove-masks), looking through
+    shape-keeping ops and bool-to-bool casts."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and (
+            n.target in (aten.expand.default, *_KEEP_SHAPE) or n.target in _CASTS and _is_bool(n) and _is_bool(n.args[0])):
+        n = n.args[0]
+    if depth and isinstance(n, fx.Node) and n.op == "call_function" and n.target in ops and len(n.args) == 2:
+        return _conjuncts(n.args[0], ops, depth - 1) + _conjuncts(n.args[1], ops, depth - 1)
+    return [n]
+
+
+def band(n, removes: bool, Sq, Sk, constant: Callable[[fx.Node], Optional[torch.Tensor]]) -> Optional[Band]:
+    """Mask ``n`` (``removes``: True where filled, else True where kept) split into causal, sliding window
+    and the rest, or None when no conjunct is causal or a window. ``constant(x)`` evaluates a conjunct
+    built from constants (None otherwise): one that keeps everything is dropped, one equal to a causal
+    and/or window band is read as such."""
+    causal, window, rest = False, 0, []
+    for x in _conjuncts(n, _OR if removes else _AND):
+        rel = key_minus_query(x)
+        if rel is not None and _same_size(rel[2], Sq) and _same_size(rel[3], Sk):
+            kind, d = rel[:2]
+            rel = (True, 0) if (kind, d) == (("ge", 1) if removes else ("le", 0)) else \
+                (False, -d if removes else 1 - d) if kind == ("le" if removes else "ge") and \
+                d <= (-1 if removes else 0) else None   # removes j - i <= -w  /  keeps j - i >= 1 - w
+        else:
+            c = constant(x)
+            rel = None if c is None or c.dtype != torch.bool else constant_band(~c if removes else c, Sq, Sk)
+        if rel is None:
+            rest.append(x)
+        elif rel != (False, 0):   # (False, 0): keeps everything
+            causal = causal or rel[0]
+            window = min(window, rel[1]) if window and rel[1] else window or rel[1]
+    return Band(causal, window, rest) if causal or window else None
+
+
+def constant_band(keep: torch.Tensor, Sq, Sk) -> Optional[tuple[bool, int]]:
+    """(causal, window) when constant keep-mask ``keep`` (broadcast to (..., Sq, Sk), the same for every
+    leading index) keeps exactly ``j <= i`` (if causal) and ``j > i - window`` (if window > 0); (False, 0)
+    when it keeps everything; None otherwise."""
+    if keep.all():
+        return False, 0
+    if type(Sq) is not int or Sq != Sk or keep.shape[-2:] != (Sq, Sk):
+        return None
+    keep = keep.reshape(-1, Sq, Sk)
+    if not bool((keep == keep[:1]).all()):
+        return None
+    keep = keep[0]
+    if keep.all():
+        return False, 0
+    tril = torch.ones(Sq, Sk, dtype=torch.bool).tril()
+    w = int(keep[-1].sum())
+    left = torch.ones(Sq, Sk, dtype=torch.bool).tril(-w)
+    for causal, window in ((True, 0), (True, w), (False, w)):
+        want = (tril if causal else torch.ones_like(tril)) & (~left if window else torch.ones_like(tril))
+        if 0 < window < Sk or window == 0:
+            if torch.equal(keep, want):
+                return causal, window
+    return None

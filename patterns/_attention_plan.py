@@ -14,7 +14,7 @@ import torch.fx as fx
 from opsmath.canonicalize import causal_from_constant, constant_value, dtype, repeat_kv_source, shape, val
 
 from ._attention_flat import flat_bias_rows
-from ._attention_masks import is_causal_index_mask
+from ._attention_masks import Band, constant_band, band
 
 # a mask fill or additive bias at or below this removes a position exactly (exp underflows to 0 in fp32)
 REMOVES = -1e4
@@ -35,6 +35,7 @@ class Plan:
     masks: list = field(default_factory=list)    # (node, negate)
     fill: float = float("-inf")
     causal: bool = False
+    window: int = 0                   # sliding window: key j is seen by query i only if j > i - window; 0: none
     dropout_p: float = 0.0
     nodes: list = field(default_factory=list)    # chain nodes, in graph order
     scores: tuple = ()                # the scores' shape (..., Sq, Sk)
@@ -101,30 +102,54 @@ def finish_plan(ctx, plan: Plan) -> Union[str, Plan]:
 
 def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
     """Masks/biases equal to the ``j > i`` pattern become ``is_causal`` (block skipping): constant ones,
-    and masks built from index comparisons of symbolic length (``_attention_masks``)."""
+    and masks built from index comparisons of symbolic length (``_attention_masks``), alone or combined
+    with a sliding window (``plan.window``) and other conditions (which stay a mask)."""
     for mask in list(plan.masks):
         m, negate = mask
         c = constant_value(ctx.gm, m, ctx.constants)
-        causal = causal_from_constant(~c if negate else c, Sq, Sk) if c is not None \
-            else is_causal_index_mask(m, not negate, Sq, Sk)
-        if plan.fill <= REMOVES and causal:
-            plan.masks.remove(mask)
-            plan.causal = True
+        if c is not None:
+            split = _constant_split(c if negate else ~c, Sq, Sk) if plan.fill <= REMOVES else None
+            if split:
+                plan.masks.remove(mask)
+                _take_band(plan, split)
+            continue
+        split = band(m, not negate, Sq, Sk, lambda x: constant_value(ctx.gm, x, ctx.constants))
+        if split is not None and plan.fill <= REMOVES and (not split.rest or plan.fill == float("-inf")):
+            _take_band(plan, split)
+            if not split.rest:   # every row keeps its diagonal: the mask's fill never matters
+                plan.masks.remove(mask)
     for bias in list(plan.biases):
         c = constant_value(ctx.gm, bias[0], ctx.constants)
         am = additive_mask(ctx, bias[0]) if c is None and bias[1] > 0 else None
-        if am is not None and is_causal_index_mask(am[0], not am[1], Sq, Sk):
-            plan.biases.remove(bias)   # where(causal, 0, min) of symbolic length (HF's eager mask)
-            plan.causal = True
+        split = am and band(am[0], not am[1], Sq, Sk, lambda x: constant_value(ctx.gm, x, ctx.constants))
+        if split and not split.rest:
+            plan.biases.remove(bias)   # where(causal [& window], 0, min), symbolic length (HF's eager mask)
+            _take_band(plan, split)
         if c is None or not c.is_floating_point():
             continue
         removed = (c * bias[1]) <= REMOVES
         kept_zero = bool(((c == 0) | removed).all())
-        if kept_zero and causal_from_constant(removed, Sq, Sk):
+        split = _constant_split(~removed, Sq, Sk) if kept_zero else None
+        if split:
             plan.biases.remove(bias)
-            plan.causal = True
+            _take_band(plan, split)
     if not plan.masks:
         plan.fill = float("-inf")
+
+
+def _constant_split(keep, Sq, Sk) -> Optional[Band]:
+    """A constant keep-mask that is exactly causal and/or a sliding window, as a ``Band``; else None."""
+    if causal_from_constant(~keep, Sq, Sk):
+        return Band(True, 0, [])
+    split = constant_band(keep, Sq, Sk)
+    return Band(*split, []) if split and split != (False, 0) else None
+
+
+def _take_band(plan: Plan, split) -> None:
+    """Causal and window flags from a mask's conjuncts: the kernels skip what they remove."""
+    plan.causal = plan.causal or split.causal
+    if split.window:
+        plan.window = min(plan.window, split.window) if plan.window else split.window
 
 
 def fill_value(ctx, x) -> Optional[float]:

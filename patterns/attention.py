@@ -4,7 +4,8 @@
 Anchored on every last-dim softmax (the chain is read by ``_attention_chain.py``) and on every
 ``scaled_dot_product_attention`` call. The score modifications are composed into the kernel's
 canonical form ``where(mask, fill, scale * Q K^T + bias)`` (see ``kernels/attention.py``); constant
-masks (a sliced ``tril`` buffer, HF's arange-built masks) that equal ``j > i`` become ``is_causal``.
+masks (a sliced ``tril`` buffer, HF's arange-built masks) that equal ``j > i`` become ``is_causal``, and
+a sliding window's ``j <= i - w`` becomes ``window=w`` (the kernels skip the blocks either removes).
 GQA's ``repeat_kv`` (unsqueeze/expand/reshape, ``repeat_interleave``) is undone so K/V are read per
 kv head. Every intermediate must be used only inside the chain, or the occurrence is declined.
 """
@@ -93,7 +94,7 @@ class AttentionRule(Rule):
             seed = ctx.dropout_seed(plan.dropout_p, q, sm)
             res = ctx.call(torch.ops.opsmath.attention.default,
                            (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed,
-                            plan.softcap), sm)
+                            plan.softcap, plan.window), sm)
             res.meta[MATCH] = len(ctx.matches)   # the match recorded below; its backend is chosen after matching
             out = ctx.call(operator.getitem, (res, 0), sm)
             if nd == 3:
@@ -156,11 +157,12 @@ def _describe(plan: Plan) -> tuple[list, dict]:
     H = plan.scores[1] if nd == 4 else 1
     desc = [f"scale={plan.scale:.4g}"] + ([f"softcap={plan.softcap:.4g}"] if plan.softcap else [])
     desc += ["causal"] if plan.causal else []
+    desc += [f"window={plan.window}"] if plan.window else []
     desc += ["bias" + str(tuple(shape(plan.biases[0][0])))] if plan.biases else []
     desc += [f"mask(fill={plan.fill:.3g})"] if plan.masks else []
     desc += [f"dropout={plan.dropout_p:g}"] if plan.dropout_p else []
     desc += [f"gqa {H}/{H // plan.rep}"] if plan.rep > 1 else []
-    return desc, dict(causal=plan.causal, scale=plan.scale, softcap=plan.softcap, dropout_p=plan.dropout_p,
+    return desc, dict(causal=plan.causal, window=plan.window, scale=plan.scale, softcap=plan.softcap, dropout_p=plan.dropout_p,
                       gqa_rep=plan.rep, has_bias=bool(plan.biases), has_mask=bool(plan.masks),
                       batch=plan.scores[0], heads=H, q_len=plan.scores[-2], k_len=plan.scores[-1],
                       head_dim=shape(plan.q)[-1], dtype=str(dtype(plan.qk)).replace("torch.", ""))

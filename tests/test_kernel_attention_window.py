@@ -1,0 +1,74 @@
+"""opsmath::attention with a sliding window: key blocks left of the window are skipped in the forward,
+dK/dV and dQ kernels, blocks across its edge are tested per entry. Compared with eager attention (the
+window as a ``-inf`` mask) by docs/design.md's rule, under several block shapes, odd lengths, GQA,
+dropout, a bias with its gradient (zeros written for the skipped blocks) and windows from 1 key to
+more than the sequence."""
+import math
+
+import pytest
+import torch
+
+from opsmath.kernels.attention import attention_op
+from opsmath.kernels.attention_configs import forced_config
+from opsmath.kernels.attention_tuning import eager_same_dtype, fold_bias
+from tolerance import assert_rule
+
+from conftest import DEVICE
+
+CASES = [  # B, H, Hkv, S, D, window, causal, bias, p
+    (1, 2, 1, 37, 16, 1, True, False, 0.0),
+    (2, 2, 2, 45, 16, 7, True, False, 0.0),
+    (1, 4, 2, 53, 8, 16, True, True, 0.0),
+    (1, 2, 2, 40, 16, 23, True, False, 0.2),
+    (1, 2, 2, 33, 16, 50, True, False, 0.0),
+    (1, 2, 1, 41, 16, 9, False, True, 0.0),
+]
+# on the GPU each flag combination and configuration compiles for ~10 s: the default and a BM != BN one
+CONFIGS = [(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)] if DEVICE != "cuda" else [(64, 64, 4, 2), (128, 64, 8, 3)]
+
+
+def _run(fn, q, k, v, bias, dtype):
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    b = bias.detach().clone().requires_grad_() if bias is not None else None
+    out = fn(q, k, v, b)
+    out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1], device=out.device, dtype=out.dtype))
+    return [out.detach(), q.grad, k.grad, v.grad] + ([b.grad] if b is not None else [])
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_window_matches_eager(case, cfg, triton_on_cpu, device):
+    B, H, Hkv, S, D, window, causal, has_bias, p = case
+    if DEVICE == "cuda":
+        S, D = S * 7, D * 4
+        window *= 7
+    torch.manual_seed(S + window)
+    q, k, v = torch.randn(B, H, S, D, device=device), torch.randn(B, Hkv, S, D, device=device), \
+        torch.randn(B, Hkv, S, D, device=device)
+    bias = torch.randn(1, H, S, S, device=device) if has_bias else None
+    scale, seed = 1 / math.sqrt(D), torch.tensor(5)
+
+    def fused(q, k, v, b):
+        with forced_config(cfg):
+            return attention_op(q, k, v, b, None, float("-inf"), causal, scale, p, seed, 0.0, window)[0]
+
+    def eager(q, k, v, b):
+        return eager_same_dtype(q, k, v, b, None, float("-inf"), causal, scale, p, 5, window=window)
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    got, same, ref = _run(fused, q, k, v, bias, dtype), _run(eager, q, k, v, bias, dtype), \
+        _run(eager, q, k, v, bias, torch.float64)
+    for name, f, e, r in zip(["out", "dq", "dk", "dv", "dbias"], got, same, ref):
+        assert_rule(f, e, r, atol=1e-5 if dtype == torch.float32 else 2e-3, name=f"{name} {cfg}")
+
+
+def test_window_folds_into_the_sdpa_bias():
+    """SDPA gets the window as ``-inf`` entries left of it, with the causal triangle and a mask."""
+    mask = torch.zeros(1, 1, 6, 6, dtype=torch.bool)
+    mask[..., 0] = True
+    vb = fold_bias(None, mask, True, 6, 6, window=2)
+    keep = torch.isfinite(vb[0, 0])
+    i, j = torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij")
+    assert torch.equal(keep, (j <= i) & (j > i - 2) & (j != 0))
+    assert torch.equal(torch.isfinite(fold_bias(None, None, False, 4, 4, window=3)),
+                       torch.ones(4, 4, dtype=torch.bool).tril(-3).logical_not())
