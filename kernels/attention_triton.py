@@ -1,6 +1,7 @@
 """Triton kernels of ``opsmath::attention`` (math, shapes and caveats: ``attention.py``'s docstring):
-a FlashAttention-2 style forward with online softmax, and a backward in two kernels (dK/dV per key block,
-dQ (and dBias) per query block), launched by ``attention_forward_triton`` / ``attention_backward_triton``.
+a FlashAttention-2 style forward with online softmax, and a backward in two kernels (dQ (and dBias) per
+query block, which also computes ``delta = rowsum(dO * O)`` for its rows, then dK/dV per key block),
+launched by ``attention_forward_triton`` / ``attention_backward_triton``.
 """
 from __future__ import annotations
 
@@ -290,7 +291,7 @@ def _zero_dbias(DBias, pid_bh, rows, offs_n, start, end, SQ, SK, BLOCK_M: tl.con
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, Seed,
+def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Out, Stats, Delta, DQ, DBias, Seed,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  sbb, sbh, sbm, sbn, smb, smh, smm, smn,
                  H, REP, SQ, SK, D, scale, softcap, mask_fill, p_drop, window,
@@ -305,7 +306,11 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Stats, Delta, DQ, DBias, Seed,
     srow = (pid_bh.to(tl.int64) * SQ + rows) * 2
     m_row = tl.load(Stats + srow, mask=rows < SQ, other=0.0)
     logl = tl.load(Stats + srow + 1, mask=rows < SQ, other=0.0)
-    delta = tl.load(Delta + pid_bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
+    # delta = rowsum(dO * O), computed here for this block's rows and stored for the dK/dV kernel (launched
+    # after this one): no separate pass over dO and O in fp32
+    o = _tile(Out + pid_bh.to(tl.int64) * SQ * D, rows, SQ, offs_d, D, D, 1)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(Delta + pid_bh.to(tl.int64) * SQ + rows, delta, mask=rows < SQ)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, edge, full, hi = _key_ranges(pid_m, SK, window, IS_CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     dq = _dq_blocks(dq, q, do, m_row, logl, delta, K, V, Bias, Mask, DBias, b, h, g, pid_bh, rows, lo, edge,
@@ -370,8 +375,8 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
                               bias_grad, softcap=0.0, window=0):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    dout = dout.contiguous()
-    delta = (dout.float() * out.float()).sum(-1)  # (B, H, Sq): rowsum(dO * O)
+    dout, out = dout.contiguous(), out.contiguous()
+    delta = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)   # rowsum(dO * O), by the dQ kernel
     dq = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
@@ -383,12 +388,12 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
                   BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)
     seed_t = seed_arg(seed, q, dropout_p)
+    _attn_bwd_dq[(triton.cdiv(Sq, BM), B * H)](   # first: it writes delta, which the dK/dV kernel reads
+        q, k, v, b, m, dout, out, stats, delta, dq, dbias, seed_t, *strides,
+        H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
+        BIAS_GRAD=bias_grad, **common)
     _attn_bwd_dkdv[(triton.cdiv(Sk, BN), B * Hkv)](
         q, k, v, b, m, dout, stats, delta, dk, dv, seed_t, *strides,
         Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
         **common)
-    _attn_bwd_dq[(triton.cdiv(Sq, BM), B * H)](
-        q, k, v, b, m, dout, stats, delta, dq, dbias, seed_t, *strides,
-        H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
-        BIAS_GRAD=bias_grad, **common)
     return dq, dk, dv, (dbias if bias_grad else None)
