@@ -144,6 +144,9 @@ def band(n, removes: bool, Sq, Sk, constant: Callable[[fx.Node], Optional[torch.
         else:
             c = constant(x)
             rel = None if c is None or c.dtype != torch.bool else constant_band(~c if removes else c, Sq, Sk)
+            if rel is None and c is not None and c.dtype == torch.bool:
+                rel = implied_band(~c if removes else c, Sq, Sk)   # kept as a mask too: the flags only skip
+                rest.append(x)
         if rel is None:
             rest.append(x)
         elif rel != (False, 0):   # (False, 0): keeps everything
@@ -175,3 +178,17 @@ def constant_band(keep: torch.Tensor, Sq, Sk) -> Optional[tuple[bool, int]]:
             if torch.equal(keep, want):
                 return causal, window
     return None
+
+
+def implied_band(keep: torch.Tensor, Sq, Sk) -> Optional[tuple[bool, int]]:
+    """(causal, window) that constant keep-mask ``keep`` implies, for every leading index: causal when it
+    keeps nothing above the diagonal, window w when it keeps nothing at j <= i - w (the narrowest such w
+    below Sk); None when it implies neither. A document mask ``causal & same_document`` implies causal."""
+    if type(Sq) is not int or type(Sk) is not int or keep.shape[-2:] != (Sq, Sk) or not keep.any():
+        return None
+    kept = keep.reshape(-1, Sq, Sk).any(0)
+    i, j = torch.arange(Sq)[:, None], torch.arange(Sk)[None, :]
+    causal = not bool((kept & (j > i)).any())
+    w = int((i - j)[kept].max()) + 1
+    w = w if 0 < w < Sk else 0
+    return (causal, w) if causal or w else None

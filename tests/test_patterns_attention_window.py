@@ -112,3 +112,22 @@ def test_hf_mistral_sliding_window_is_skipped_blockwise(attn, padded):
     assert rel_err(loss, loss_e) < 1e-5
     for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
         assert grads_close(p.grad, q.grad, 1e-4, 1e-6), name
+
+
+def documents(q, k, v, m):
+    """Packed sequences (document masking): keys of the same document, causal, as an SDPA keep-mask."""
+    doc = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2])
+    i, j = _ij(q)
+    keep = (j <= i) & (doc[:, None] == doc[None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[None, None] & m.pad.bool()[:, None, None, :])
+
+
+def test_document_mask_keeps_causal_skipping():
+    """A constant document mask implies ``is_causal`` and a window of its longest document (5 keys):
+    blocks outside both are skipped, the mask itself stays; outputs and gradients equal eager."""
+    torch.manual_seed(0)
+    x, pad = _inputs()
+    pad[:] = 1
+    rep = _compare(AttnModel(documents), x, pad)
+    d = rep.matches[0].details
+    assert (d["causal"], d["window"], d["has_mask"]) == (True, 5, True), d
