@@ -36,6 +36,13 @@ MODELS = {  # name: (model class, config class, config)
                 relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=16, max_relative_positions=32,
                 norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False)),
  "mistral_sw": ("MistralForCausalLM", "MistralConfig", dict(SMALL, num_key_value_heads=2, sliding_window=8)),
+ # sliding windows in other spellings of the same idea (per-layer types, use_sliding_window, MoE)
+ "phi3_sw": ("Phi3ForCausalLM", "Phi3Config", dict(SMALL, num_key_value_heads=2, sliding_window=7, pad_token_id=0)),
+ "starcoder2_sw": ("Starcoder2ForCausalLM", "Starcoder2Config", dict(SMALL, num_key_value_heads=2, sliding_window=6, residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)),
+ "qwen2_sw": ("Qwen2ForCausalLM", "Qwen2Config", dict(SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=0)),
+ "mixtral_sw": ("MixtralForCausalLM", "MixtralConfig", dict(SMALL, num_key_value_heads=2, sliding_window=9, num_local_experts=4, num_experts_per_tok=2)),
+ "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", dict(SMALL, num_key_value_heads=2, sliding_window=6, layer_types=["sliding_attention", "full_attention"])),
+ "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(SMALL, num_key_value_heads=2, head_dim=16, sliding_window=6, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=16)),
 }
 
 
@@ -57,8 +64,9 @@ def check(cls, cfg_cls, kw, attn) -> str:
     grad = worst_grad_error(opt, eager)
     rep = opsmath.report(opt)
     declines = sorted({d.reason[:70] for d in rep.declines if d.pattern == "attention"})
+    windows = [m.details.get("window", 0) for m in rep.matches if m.pattern == "attention"]
     return (f"attn {rep.count('attention')}  dloss {(loss - loss_e).abs().item():.1e}  dgrad {grad:.1e}  "
-            f"fallbacks {len(rep.fallback_errors)}  declines {declines}")
+            f"fallbacks {len(rep.fallback_errors)}  declines {declines}  windows {windows}")
 
 
 def worst_grad_error(opt, eager) -> float:

@@ -10,6 +10,8 @@ Math (per batch b, query head h, with kv head g = h // (H // Hkv) for GQA/MQA)::
     S   = where(j <= i - window, -inf, S)  if window > 0   (sliding window: each query sees its last
                                                    ``window`` keys; the kernels skip key blocks outside it)
     P   = softmax(S, -1)                            stats: (B, H, Sq, 2) fp32 = (row max m, log row sum)
+          (a row whose every entry is -inf gets P = 0: output 0, no gradient, as SDPA's own backends and
+          its math path; softmax written out in eager would give NaN there; stats (0, +inf))
     Pd  = P * keep / (1 - p)   keep = hash(seed, flat index into (B, H, Sq, Sk)) >= p
     O   = Pd V                                      O: (B, H, Sq, D) in q.dtype
 
@@ -69,7 +71,7 @@ def _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p
         left = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(-window)
         s = s.masked_fill(left, float("-inf"))
         masked = masked | left
-    p = torch.softmax(s, dim=-1)
+    p = torch.softmax(s, dim=-1).masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)   # SDPA's rows: 0
     keep = dropout_keep(int(seed), flat_offsets(p.shape, q.device), dropout_p) if dropout_p > 0 else None
     pd = p * keep / (1.0 - dropout_p) if keep is not None else p
     return s, p, pd, keep, masked, kf, vf, dcap
@@ -80,8 +82,9 @@ def attention_reference(q, k, v, bias, mask, mask_fill, is_causal, scale, dropou
     s, p, pd, _, _, _, vf, _ = _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed,
                                                 softcap, window)
     m = s.amax(-1, keepdim=True)
-    log_l = torch.logsumexp(s - m.masked_fill(m == float("-inf"), 0.0), dim=-1)
-    stats = torch.stack([m.squeeze(-1), log_l], dim=-1)
+    dead = m == float("-inf")   # every entry removed: stats (0, +inf), as the Triton forward stores them
+    log_l = torch.logsumexp(s - m.masked_fill(dead, 0.0), dim=-1).masked_fill(dead.squeeze(-1), float("inf"))
+    stats = torch.stack([m.masked_fill(dead, 0.0).squeeze(-1), log_l], dim=-1)
     return (pd @ vf).to(q.dtype), stats.float()
 
 

@@ -155,13 +155,14 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
                                 skb, skh, skn, skd, svb, svh, svn, svd, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
                                 H, SQ, SK, D, scale, softcap, mask_fill, seed, p_drop, window, HAS_BIAS, HAS_MASK, IS_CAUSAL, WINDOW,
                                 HAS_DROPOUT, SOFTCAP, PRECISION, True, BLOCK_N)
-    out = acc / l_i[:, None]
+    dead = l_i == 0.0   # every entry -inf: output 0 and stats (0, +inf), so backward's P is 0 (SDPA's rows)
+    out = acc / tl.where(dead, 1.0, l_i)[:, None]
     rmask = rows < SQ
     tl.store(Out + b * sob + h * soh + rows[:, None].to(tl.int64) * som + offs_d[None, :] * sod,
              out.to(Out.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
     srow = (pid_bh.to(tl.int64) * SQ + rows) * 2
-    tl.store(Stats + srow, m_i, mask=rmask)
-    tl.store(Stats + srow + 1, tl.log(l_i), mask=rmask)
+    tl.store(Stats + srow, tl.where(dead, 0.0, m_i), mask=rmask)
+    tl.store(Stats + srow + 1, tl.where(dead, float("inf"), tl.log(l_i)), mask=rmask)
 
 
 @triton.jit

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from opsmath.kernels.attention import attention_op
 from opsmath.kernels.attention_configs import forced_config
@@ -72,3 +73,28 @@ def test_window_folds_into_the_sdpa_bias():
     assert torch.equal(keep, (j <= i) & (j > i - 2) & (j != 0))
     assert torch.equal(torch.isfinite(fold_bias(None, None, False, 4, 4, window=3)),
                        torch.ones(4, 4, dtype=torch.bool).tril(-3).logical_not())
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_rows_with_no_visible_key_are_zero_as_in_sdpa(path, request, device):
+    """Padding after the window's last real key leaves rows with every key -inf: SDPA returns 0 there
+    (and passes no gradient); so do the kernel and the reference, instead of NaN poisoning dK/dV."""
+    if path == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    elif device == "cuda":
+        pytest.skip("CUDA tensors always take the Triton path")
+    torch.manual_seed(3)
+    S, w = 21, 3
+    q, k, v = (torch.randn(2, 2, S, 16, device=device, requires_grad=True) for _ in range(3))
+    pad = torch.zeros(2, 1, 1, S, dtype=torch.bool, device=device)
+    pad[1, ..., 9:] = True                        # batch 1: keys 9.. are padding; rows 11.. see none
+    i = torch.arange(S, device=device)
+    keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w) & ~pad
+    do = torch.randn(2, 2, S, 16, device=device)
+    got = attention_op(q, k, v, None, pad, float("-inf"), True, 0.25, 0.0, None, 0.0, w)[0]
+    grads = torch.autograd.grad(got, (q, k, v), do)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.25)
+    wgrads = torch.autograd.grad(want, (q, k, v), do)
+    assert torch.equal(got[1, :, 11:], torch.zeros_like(got[1, :, 11:]))
+    for a, b in zip((got, *grads), (want, *wgrads)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -131,3 +131,26 @@ def test_document_mask_keeps_causal_skipping():
     rep = _compare(AttnModel(documents), x, pad)
     d = rep.matches[0].details
     assert (d["causal"], d["window"], d["has_mask"]) == (True, 5, True), d
+
+
+def test_hf_left_padding_under_sdpa_stays_finite():
+    """Left padding under HF's SDPA mask: a padded query row sees no key at all. SDPA returns 0 for it;
+    the rewrite must too (it used to return NaN, which reached every gradient)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(attn_implementation="sdpa", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    ids = torch.randint(0, 128, (2, 13))
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = opt(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss_e = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    loss_e.backward()
+    assert opsmath.report(opt).count("attention") == 2
+    assert torch.isfinite(loss) and rel_err(loss, loss_e) < 1e-5
+    for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
+        assert grads_close(p.grad, q.grad, 1e-4, 1e-6), name
