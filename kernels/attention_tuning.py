@@ -44,8 +44,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch
          is_causal: bool, scale: float, dropout_p: float, backend: str) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` restricted to one backend; ``bias`` is additive (B, H, Sq, Sk)
     broadcastable, ``-inf`` where masked. Q: (B, H, Sq, D), K/V: (B, Hkv, Sk, D) -> O: (B, H, Sq, D)."""
-    if bias is not None:  # -inf and fp32's finfo.min (HF's fill) would both be -inf in bf16: fully
-        bias = bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)  # masked rows stay finite, as eager's
+    if bias is not None:
+        # a finite fill (fp32's finfo.min, HF's) would round to -inf in bf16: clamped, its fully masked rows
+        # stay uniform, as eager's; -inf (a mask, causal, a window) stays -inf, so a row with no visible key
+        # is 0, as opsmath's kernel and SDPA's math path (cuDNN with a boolean mask is not: measured,
+        # results/sdpa_dead_rows-20261201.json; with a -inf bias every backend gives 0)
+        bias = torch.where(torch.isneginf(bias), bias, bias.clamp(min=torch.finfo(q.dtype).min)).to(q.dtype)
     with sdpa_kernel([BACKENDS[backend]]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale,

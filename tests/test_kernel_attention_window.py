@@ -98,3 +98,20 @@ def test_rows_with_no_visible_key_are_zero_as_in_sdpa(path, request, device):
     assert torch.equal(got[1, :, 11:], torch.zeros_like(got[1, :, 11:]))
     for a, b in zip((got, *grads), (want, *wgrads)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_sdpa_stand_in_keeps_dead_rows_zero_and_finite_fills_uniform(monkeypatch):
+    """The vendor stand-in gets the folded bias: -inf entries stay -inf (a row with no visible key is 0,
+    as opsmath's kernel), finite fills are clamped into the dtype (uniform rows, as eager's)."""
+    from torch.nn.attention import SDPBackend
+    from opsmath.kernels import attention_tuning
+    from opsmath.kernels.attention_tuning import sdpa
+    monkeypatch.setitem(attention_tuning.BACKENDS, "sdpa_math", SDPBackend.MATH)   # CPU: the math path
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 6, 8, dtype=torch.bfloat16) for _ in range(3))
+    dead = torch.zeros(1, 1, 6, 6)
+    dead[..., 2, :] = float("-inf")
+    assert torch.equal(sdpa(q, k, v, dead, False, 0.3, 0.0, "sdpa_math")[0, 0, 2], torch.zeros(8, dtype=q.dtype))
+    fill = torch.zeros(1, 1, 6, 6).masked_fill(dead.isinf(), torch.finfo(torch.float32).min)
+    row = sdpa(q, k, v, fill, False, 0.3, 0.0, "sdpa_math")[0, 0, 2].float()
+    torch.testing.assert_close(row, v[0, 0].float().mean(0), rtol=2e-2, atol=2e-2)
