@@ -1,5 +1,5 @@
-"""Held-out Hugging Face models (tiny configs, CPU, fp32) with eager and with SDPA attention, a padded
-batch: how many attention layers opsmath rewrites, the loss difference to eager, and the worst parameter
+"""Held-out Hugging Face models (tiny configs, CPU, fp32) with eager and with SDPA attention, a batch
+with left and right padding: how many attention layers opsmath rewrites, the loss difference to eager, and the worst parameter
 gradient error ``||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||)`` (the atol keeps gradients that
 are zero in exact arithmetic, a key projection's bias under softmax, from reading as errors), and the
 attention declines with their reasons. Every model has 2 layers: ``attn 2`` is full coverage.
@@ -56,7 +56,8 @@ def check(cls, cfg_cls, kw, attn) -> str:
     opt = opsmath.optimize(model)
     ids = torch.randint(0, 128, (2, 20))
     mask = torch.ones(2, 20, dtype=torch.long)
-    mask[1, 14:] = 0
+    mask[0, :3] = 0    # left padding: under a causal mask the first rows see no key at all
+    mask[1, 14:] = 0   # right padding
     loss = opt(input_ids=ids, labels=ids, attention_mask=mask).loss
     loss_e = eager(input_ids=ids, labels=ids, attention_mask=mask).loss
     loss.backward()

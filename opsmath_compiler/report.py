@@ -15,10 +15,10 @@ from rich.table import Table
 from rich.text import Text
 
 from opsmath.kernels import SPECS
-from opsmath.kernels.fp8_linear import underflow
 from opsmath.kernels.grouped_mm import LOAD_STEPS, LOADS
 
 from .api import state_of
+from .fp8_stats import fp8_rows
 from .match import Decline, Match
 from .rendering import Rendered
 
@@ -89,22 +89,16 @@ class Report(Rendered):
                              starved=[e for e in range(counts.shape[1]) if counts[:, e].sum() == 0]))
         return rows
 
-    def fp8_underflow(self) -> list[dict]:
+    def fp8_underflow(self, batch=None, loss_fn=None) -> list[dict]:
         """Per weight an FP8 linear reads (``weight``: its parameter name), the share of its nonzero
-        values that tensorwise e4m3 scaling flushes to zero (``underflow``), computed now from the live
-        weight. Activations and gradients are scaled afresh every step and are not counted here."""
-        model, rows, seen = self._model(), [], set()
-        for m in self.matches:
-            name = m.details.get("weight") if m.pattern == "fp8_linear" else None
-            if model is None or name is None or name in seen:
-                continue
-            seen.add(name)
-            try:
-                w = model.get_parameter(name)
-            except AttributeError:
-                continue
-            rows.append(dict(weight=name, underflow=underflow(w.detach())))
-        return rows
+        values that tensorwise e4m3 scaling flushes to zero (``underflow``), from the live weight. Given a
+        ``batch`` (dict of keyword or tuple of positional arguments) also ``activation`` (e4m3) and
+        ``gradient`` (e5m2, of the linear's output), from one eager step on it that leaves the model as it
+        was (``fp8_stats``; the loss: ``loss_fn(output)``, else the output's ``.loss``)."""
+        model = self._model()
+        names = list(dict.fromkeys(m.details["weight"] for m in self.matches
+                                   if m.pattern == "fp8_linear" and m.details.get("weight")))
+        return fp8_rows(model, names, batch, loss_fn) if model is not None and names else []
 
     def plot_expert_load(self, ax=None):
         """Tokens per expert (mean over the kept steps) per rewritten MoE layer as a heatmap, each row

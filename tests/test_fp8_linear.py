@@ -99,3 +99,26 @@ def test_report_gives_each_fp8_weights_flushed_share(monkeypatch):
     assert set(got) == {"up.weight", "down.weight"}, got
     assert 0.45 < got["up.weight"] <= 0.5 and got["down.weight"] < 0.01, got
     assert "FP8 weights flushed to zero" in rep.render(width=200) and "up.weight" in rep.render(width=200)
+
+
+def test_report_counts_activation_and_gradient_underflow_without_changing_the_model(monkeypatch):
+    """Given a batch, each FP8 linear's input (e4m3) and output gradient (e5m2) shares flushed to zero are
+    measured on one eager step: half of ``up``'s input features at 1e-9 x the rest read about 0.5; the
+    step touches no ``.grad``, no RNG state, and the model keeps its compiled path."""
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
+    torch.manual_seed(0)
+    opt = opsmath.optimize(MLP().to(torch.bfloat16), fp8=True)
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    x[..., :32] *= 1e-9
+    opt(x).sum().backward()
+    grads = [p.grad.clone() for p in opt.parameters()]
+    torch.manual_seed(5)
+    rows = {r["weight"]: r for r in opsmath.report(opt).fp8_underflow((x,), loss_fn=lambda y: y.float().pow(2).mean())}
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(after, torch.rand(3))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, opt.parameters()))
+    assert 0.45 < rows["up.weight"]["activation"] <= 0.5, rows
+    assert rows["down.weight"]["activation"] < 0.01 and rows["down.weight"]["gradient"] < 0.01, rows
+    assert rows["up.weight"]["gradient"] is not None
+    assert opt._compiled_call_impl is not None   # later calls still take the optimized path
