@@ -224,9 +224,8 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             # an absolute budget may be re-planned later, on a fresh copy of the unplanned graph
             base = clone_graph_module(ctx.gm) if absolute else None
             # under Inductor the plan becomes recompute tags its partitioner must honor
-            plan = plan_and_emit(ctx.gm, by_node, state.memory_budget,
-                                 _resident_bytes(example_inputs, model),
-                                 how="tag" if use_inductor else "checkpoint")
+            plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, _resident_bytes(example_inputs, model),
+                                 how="tag" if use_inductor else "checkpoint", earlier=[r.plan for r in state.graphs])
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
               if not isinstance(t, torch.nn.Parameter)]
     record = GraphRecord(

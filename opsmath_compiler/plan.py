@@ -24,64 +24,14 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
 from .segments import Segment, forward_order, runs_of, segments_of, user_regions, user_segments
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_budget(budget) -> tuple[str, float]:
-    """``("bytes", n)`` for an int (or an integral float such as ``6e9``) or a size string such as
-    ``"6GB"``, ``"6GiB"``, ``"512MiB"``, ``"6e9"``; ``("fraction", f)`` for a float in (0, 1], a
-    unitless string such as ``"0.5"`` or a percentage such as ``"50%"`` (of the unconstrained
-    activation memory). Anything else is a ``ValueError`` that says what is accepted."""
-    import numbers
-    if isinstance(budget, bool):
-        raise ValueError(f"memory_budget must be bytes, a size string or a fraction, got {budget!r}")
-    if isinstance(budget, numbers.Integral):
-        if budget <= 0:
-            raise ValueError(f"memory_budget must be positive, got {budget}")
-        return "bytes", float(budget)
-    if isinstance(budget, numbers.Real):
-        budget = float(budget)
-        if budget > 1.0 and budget.is_integer():   # 6e9: bytes written as a float
-            return "bytes", budget
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(f"a fractional memory_budget must be in (0, 1], got {budget} "
-                             "(bytes are an int such as 6 * 2**30, or a string such as '6GiB')")
-        return "fraction", budget
-    if isinstance(budget, str):
-        text = budget.strip().lower()
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%|[kmgt]i?b?|b)?", text)
-        if m:
-            value, unit = float(m.group(1)), m.group(2)
-            if unit == "%":
-                if not 0 < value <= 100:
-                    raise ValueError(f"a percentage memory_budget must be in (0%, 100%], got {budget!r}")
-                return "fraction", value / 100
-            if unit is None and "." in text and value <= 1.0:   # "0.5", "1.0": a fraction, as a CLI flag gives it
-                return parse_budget(value)
-            if unit is None and not value.is_integer():
-                raise ValueError(f"cannot read memory_budget {budget!r}: a unitless number is bytes (an integer) "
-                                 "or a fraction in (0, 1]")
-            unit = (unit or "b") if (unit or "b").endswith("b") else unit + "b"
-            if unit in _UNITS and value > 0:
-                return "bytes", value * _UNITS[unit]
-    raise ValueError(f"cannot read memory_budget {budget!r}: use bytes (int), '6GB', '6GiB', '512MiB' "
-                     "or a fraction in (0, 1] such as 0.5 or '50%'")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Sizes and costs (liveness itself is analysis.saved_bytes_by_node)
-# ---------------------------------------------------------------------------------------------------
-
 
 # ---------------------------------------------------------------------------------------------------
 # Segments and the plan
@@ -104,6 +54,7 @@ class Plan:
     replanned: str = ""         # why the plan was re-made at the graph's second call, if it was
     segmentation: str = "opsmath"   # whose cut points: "opsmath", "opsmath-fine" (half-blocks) or "user"
     user_regions: int = 0       # the user's checkpoint regions handed to the plan
+    note: str = ""              # how a fractional budget was met across graphs, if this graph needed it
 
     def budget_both_units(self) -> tuple[int, float]:
         """The budget as bytes of the whole step and as a share of the unconstrained activations: the
@@ -170,24 +121,8 @@ class Plan:
                                  cost=self.segments[i].cost) for i in self.chosen],
                     recompute_seconds=self.recompute_seconds, planning_seconds=self.planning_seconds,
                     measured_peak=self.measured_peak, replanned=self.replanned,
-                    segmentation=self.segmentation, user_regions=self.user_regions,
+                    segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
                     timeline=[list(t) for t in self.timeline()])
-
-
-def _size(n: float) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1 (``1000 B``, ``1.46 GiB``)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-class InfeasibleBudget(ValueError):
-    """A budget below the smallest the plan can reach; ``floor``: that smallest, in bytes."""
-
-    def __init__(self, message: str, floor: int = 0):
-        super().__init__(message)
-        self.floor = floor
 
 
 def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -319,6 +254,9 @@ def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int])
             for x in n.all_input_nodes:
                 if x not in inside and x not in ext:
                     ext.append(x)
+        for x in ext:   # a constant (get_attr) sits by its first use, maybe inside the segment: move it up
+            if x.op == "get_attr":
+                nodes[0].prepend(x)
         outs = [n for n in nodes if any(u not in inside for u in n.users)]
         sub = fx.Graph()
         env = {x: sub.placeholder(x.name) for x in ext}
@@ -354,10 +292,13 @@ def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) ->
 
 
 def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
-                  how: str = "checkpoint") -> Plan:
+                  how: str = "checkpoint", earlier: tuple = ()) -> Plan:
     """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes
     (``analysis.saved_bytes_by_node``) and rewrite it in place: ``how="checkpoint"`` emits
-    ``checkpoint`` calls (eager execution), ``"tag"`` recompute tags (for Inductor)."""
+    ``checkpoint`` calls (eager execution), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
+    of graphs captured before this one. A fraction is a share of the whole step's activations: a graph
+    that cannot keep its own share (a small loss graph after the model's) may use what the earlier
+    graphs left under theirs, and its plan's ``note`` says so."""
     import time
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
@@ -367,6 +308,28 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     user = user_segments(gm, saved_by)
     if user is not None:
         options.insert(0, ("user", user))
+    best, error = _best_option(gm, options, resident, kind, value)
+    note, total = "", sum(s.saved for s in options[-1][1])
+    spare = sum(max(0.0, value * p.unconstrained - p.kept - p.transient) for p in earlier if p is not None) if kind == "fraction" else 0
+    if best is None and spare > 0 and total > 0:
+        best, _ = _best_option(gm, options, resident, kind, value + spare / total)
+        note = (f"this graph alone cannot keep {value:g} of its activations ({error}); it uses "
+                f"{_size(spare)} the earlier graphs left under their share")
+    if best is None:
+        raise error
+    label, fine, (picked, kept, trans, cost), runs = best
+    segs, chosen = merged(fine, runs, picked)
+    plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
+                chosen, cost, segmentation=label, user_regions=len(user_regions(forward_order(gm))), note=note)
+    if chosen:
+        (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen)
+    plan.planning_seconds = time.perf_counter() - t0
+    return plan
+
+
+def _best_option(gm, options, resident: int, kind: str, value: float):
+    """The cheapest feasible (label, segments, choice, runs) over the segmentations, and the error with
+    the lowest floor when none is feasible."""
     best, errors = None, []
     for label, sg in options:
         runs = runs_of(gm, sg)
@@ -377,13 +340,4 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
             continue
         if best is None or _rank(got) < _rank(best[2]):
             best = (label, sg, got, runs)
-    if best is None:
-        raise min(errors, key=lambda e: e.floor)
-    label, fine, (picked, kept, trans, cost), runs = best
-    segs, chosen = merged(fine, runs, picked)
-    plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
-                chosen, cost, segmentation=label, user_regions=len(user_regions(forward_order(gm))))
-    if chosen:
-        (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen)
-    plan.planning_seconds = time.perf_counter() - t0
-    return plan
+    return best, (min(errors, key=lambda e: e.floor) if errors else None)

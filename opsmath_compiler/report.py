@@ -294,6 +294,8 @@ class Report(Rendered):
             t.append(f"\nmeasured peak {_mib(p.measured_peak)} (max_memory_allocated when the graph ran again)")
         if p.replanned:
             t.append(f"\nre-planned at the second call: {p.replanned}", style="yellow")
+        if p.note:
+            t.append(f"\n{p.note}", style="yellow")
         for i in p.chosen[:6]:
             s = p.segments[i]
             t.append(f"\n  segment {i}: nodes {s.start}-{s.end}, saves {_mib(s.saved)}, keeps "

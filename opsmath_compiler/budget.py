@@ -1,0 +1,65 @@
+"""Memory budgets: how a user's ``memory_budget`` is read (bytes, a size string, a fraction or a
+percentage of the unconstrained activation bytes), and the error for one the plan cannot reach."""
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_budget(budget) -> tuple[str, float]:
+    """``("bytes", n)`` for an int (or an integral float such as ``6e9``) or a size string such as
+    ``"6GB"``, ``"6GiB"``, ``"512MiB"``, ``"6e9"``; ``("fraction", f)`` for a float in (0, 1], a
+    unitless string such as ``"0.5"`` or a percentage such as ``"50%"`` (of the unconstrained
+    activation memory). Anything else is a ``ValueError`` that says what is accepted."""
+    import numbers
+    if isinstance(budget, bool):
+        raise ValueError(f"memory_budget must be bytes, a size string or a fraction, got {budget!r}")
+    if isinstance(budget, numbers.Integral):
+        if budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {budget}")
+        return "bytes", float(budget)
+    if isinstance(budget, numbers.Real):
+        budget = float(budget)
+        if budget > 1.0 and budget.is_integer():   # 6e9: bytes written as a float
+            return "bytes", budget
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"a fractional memory_budget must be in (0, 1], got {budget} "
+                             "(bytes are an int such as 6 * 2**30, or a string such as '6GiB')")
+        return "fraction", budget
+    if isinstance(budget, str):
+        text = budget.strip().lower()
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%|[kmgt]i?b?|b)?", text)
+        if m:
+            value, unit = float(m.group(1)), m.group(2)
+            if unit == "%":
+                if not 0 < value <= 100:
+                    raise ValueError(f"a percentage memory_budget must be in (0%, 100%], got {budget!r}")
+                return "fraction", value / 100
+            if unit is None and "." in text and value <= 1.0:   # "0.5", "1.0": a fraction, as a CLI flag gives it
+                return parse_budget(value)
+            if unit is None and not value.is_integer():
+                raise ValueError(f"cannot read memory_budget {budget!r}: a unitless number is bytes (an integer) "
+                                 "or a fraction in (0, 1]")
+            unit = (unit or "b") if (unit or "b").endswith("b") else unit + "b"
+            if unit in _UNITS and value > 0:
+                return "bytes", value * _UNITS[unit]
+    raise ValueError(f"cannot read memory_budget {budget!r}: use bytes (int), '6GB', '6GiB', '512MiB' "
+                     "or a fraction in (0, 1] such as 0.5 or '50%'")
+
+
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (``1000 B``, ``1.46 GiB``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+class InfeasibleBudget(ValueError):
+    """A budget below the smallest the plan can reach; ``floor``: that smallest, in bytes."""
+
+    def __init__(self, message: str, floor: int = 0):
+        super().__init__(message)
+        self.floor = floor
