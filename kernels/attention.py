@@ -202,10 +202,17 @@ def attention(q, k, v, bias=None, mask=None, mask_fill=float("-inf"), is_causal=
 # --------------------------------------------------------------------------------------------------
 
 
-def _flops(q, k, *_):
-    """QK^T and PV: 2 GEMMs of B*H x (Sq x Sk x D), 2 FLOPs per multiply-add."""
+def _flops(q, k, v=None, bias=None, mask=None, mask_fill=None, is_causal=False, *rest):
+    """QK^T and PV over the (i, j) pairs the kernels compute, 2 FLOPs per multiply-add: B*H x Sq x Sk x D
+    each, causal about half of it (S (S + 1) / 2 pairs), causal with a window of w < S keys w S - w (w - 1) / 2."""
     B, H, Sq, D = q.shape
-    return 4 * B * H * Sq * k.shape[2] * D
+    Sk, window = k.shape[2], (rest[4] if len(rest) > 4 else 0)
+    pairs = Sq * Sk
+    if is_causal and window and window < Sq:
+        pairs = window * Sq - window * (window - 1) // 2
+    elif is_causal:
+        pairs = Sq * (Sq + 1) // 2
+    return 4 * B * H * pairs * D
 
 
 def _exercise(dtype: torch.dtype) -> None:
