@@ -154,3 +154,22 @@ def test_hf_left_padding_under_sdpa_stays_finite():
     assert torch.isfinite(loss) and rel_err(loss, loss_e) < 1e-5
     for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
         assert grads_close(p.grad, q.grad, 1e-4, 1e-6), name
+
+
+def test_window_is_read_at_a_symbolic_sequence_length():
+    """A second sequence length recompiles with a symbolic length: HF's index-built window mask is read
+    at every length (``j - i`` comparisons), so the dynamic graph keeps ``window``, exactly as eager."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(attn_implementation="sdpa", vocab_size=128, hidden_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                     sliding_window=5)
+    model = transformers.MistralForCausalLM(cfg).train()
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    for T in (19, 23):
+        ids = torch.randint(0, 128, (2, T))
+        loss, loss_e = opt(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss
+        assert rel_err(loss, loss_e) < 1e-5
+    rep = opsmath.report(opt)
+    assert rep.graphs[-1].dynamic, [g.dynamic for g in rep.graphs]
+    assert [m.details["window"] for m in rep.graphs[-1].matches if m.pattern == "attention"] == [5]
