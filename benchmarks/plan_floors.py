@@ -22,11 +22,15 @@ def _hf(cls, cfg_cls, **cfg):
 
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=172, vocab_size=128)
+WIDE = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1376, vocab_size=128)
 MODELS = {   # name: model factory (trained on one batch of 2 x 128 tokens)
     "gpt2 12 layers": _hf("GPT2LMHeadModel", "GPT2Config", n_layer=12, n_embd=64, n_head=4, vocab_size=128,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     "llama 8 layers": _hf("LlamaForCausalLM", "LlamaConfig", num_hidden_layers=8, **TINY),
     "mistral 6 layers": _hf("MistralForCausalLM", "MistralConfig", num_hidden_layers=6, **TINY),
+    # width 512: the block's share of the activations grows against embeddings, rotary tables and loss
+    "llama 8 x 512": _hf("LlamaForCausalLM", "LlamaConfig", num_hidden_layers=8, **WIDE),
+    "mistral 6 x 512": _hf("MistralForCausalLM", "MistralConfig", num_hidden_layers=6, **WIDE),
 }
 
 
