@@ -42,6 +42,15 @@ MODELS = {  # name: (model class, config class, config)
  "qwen2_sw": ("Qwen2ForCausalLM", "Qwen2Config", dict(SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=0)),
  "mixtral_sw": ("MixtralForCausalLM", "MixtralConfig", dict(SMALL, num_key_value_heads=2, sliding_window=9, num_local_experts=4, num_experts_per_tok=2)),
  "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", dict(SMALL, num_key_value_heads=2, sliding_window=6, layer_types=["sliding_attention", "full_attention"])),
+ # ALiBi (BLOOM in baddbmm, Falcon, MPT), partial rotary, encoder-decoders, MoE with a shared expert
+ "bloom": ("BloomForCausalLM", "BloomConfig", dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0)),
+ "falcon": ("FalconForCausalLM", "FalconConfig", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True, new_decoder_architecture=False, multi_query=False, hidden_dropout=0.0, attention_dropout=0.0)),
+ "mpt": ("MptForCausalLM", "MptConfig", dict(vocab_size=128, d_model=64, n_layers=2, n_heads=4, expansion_ratio=2, max_seq_len=64)),
+ "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(SMALL, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0)),
+ "persimmon": ("PersimmonForCausalLM", "PersimmonConfig", dict(SMALL, hidden_dropout=0.0, attention_dropout=0.0)),
+ "t5": ("T5ForConditionalGeneration", "T5Config", dict(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)),
+ "bart": ("BartForConditionalGeneration", "BartConfig", dict(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, dropout=0.0, attention_dropout=0.0, max_position_embeddings=64)),
+ "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(SMALL, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)),
  "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(SMALL, num_key_value_heads=2, head_dim=16, sliding_window=6, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=16)),
 }
 
