@@ -36,6 +36,7 @@ class Plan:
     fill: float = float("-inf")
     causal: bool = False
     window: int = 0                   # sliding window: key j is seen by query i only if j > i - window; 0: none
+    window_in_mask: int = 0           # a window left inside a finite-fill mask (not skipped: docs/design.md)
     dropout_p: float = 0.0
     nodes: list = field(default_factory=list)    # chain nodes, in graph order
     scores: tuple = ()                # the scores' shape (..., Sq, Sk)
@@ -118,6 +119,8 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
             _take_band(plan, split)
             if not split.rest:   # every row keeps its diagonal: the mask's fill never matters
                 plan.masks.remove(mask)
+        elif split is not None and split.window:
+            plan.window_in_mask = split.window
     for bias in list(plan.biases):
         c = constant_value(ctx.gm, bias[0], ctx.constants)
         am = additive_mask(ctx, bias[0]) if c is None and bias[1] > 0 else None
@@ -125,6 +128,8 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
         if split and not split.rest:
             plan.biases.remove(bias)   # where(causal [& window], 0, min), symbolic length (HF's eager mask)
             _take_band(plan, split)
+        elif split and split.window:
+            plan.window_in_mask = split.window
         if c is None or not c.is_floating_point():
             continue
         removed = (c * bias[1]) <= REMOVES
@@ -172,7 +177,7 @@ def additive_mask(ctx, x) -> Optional[tuple]:
     one only where it is causal (every row keeps its diagonal): for a fully masked row the additive
     spelling passes gradients to Q and K (eager's autograd sees ``s + f``), a mask does not."""
     if not isinstance(x, fx.Node) or x.target not in (torch.ops.aten.where.self, torch.ops.aten.where.ScalarOther,
-                                                     torch.ops.aten.where.ScalarSelf):
+                                                     torch.ops.aten.where.ScalarSelf, torch.ops.aten.where.Scalar):
         return None
     cond, a, b = x.args[:3]
     fa, fb = fill_value(ctx, a), fill_value(ctx, b)

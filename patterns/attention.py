@@ -158,11 +158,13 @@ def _describe(plan: Plan) -> tuple[list, dict]:
     desc = [f"scale={plan.scale:.4g}"] + ([f"softcap={plan.softcap:.4g}"] if plan.softcap else [])
     desc += ["causal"] if plan.causal else []
     desc += [f"window={plan.window}"] if plan.window else []
+    desc += [f"window {plan.window_in_mask} kept in the finite-fill mask, not skipped"] if plan.window_in_mask else []
     desc += ["bias" + str(tuple(shape(plan.biases[0][0])))] if plan.biases else []
     desc += [f"mask(fill={plan.fill:.3g})"] if plan.masks else []
     desc += [f"dropout={plan.dropout_p:g}"] if plan.dropout_p else []
     desc += [f"gqa {H}/{H // plan.rep}"] if plan.rep > 1 else []
-    return desc, dict(causal=plan.causal, window=plan.window, scale=plan.scale, softcap=plan.softcap, dropout_p=plan.dropout_p,
+    return desc, dict(causal=plan.causal, window=plan.window, window_in_mask=plan.window_in_mask, scale=plan.scale,
+                      softcap=plan.softcap, dropout_p=plan.dropout_p,
                       gqa_rep=plan.rep, has_bias=bool(plan.biases), has_mask=bool(plan.masks),
                       batch=plan.scores[0], heads=H, q_len=plan.scores[-2], k_len=plan.scores[-1],
                       head_dim=shape(plan.q)[-1], dtype=str(dtype(plan.qk)).replace("torch.", ""))

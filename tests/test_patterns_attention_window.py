@@ -82,6 +82,7 @@ def test_window_spellings_are_read_and_exact(fn):
     assert rep.count("attention") == 1, rep.render(width=120)
     d = rep.matches[0].details
     assert (d["causal"], d["window"], d["has_mask"], d["has_bias"]) == SPELLINGS[fn], d
+    assert d["window_in_mask"] == (W if fn is eager_additive_with_padding else 0), d
 
 
 transformers = pytest.importorskip("transformers")
