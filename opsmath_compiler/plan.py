@@ -309,12 +309,9 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     if user is not None:
         options.insert(0, ("user", user))
     best, error = _best_option(gm, options, resident, kind, value)
-    note, total = "", sum(s.saved for s in options[-1][1])
-    spare = sum(max(0.0, value * p.unconstrained - p.kept - p.transient) for p in earlier if p is not None) if kind == "fraction" else 0
-    if best is None and spare > 0 and total > 0:
-        best, _ = _best_option(gm, options, resident, kind, value + spare / total)
-        note = (f"this graph alone cannot keep {value:g} of its activations ({error}); it uses "
-                f"{_size(spare)} the earlier graphs left under their share")
+    note = ""
+    if best is None and kind == "fraction":
+        best, note = _within_the_step(gm, options, resident, value, [p for p in earlier if p is not None], error)
     if best is None:
         raise error
     label, fine, (picked, kept, trans, cost), runs = best
@@ -325,6 +322,34 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen)
     plan.planning_seconds = time.perf_counter() - t0
     return plan
+
+
+# a fractional budget may end up this far above its target (as a share of the step's activations) when a
+# graph's own floor is above its share: a small loss graph after the model's, which keeps all it saves
+STEP_SLACK = 0.01
+
+
+def _within_the_step(gm, options, resident: int, value: float, earlier: list, error):
+    """(best option, note) for a graph that cannot keep ``value`` of its own activations: first with what
+    the earlier graphs left under their share, else at its own floor when the step as a whole then keeps
+    at most ``value + STEP_SLACK`` of its activations; (None, "") otherwise."""
+    total = sum(s.saved for s in options[-1][1])
+    if total <= 0:
+        return None, ""
+    spare = sum(max(0.0, value * p.unconstrained - p.kept - p.transient) for p in earlier)
+    if spare > 0:
+        best, _ = _best_option(gm, options, resident, "fraction", value + spare / total)
+        if best is not None:
+            return best, (f"this graph alone cannot keep {value:g} of its activations ({error}); it uses "
+                          f"{_size(spare)} the earlier graphs left under their share")
+    prior = sum(p.unconstrained for p in earlier)
+    floor = error.floor - resident
+    step = (sum(p.kept + p.transient for p in earlier) + floor) / (prior + total)
+    if step > value + STEP_SLACK:
+        return None, ""
+    best, _ = _best_option(gm, options, resident, "fraction", min(1.0, floor / total + 1.0 / 4096))
+    return best, (f"this graph's floor is {floor / total:.3f} of its {_size(total)} of activations, above {value:g}: "
+                  f"planned at its floor, the step keeps {step:.3f} of its activations")
 
 
 def _best_option(gm, options, resident: int, kind: str, value: float):
