@@ -94,11 +94,9 @@ def _same_size(length, size) -> bool:
 
 def is_causal_index_mask(n, removes: bool, Sq, Sk) -> bool:
     """Whether mask ``n`` is exactly top-left causal at every length: as a keep-mask (``removes`` False)
-    ``j <= i``, as a remove-mask ``j > i``, over aranges of the scores' own lengths."""
-    rel = key_minus_query(n)
-    if rel is None or not (_same_size(rel[2], Sq) and _same_size(rel[3], Sk)):
-        return False
-    return rel[:2] == (("ge", 1) if removes else ("le", 0))
+    ``j <= i``, as a remove-mask ``j > i``, over aranges of the scores' own lengths (``band`` with
+    nothing but the causal conjunct)."""
+    return band(n, removes, Sq, Sk, lambda x: None) == Band(True, 0, [])
 
 
 _AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}

@@ -105,6 +105,8 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
     """Masks/biases equal to the ``j > i`` pattern become ``is_causal`` (block skipping): constant ones,
     and masks built from index comparisons of symbolic length (``_attention_masks``), alone or combined
     with a sliding window (``plan.window``) and other conditions (which stay a mask)."""
+    def const(x):
+        return constant_value(ctx.gm, x, ctx.constants)
     for mask in list(plan.masks):
         m, negate = mask
         c = constant_value(ctx.gm, m, ctx.constants)
@@ -114,7 +116,7 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
                 plan.masks.remove(mask)
                 _take_band(plan, split)
             continue
-        split = band(m, not negate, Sq, Sk, lambda x: constant_value(ctx.gm, x, ctx.constants))
+        split = band(m, not negate, Sq, Sk, const)
         if split is not None and plan.fill <= REMOVES and (not split.rest or plan.fill == float("-inf")):
             _take_band(plan, split)
             if not split.rest:   # every row keeps its diagonal: the mask's fill never matters
@@ -124,7 +126,7 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
     for bias in list(plan.biases):
         c = constant_value(ctx.gm, bias[0], ctx.constants)
         am = additive_mask(ctx, bias[0]) if c is None and bias[1] > 0 else None
-        split = am and band(am[0], not am[1], Sq, Sk, lambda x: constant_value(ctx.gm, x, ctx.constants))
+        split = am and band(am[0], not am[1], Sq, Sk, const)
         if split and not split.rest:
             plan.biases.remove(bias)   # where(causal [& window], 0, min), symbolic length (HF's eager mask)
             _take_band(plan, split)
