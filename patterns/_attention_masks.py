@@ -133,24 +133,37 @@ def band(n, removes: bool, Sq, Sk, constant: Callable[[fx.Node], Optional[torch.
     and/or window band is read as such."""
     causal, window, rest = False, 0, []
     for x in _conjuncts(n, _OR if removes else _AND):
-        rel = key_minus_query(x)
-        if rel is not None and _same_size(rel[2], Sq) and _same_size(rel[3], Sk):
-            kind, d = rel[:2]
-            rel = (True, 0) if (kind, d) == (("ge", 1) if removes else ("le", 0)) else \
-                (False, -d if removes else 1 - d) if kind == ("le" if removes else "ge") and \
-                d <= (-1 if removes else 0) else None   # removes j - i <= -w  /  keeps j - i >= 1 - w
-        else:
-            c = constant(x)
-            rel = None if c is None or c.dtype != torch.bool else constant_band(~c if removes else c, Sq, Sk)
-            if rel is None and c is not None and c.dtype == torch.bool:
-                rel = implied_band(~c if removes else c, Sq, Sk)   # kept as a mask too: the flags only skip
-                rest.append(x)
-        if rel is None:
+        rel, stays = _read(x, removes, Sq, Sk, constant)
+        if stays:
             rest.append(x)
-        elif rel != (False, 0):   # (False, 0): keeps everything
-            causal = causal or rel[0]
-            window = min(window, rel[1]) if window and rel[1] else window or rel[1]
+        if rel is not None and rel != (False, 0):   # (False, 0): keeps everything
+            causal, window = causal or rel[0], narrower(window, rel[1])
     return Band(causal, window, rest) if causal or window else None
+
+
+def _read(x, removes: bool, Sq, Sk, constant) -> tuple[Optional[tuple[bool, int]], bool]:
+    """One conjunct as ((causal, window) or None, whether it stays a mask). An index comparison or a
+    constant equal to a band is taken whole; a constant that only implies a band (a document mask) stays
+    a mask, its flags only skipping what it removes anyway."""
+    rel = key_minus_query(x)
+    if rel is not None and _same_size(rel[2], Sq) and _same_size(rel[3], Sk):
+        kind, d = rel[:2]
+        if (kind, d) == (("ge", 1) if removes else ("le", 0)):
+            return (True, 0), False
+        if kind == ("le" if removes else "ge") and d <= (-1 if removes else 0):
+            return (False, -d if removes else 1 - d), False   # removes j - i <= -w  /  keeps j - i >= 1 - w
+        return None, True
+    c = constant(x)
+    if c is None or c.dtype != torch.bool:
+        return None, True
+    keep = ~c if removes else c
+    exact = constant_band(keep, Sq, Sk)
+    return (exact, False) if exact is not None else (implied_band(keep, Sq, Sk), True)
+
+
+def narrower(a: int, b: int) -> int:
+    """The narrower of two sliding windows (0: none)."""
+    return min(a, b) if a and b else a or b
 
 
 def constant_band(keep: torch.Tensor, Sq, Sk) -> Optional[tuple[bool, int]]:
@@ -168,13 +181,14 @@ def constant_band(keep: torch.Tensor, Sq, Sk) -> Optional[tuple[bool, int]]:
     if keep.all():
         return False, 0
     tril = torch.ones(Sq, Sk, dtype=torch.bool).tril()
-    w = int(keep[-1].sum())
-    left = torch.ones(Sq, Sk, dtype=torch.bool).tril(-w)
-    for causal, window in ((True, 0), (True, w), (False, w)):
-        want = (tril if causal else torch.ones_like(tril)) & (~left if window else torch.ones_like(tril))
-        if 0 < window < Sk or window == 0:
-            if torch.equal(keep, want):
-                return causal, window
+    if torch.equal(keep, tril):
+        return True, 0
+    w = int(keep[-1].sum())   # the last row keeps w keys in a band of width w
+    if 0 < w < Sk:
+        inside = ~torch.ones(Sq, Sk, dtype=torch.bool).tril(-w)
+        for causal in (True, False):
+            if torch.equal(keep, inside & tril if causal else inside):
+                return causal, w
     return None
 
 

@@ -14,7 +14,7 @@ import torch.fx as fx
 from opsmath.canonicalize import causal_from_constant, constant_value, dtype, repeat_kv_source, shape, val
 
 from ._attention_flat import flat_bias_rows
-from ._attention_masks import Band, constant_band, band
+from ._attention_masks import Band, band, constant_band, narrower
 
 # a mask fill or additive bias at or below this removes a position exactly (exp underflows to 0 in fp32)
 REMOVES = -1e4
@@ -109,7 +109,7 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
         return constant_value(ctx.gm, x, ctx.constants)
     for mask in list(plan.masks):
         m, negate = mask
-        c = constant_value(ctx.gm, m, ctx.constants)
+        c = const(m)
         if c is not None:
             split = _constant_split(c if negate else ~c, Sq, Sk) if plan.fill <= REMOVES else None
             if split:
@@ -124,7 +124,7 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
         elif split is not None and split.window:
             plan.window_in_mask = split.window
     for bias in list(plan.biases):
-        c = constant_value(ctx.gm, bias[0], ctx.constants)
+        c = const(bias[0])
         am = additive_mask(ctx, bias[0]) if c is None and bias[1] > 0 else None
         split = am and band(am[0], not am[1], Sq, Sk, const)
         if split and not split.rest:
@@ -154,9 +154,7 @@ def _constant_split(keep, Sq, Sk) -> Optional[Band]:
 
 def _take_band(plan: Plan, split) -> None:
     """Causal and window flags from a mask's conjuncts: the kernels skip what they remove."""
-    plan.causal = plan.causal or split.causal
-    if split.window:
-        plan.window = min(plan.window, split.window) if plan.window else split.window
+    plan.causal, plan.window = plan.causal or split.causal, narrower(plan.window, split.window)
 
 
 def fill_value(ctx, x) -> Optional[float]:
