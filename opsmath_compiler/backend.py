@@ -26,6 +26,8 @@ from opsmath.kernels import SPECS
 from .analysis import kernel_launches, saved_bytes_by_node, to_networkx
 from .capture import lower_to_aten, static_inputs
 from .match import Decline, Match, run_patterns
+from . import offload
+from .budget import resident_bytes
 from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
 from .regions import (EagerRegion, LazyPiece, eager_nodes, hooks_off_while_tracing, inline_checkpoint,
                       route_checkpoints, split_around)
@@ -42,10 +44,12 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
     would be served the partition of an identical graph compiled with other tags or none. Parameters are
     static inputs, as in dynamo's graphs (``capture.static_inputs``)."""
     from torch._inductor.compile_fx import compile_fx as inductor
-    tagged = any("recompute" in n.meta for n in gm.graph.nodes)
+    tagged = any("recompute" in n.meta for n in gm.graph.nodes) or offload.has_offload(gm)
     static_inputs(gm)
-    with torch._functorch.config.patch(enable_autograd_cache=False) if tagged else contextlib.nullcontext():
-        return inductor(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cuda_graphs else None)
+    offloading, patches = offload.offloading(gm, {"triton.cudagraphs": True} if cuda_graphs else None)
+    with torch._functorch.config.patch(enable_autograd_cache=False) if tagged else contextlib.nullcontext(), \
+            offloading:
+        return inductor(gm, example_inputs, config_patches=patches)
 
 
 # Families Inductor does better than opsmath's opaque op when it compiles the graph anyway (each op
@@ -224,8 +228,9 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             # an absolute budget may be re-planned later, on a fresh copy of the unplanned graph
             base = clone_graph_module(ctx.gm) if absolute else None
             # under Inductor the plan becomes recompute tags its partitioner must honor
-            plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, _resident_bytes(example_inputs, model),
-                                 how="tag" if use_inductor else "checkpoint", earlier=[r.plan for r in state.graphs])
+            how = "tag" if use_inductor else "checkpoint"
+            plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model),
+                                 how=how, earlier=[r.plan for r in state.graphs], link=offload.link_for(example_inputs, how))
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
               if not isinstance(t, torch.nn.Parameter)]
     record = GraphRecord(
@@ -324,7 +329,7 @@ def _replan(state, record, base, by_node, args, model, use_inductor, peak_before
     predicted peak is brought up to date with the resident bytes measured now.
     Returns the re-planned graph or None; an infeasible budget raises ``InfeasibleBudget``."""
     old = record.plan
-    resident = _resident_bytes(args, model)
+    resident = resident_bytes(args, model)
     measured = _max_allocated(args) if peak_before is not None else None
     if measured is not None and measured <= peak_before:
         measured = None   # step 1 never exceeded an earlier peak of the process: its own is unknown
@@ -363,7 +368,7 @@ def _tighten(state, record, base, by_node, args, model, use_inductor, peak_befor
     budget = int(parse_budget(old.budget)[1]) - over - int(_REPLAN_MARGIN * value)
     why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
            f"{over / 2**20:.1f} MiB over the budget: tightened")
-    return _plan_again(state, record, base, by_node, budget, _resident_bytes(args, model), use_inductor, why,
+    return _plan_again(state, record, base, by_node, budget, resident_bytes(args, model), use_inductor, why,
                        measured)
 
 
@@ -371,7 +376,8 @@ def _plan_again(state, record, base, by_node, budget, resident, use_inductor, wh
     """Plan ``base`` (a fresh copy of the rewritten graph) again for ``budget`` bytes; record why."""
     g = clone_graph_module(base)
     try:
-        plan = plan_and_emit(g, by_node, budget, resident, how="tag" if use_inductor else "checkpoint")
+        how = "tag" if use_inductor else "checkpoint"
+        plan = plan_and_emit(g, by_node, budget, resident, how=how, link=record.plan.link)
     except InfeasibleBudget as e:
         raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
                                f"{record.calls - 1} ({why}): {e}") from None
@@ -379,21 +385,3 @@ def _plan_again(state, record, base, by_node, budget, resident, use_inductor, wh
     record.plan = plan
     log.warning("opsmath: graph %d re-planned for memory_budget=%r: %s", record.index, state.memory_budget, why)
     return g
-
-
-def _resident_bytes(example_inputs: list, model: torch.nn.Module) -> int:
-    """What stays resident through the step. On CUDA: everything allocated now (weights or their
-    FSDP shards, optimizer state, inputs) plus the gradients backward will allocate. On CPU: the model's
-    parameters counted by their local shards (an FSDP2 ``DTensor`` counts its ``to_local()`` part)
-    twice, for weights and gradients, plus the graph inputs that are not parameters."""
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    cuda = [t for t in tensors if t.is_cuda]
-    if cuda:
-        grads_to_come = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad and t.grad is None)
-        return torch.cuda.memory_allocated(cuda[0].device) + grads_to_come
-
-    def local_bytes(p):
-        p = p.to_local() if hasattr(p, "to_local") else p
-        return p.numel() * p.element_size()
-    params = 2 * sum(local_bytes(p) for p in model.parameters())
-    return params + sum(t.numel() * t.element_size() for t in tensors if not t.requires_grad)

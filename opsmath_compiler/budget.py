@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -63,3 +65,21 @@ class InfeasibleBudget(ValueError):
     def __init__(self, message: str, floor: int = 0):
         super().__init__(message)
         self.floor = floor
+
+
+def resident_bytes(example_inputs: list, model: torch.nn.Module) -> int:
+    """What stays resident through the step. On CUDA: everything allocated now (weights or their
+    FSDP shards, optimizer state, inputs) plus the gradients backward will allocate. On CPU: the model's
+    parameters counted by their local shards (an FSDP2 ``DTensor`` counts its ``to_local()`` part)
+    twice, for weights and gradients, plus the graph inputs that are not parameters."""
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    cuda = [t for t in tensors if t.is_cuda]
+    if cuda:
+        grads_to_come = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad and t.grad is None)
+        return torch.cuda.memory_allocated(cuda[0].device) + grads_to_come
+
+    def local_bytes(p):
+        p = p.to_local() if hasattr(p, "to_local") else p
+        return p.numel() * p.element_size()
+    params = 2 * sum(local_bytes(p) for p in model.parameters())
+    return params + sum(t.numel() * t.element_size() for t in tensors if not t.requires_grad)

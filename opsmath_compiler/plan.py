@@ -11,11 +11,14 @@
 3. **Choice**: exact 0/1 knapsack (vectorized DP over savings in 1/4096 steps of the total, savings
    rounded down so the budget holds) for every candidate "largest recomputed segment", minimizing cost,
    then predicted peak, so a smaller budget never gives a larger predicted peak; solved for each
-   segmentation, the cheaper kept (ties: the user's).
-4. **Emission**: each chosen segment becomes a sub-GraphModule called through
+   segmentation, the cheaper kept (ties: the user's). On CUDA under Inductor a segment may instead
+   send what it keeps to host memory (``offload.py``: kept, or recomputed with its inputs on the host),
+   at the modelled cost of the copies over this machine's measured host link.
+4. **Emission** (``plan_emit``): each chosen segment becomes a sub-GraphModule called through
    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (RNG state preserved, so dropout
    masks, opsmath's seeds included, are the same in the recompute). When the graph goes on to
-   Inductor, the segment's nodes are tagged ``MUST_RECOMPUTE`` instead (``tag_recompute``).
+   Inductor, the segment's nodes are tagged ``MUST_RECOMPUTE`` instead (``tag_recompute``), and the
+   offloaded ones marked for Inductor's offload (``offload.mark_offloaded``).
 
 Predicted peak = resident (parameters, their gradients, optimizer state, inputs) + activations kept
 + the largest recomputed segment's activations (live while its backward runs).
@@ -23,14 +26,14 @@ Predicted peak = resident (parameters, their gradients, optimizer state, inputs)
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import checkpoint
 
+from . import offload
 from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
+from .plan_emit import emit_checkpoints, tag_recompute
 from .segments import Segment, forward_order, runs_of, segments_of, user_regions, user_segments
 
 # ---------------------------------------------------------------------------------------------------
@@ -55,6 +58,8 @@ class Plan:
     segmentation: str = "opsmath"   # whose cut points: "opsmath", "opsmath-fine" (half-blocks) or "user"
     user_regions: int = 0       # the user's checkpoint regions handed to the plan
     note: str = ""              # how a fractional budget was met across graphs, if this graph needed it
+    offloaded: dict = field(default_factory=dict)   # segment index -> "kept" | "inputs" (offload.py)
+    link: float | None = None   # host-link bytes/s the plan could offload over (None: no offload)
 
     def budget_both_units(self) -> tuple[int, float]:
         """The budget as bytes of the whole step and as a share of the unconstrained activations: the
@@ -64,6 +69,12 @@ class Plan:
             return int(self.resident + value * self.unconstrained), value
         return int(value), (value - self.resident) / max(1, self.unconstrained)
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes the plan sends to the host: an offloaded segment's saved bytes, or its inputs."""
+        return sum(self.segments[i].saved if k == "kept" else self.segments[i].inputs
+                   for i, k in self.offloaded.items())
+
     def timeline(self) -> list[tuple[str, int, int]]:
         """Predicted memory over the step at segment granularity: ``(phase, segment, bytes)``.
 
@@ -72,14 +83,15 @@ class Plan:
         while its gradients are computed (``"recompute"`` point), then its kept bytes are freed. The
         maximum is at most ``predicted_peak``, which bounds it by the largest recomputation."""
         chosen = set(self.chosen)
-        kept = [s.inputs if i in chosen else s.saved for i, s in enumerate(self.segments)]
+        kept = [0 if i in self.offloaded else s.inputs if i in chosen else s.saved
+                for i, s in enumerate(self.segments)]
         points, live = [], self.resident
         for i, k in enumerate(kept):
             live += k
             points.append(("forward", i, live))
         for i in range(len(kept) - 1, -1, -1):
-            if i in chosen:
-                points.append(("recompute", i, live + self.segments[i].saved))
+            if i in chosen or i in self.offloaded:   # recomputed, or back from the host, for its backward
+                points.append(("recompute" if i in chosen else "reload", i, live + self.segments[i].saved))
             live -= kept[i]
             points.append(("backward", i, live))
         return points
@@ -122,6 +134,8 @@ class Plan:
                     recompute_seconds=self.recompute_seconds, planning_seconds=self.planning_seconds,
                     measured_peak=self.measured_peak, replanned=self.replanned,
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
+                    offloaded={str(i): k for i, k in self.offloaded.items()},
+                    offloaded_bytes=self.offloaded_bytes, link=self.link,
                     timeline=[list(t) for t in self.timeline()])
 
 
@@ -139,19 +153,48 @@ def _rank(choice) -> tuple:
     return cost, kept + trans
 
 
-def _max_saving(n: int, starts: dict, T: int) -> int:
-    """The most bytes disjoint runs of saved <= T can save (1-D DP over positions)."""
+@dataclass(frozen=True)
+class Step:
+    """One choice of the DP for segments i..j: ``"recompute"`` (keeps only its inputs), ``"offload"``
+    (a single segment, kept, its saved tensors on the host) or ``"recompute+offload"`` (recomputed, its
+    inputs on the host). ``size``: its activations live again while its backward runs (the transient)."""
+    i: int
+    j: int
+    kind: str
+    saving: int
+    cost: float
+    size: int
+
+
+def _steps(segs: list[Segment], runs: dict, link: float | None) -> dict[int, list[Step]]:
+    """Every step that saves something, by first segment. Offload steps only with a host ``link``
+    (bytes/s); their cost is the copy out and back, ``2 b / link`` (``offload.py``)."""
+    out: dict = {}
+    for (i, j), r in runs.items():
+        if r.saving > 0:
+            out.setdefault(i, []).append(Step(i, j, "recompute", r.saving, r.cost, r.saved))
+        if link and r.inputs > 0:
+            out.setdefault(i, []).append(Step(i, j, "recompute+offload", r.saved, r.cost + 2 * r.inputs / link, r.saved))
+    if link:
+        for i, s in enumerate(segs):
+            if s.saved > 0:
+                out.setdefault(i, []).append(Step(i, i, "offload", s.saved, 2 * s.saved / link, s.saved))
+    return out
+
+
+def _max_saving(n: int, steps: dict, T: int) -> int:
+    """The most bytes disjoint steps of size <= T can save (1-D DP over positions)."""
     best = [0] * (n + 1)
     for p in range(n):
         best[p + 1] = max(best[p + 1], best[p])
-        for j, r in starts.get(p, {}).items():
-            if r.saved <= T:
-                best[j + 1] = max(best[j + 1], best[p] + r.saving)
+        for st in steps.get(p, ()):
+            if st.size <= T:
+                best[st.j + 1] = max(best[st.j + 1], best[p] + st.saving)
     return best[n]
 
 
-def _solve(n: int, starts: dict, T: int, need: float, unit: float) -> list[tuple[int, int]] | None:
-    """Disjoint runs (i, j) of saved <= T saving >= ``need`` bytes at the least modelled cost: DP over
+def _solve(n: int, steps: dict, T: int, need: float, unit: float) -> list[Step] | None:
+    """Disjoint steps of size <= T saving >= ``need`` bytes at the least modelled cost: DP over
     positions and saving units (``dp[p][u]``: least cost over segments < p saving >= u units; savings
     rounded down to units, so the budget holds), then a backtrack. None when no choice saves enough."""
     cap = int(math.ceil(need / unit))
@@ -159,51 +202,50 @@ def _solve(n: int, starts: dict, T: int, need: float, unit: float) -> list[tuple
     dp = torch.full((n + 1, cap + 1), math.inf, dtype=torch.float64)
     dp[0, 0] = 0.0
     came = torch.full((n + 1, cap + 1), -1, dtype=torch.int32)   # start p of the step that reached it
-    run_end = torch.full((n + 1, cap + 1), -1, dtype=torch.int32)  # -1: segment p kept, else the run's end
+    took = torch.full((n + 1, cap + 1), -1, dtype=torch.int32)   # -1: segment p kept, else the step's index
     for p in range(n):
         cur = dp[p]
         better = cur < dp[p + 1]
         dp[p + 1] = torch.where(better, cur, dp[p + 1])
-        came[p + 1][better], run_end[p + 1][better] = p, -1
-        for j, r in starts.get(p, {}).items():
-            w = int(r.saving // unit)
-            if r.saved > T or w == 0:
+        came[p + 1][better], took[p + 1][better] = p, -1
+        for k, st in enumerate(steps.get(p, ())):
+            w = int(st.saving // unit)
+            if st.size > T or w == 0:
                 continue
-            new = cur[(states - w).clamp(min=0)] + r.cost
-            better = new < dp[j + 1]
-            dp[j + 1] = torch.where(better, new, dp[j + 1])
-            came[j + 1][better], run_end[j + 1][better] = p, j
+            new = cur[(states - w).clamp(min=0)] + st.cost
+            better = new < dp[st.j + 1]
+            dp[st.j + 1] = torch.where(better, new, dp[st.j + 1])
+            came[st.j + 1][better], took[st.j + 1][better] = p, k
     if not math.isfinite(dp[n, cap].item()):
         return None
     chosen, q, u = [], n, cap
     while q > 0:
-        p, j = int(came[q, u]), int(run_end[q, u])
-        if j >= 0:
-            chosen.append((p, j))
-            u = max(0, u - int(starts[p][j].saving // unit))
+        p, k = int(came[q, u]), int(took[q, u])
+        if k >= 0:
+            st = steps[p][k]
+            chosen.append(st)
+            u = max(0, u - int(st.saving // unit))
         q = p
-    return sorted(chosen)
+    return sorted(chosen, key=lambda st: st.i)
 
 
 def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, budget: float,
-           units: int = 4096, max_transients: int = 24) -> tuple[list[tuple[int, int]], int, int, float]:
-    """(chosen runs as (first, last) segment index pairs, kept bytes, transient bytes, cost) minimizing
-    modelled cost, then predicted peak, subject to the budget. ``runs`` maps (i, j) to segments i..j
-    recomputed as one unit (``segments.runs_of``); for each candidate largest recomputation T (every
-    distinct run size, thinned to ``max_transients`` spread over the range) the exact DP of ``_solve``.
-    Raises InfeasibleBudget naming the smallest feasible budget."""
+           units: int = 4096, max_transients: int = 24, link: float | None = None
+           ) -> tuple[list[Step], int, int, float]:
+    """(chosen steps, kept bytes, transient bytes, cost) minimizing modelled cost, then predicted peak,
+    subject to the budget. ``runs`` maps (i, j) to segments i..j recomputed as one unit
+    (``segments.runs_of``); ``link``: host-link bytes/s when offload is a choice (``offload.py``). For each
+    candidate largest transient T (every distinct step size, thinned to ``max_transients`` spread over
+    the range) the exact DP of ``_solve``. Raises InfeasibleBudget naming the smallest feasible budget."""
     total = sum(s.saved for s in segs)
     limit = budget * total if budget_kind == "fraction" else budget - resident  # on kept + transient
-    starts: dict = {}   # the runs that save something: starts[i][j] is segments i..j
-    for (i, j), r in runs.items():
-        if r.saving > 0:
-            starts.setdefault(i, {})[j] = r
-    sizes = sorted({r.saved for rs in starts.values() for r in rs.values()})
+    steps = _steps(segs, runs, link)
+    sizes = sorted({st.size for sts in steps.values() for st in sts})
     spread = sizes if len(sizes) <= max_transients else \
         [sizes[round(k * (len(sizes) - 1) / (max_transients - 1))] for k in range(max_transients)]
-    # the floor (kept + largest recompute) is usually reached at a small T: those are all checked
+    # the floor (kept + largest transient) is usually reached at a small T: those are all checked
     # for it (a cheap 1-D DP each), and the exact solve runs on the spread plus the floor's T
-    floors = {T: total - _max_saving(len(segs), starts, T) + T for T in {0, *spread, *sizes[:4 * max_transients]}}
+    floors = {T: total - _max_saving(len(segs), steps, T) + T for T in {0, *spread, *sizes[:4 * max_transients]}}
     smallest = min(floors.values())
     best, unit = None, max(1.0, total / units)
     for T in sorted({0, *spread, min(floors, key=floors.get)}):
@@ -211,12 +253,11 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
         need = total + T - limit     # bytes of saving needed
         if need > max_save:
             continue
-        picked = [] if need <= 0 else _solve(len(segs), starts, T, need, unit)
+        picked = [] if need <= 0 else _solve(len(segs), steps, T, need, unit)
         if picked is None:
             continue
-        saving = sum(runs[c].saving for c in picked)
-        cand = (picked, total - saving, max((runs[c].saved for c in picked), default=0),
-                sum(runs[c].cost for c in picked))
+        cand = (picked, total - sum(st.saving for st in picked), max((st.size for st in picked), default=0),
+                sum(st.cost for st in picked))
         if best is None or _rank(cand) < _rank(best):
             best = cand
     if best is None:
@@ -228,77 +269,34 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     return best
 
 
-def merged(segs: list[Segment], runs: dict, picked: list[tuple[int, int]]) -> tuple[list[Segment], list[int]]:
-    """The segment list with each picked run (i, j) as one segment, and the indices of those."""
-    out, chosen, ends, i = [], [], dict(picked), 0
+def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:
+    """The segment list with each picked run i..j as one segment, the indices of the recomputed ones,
+    and the offloaded ones as ``{index: "kept" | "inputs"}`` (``offload.mark_offloaded``)."""
+    out, chosen, offloaded, at, i = [], [], {}, {st.i: st for st in picked}, 0
     while i < len(segs):
-        if i in ends:
-            chosen.append(len(out))
-            out.append(runs[(i, ends[i])])
-            i = ends[i] + 1
-        else:
+        st = at.get(i)
+        if st is None:
             out.append(segs[i])
             i += 1
-    return out, chosen
-
-
-def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) -> None:
-    """Replace each chosen segment's nodes by a ``checkpoint(sub_graph_module, *inputs)`` call."""
-    order = forward_order(gm)
-    for i in sorted(chosen, reverse=True):
-        seg = segs[i]
-        nodes = order[seg.start:seg.end + 1]
-        inside = set(nodes)
-        ext = []
-        for n in nodes:
-            for x in n.all_input_nodes:
-                if x not in inside and x not in ext:
-                    ext.append(x)
-        for x in ext:   # a constant (get_attr) sits by its first use, maybe inside the segment: move it up
-            if x.op == "get_attr":
-                nodes[0].prepend(x)
-        outs = [n for n in nodes if any(u not in inside for u in n.users)]
-        sub = fx.Graph()
-        env = {x: sub.placeholder(x.name) for x in ext}
-        for n in nodes:
-            env[n] = sub.node_copy(n, lambda x: env[x])
-        sub.output(tuple(env[o] for o in outs))
-        name = f"opsmath_recompute_{i}"
-        gm.add_submodule(name, fx.GraphModule(gm, sub, class_name=name))
-        with gm.graph.inserting_before(nodes[0]):
-            fn = gm.graph.get_attr(name)
-            call = gm.graph.call_function(checkpoint, (fn, *ext), {"use_reentrant": False,
-                                                                  "preserve_rng_state": True})
-            for j, o in enumerate(outs):
-                got = gm.graph.call_function(operator.getitem, (call, j))
-                got.meta = dict(o.meta)
-                o.replace_all_uses_with(got, delete_user_cb=lambda u: u not in inside)
-        for n in reversed(nodes):
-            gm.graph.erase_node(n)
-    gm.graph.lint()
-    gm.recompile()
-
-
-def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) -> None:
-    """Mark each chosen segment's nodes ``MUST_RECOMPUTE`` with the segment as its ``ac_graph_id``:
-    the tags selective activation checkpointing leaves for AOTAutograd's partitioner, which then
-    saves only the segment's inputs and recomputes the rest inside Inductor's backward graph."""
-    from torch.utils.checkpoint import CheckpointPolicy
-    order = forward_order(gm)
-    for i in chosen:
-        for n in order[segs[i].start:segs[i].end + 1]:
-            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            n.meta["ac_graph_id"] = i + 1
+            continue
+        if st.kind != "offload":
+            chosen.append(len(out))
+        if st.kind != "recompute":
+            offloaded[len(out)] = "kept" if st.kind == "offload" else "inputs"
+        out.append(runs[(st.i, st.j)])
+        i = st.j + 1
+    return out, chosen, offloaded
 
 
 def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
-                  how: str = "checkpoint", earlier: tuple = ()) -> Plan:
+                  how: str = "checkpoint", earlier: tuple = (), link: float | None = None) -> Plan:
     """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes
     (``analysis.saved_bytes_by_node``) and rewrite it in place: ``how="checkpoint"`` emits
     ``checkpoint`` calls (eager execution), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
     of graphs captured before this one. A fraction is a share of the whole step's activations: a graph
     that cannot keep its own share (a small loss graph after the model's) may use what the earlier
-    graphs left under theirs, and its plan's ``note`` says so."""
+    graphs left under theirs, and its plan's ``note`` says so. ``link``: host-link bytes/s when saved
+    tensors may go to the host (``offload.py``; only with ``how="tag"``)."""
     import time
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
@@ -308,18 +306,23 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     user = user_segments(gm, saved_by)
     if user is not None:
         options.insert(0, ("user", user))
-    best, error = _best_option(gm, options, resident, kind, value)
+    if how != "tag":
+        link = None
+    best, error = _best_option(gm, options, resident, kind, value, link)
     note = ""
     if best is None and kind == "fraction":
-        best, note = _within_the_step(gm, options, resident, value, [p for p in earlier if p is not None], error)
+        best, note = _within_the_step(gm, options, resident, value, [p for p in earlier if p is not None], error,
+                                      link)
     if best is None:
         raise error
     label, fine, (picked, kept, trans, cost), runs = best
-    segs, chosen = merged(fine, runs, picked)
+    segs, chosen, offloaded = merged(fine, runs, picked)
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
-                chosen, cost, segmentation=label, user_regions=len(user_regions(forward_order(gm))), note=note)
+                chosen, cost, segmentation=label, user_regions=len(user_regions(forward_order(gm))), note=note,
+                offloaded=offloaded, link=link)
     if chosen:
         (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen)
+    offload.mark_offloaded(forward_order(gm), segs, offloaded)
     plan.planning_seconds = time.perf_counter() - t0
     return plan
 
@@ -329,7 +332,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
 STEP_SLACK = 0.01
 
 
-def _within_the_step(gm, options, resident: int, value: float, earlier: list, error):
+def _within_the_step(gm, options, resident: int, value: float, earlier: list, error, link=None):
     """(best option, note) for a graph that cannot keep ``value`` of its own activations: first with what
     the earlier graphs left under their share, else at its own floor when the step as a whole then keeps
     at most ``value + STEP_SLACK`` of its activations; (None, "") otherwise."""
@@ -338,7 +341,7 @@ def _within_the_step(gm, options, resident: int, value: float, earlier: list, er
         return None, ""
     spare = sum(max(0.0, value * p.unconstrained - p.kept - p.transient) for p in earlier)
     if spare > 0:
-        best, _ = _best_option(gm, options, resident, "fraction", value + spare / total)
+        best, _ = _best_option(gm, options, resident, "fraction", value + spare / total, link)
         if best is not None:
             return best, (f"this graph alone cannot keep {value:g} of its activations ({error}); it uses "
                           f"{_size(spare)} the earlier graphs left under their share")
@@ -347,19 +350,19 @@ def _within_the_step(gm, options, resident: int, value: float, earlier: list, er
     step = (sum(p.kept + p.transient for p in earlier) + floor) / (prior + total)
     if step > value + STEP_SLACK:
         return None, ""
-    best, _ = _best_option(gm, options, resident, "fraction", min(1.0, floor / total + 1.0 / 4096))
+    best, _ = _best_option(gm, options, resident, "fraction", min(1.0, floor / total + 1.0 / 4096), link)
     return best, (f"this graph's floor is {floor / total:.3f} of its {_size(total)} of activations, above {value:g}: "
                   f"planned at its floor, the step keeps {step:.3f} of its activations")
 
 
-def _best_option(gm, options, resident: int, kind: str, value: float):
+def _best_option(gm, options, resident: int, kind: str, value: float, link=None):
     """The cheapest feasible (label, segments, choice, runs) over the segmentations, and the error with
     the lowest floor when none is feasible."""
     best, errors = None, []
     for label, sg in options:
         runs = runs_of(gm, sg)
         try:
-            got = choose(sg, runs, resident, kind, value)
+            got = choose(sg, runs, resident, kind, value, link=link)
         except InfeasibleBudget as e:
             errors.append(e)
             continue

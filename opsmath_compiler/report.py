@@ -282,8 +282,13 @@ class Report(Rendered):
                  f"peak {_mib(p.predicted_peak)} = resident "
                  f"{_mib(p.resident)} + kept {_mib(p.kept)} + recompute {_mib(p.transient)}\n", style="bold")
         t.append(f"activations {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
-                 f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms); planned in "
+                 f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms"
+                 f"{' with the host copies' if p.offloaded else ''}); planned in "
                  f"{p.planning_seconds:.2f}s", style="magenta")
+        if p.offloaded:
+            t.append(f"\n{len(p.offloaded)} segments keep their tensors in host memory ({_mib(p.offloaded_bytes)} "
+                     f"each way over the host link, {p.link / 1e9:.0f} GB/s measured; in the modelled cost)",
+                     style="magenta")
         if p.user_regions:
             t.append(f"\nsegments: the user's {p.user_regions} checkpoint regions as candidates, "
                      + ("kept: the plan recomputes the chosen ones" if p.segmentation == "user" else
@@ -296,12 +301,15 @@ class Report(Rendered):
             t.append(f"\nre-planned at the second call: {p.replanned}", style="yellow")
         if p.note:
             t.append(f"\n{p.note}", style="yellow")
-        for i in p.chosen[:6]:
-            s = p.segments[i]
-            t.append(f"\n  segment {i}: nodes {s.start}-{s.end}, saves {_mib(s.saved)}, keeps "
-                     f"{_mib(s.inputs)}, recompute {s.cost * 1e3:.3f} ms")
-        if len(p.chosen) > 6:
-            t.append(f"\n  ... {len(p.chosen) - 6} more")
+        listed = sorted({*p.chosen, *p.offloaded})
+        for i in listed[:6]:
+            s, where = p.segments[i], p.offloaded.get(i)
+            what = (f"keeps {_mib(s.inputs)}" if where is None else "in host memory" if where == "kept"
+                    else f"its inputs ({_mib(s.inputs)}) in host memory")
+            t.append(f"\n  segment {i}: nodes {s.start}-{s.end}, saves {_mib(s.saved)}, {what}"
+                     + (f", recompute {s.cost * 1e3:.3f} ms" if i in p.chosen else ""))
+        if len(listed) > 6:
+            t.append(f"\n  ... {len(listed) - 6} more")
         return t
 
     @staticmethod

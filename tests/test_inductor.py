@@ -100,12 +100,12 @@ def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
     probe(*batch).backward()
     p = opsmath.report(probe).graphs[0].plan
     torch._dynamo.reset()
-    real, calls = backend._resident_bytes, []
+    real, calls = backend.resident_bytes, []
 
     def resident(args, m):
         calls.append(1)
         return real(args, m) + (int(0.15 * p.unconstrained) if len(calls) > 1 else 0)
-    monkeypatch.setattr(backend, "_resident_bytes", resident)
+    monkeypatch.setattr(backend, "resident_bytes", resident)
     model = opsmath.optimize(model, memory_budget=int(p.resident + 0.9 * p.unconstrained), inductor=True)
     model(*batch).backward()
     model.zero_grad()

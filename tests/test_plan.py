@@ -126,12 +126,12 @@ def _probe_then_fresh(dropout=0.1):
 def _grown_resident(monkeypatch, extra):
     """Resident bytes as measured at the graph's first call, then ``extra`` more (optimizer state)."""
     from opsmath import backend
-    real, calls = backend._resident_bytes, []
+    real, calls = backend.resident_bytes, []
 
     def resident(args, model):
         calls.append(1)
         return real(args, model) + (extra if len(calls) > 1 else 0)
-    monkeypatch.setattr(backend, "_resident_bytes", resident)
+    monkeypatch.setattr(backend, "resident_bytes", resident)
 
 
 def test_second_call_replans_when_the_resident_memory_grew(monkeypatch):
@@ -256,11 +256,11 @@ def test_late_optimizer_state_is_replanned_under_gradient_accumulation(monkeypat
     from opsmath import backend
     p, model, batch = _probe_then_fresh(dropout=0.0)
     budget = int(p.resident + 0.85 * p.unconstrained)
-    real, stepped = backend._resident_bytes, [False]
+    real, stepped = backend.resident_bytes, [False]
 
     def resident(args, m):   # the optimizer's first step (after 3 micro-batches) adds its state
         return real(args, m) + (int(0.1 * p.unconstrained) if stepped[0] else 0)
-    monkeypatch.setattr(backend, "_resident_bytes", resident)
+    monkeypatch.setattr(backend, "resident_bytes", resident)
     opt = opsmath.optimize(model, memory_budget=budget)
     plans = []
     for i in range(5):
@@ -321,12 +321,13 @@ def test_solver_merges_runs_when_single_segments_cannot_reach_the_budget():
     runs = {(i, j): Segment(segs[i].start, segs[j].end, 100 * (j - i + 1), 80, float(j - i + 1))
             for i in range(4) for j in range(i, 4)}
     picked, kept, trans, cost = choose(segs, runs, 0, "fraction", 0.95)
-    assert picked == [(0, 1), (2, 3)] and (kept, trans, cost) == (160, 200, 4.0)
+    assert [(st.i, st.j, st.kind) for st in picked] == [(0, 1, "recompute"), (2, 3, "recompute")]
+    assert (kept, trans, cost) == (160, 200, 4.0)
     singles = {k: v for k, v in runs.items() if k[0] == k[1]}
     with pytest.raises(InfeasibleBudget, match="fraction 1.000"):   # (recomputing nothing: 400)
         choose(segs, singles, 0, "fraction", 0.95)
-    out, chosen = merged(segs, runs, picked)
-    assert [(s.start, s.end) for s in out] == [(0, 5), (6, 11)] and chosen == [0, 1]
+    out, chosen, offloaded = merged(segs, runs, picked)
+    assert [(s.start, s.end) for s in out] == [(0, 5), (6, 11)] and chosen == [0, 1] and offloaded == {}
 
 
 def test_budget_is_one_target_in_two_units():

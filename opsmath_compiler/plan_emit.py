@@ -1,0 +1,59 @@
+"""Emission of a recompute plan (``opsmath.plan``) into the graph: ``checkpoint`` calls for eager
+execution, recompute tags (and offload marks, ``offload.py``) for Inductor's partitioner."""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
+
+from .segments import Segment, forward_order
+
+
+def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) -> None:
+    """Replace each chosen segment's nodes by a ``checkpoint(sub_graph_module, *inputs)`` call."""
+    order = forward_order(gm)
+    for i in sorted(chosen, reverse=True):
+        seg = segs[i]
+        nodes = order[seg.start:seg.end + 1]
+        inside = set(nodes)
+        ext = []
+        for n in nodes:
+            for x in n.all_input_nodes:
+                if x not in inside and x not in ext:
+                    ext.append(x)
+        for x in ext:   # a constant (get_attr) sits by its first use, maybe inside the segment: move it up
+            if x.op == "get_attr":
+                nodes[0].prepend(x)
+        outs = [n for n in nodes if any(u not in inside for u in n.users)]
+        sub = fx.Graph()
+        env = {x: sub.placeholder(x.name) for x in ext}
+        for n in nodes:
+            env[n] = sub.node_copy(n, lambda x: env[x])
+        sub.output(tuple(env[o] for o in outs))
+        name = f"opsmath_recompute_{i}"
+        gm.add_submodule(name, fx.GraphModule(gm, sub, class_name=name))
+        with gm.graph.inserting_before(nodes[0]):
+            fn = gm.graph.get_attr(name)
+            call = gm.graph.call_function(checkpoint, (fn, *ext), {"use_reentrant": False,
+                                                                  "preserve_rng_state": True})
+            for j, o in enumerate(outs):
+                got = gm.graph.call_function(operator.getitem, (call, j))
+                got.meta = dict(o.meta)
+                o.replace_all_uses_with(got, delete_user_cb=lambda u: u not in inside)
+        for n in reversed(nodes):
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) -> None:
+    """Mark each chosen segment's nodes ``MUST_RECOMPUTE`` with the segment as its ``ac_graph_id``:
+    the tags selective activation checkpointing leaves for AOTAutograd's partitioner, which then
+    saves only the segment's inputs and recomputes the rest inside Inductor's backward graph."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    order = forward_order(gm)
+    for i in chosen:
+        for n in order[segs[i].start:segs[i].end + 1]:
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta["ac_graph_id"] = i + 1
