@@ -162,14 +162,17 @@ def longest_in_8gib(args, cfg, device, amp):
     """Longest T (B=1) whose step's measured peak stays within 8 GiB, per variant. Every variant shares
     one bool causal mask (``build(shared_mask=True)``): nanoGPT's per-layer fp32 masks alone exceed 8 GiB
     past T 12k. Anchors go up from the shortest length until one fails; opsmath goes down from the longest
-    until one fits (each of its tries captures and compiles, ~1 min)."""
+    until one fits (each of its tries captures and compiles, ~1 min). The shared mask is itself T^2 bytes
+    (4 GiB at T 65536), resident through the step; the SDPA-written model has none, and opsmath rewrites
+    it too ("opsmath 8GiB SDPA-model")."""
     longest, tried = {}, []   # every length tried, with its peak or why it failed
     lengths = [int(x) for x in args.lengths.split(",") if x] or (
         [128, 256] if args.smoke else [2048, 4096, 8192, 16384, 24576, 32768])
     for name, variant, budget, inductor in (
             ("eager", "eager", None, None), ("eager + SDPA", "sdpa", None, None),
             ("per-block checkpoint", "per_block_checkpoint", None, None),
-            ("opsmath 8GiB", "eager", "8GiB", None),
+            ("opsmath 8GiB", "eager", "8GiB", None), ("opsmath 8GiB SDPA-model", "sdpa", "8GiB", None),
+            ("opsmath 8GiB SDPA-model no-offload", "sdpa", "8GiB", None),
             ("opsmath 8GiB op-by-op", "eager", "8GiB", False)):
         if (args.quick and name == "opsmath 8GiB op-by-op") or (args.variants and name not in args.variants):
             continue
@@ -182,10 +185,17 @@ def longest_in_8gib(args, cfg, device, amp):
                 m = build(c, device, variant, shared_mask=True)
                 return opsmath.optimize(m, memory_budget=budget, inductor=inductor) if budget else m
             t0 = time.perf_counter()
-            peak, ms, model, err = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1,
-                                           warmup=3 if budget else 1)
+            link_for = opsmath.offload.link_for
+            if name.endswith("no-offload"):   # the plan without its third choice
+                opsmath.offload.link_for = lambda inputs, how: None
+            try:
+                peak, ms, model, err = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1,
+                                               warmup=3 if budget else 1)
+            finally:
+                opsmath.offload.link_for = link_for
             fits = err is None and (peak is None or peak <= 8 * 2**30)
             tried.append(dict(variant=name, length=L, peak=peak, ms=ms, predicted=predicted(model) if budget else None,
+                              plans=plans(model) if budget else [],
                               wall_s=time.perf_counter() - t0,
                               error=None if err is None else f"{type(err).__name__}: {str(err)[:200]}"))
             model = None   # not alive while the next length is measured

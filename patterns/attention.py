@@ -22,7 +22,7 @@ from opsmath.kernels.attention import SOFTCAP_INDUCTOR_HEAD_DIM
 from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
 
-from ._attention_backend import MATCH, choose_backends
+from ._attention_backend import LAYOUT, MATCH, choose_backends, dim_order
 from ._attention_chain import analyze_chain
 from ._attention_flat import flat_bias_rows
 from ._attention_plan import Plan, bias_shape, finish_plan, line_up
@@ -96,6 +96,8 @@ class AttentionRule(Rule):
                            (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed,
                             plan.softcap, plan.window), sm)
             res.meta[MATCH] = len(ctx.matches)   # the match recorded below; its backend is chosen after matching
+            if nd == 4 and not plan.flat_out and isinstance(pv.meta.get("val"), torch.Tensor):
+                res.meta[LAYOUT] = dim_order(pv.meta["val"])   # kept by the backend pass (_keep_layout)
             out = ctx.call(operator.getitem, (res, 0), sm)
             if nd == 3:
                 out = ctx.call(aten.squeeze.dim, (out, 1), sm)

@@ -369,3 +369,25 @@ def test_torch_nn_containers_are_captured_and_their_attention_rewritten(make):
     for (name, p), pe in zip(opt.named_parameters(), eager.parameters()):
         assert rel_err(p.grad, pe.grad) < 1e-4, name
 
+
+
+def test_sdpa_output_layout_is_kept_for_a_view_after_it():
+    """nanoGPT's SDPA path: ``y.transpose(1, 2).contiguous().view(B, T, C)``. SDPA returns [B, H, T, D]
+    laid out as [B, T, H, D], so the capture drops the no-op ``contiguous`` and the ``view`` needs that
+    layout; the kernel's contiguous [B, H, T, D] output is copied into it (one permuted clone), not
+    handed to the ``view`` (which raised). Exact vs eager; no copy where the layouts already agree
+    (the written-out spellings, whose ``matmul`` output is contiguous)."""
+    class ViewAfterSDPA(AttnModel):
+        def forward(self, x, pad):
+            B = x.shape[0]
+            q, k, v = self.qkv(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    torch.manual_seed(0)
+    rep = _compare(ViewAfterSDPA(None), *_inputs())
+    assert rep.count("attention") == 1 and "aten.clone" in rep.graphs[0].after_code.replace(".default", "")
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(mul_scale), *_inputs())
+    assert rep.count("attention") == 1 and "clone" not in rep.graphs[0].after_code
