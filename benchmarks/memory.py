@@ -131,7 +131,8 @@ def main():
 
 def sweep(args, cfg, device, batch, row):
     """Budgets from unconstrained down to infeasible on each opsmath path, then the anchors."""
-    row("eager", lambda: build(cfg, device, "eager"))
+    if not args.no_anchors:
+        row("eager", lambda: build(cfg, device, "eager"))
     for path in [p for p in args.paths.split(",") if p]:
         inductor = path == "inductor"
         tag = "opsmath" + (" + Inductor" if inductor else " op-by-op")

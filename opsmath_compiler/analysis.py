@@ -50,7 +50,14 @@ def _hooks_applied():
             set_tracing(prior)
 
 
-def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> dict[str, int] | None:
+class SavedBytes(dict):
+    """``{node name: bytes it saves for backward}``, and in ``pairs`` each saved storage as ``(saver,
+    producer, bytes)``: the node that saves it and the node whose output first held it (a view's bytes
+    go to the node that made its storage)."""
+    pairs: list
+
+
+def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> SavedBytes | None:
     """Bytes each node saves for backward when ``gm`` runs on its placeholders' fake values (input i
     requiring grad as ``requires_grad[i]`` says). A storage belongs to the first node that saves it
     (views count once); graph inputs are excluded. None when the graph cannot run on fake tensors."""
@@ -59,16 +66,21 @@ def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> dict[s
     if not fakes:
         return None
     owner: dict[int, tuple[str, int]] = {}
+    maker: dict[int, str] = {}   # storage -> the node whose output first held it
+
+    def key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
 
     class Attributing(fx.Interpreter):
         current = ""
 
         def run_node(self, n):
             Attributing.current = n.name
-            return super().run_node(n)
-
-    def key(t: torch.Tensor) -> int:
-        return t.untyped_storage()._cdata
+            out = super().run_node(n)
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    maker.setdefault(key(t), n.name)
+            return out
 
     def pack(t):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -85,10 +97,12 @@ def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> dict[s
     except Exception as e:  # an estimate for the report and the planner, never fatal
         log.debug("opsmath: saved-bytes analysis failed: %s", e)
         return None
-    out: dict[str, int] = {}
+    out = SavedBytes()
+    out.pairs = []
     for k, (name, nbytes) in owner.items():
         if k not in input_keys:
             out[name] = out.get(name, 0) + nbytes
+            out.pairs.append((name, maker.get(k, name), nbytes))
     return out
 
 

@@ -11,7 +11,9 @@
 3. **Choice**: exact 0/1 knapsack (vectorized DP over savings in 1/4096 steps of the total, savings
    rounded down so the budget holds) for every candidate "largest recomputed segment", minimizing cost,
    then predicted peak, so a smaller budget never gives a larger predicted peak; solved for each
-   segmentation, the cheaper kept (ties: the user's). On CUDA under Inductor a segment may instead
+   segmentation, the cheaper kept (ties: the user's). A run may also be recomputed selectively: its
+   GEMMs and fused GEMM ops kept, only its cheap ops (norms, activations, dropout, casts) recomputed,
+   freeing what those produced (``segments.selective``). On CUDA under Inductor a segment may instead
    send what it keeps to host memory (``offload.py``: kept, or recomputed with its inputs on the host),
    at the modelled cost of the copies over this machine's measured host link.
 4. **Emission** (``plan_emit``): each chosen segment becomes a sub-GraphModule called through
@@ -34,7 +36,7 @@ import torch.fx as fx
 from . import offload
 from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
-from .segments import Segment, forward_order, runs_of, segments_of, user_regions, user_segments
+from .segments import Segment, forward_order, runs_of, segments_of, selective, user_regions, user_segments
 
 # ---------------------------------------------------------------------------------------------------
 # Segments and the plan
@@ -59,6 +61,7 @@ class Plan:
     user_regions: int = 0       # the user's checkpoint regions handed to the plan
     note: str = ""              # how a fractional budget was met across graphs, if this graph needed it
     offloaded: dict = field(default_factory=dict)   # segment index -> "kept" | "inputs" (offload.py)
+    selective: list[int] = field(default_factory=list)   # segments whose cheap ops only are recomputed
     link: float | None = None   # host-link bytes/s the plan could offload over (None: no offload)
 
     def budget_both_units(self) -> tuple[int, float]:
@@ -82,16 +85,17 @@ class Plan:
         its inputs). Backward, last segment first: a recomputed segment's activations are live again
         while its gradients are computed (``"recompute"`` point), then its kept bytes are freed. The
         maximum is at most ``predicted_peak``, which bounds it by the largest recomputation."""
-        chosen = set(self.chosen)
-        kept = [0 if i in self.offloaded else s.inputs if i in chosen else s.saved
+        chosen, sel = set(self.chosen), set(self.selective)
+        kept = [0 if i in self.offloaded else s.inputs if i in chosen or i in sel else s.saved
                 for i, s in enumerate(self.segments)]
         points, live = [], self.resident
         for i, k in enumerate(kept):
             live += k
             points.append(("forward", i, live))
         for i in range(len(kept) - 1, -1, -1):
-            if i in chosen or i in self.offloaded:   # recomputed, or back from the host, for its backward
-                points.append(("recompute" if i in chosen else "reload", i, live + self.segments[i].saved))
+            if i in chosen or i in sel or i in self.offloaded:   # recomputed, or back from the host
+                back = self.segments[i].saved - (self.segments[i].inputs if i in sel else 0)
+                points.append(("reload" if i in self.offloaded else "recompute", i, live + back))
             live -= kept[i]
             points.append(("backward", i, live))
         return points
@@ -134,7 +138,7 @@ class Plan:
                     recompute_seconds=self.recompute_seconds, planning_seconds=self.planning_seconds,
                     measured_peak=self.measured_peak, replanned=self.replanned,
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
-                    offloaded={str(i): k for i, k in self.offloaded.items()},
+                    offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
                     offloaded_bytes=self.offloaded_bytes, link=self.link,
                     timeline=[list(t) for t in self.timeline()])
 
@@ -155,9 +159,9 @@ def _rank(choice) -> tuple:
 
 @dataclass(frozen=True)
 class Step:
-    """One choice of the DP for segments i..j: ``"recompute"`` (keeps only its inputs), ``"offload"``
-    (a single segment, kept, its saved tensors on the host) or ``"recompute+offload"`` (recomputed, its
-    inputs on the host). ``size``: its activations live again while its backward runs (the transient)."""
+    """One choice of the DP for segments i..j: ``"recompute"`` (keeps only its inputs), ``"selective"``
+    (its GEMMs kept and its cheap ops recomputed), ``"offload"`` (a single segment,
+    kept, its saved tensors on the host) or ``"recompute+offload"`` (recomputed, its inputs on the host). ``size``: its activations live again while its backward runs (the transient)."""
     i: int
     j: int
     kind: str
@@ -166,10 +170,13 @@ class Step:
     size: int
 
 
-def _steps(segs: list[Segment], runs: dict, link: float | None) -> dict[int, list[Step]]:
+def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None = None) -> dict[int, list[Step]]:
     """Every step that saves something, by first segment. Offload steps only with a host ``link``
-    (bytes/s); their cost is the copy out and back, ``2 b / link`` (``offload.py``)."""
+    (bytes/s); their cost is the copy out and back, ``2 b / link`` (``offload.py``). ``sel``: run
+    (i, j) -> its selective candidate (``segments.selective``)."""
     out: dict = {}
+    for (i, j), c in (sel or {}).items():
+        out.setdefault(i, []).append(Step(i, j, "selective", c.saving, c.cost, c.saved))
     for (i, j), r in runs.items():
         if r.saving > 0:
             out.setdefault(i, []).append(Step(i, j, "recompute", r.saving, r.cost, r.saved))
@@ -230,16 +237,17 @@ def _solve(n: int, steps: dict, T: int, need: float, unit: float) -> list[Step] 
 
 
 def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, budget: float,
-           units: int = 4096, max_transients: int = 24, link: float | None = None
+           units: int = 4096, max_transients: int = 24, link: float | None = None, sel: dict | None = None
            ) -> tuple[list[Step], int, int, float]:
     """(chosen steps, kept bytes, transient bytes, cost) minimizing modelled cost, then predicted peak,
     subject to the budget. ``runs`` maps (i, j) to segments i..j recomputed as one unit
-    (``segments.runs_of``); ``link``: host-link bytes/s when offload is a choice (``offload.py``). For each
+    (``segments.runs_of``); ``link``: host-link bytes/s when offload is a choice (``offload.py``); ``sel``:
+    the selective candidates by segment (``segments.selective``). For each
     candidate largest transient T (every distinct step size, thinned to ``max_transients`` spread over
     the range) the exact DP of ``_solve``. Raises InfeasibleBudget naming the smallest feasible budget."""
     total = sum(s.saved for s in segs)
     limit = budget * total if budget_kind == "fraction" else budget - resident  # on kept + transient
-    steps = _steps(segs, runs, link)
+    steps = _steps(segs, runs, link, sel)
     sizes = sorted({st.size for sts in steps.values() for st in sts})
     spread = sizes if len(sizes) <= max_transients else \
         [sizes[round(k * (len(sizes) - 1) / (max_transients - 1))] for k in range(max_transients)]
@@ -271,13 +279,19 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
 
 def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:
     """The segment list with each picked run i..j as one segment, the indices of the recomputed ones,
-    and the offloaded ones as ``{index: "kept" | "inputs"}`` (``offload.mark_offloaded``)."""
+    and the offloaded and selective ones as ``{index: "kept" | "inputs" | "selective"}``."""
     out, chosen, offloaded, at, i = [], [], {}, {st.i: st for st in picked}, 0
     while i < len(segs):
         st = at.get(i)
         if st is None:
             out.append(segs[i])
             i += 1
+            continue
+        if st.kind == "selective":   # kept on the device: what its cheap ops did not free
+            offloaded[len(out)] = "selective"
+            run = runs[(st.i, st.j)]
+            out.append(Segment(run.start, run.end, run.saved, run.saved - st.saving, st.cost))
+            i = st.j + 1
             continue
         if st.kind != "offload":
             chosen.append(len(out))
@@ -308,31 +322,38 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         options.insert(0, ("user", user))
     if how != "tag":
         link = None
-    best, error = _best_option(gm, options, resident, kind, value, link)
+    pairs = getattr(saved_by, "pairs", None)   # (saver, producer, bytes): the selective candidates need it
+    best, error = _best_option(gm, options, resident, kind, value, link, pairs)
     note = ""
     if best is None and kind == "fraction":
         best, note = _within_the_step(gm, options, resident, value, [p for p in earlier if p is not None], error,
-                                      link)
+                                      link, pairs)
     if best is None:
         raise error
     label, fine, (picked, kept, trans, cost), runs = best
-    segs, chosen, offloaded = merged(fine, runs, picked)
+    segs, chosen, kinds = merged(fine, runs, picked)
+    selective = sorted(i for i, k in kinds.items() if k == "selective")
+    offloaded = {i: k for i, k in kinds.items() if k != "selective"}
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
                 chosen, cost, segmentation=label, user_regions=len(user_regions(forward_order(gm))), note=note,
-                offloaded=offloaded, link=link)
-    if chosen:
-        (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen)
+                offloaded=offloaded, link=link, selective=selective)
+    if chosen or selective:
+        (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen, selective)
     offload.mark_offloaded(forward_order(gm), segs, offloaded)
     plan.planning_seconds = time.perf_counter() - t0
     return plan
 
+
+# selective candidates span runs of up to this many segments (a norm's output is often saved by the GEMM
+# of the next segment: the run must hold both for the norm's recompute to free it)
+SELECTIVE_RUNS = 4
 
 # a fractional budget may end up this far above its target (as a share of the step's activations) when a
 # graph's own floor is above its share: a small loss graph after the model's, which keeps all it saves
 STEP_SLACK = 0.01
 
 
-def _within_the_step(gm, options, resident: int, value: float, earlier: list, error, link=None):
+def _within_the_step(gm, options, resident: int, value: float, earlier: list, error, link=None, pairs=None):
     """(best option, note) for a graph that cannot keep ``value`` of its own activations: first with what
     the earlier graphs left under their share, else at its own floor when the step as a whole then keeps
     at most ``value + STEP_SLACK`` of its activations; (None, "") otherwise."""
@@ -341,7 +362,7 @@ def _within_the_step(gm, options, resident: int, value: float, earlier: list, er
         return None, ""
     spare = sum(max(0.0, value * p.unconstrained - p.kept - p.transient) for p in earlier)
     if spare > 0:
-        best, _ = _best_option(gm, options, resident, "fraction", value + spare / total, link)
+        best, _ = _best_option(gm, options, resident, "fraction", value + spare / total, link, pairs)
         if best is not None:
             return best, (f"this graph alone cannot keep {value:g} of its activations ({error}); it uses "
                           f"{_size(spare)} the earlier graphs left under their share")
@@ -350,19 +371,23 @@ def _within_the_step(gm, options, resident: int, value: float, earlier: list, er
     step = (sum(p.kept + p.transient for p in earlier) + floor) / (prior + total)
     if step > value + STEP_SLACK:
         return None, ""
-    best, _ = _best_option(gm, options, resident, "fraction", min(1.0, floor / total + 1.0 / 4096), link)
+    best, _ = _best_option(gm, options, resident, "fraction", min(1.0, floor / total + 1.0 / 4096), link,
+                           pairs)
     return best, (f"this graph's floor is {floor / total:.3f} of its {_size(total)} of activations, above {value:g}: "
                   f"planned at its floor, the step keeps {step:.3f} of its activations")
 
 
-def _best_option(gm, options, resident: int, kind: str, value: float, link=None):
+def _best_option(gm, options, resident: int, kind: str, value: float, link=None, pairs=None):
     """The cheapest feasible (label, segments, choice, runs) over the segmentations, and the error with
     the lowest floor when none is feasible."""
     best, errors = None, []
     for label, sg in options:
         runs = runs_of(gm, sg)
+        order = forward_order(gm)
+        sel = {ij: c for ij, run in runs.items() if pairs is not None and ij[1] - ij[0] < SELECTIVE_RUNS
+               and (c := selective(order, run, pairs)) is not None}
         try:
-            got = choose(sg, runs, resident, kind, value, link=link)
+            got = choose(sg, runs, resident, kind, value, link=link, sel=sel)
         except InfeasibleBudget as e:
             errors.append(e)
             continue

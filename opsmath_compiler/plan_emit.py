@@ -5,15 +5,30 @@ from __future__ import annotations
 import operator
 
 import torch.fx as fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .segments import Segment, forward_order
+from .segments import Segment, forward_order, is_compute
 
 
-def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) -> None:
-    """Replace each chosen segment's nodes by a ``checkpoint(sub_graph_module, *inputs)`` call."""
+def _keep_compute(ctx, op, *args, **kwargs):
+    """Selective checkpoint policy: GEMMs and fused GEMM ops saved, everything else recomputed."""
+    return CheckpointPolicy.MUST_SAVE if is_compute(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_keep_compute)
+
+
+def selective_checkpoint(fn, *args, **kwargs):
+    """``checkpoint(fn, *args)`` that recomputes only the cheap ops (``_keep_compute``)."""
+    return checkpoint(fn, *args, context_fn=_selective_context, **kwargs)
+
+
+def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], selective=()) -> None:
+    """Replace each chosen segment's nodes by a ``checkpoint(sub_graph_module, *inputs)`` call; a
+    selective one's call recomputes only its cheap ops (``selective_checkpoint``)."""
     order = forward_order(gm)
-    for i in sorted(chosen, reverse=True):
+    for i in sorted([*chosen, *selective], reverse=True):
         seg = segs[i]
         nodes = order[seg.start:seg.end + 1]
         inside = set(nodes)
@@ -35,8 +50,8 @@ def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int])
         gm.add_submodule(name, fx.GraphModule(gm, sub, class_name=name))
         with gm.graph.inserting_before(nodes[0]):
             fn = gm.graph.get_attr(name)
-            call = gm.graph.call_function(checkpoint, (fn, *ext), {"use_reentrant": False,
-                                                                  "preserve_rng_state": True})
+            call = gm.graph.call_function(selective_checkpoint if i in selective else checkpoint, (fn, *ext),
+                                          {"use_reentrant": False, "preserve_rng_state": True})
             for j, o in enumerate(outs):
                 got = gm.graph.call_function(operator.getitem, (call, j))
                 got.meta = dict(o.meta)
@@ -47,13 +62,14 @@ def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int])
     gm.recompile()
 
 
-def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int]) -> None:
+def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], selective=()) -> None:
     """Mark each chosen segment's nodes ``MUST_RECOMPUTE`` with the segment as its ``ac_graph_id``:
     the tags selective activation checkpointing leaves for AOTAutograd's partitioner, which then
-    saves only the segment's inputs and recomputes the rest inside Inductor's backward graph."""
-    from torch.utils.checkpoint import CheckpointPolicy
+    saves only the segment's inputs and recomputes the rest inside Inductor's backward graph. In a
+    ``selective`` segment the GEMMs and fused GEMM ops are ``MUST_SAVE`` instead."""
     order = forward_order(gm)
-    for i in chosen:
+    for i in [*chosen, *selective]:
         for n in order[segs[i].start:segs[i].end + 1]:
-            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            keep = i in selective and is_compute((n.args[0] if n.target is operator.getitem else n).target)
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = i + 1

@@ -2,7 +2,8 @@
 the two ways of cutting the forward order into candidate segments.
 
 * **Cost**: a modelled recompute time per node: matmul/attention FLOPs at 400 TFLOP/s, every other op's
-  bytes at 3 TB/s (about 55% and 75% of the H200 ceilings in docs/design.md), plus 5 us per launch.
+  bytes at 3 TB/s (about 55% and 75% of the H200 ceilings in docs/design.md), plus 5 us per launch;
+  views cost nothing.
 * **opsmath's cut points** (``segments_of``): the places in the forward order where the activations
   crossing the cut are fewest (local minima of the crossing bytes, e.g. the residual stream between
   blocks). Checkpointing a segment keeps only its external activation inputs and recomputes the rest in
@@ -48,14 +49,23 @@ def _input_bytes(ext) -> int:
     return sum(_nbytes(n) for n in {_storage(n): n for n in ext}.values())
 
 
+GEMMS = (aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default, aten.addmm.default,
+         aten.baddbmm.default)
+
+
+def is_compute(target) -> bool:
+    """A GEMM, or a fused op with GEMMs inside (its op spec counts FLOPs): what a selective plan keeps."""
+    spec = spec_of(target)
+    return target in GEMMS or (spec is not None and spec.flops is not None)
+
+
 def node_cost(n: fx.Node) -> float:
     """Modelled seconds to recompute ``n`` (see module docstring)."""
-    if n.op != "call_function" or n.target is operator.getitem:
-        return 0.0
+    if n.op != "call_function" or n.target is operator.getitem or getattr(n.target, "is_view", False):
+        return 0.0   # a view launches nothing and moves nothing
     out = n.meta.get("val")
     t = _LAUNCH_S
-    if n.target in (aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default,
-                    aten.addmm.default) and isinstance(out, torch.Tensor):
+    if n.target in GEMMS[:5] and isinstance(out, torch.Tensor):
         a = n.args[1] if n.target is aten.addmm.default else n.args[0]
         k = a.meta["val"].shape[-1] if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else 1
         return t + 2 * out.numel() * k / _FLOP_RATE
@@ -80,6 +90,38 @@ class Segment:
     def saving(self) -> int:
         return max(0, self.saved - self.inputs)
 
+
+
+def _computes(n: fx.Node) -> bool:
+    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n.op == "call_function" and is_compute(n.target)
+
+
+def selective(order: list[fx.Node], seg: Segment, pairs: list) -> Segment | None:
+    """``seg`` (a segment or a run of them) with its cheap ops recomputed and its GEMMs and fused GEMM
+    ops kept, as a candidate
+    (``plan.Step`` kind ``"selective"``): ``saved`` the bytes its nodes keep for backward that its cheap
+    ops produced (``pairs``: ``analysis.SavedBytes.pairs``; each storage counted in its saver's segment
+    only, as ``Segment.saved`` counts it; live again while its backward runs), ``inputs`` what must be
+    kept in their stead (inputs of its cheap ops nothing keeps yet, and any made by a cheap op of another
+    segment, which may be recomputed there), ``cost`` the cheap ops' time. None when that saves nothing."""
+    nodes = order[seg.start:seg.end + 1]
+    names = {n.name for n in nodes}
+    cheap = {n for n in nodes if not _computes(n)}
+    cheap_names = {n.name for n in cheap}
+    saved = sum(b for saver, maker, b in pairs if saver in names and maker in cheap_names)
+    kept = {maker for _, maker, _ in pairs}
+    extra = {}
+    for c in cheap:
+        for x in c.all_input_nodes:
+            outside_cheap = x not in cheap and x.name not in names and not _computes(x)
+            if x not in cheap and x.op == "call_function" and (outside_cheap or x.name not in kept):
+                extra[_storage(x)] = _nbytes(x)
+    inputs = sum(extra.values())
+    if saved <= inputs:
+        return None
+    return Segment(seg.start, seg.end, saved, inputs, sum(node_cost(n) for n in cheap))
 
 
 def forward_order(gm: fx.GraphModule) -> list[fx.Node]:

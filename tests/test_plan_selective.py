@@ -1,0 +1,102 @@
+"""Selective recompute, the plan's finer choice: a segment keeps its GEMMs and fused GEMM ops and
+recomputes only its cheap ops (norms, activations, dropout, casts, views). The candidate's bytes come
+from the liveness analysis by producer; the plan takes it where it meets the budget more cheaply than
+recomputing whole segments, and training equals eager on both emission paths (selective checkpoint
+contexts op by op, MUST_SAVE / MUST_RECOMPUTE tags under Inductor)."""
+import shutil
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+import opsmath
+from opsmath import examples
+from opsmath.analysis import saved_bytes_by_node
+from opsmath.plan_emit import _keep_compute
+from opsmath.segments import forward_order, runs_of, segments_of, selective
+
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                               reason="Inductor on CPU needs a C++ compiler")
+
+
+def _model():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    return examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.1)
+
+
+def _step(opt, model, batch, seed=1):
+    torch.manual_seed(seed)
+    loss = opt(*batch)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_saved_bytes_by_producer_add_up():
+    """Every saved storage has one saver and one producer: the pairs add up to the per-saver bytes."""
+    model, batch = _model()
+    opt = opsmath.optimize(model, memory_budget=1.0)
+    opt(*batch).backward()
+    gm = opsmath.report(opt).graphs[0].graph
+    by = saved_bytes_by_node(gm, [True] * len(gm.graph.find_nodes(op="placeholder")))
+    assert by is not None and sum(b for _, _, b in by.pairs) == sum(by.values()) > 0
+    assert {saver for saver, _, _ in by.pairs} == set(by)
+
+
+def test_policy_keeps_gemms_and_fused_gemm_ops():
+    assert _keep_compute(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert _keep_compute(None, torch.ops.opsmath.attention.default) == CheckpointPolicy.MUST_SAVE
+    assert _keep_compute(None, torch.ops.aten.gelu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_solver_takes_selective_where_gemms_are_dear():
+    """Two segments saving 100 bytes, each recomputable whole (keeps 10, costs 10 s: its GEMMs) or
+    selectively (frees 60, costs 1 s). A budget that needs 100 bytes freed takes both selective steps
+    (cost 2) over one whole recompute (10)."""
+    from opsmath.plan import choose, merged
+    from opsmath.segments import Segment
+    segs = [Segment(0, 2, 100, 10, 10.0), Segment(3, 5, 100, 10, 10.0)]
+    runs = {(0, 0): segs[0], (1, 1): segs[1], (0, 1): Segment(0, 5, 200, 10, 20.0)}
+    sel = {(i, i): Segment(s.start, s.end, 60, 0, 1.0) for i, s in enumerate(segs)}
+    picked, kept, trans, cost = choose(segs, runs, 0, "bytes", 200 - 100 + 60, sel=sel)
+    assert [st.kind for st in picked] == ["selective", "selective"] and cost == 2.0 and kept == 80
+    out, chosen, kinds = merged(segs, runs, picked)
+    assert chosen == [] and kinds == {0: "selective", 1: "selective"} and out[0].inputs == 40
+
+
+@pytest.mark.parametrize("inductor", [False, pytest.param(True, marks=needs_cxx)])
+def test_selective_plan_is_chosen_and_exact(inductor, monkeypatch):
+    """With GEMMs made dear in the cost model (at these tiny sizes launches dominate it otherwise), the
+    plan at 0.85 recomputes cheap ops only; loss and gradients equal no plan, dropout on."""
+    from opsmath import segments
+    monkeypatch.setattr(segments, "_FLOP_RATE", 1e6)
+    model, batch = _model()
+    ref = opsmath.optimize(model, inductor=inductor)
+    loss0, grads0 = _step(ref, model, batch)
+    model, batch = _model()
+    opt = opsmath.optimize(model, memory_budget=0.85, inductor=inductor)
+    loss1, grads1 = _step(opt, model, batch)
+    plan = opsmath.report(opt).graphs[0].plan
+    assert plan.selective and plan.kept + plan.transient <= 0.85 * plan.unconstrained, plan.to_dict()
+    torch.testing.assert_close(loss0, loss1, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads0, grads1):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    if not inductor:
+        assert "selective_checkpoint" in opsmath.report(opt).graphs[0].after_code
+
+
+def test_selective_candidate_counts_what_must_be_kept_instead():
+    """A candidate saves what its cheap ops produced for backward, less what it must keep in their
+    place; the GEMM outputs it keeps are not counted as freed."""
+    model, batch = _model()
+    opt = opsmath.optimize(model, memory_budget=1.0)
+    opt(*batch).backward()
+    rec = opsmath.report(opt).graphs[0]
+    gm = rec.graph
+    by = saved_bytes_by_node(gm, [True] * len(gm.graph.find_nodes(op="placeholder")))
+    order = forward_order(gm)
+    segs = segments_of(gm, by)
+    runs = runs_of(gm, segs)
+    cands = [c for (i, j), r in runs.items() if j - i < 4 and (c := selective(order, r, by.pairs)) is not None]
+    assert cands and all(0 < c.saving <= c.saved for c in cands)
+    assert max(c.saving for c in cands) < sum(by.values())
