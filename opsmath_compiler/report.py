@@ -285,6 +285,8 @@ class Report(Rendered):
                  f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms"
                  f"{' with the host copies' if p.offloaded else ''}); planned in "
                  f"{p.planning_seconds:.2f}s", style="magenta")
+        if p.selective:
+            t.append(f"\n{len(p.selective)} runs recompute only their cheap ops, keeping their GEMMs", style="magenta")
         if p.offloaded:
             t.append(f"\n{len(p.offloaded)} segments keep their tensors in host memory ({_mib(p.offloaded_bytes)} "
                      f"each way over the host link, {p.link / 1e9:.0f} GB/s measured; in the modelled cost)",
@@ -301,13 +303,14 @@ class Report(Rendered):
             t.append(f"\nre-planned at the second call: {p.replanned}", style="yellow")
         if p.note:
             t.append(f"\n{p.note}", style="yellow")
-        listed = sorted({*p.chosen, *p.offloaded})
+        listed = sorted({*p.chosen, *p.selective, *p.offloaded})
         for i in listed[:6]:
             s, where = p.segments[i], p.offloaded.get(i)
-            what = (f"keeps {_mib(s.inputs)}" if where is None else "in host memory" if where == "kept"
+            what = (f"keeps {_mib(s.inputs)}" + (" (GEMM outputs among them)" if i in p.selective else "")
+                    if where is None else "in host memory" if where == "kept"
                     else f"its inputs ({_mib(s.inputs)}) in host memory")
             t.append(f"\n  segment {i}: nodes {s.start}-{s.end}, saves {_mib(s.saved)}, {what}"
-                     + (f", recompute {s.cost * 1e3:.3f} ms" if i in p.chosen else ""))
+                     + (f", recompute {s.cost * 1e3:.3f} ms" if i in p.chosen or i in p.selective else ""))
         if len(listed) > 6:
             t.append(f"\n  ... {len(listed) - 6} more")
         return t

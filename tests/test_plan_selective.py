@@ -81,6 +81,7 @@ def test_selective_plan_is_chosen_and_exact(inductor, monkeypatch):
     torch.testing.assert_close(loss0, loss1, rtol=1e-6, atol=1e-7)
     for a, b in zip(grads0, grads1):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert "recompute only their cheap ops" in opsmath.report(opt).render(width=200)
     if not inductor:
         assert "selective_checkpoint" in opsmath.report(opt).graphs[0].after_code
 
