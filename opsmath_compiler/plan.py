@@ -19,8 +19,9 @@
 4. **Emission** (``plan_emit``): each chosen segment becomes a sub-GraphModule called through
    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (RNG state preserved, so dropout
    masks, opsmath's seeds included, are the same in the recompute). When the graph goes on to
-   Inductor, the segment's nodes are tagged ``MUST_RECOMPUTE`` instead (``tag_recompute``), and the
-   offloaded ones marked for Inductor's offload (``offload.mark_offloaded``).
+   Inductor, the segment's nodes are tagged ``MUST_RECOMPUTE`` instead (``tag_recompute``; a selective
+   run's GEMMs ``MUST_SAVE``), and the offloaded ones marked for Inductor's offload
+   (``offload.mark_offloaded``).
 
 Predicted peak = resident (parameters, their gradients, optimizer state, inputs) + activations kept
 + the largest recomputed segment's activations (live while its backward runs).
@@ -160,8 +161,9 @@ def _rank(choice) -> tuple:
 @dataclass(frozen=True)
 class Step:
     """One choice of the DP for segments i..j: ``"recompute"`` (keeps only its inputs), ``"selective"``
-    (its GEMMs kept and its cheap ops recomputed), ``"offload"`` (a single segment,
-    kept, its saved tensors on the host) or ``"recompute+offload"`` (recomputed, its inputs on the host). ``size``: its activations live again while its backward runs (the transient)."""
+    (its GEMMs kept and its cheap ops recomputed), ``"offload"`` (a single segment, kept, its saved
+    tensors on the host) or ``"recompute+offload"`` (recomputed, its inputs on the host). ``size``: its
+    activations live again while its backward runs (the transient)."""
     i: int
     j: int
     kind: str
@@ -279,8 +281,9 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
 
 def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:
     """The segment list with each picked run i..j as one segment, the indices of the recomputed ones,
-    and the offloaded and selective ones as ``{index: "kept" | "inputs" | "selective"}``."""
-    out, chosen, offloaded, at, i = [], [], {}, {st.i: st for st in picked}, 0
+    and the other choices as ``{index: "selective" | "kept" | "inputs"}`` (the last two offloaded: the
+    segment's saved tensors, or a recomputed run's inputs; ``offload.mark_offloaded``)."""
+    out, chosen, kinds, at, i = [], [], {}, {st.i: st for st in picked}, 0
     while i < len(segs):
         st = at.get(i)
         if st is None:
@@ -288,7 +291,7 @@ def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Se
             i += 1
             continue
         if st.kind == "selective":   # kept on the device: what its cheap ops did not free
-            offloaded[len(out)] = "selective"
+            kinds[len(out)] = "selective"
             run = runs[(st.i, st.j)]
             out.append(Segment(run.start, run.end, run.saved, run.saved - st.saving, st.cost))
             i = st.j + 1
@@ -296,10 +299,10 @@ def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Se
         if st.kind != "offload":
             chosen.append(len(out))
         if st.kind != "recompute":
-            offloaded[len(out)] = "kept" if st.kind == "offload" else "inputs"
+            kinds[len(out)] = "kept" if st.kind == "offload" else "inputs"
         out.append(runs[(st.i, st.j)])
         i = st.j + 1
-    return out, chosen, offloaded
+    return out, chosen, kinds
 
 
 def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
