@@ -37,7 +37,8 @@ import torch.fx as fx
 from . import offload
 from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
-from .segments import Segment, forward_order, runs_of, segments_of, selective, user_regions, user_segments
+from .segments import (Segment, forward_order, runs_of, saved_index, segments_of, selective, user_regions,
+                       user_segments)
 
 # ---------------------------------------------------------------------------------------------------
 # Segments and the plan
@@ -384,11 +385,11 @@ def _best_option(gm, options, resident: int, kind: str, value: float, link=None,
     """The cheapest feasible (label, segments, choice, runs) over the segmentations, and the error with
     the lowest floor when none is feasible."""
     best, errors = None, []
+    order, index = forward_order(gm), saved_index(pairs) if pairs is not None else None
     for label, sg in options:
         runs = runs_of(gm, sg)
-        order = forward_order(gm)
-        sel = {ij: c for ij, run in runs.items() if pairs is not None and ij[1] - ij[0] < SELECTIVE_RUNS
-               and (c := selective(order, run, pairs)) is not None}
+        sel = {ij: c for ij, run in runs.items() if index is not None and ij[1] - ij[0] < SELECTIVE_RUNS
+               and (c := selective(order, run, index)) is not None}
         try:
             got = choose(sg, runs, resident, kind, value, link=link, sel=sel)
         except InfeasibleBudget as e:

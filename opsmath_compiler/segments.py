@@ -98,25 +98,38 @@ def _computes(n: fx.Node) -> bool:
     return n.op == "call_function" and is_compute(n.target)
 
 
-def selective(order: list[fx.Node], seg: Segment, pairs: list) -> Segment | None:
+@dataclass
+class SavedIndex:
+    """``analysis.SavedBytes.pairs`` as the selective candidates read it: ``by_saver[name]`` the
+    (producer, bytes) of what that node saves, ``makers`` the nodes whose output something saves."""
+    by_saver: dict
+    makers: set
+
+
+def saved_index(pairs: list) -> SavedIndex:
+    by_saver: dict = {}
+    for saver, maker, nbytes in pairs:
+        by_saver.setdefault(saver, []).append((maker, nbytes))
+    return SavedIndex(by_saver, {maker for _, maker, _ in pairs})
+
+
+def selective(order: list[fx.Node], seg: Segment, index: SavedIndex) -> Segment | None:
     """``seg`` (a segment or a run of them) with its cheap ops recomputed and its GEMMs and fused GEMM
-    ops kept, as a candidate
-    (``plan.Step`` kind ``"selective"``): ``saved`` the bytes its nodes keep for backward that its cheap
-    ops produced (``pairs``: ``analysis.SavedBytes.pairs``; each storage counted in its saver's segment
-    only, as ``Segment.saved`` counts it; live again while its backward runs), ``inputs`` what must be
-    kept in their stead (inputs of its cheap ops nothing keeps yet, and any made by a cheap op of another
+    ops kept, as a candidate (``plan.Step`` kind ``"selective"``): ``saved`` the bytes its nodes keep
+    for backward that its cheap ops produced (each storage counted in its saver's segment only, as
+    ``Segment.saved`` counts it; live again while its backward runs), ``inputs`` what must be kept in
+    their stead (inputs of its cheap ops nothing keeps yet, and any made by a cheap op of another
     segment, which may be recomputed there), ``cost`` the cheap ops' time. None when that saves nothing."""
     nodes = order[seg.start:seg.end + 1]
     names = {n.name for n in nodes}
     cheap = {n for n in nodes if not _computes(n)}
     cheap_names = {n.name for n in cheap}
-    saved = sum(b for saver, maker, b in pairs if saver in names and maker in cheap_names)
-    kept = {maker for _, maker, _ in pairs}
+    saved = sum(b for n in nodes for maker, b in index.by_saver.get(n.name, ()) if maker in cheap_names)
     extra = {}
     for c in cheap:
         for x in c.all_input_nodes:
             outside_cheap = x not in cheap and x.name not in names and not _computes(x)
-            if x not in cheap and x.op == "call_function" and (outside_cheap or x.name not in kept):
+            if x not in cheap and x.op == "call_function" and (outside_cheap or x.name not in index.makers):
                 extra[_storage(x)] = _nbytes(x)
     inputs = sum(extra.values())
     if saved <= inputs:

@@ -13,7 +13,7 @@ import opsmath
 from opsmath import examples
 from opsmath.analysis import saved_bytes_by_node
 from opsmath.plan_emit import _keep_compute
-from opsmath.segments import forward_order, runs_of, segments_of, selective
+from opsmath.segments import forward_order, runs_of, saved_index, segments_of, selective
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                reason="Inductor on CPU needs a C++ compiler")
@@ -98,6 +98,6 @@ def test_selective_candidate_counts_what_must_be_kept_instead():
     order = forward_order(gm)
     segs = segments_of(gm, by)
     runs = runs_of(gm, segs)
-    cands = [c for (i, j), r in runs.items() if j - i < 4 and (c := selective(order, r, by.pairs)) is not None]
+    cands = [c for (i, j), r in runs.items() if j - i < 4 and (c := selective(order, r, saved_index(by.pairs))) is not None]
     assert cands and all(0 < c.saving <= c.saved for c in cands)
     assert max(c.saving for c in cands) < sum(by.values())
