@@ -78,3 +78,30 @@ def hf_llama(attn_implementation: str, device="cuda", dtype=torch.bfloat16):
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
     return LlamaForCausalLM(llama_config(attn_implementation)).to(device=device, dtype=dtype)
+
+
+class CausalLMLoss(torch.nn.Module):
+    """A Hugging Face causal LM as ``model(idx, targets) -> loss`` (labels are the inputs: HF shifts them)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, idx, targets=None):
+        return self.lm(input_ids=idx, labels=idx).loss
+
+
+def build_llama(cfg: dict, device, variant: str):
+    """HF LLaMA of ``llama_config`` with ``cfg`` overriding it (SDPA attention, as HF loads it; fp32
+    weights for autocast), as ``CausalLMLoss``; ``variant="per_block_checkpoint"`` turns on HF's
+    ``gradient_checkpointing_enable()``."""
+    from transformers import LlamaForCausalLM
+    config = llama_config("sdpa")
+    for k, v in cfg.items():
+        setattr(config, k, v)
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(config).to(device)
+    if variant == "per_block_checkpoint":
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return CausalLMLoss(lm.train())
+

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
-#   STEPS="tests attn_tests semantics cuda_graphs attention lce ce dan act train gap recompute memory long curve
+#   STEPS="tests attn_tests semantics cuda_graphs attention lce ce dan act train gap recompute memory memory_llama long curve
 #          fp8_curve fp8_speed tune llama hf_sdpa lengths guards window_tests window window_model"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
@@ -16,7 +16,7 @@ ls benchmarks/wheels/liger_kernel-*.whl >/dev/null 2>&1 && \
     python3 -m pip install -q --no-deps benchmarks/wheels/liger_kernel-*.whl >> "$OUT/install.log" 2>&1
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 limit=$2; shift 2
-    case " ${STEPS:-tests attn_tests attention lce ce dan act train gap recompute memory long curve tune llama} " in *" $name "*) ;; *) return ;; esac
+    case " ${STEPS:-tests attn_tests attention lce ce dan act train gap recompute memory memory_llama long curve tune llama} " in *" $name "*) ;; *) return ;; esac
     echo "== $name"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "rc=$? ($name)"; grep -v -i "warn" "$OUT/$name.log" | tail -${TAIL:-30}
@@ -59,7 +59,8 @@ step train ${TRAIN_TIMEOUT:-400} python3 benchmarks/train.py --gpt --only "${TRA
 step gap 240 python3 benchmarks/profile_gap.py --pair "${GAP_PAIR:-torch.compile + SDPA,opsmath.optimize}"
 step recompute 200 python3 benchmarks/profile_gap.py --pair "opsmath op-by-op,opsmath budget 0.5" --tag recompute
 step memory ${MEMORY_TIMEOUT:-400} python3 benchmarks/memory.py ${MEMORY_ARGS:---quick --paths inductor --no-long}
-step long ${LONG_TIMEOUT:-400} python3 benchmarks/memory.py --long-only ${LONG_ARGS:---variants "opsmath 8GiB" --lengths 40960,32768}
+step memory_llama ${MEMORY_LLAMA_TIMEOUT:-560} python3 benchmarks/memory.py --model llama ${MEMORY_LLAMA_ARGS:---quick --paths inductor --no-long}
+step long ${LONG_TIMEOUT:-400} python3 benchmarks/memory.py --long-only ${LONG_ARGS:---variants "opsmath 8GiB SDPA-model" --lengths 65536}
 step curve 300 python3 benchmarks/learning_curve.py
 step tune 200 python3 -m opsmath.cli tune --example gpt
 step llama 500 python3 benchmarks/train.py --llama --only "${LLAMA_ONLY:-eager + SDPA,torch.compile + SDPA,opsmath.optimize,opsmath.optimize (every family)}"

@@ -1,5 +1,6 @@
 """Training-step memory under a budget (issue: recompute planning), one process, same data:
-GPT-2-small (12x768, B8 T1024, bf16 autocast, dropout 0.1, attention written by hand) + AdamW.
+GPT-2-small (12x768, B8 T1024, bf16 autocast, dropout 0.1, attention written by hand) + AdamW, or with
+``--model llama`` HF LLaMA 1.1B (``_models.llama_config``, SDPA, B4 T2048, fp32 weights, bf16 autocast).
 
 Rows: eager; opsmath without a budget; opsmath with fractional budgets (0.75 / 0.5 / 0.25 of the
 activations) and absolute budgets stepping down from the unconstrained peak until infeasible; per-block
@@ -10,6 +11,7 @@ median step time, overhead vs unconstrained opsmath. Then the longest sequence (
 
     python benchmarks/memory.py            # on the GPU
     python benchmarks/memory.py --smoke    # tiny, on CPU: checks the script, measures nothing
+    python benchmarks/memory.py --model llama --no-long   # the 1.1B budget sweep
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 
 import opsmath
 from opsmath.plan import InfeasibleBudget
-from _models import build
+from _models import build, build_llama
 
 
 def measure(model_fn, batch, device, amp, steps=3, warmup=1):
@@ -90,16 +92,26 @@ def main():
     ap.add_argument("--absolute", default=None, help="absolute budgets of the sweep as fractions of the "
                                                   "unconstrained peak, comma-separated")
     ap.add_argument("--no-anchors", action="store_true", help="the sweep without its comparison rows")
+    ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
     args = ap.parse_args()
+    if args.model == "llama" and not args.no_long:
+        ap.error("--model llama runs the budget sweep only: add --no-long")
     args.variants = [v for v in args.variants.split(",") if v]
     args.fractions, args.absolute = (None if a is None else [float(x) for x in a.split(",") if x]
                                      for a in (args.fractions, args.absolute))   # "" runs none of them
     device = "cpu" if args.smoke else "cuda"
-    if args.smoke:
+    if args.model == "llama":
+        cfg = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256) if args.smoke else {}
+        B, T, amp = (2, 64, False) if args.smoke else (4, 2048, True)
+    elif args.smoke:
         cfg, B, T, amp = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.1), 2, 64, False
     else:
         cfg, B, T, amp = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1), 8, 1024, True
-    idx = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
+    args.make = (lambda variant: build_llama(cfg, device, variant)) if args.model == "llama" else \
+        (lambda variant: build(cfg, device, variant))
+    vocab = cfg.get("vocab_size", 32000)
+    idx = torch.randint(0, vocab, (B, T), device=device)
     batch = (idx, torch.roll(idx, -1, 1))
     rows = []
 
@@ -126,17 +138,19 @@ def main():
 
     if not args.smoke:
         from _harness import write
-        print("wrote", write("memory" + ("-long" if args.long_only else ""), dict(rows=rows, longest_in_8GiB=longest, lengths_tried=tried, config=cfg, batch=[B, T])))
+        name = "memory" + ("-llama" if args.model == "llama" else "") + ("-long" if args.long_only else "")
+        print("wrote", write(name, dict(rows=rows, longest_in_8GiB=longest, lengths_tried=tried, config=cfg,
+                                        batch=[B, T])))
 
 
 def sweep(args, cfg, device, batch, row):
     """Budgets from unconstrained down to infeasible on each opsmath path, then the anchors."""
     if not args.no_anchors:
-        row("eager", lambda: build(cfg, device, "eager"))
+        row("eager", lambda: args.make("eager"))
     for path in [p for p in args.paths.split(",") if p]:
         inductor = path == "inductor"
         tag = "opsmath" + (" + Inductor" if inductor else " op-by-op")
-        ops = (lambda budget, i=inductor: opsmath.optimize(build(cfg, device, "eager"), memory_budget=budget,
+        ops = (lambda budget, i=inductor: opsmath.optimize(args.make("eager"), memory_budget=budget,
                                                            inductor=i))
         base = row(f"{tag} (no budget)", lambda: ops(None))
         for f in args.fractions if args.fractions is not None else ((0.5, 0.25) if args.quick else (0.75, 0.5, 0.25)):
@@ -150,11 +164,11 @@ def sweep(args, cfg, device, batch, row):
                     break
     if args.no_anchors:
         return
-    row("per-block checkpoint", lambda: build(cfg, device, "per_block_checkpoint"))
+    row("per-block checkpoint", lambda: args.make("per_block_checkpoint"))
     for f in ((0.5, 0.25) if args.quick else (0.75, 0.5, 0.25)):
         def compiled(f=f):
             torch._functorch.config.activation_memory_budget = f
-            return torch.compile(build(cfg, device, "eager"))
+            return torch.compile(args.make("eager"))
         row(f"torch.compile activation_memory_budget {f}", compiled)
     torch._functorch.config.activation_memory_budget = 1.0
 

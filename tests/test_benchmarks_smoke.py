@@ -20,6 +20,8 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
     ["learning_curve.py", "--smoke"],
     ["fp8_curve.py", "--smoke"],
     ["memory.py", "--smoke", "--quick", "--paths", "op-by-op", "--lengths", "64,128"],
+    ["memory.py", "--smoke", "--model", "llama", "--no-long", "--no-anchors", "--paths", "op-by-op",
+     "--fractions", "0.5"],
     ["inductor_partition.py", "--smoke"],
     ["sass_stats.py", "--op", "dropout_add_norm", "--width", "256", "--config", "1"],
     ["dynamic_guards.py", "--inductor", "0"],
