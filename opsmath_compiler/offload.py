@@ -84,15 +84,19 @@ def link_for(example_inputs, how: str) -> float | None:
     return host_link(str(next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)))
 
 
+def _marked(n: fx.Node) -> bool:
+    return bool((n.meta.get("custom") or {}).get(OFFLOAD))
+
+
 def has_offload(gm: fx.GraphModule) -> bool:
-    return any((n.meta.get("custom") or {}).get(OFFLOAD) for n in gm.graph.nodes)
+    return any(_marked(n) for n in gm.graph.nodes)
 
 
 def _should_offload(graph: fx.Graph) -> None:
     """Joint-graph pass: nodes traced from a marked node become ``should_offload`` (the partitioner then
     offloads those among them it saves; views and non-contiguous tensors it keeps on the device)."""
     for n in graph.nodes:
-        if (n.meta.get("custom") or {}).get(OFFLOAD):
+        if _marked(n):
             n.meta["should_offload"] = True
 
 

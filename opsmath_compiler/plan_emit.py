@@ -7,7 +7,7 @@ import operator
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .segments import Segment, forward_order, is_compute
+from .segments import Segment, forward_order, is_compute, node_computes
 
 
 def _keep_compute(ctx, op, *args, **kwargs):
@@ -70,6 +70,6 @@ def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], se
     order = forward_order(gm)
     for i in [*chosen, *selective]:
         for n in order[segs[i].start:segs[i].end + 1]:
-            keep = i in selective and is_compute((n.args[0] if n.target is operator.getitem else n).target)
+            keep = i in selective and node_computes(n)
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = i + 1

@@ -92,7 +92,8 @@ class Segment:
 
 
 
-def _computes(n: fx.Node) -> bool:
+def node_computes(n: fx.Node) -> bool:
+    """``n`` is a compute op (``is_compute``) or an output of one: the nodes a selective run keeps."""
     if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n.op == "call_function" and is_compute(n.target)
@@ -122,13 +123,13 @@ def selective(order: list[fx.Node], seg: Segment, index: SavedIndex) -> Segment 
     segment, which may be recomputed there), ``cost`` the cheap ops' time. None when that saves nothing."""
     nodes = order[seg.start:seg.end + 1]
     names = {n.name for n in nodes}
-    cheap = {n for n in nodes if not _computes(n)}
+    cheap = {n for n in nodes if not node_computes(n)}
     cheap_names = {n.name for n in cheap}
     saved = sum(b for n in nodes for maker, b in index.by_saver.get(n.name, ()) if maker in cheap_names)
     extra = {}
     for c in cheap:
         for x in c.all_input_nodes:
-            outside_cheap = x not in cheap and x.name not in names and not _computes(x)
+            outside_cheap = x not in cheap and x.name not in names and not node_computes(x)
             if x not in cheap and x.op == "call_function" and (outside_cheap or x.name not in index.makers):
                 extra[_storage(x)] = _nbytes(x)
     inputs = sum(extra.values())
