@@ -6,6 +6,9 @@ plus ``opsmath budget F`` (op by op, ``inductor=False``, memory_budget=F) and ``
 which is how the recompute overhead of a memory budget is taken apart.
 
     python benchmarks/profile_gap.py --pair "opsmath op-by-op,opsmath budget 0.5"
+
+More than two variants: each later one is compared with the first. A variant with a memory budget
+also prints what its plan recomputes (the report's segment lines).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def make(name):
 
 
 def kernels_per_step(name, batch, steps=3):
-    """({kernel name: device ms per step}, host ms per step, peak GiB)."""
+    """({kernel name: device ms per step}, host ms per step, peak GiB, [plan dicts])."""
     make_model, make_opt = make(name)
     torch._dynamo.reset()
     model = make_model()
@@ -54,7 +57,9 @@ def kernels_per_step(name, batch, steps=3):
     t0 = time.perf_counter()
     per = kernel_ms(step, steps)
     host = (time.perf_counter() - t0) * 1e3 / steps
-    return per, host, torch.cuda.max_memory_allocated() / 2**30
+    plans = [g.plan.to_dict() for g in opsmath.report(model).graphs if getattr(g, "plan", None) is not None] \
+        if getattr(model, "_opsmath", None) is not None else []
+    return per, host, torch.cuda.max_memory_allocated() / 2**30, plans
 
 
 def main():
@@ -68,21 +73,27 @@ def main():
     batch = (idx, torch.roll(idx, -1, 1))
     names = [s.strip() for s in args.pair.split(",")]
     res = {n: kernels_per_step(n, batch) for n in names}
-    for n, (per, host, peak) in res.items():
+    for n, (per, host, peak, plans) in res.items():
         print(f"\n== {n}: host {host:.2f} ms/step, GPU kernels {sum(per.values()):.2f} ms/step, "
               f"{len(per)} kernel names, peak {peak:.2f} GiB")
         for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"  {v:8.3f} ms  {k[:110]}")
-    if len(names) == 2:
-        a, b = (res[n][0] for n in names)
-        print(f"\n== largest differences ({names[1]} minus {names[0]}), ms per step")
+        for p in plans:
+            print(f"  plan {p['budget']}: recompute {p['recompute_seconds'] * 1e3:.2f} ms modelled, "
+                  f"{len(p['chosen'])} segments, selective {p['selective']}, offloaded {p['offloaded']}")
+            for c in p["chosen"][:4]:
+                print(f"    {c['ops']}  saved {c['saved'] / 2**20:.0f} MiB, cost {c['cost'] * 1e3:.3f} ms")
+    a = res[names[0]][0]
+    for other in names[1:]:
+        b = res[other][0]
+        print(f"\n== largest differences ({other} minus {names[0]}), ms per step")
         diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
         for k, v in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.top]:
             print(f"  {v:+8.3f} ms  {k[:110]}")
     from _harness import write
     print("wrote", write("profile_gap" + (f"-{args.tag}" if args.tag else ""), dict(
-        variants={n: dict(host_ms=h, kernel_ms=sum(p.values()), peak_gib=pk, kernels=p)
-                  for n, (p, h, pk) in res.items()})))
+        variants={n: dict(host_ms=h, kernel_ms=sum(p.values()), peak_gib=pk, kernels=p, plans=pl)
+                  for n, (p, h, pk, pl) in res.items()})))
 
 
 if __name__ == "__main__":

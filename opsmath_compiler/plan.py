@@ -29,6 +29,7 @@ Predicted peak = resident (parameters, their gradients, optimizer state, inputs)
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,13 +38,8 @@ import torch.fx as fx
 from . import offload
 from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
-from .segments import (Segment, forward_order, runs_of, saved_index, segments_of, selective, user_regions,
-                       user_segments)
-
-# ---------------------------------------------------------------------------------------------------
-# Segments and the plan
-# ---------------------------------------------------------------------------------------------------
-
+from .segments import (Segment, describe, forward_order, runs_of, saved_index, segments_of, selective,
+                       user_regions, user_segments)
 
 @dataclass
 class Plan:
@@ -65,6 +61,7 @@ class Plan:
     offloaded: dict = field(default_factory=dict)   # segment index -> "kept" | "inputs" (offload.py)
     selective: list[int] = field(default_factory=list)   # segments whose cheap ops only are recomputed
     link: float | None = None   # host-link bytes/s the plan could offload over (None: no offload)
+    ops: dict = field(default_factory=dict)   # segment index -> what it spans (segments.describe)
 
     def budget_both_units(self) -> tuple[int, float]:
         """The budget as bytes of the whole step and as a share of the unconstrained activations: the
@@ -136,7 +133,7 @@ class Plan:
                     kept=self.kept, transient=self.transient, predicted_peak=self.predicted_peak,
                     chosen=[dict(start=self.segments[i].start, end=self.segments[i].end,
                                  saved=self.segments[i].saved, inputs=self.segments[i].inputs,
-                                 cost=self.segments[i].cost) for i in self.chosen],
+                                 cost=self.segments[i].cost, ops=self.ops.get(i, "")) for i in self.chosen],
                     recompute_seconds=self.recompute_seconds, planning_seconds=self.planning_seconds,
                     measured_peak=self.measured_peak, replanned=self.replanned,
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
@@ -315,7 +312,6 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     that cannot keep its own share (a small loss graph after the model's) may use what the earlier
     graphs left under theirs, and its plan's ``note`` says so. ``link``: host-link bytes/s when saved
     tensors may go to the host (``offload.py``; only with ``how="tag"``)."""
-    import time
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
     # two cuts of opsmath's own: local minima of the crossing bytes within 6 positions (block-sized
@@ -338,12 +334,14 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     segs, chosen, kinds = merged(fine, runs, picked)
     selective = sorted(i for i, k in kinds.items() if k == "selective")
     offloaded = {i: k for i, k in kinds.items() if k != "selective"}
+    order = forward_order(gm)
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
-                chosen, cost, segmentation=label, user_regions=len(user_regions(forward_order(gm))), note=note,
-                offloaded=offloaded, link=link, selective=selective)
+                chosen, cost, segmentation=label, user_regions=len(user_regions(order)), note=note,
+                offloaded=offloaded, link=link, selective=selective,
+                ops={i: describe(order, segs[i]) for i in {*chosen, *selective, *offloaded}})
     if chosen or selective:
         (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen, selective)
-    offload.mark_offloaded(forward_order(gm), segs, offloaded)
+    offload.mark_offloaded(order, segs, offloaded)
     plan.planning_seconds = time.perf_counter() - t0
     return plan
 

@@ -309,7 +309,7 @@ class Report(Rendered):
             what = (f"keeps {_mib(s.inputs)}" + (" (GEMM outputs among them)" if i in p.selective else "")
                     if where is None else "in host memory" if where == "kept"
                     else f"its inputs ({_mib(s.inputs)}) in host memory")
-            t.append(f"\n  segment {i}: nodes {s.start}-{s.end}, saves {_mib(s.saved)}, {what}"
+            t.append(f"\n  segment {i}: {p.ops.get(i) or f'nodes {s.start}-{s.end}'}, saves {_mib(s.saved)}, {what}"
                      + (f", recompute {s.cost * 1e3:.3f} ms" if i in p.chosen or i in p.selective else ""))
         if len(listed) > 6:
             t.append(f"\n  ... {len(listed) - 6} more")

@@ -16,6 +16,7 @@ the two ways of cutting the forward order into candidate segments.
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,14 @@ def selective(order: list[fx.Node], seg: Segment, index: SavedIndex) -> Segment 
     if saved <= inputs:
         return None
     return Segment(seg.start, seg.end, saved, inputs, sum(node_cost(n) for n in cheap))
+
+
+def describe(order: list[fx.Node], seg: Segment) -> str:
+    """What ``seg`` spans, for the report: ``first..last: op xN, ...`` (the ops that cost time)."""
+    ops = Counter(str(getattr(n.target, "__name__", n.target)).split(".")[0]
+                  for n in order[seg.start:seg.end + 1] if node_cost(n) > 0)
+    return (f"{order[seg.start].name}..{order[seg.end].name}: "
+            + ", ".join(f"{k} x{v}" if v > 1 else k for k, v in ops.most_common()))
 
 
 def forward_order(gm: fx.GraphModule) -> list[fx.Node]:
