@@ -1,0 +1,127 @@
+"""What a memory budget costs a training step, taken apart: wall time, host (enqueue) time and GPU kernel
+time per step, for GPT-2-small (nanoGPT, B8 T1024, bf16 autocast, fused AdamW) without a budget and under
+fractional budgets, each with and without CUDA-graph replay, interleaved in one process.
+
+* ``wall``: step start to ``synchronize`` (median over rounds of the median of ``--steps`` steps).
+* ``host``: step start until ``step()`` returns, before the sync: the CPU's own time to enqueue the step
+  (when it exceeds the GPU time, the step is host-bound and the host time is the step time).
+* ``gpu``: summed kernel time per step (torch.profiler), what the step costs a GPU kept busy.
+* ``--cprofile``: the host's Python profile (cProfile, top functions by total time) of a few steps of
+  one variant, to see where a host-bound step's time goes.
+
+    python benchmarks/recompute_overhead.py --budgets 0.5,0.25 --cprofile "budget 0.5"
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+import opsmath
+from _harness import kernel_ms, write
+from _models import GPT2_SMALL, build
+
+
+class Variant:
+    def __init__(self, name, budget, cuda_graphs, batch):
+        torch._dynamo.reset()
+        self.name, self.batch, self.wall, self.host = name, batch, [], []
+        self.model = opsmath.optimize(build(GPT2_SMALL, "cuda", "eager"), memory_budget=budget,
+                                      cuda_graphs=cuda_graphs)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        for _ in range(5):   # capture, plan, compile, CUDA-graph recording, optimizer state
+            self.step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        self.step()
+        torch.cuda.synchronize()
+        self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        self.step_peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    def step(self):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = self.model(*self.batch)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def timed(self, steps):
+        wall, host = [], []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            self.step()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            wall.append((time.perf_counter() - t0) * 1e3)
+            host.append((t1 - t0) * 1e3)
+        self.wall.append(statistics.median(wall))
+        self.host.append(statistics.median(host))
+
+    def row(self):
+        plans = [g.plan.to_dict() for g in opsmath.report(self.model).graphs if g.plan is not None]
+        return dict(name=self.name, wall_ms=statistics.median(self.wall), wall_min=min(self.wall),
+                    wall_max=max(self.wall), host_ms=statistics.median(self.host),
+                    gpu_ms=sum(kernel_ms(self.step, calls=3).values()), peak_gib=self.peak_gib,
+                    step_peak_gib=self.step_peak_gib, rounds=self.wall,
+                    plans=[{k: p[k] for k in ("budget", "kept", "predicted_peak", "recompute_seconds", "chosen",
+                                              "selective", "offloaded")} for p in plans])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budgets", default="0.5,0.25")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="only the variants without CUDA graphs")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--cprofile", default="", help="variant name whose host time cProfile takes apart")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    idx = torch.randint(0, GPT2_SMALL["vocab_size"], (8, 1024), device="cuda")
+    batch = (idx, torch.roll(idx, -1, 1))
+    specs = [("no budget", None)] + [(f"budget {b}", float(b)) for b in args.budgets.split(",") if b]
+    graphs = (False,) if args.no_cuda_graphs else (False, True)
+    variants = []
+    for cg in graphs:
+        for name, budget in specs:
+            label = name + (" + CUDA graphs" if cg else "")
+            try:
+                variants.append(Variant(label, budget, cg, batch))
+            except Exception as e:  # noqa: BLE001  (reported, the others still run)
+                print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    for _ in range(args.rounds):   # A B A B: the host's noise falls on every variant
+        for v in variants:
+            v.timed(args.steps)
+    rows = [v.row() for v in variants]
+    base = {cg: next((r for r in rows if r["name"] == "no budget" + cg), None) for cg in ("", " + CUDA graphs")}
+    for r in rows:
+        b = base[" + CUDA graphs" if r["name"].endswith("CUDA graphs") else ""]
+        if b is not None:
+            r["wall_overhead"], r["gpu_overhead"] = r["wall_ms"] / b["wall_ms"] - 1, r["gpu_ms"] / b["gpu_ms"] - 1
+        print(f"{r['name']:28} wall {r['wall_ms']:7.2f} ms [{r['wall_min']:.2f}-{r['wall_max']:.2f}] "
+              f"host {r['host_ms']:7.2f} gpu {r['gpu_ms']:7.2f} peak {r['peak_gib']:.2f} GiB"
+              + (f"  overhead wall {r['wall_overhead']:+.1%} gpu {r['gpu_overhead']:+.1%}" if b else ""), flush=True)
+    out = dict(rows=rows, config=GPT2_SMALL, batch=[8, 1024])
+    for v in variants:
+        if v.name == args.cprofile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(3):
+                v.step()
+            torch.cuda.synchronize()
+            pr.disable()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+            out["cprofile"] = s.getvalue()
+            print(out["cprofile"])
+    print("wrote", write("recompute_overhead", out))
+
+
+if __name__ == "__main__":
+    main()
