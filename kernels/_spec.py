@@ -5,7 +5,8 @@ Each kernel file registers an ``OpSpec`` at import (``register(OpSpec(...))``); 
 
 - ``family``: the rewrite family (pattern name) whose replacement calls the op;
 - ``ops`` and ``flops``: the recompute planner's cost model (``opsmath.plan.node_cost``): FLOPs of one
-  forward call from its arguments' (fake) values; ops without ``flops`` are costed by bytes moved;
+  forward call from its arguments' (fake) values, run at ``efficiency`` times the model's GEMM rate
+  (measured); ops without ``flops`` are costed by bytes moved;
 - ``inductor_fuses_better`` / ``kept_under_budget``: on a graph Inductor compiles, the family is left to
   Inductor, except under a memory budget when ``kept_under_budget`` (``opsmath.backend``);
 - ``profile``: a class name and substrings of kernel names that ``opsmath.profile`` groups time under;
@@ -27,6 +28,7 @@ class OpSpec:
     family: str
     ops: tuple = ()
     flops: Optional[Callable[..., float]] = None
+    efficiency: float = 1.0       # its kernels' FLOP rate as a share of the GEMM rate the cost model assumes
     inductor_fuses_better: bool = False
     kept_under_budget: bool = False
     profile: Optional[tuple[str, tuple[str, ...]]] = None

@@ -36,7 +36,7 @@ import torch
 
 from ._common import check_seed, dropout_keep, flat_offsets, new_seed, use_triton
 from .attention_triton import attention_backward_triton, attention_forward_triton
-from ._spec import OpSpec, backward, leaf, register
+from ._spec import backward, leaf
 from .attention_configs import configs_for, forced_config
 
 # --------------------------------------------------------------------------------------------------
@@ -202,11 +202,18 @@ def attention(q, k, v, bias=None, mask=None, mask_fill=float("-inf"), is_causal=
 # --------------------------------------------------------------------------------------------------
 
 
-def _flops(q, k, v=None, bias=None, mask=None, mask_fill=None, is_causal=False, *rest):
+def attention_flops(q, k, v=None, bias=None, *rest):
     """QK^T and PV over the (i, j) pairs the kernels compute, 2 FLOPs per multiply-add: B*H x Sq x Sk x D
-    each, causal about half of it (S (S + 1) / 2 pairs), causal with a window of w < S keys w S - w (w - 1) / 2."""
+    each, causal about half of it (S (S + 1) / 2 pairs), causal with a window of w < S keys w S - w (w - 1) / 2.
+    Takes the arguments of either graph op of the family: ``opsmath.attention`` (q, k, v, bias, mask,
+    mask_fill, is_causal, ..., window at position 11) or ``attention_tuning.sdpa`` (q, k, v, bias,
+    is_causal, ...: a bool in fifth place, where the other has a mask tensor or None)."""
     B, H, Sq, D = q.shape
-    Sk, window = k.shape[2], (rest[4] if len(rest) > 4 else 0)
+    if rest and isinstance(rest[0], bool):
+        is_causal, window = rest[0], 0
+    else:
+        is_causal, window = (rest[2] if len(rest) > 2 else False), (rest[7] if len(rest) > 7 else 0)
+    Sk = k.shape[2]
     pairs = Sq * Sk
     if is_causal and window and window < Sq:
         pairs = window * Sq - window * (window - 1) // 2
@@ -215,7 +222,7 @@ def _flops(q, k, v=None, bias=None, mask=None, mask_fill=None, is_causal=False, 
     return 4 * B * H * pairs * D
 
 
-def _exercise(dtype: torch.dtype) -> None:
+def exercise(dtype: torch.dtype) -> None:
     """Each flag in the block configurations the GPU launches (each variant takes ~10 s to compile for
     sm_90, so the flags are spread over three bf16 cases and one fp32 case)."""
     seed = torch.tensor(7)
@@ -238,7 +245,4 @@ def _exercise(dtype: torch.dtype) -> None:
 # (S4096). Under Inductor the rewrite leaves such shapes alone; op by op it keeps them.
 SOFTCAP_INDUCTOR_HEAD_DIM = 128
 
-SPEC = register(OpSpec("attention", ops=(torch.ops.opsmath.attention.default,), flops=_flops, exercise=_exercise,
-                       profile=("attention", ("_attn_", "opsmath::attention", "softmax", "flash", "fmha",
-                                              "attention")),
-                       saves="q, k, v, its output and fp32 row statistics; eager keeps the S x S probabilities"))
+# the family's op spec (registered in attention_tuning.py, which also defines its vendor stand-in op)

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ._common import dropout_keep, flat_offsets
-from .attention import attention_op, attention_reference
+from ._spec import OpSpec, register
+from .attention import attention_flops, attention_op, attention_reference, exercise
 from .attention_configs import OWN_ONLY, bucket_key, config_name, configs_for, forced_config
 from .autotune import pick
 
@@ -235,3 +236,13 @@ def fold_bias(bias, mask, is_causal: bool, Sq: int, Sk: int, window: int = 0, de
         upper = torch.ones(Sq, Sk, dtype=torch.bool, device=out.device).triu(1)
         out = out.masked_fill(upper, float("-inf"))
     return out
+
+
+# H200, bf16, GPT-2-small's attention (B8 H12 T1024 D64, causal): cuDNN's forward ran 0.098 ms a call, 132
+# TFLOP/s of the causal FLOPs, a third of the GEMM rate the recompute cost model assumes
+# (results/profile_gap-budgets-20261201.log); the planner costs an attention recompute at that rate
+SPEC = register(OpSpec("attention", ops=(torch.ops.opsmath.attention.default, sdpa), flops=attention_flops,
+                       efficiency=0.33, exercise=exercise,
+                       profile=("attention", ("_attn_", "opsmath::attention", "softmax", "flash", "fmha",
+                                              "attention")),
+                       saves="q, k, v, its output and fp32 row statistics; eager keeps the S x S probabilities"))

@@ -6,22 +6,21 @@
    inputs: parameters, buffers, user inputs are not activations).
 2. **Segments** and **cost** (``opsmath.segments``): candidate segments cut at opsmath's points (the
    fewest activations crossing, at two granularities) and, where the model checkpoints its own layers,
-   the user's regions;
-   a modelled recompute time per segment.
+   the user's regions; a modelled recompute time per segment.
 3. **Choice**: exact 0/1 knapsack (vectorized DP over savings in 1/4096 steps of the total, savings
    rounded down so the budget holds) for every candidate "largest recomputed segment", minimizing cost,
    then predicted peak, so a smaller budget never gives a larger predicted peak; solved for each
    segmentation, the cheaper kept (ties: the user's). A run may also be recomputed selectively: its
    GEMMs and fused GEMM ops kept, only its cheap ops (norms, activations, dropout, casts) recomputed,
-   freeing what those produced (``segments.selective``). On CUDA under Inductor a segment may instead
+   freeing what those produced (``segments.selective``), or its plain GEMMs recomputed too and only its
+   fused ops (attention) kept. On CUDA under Inductor a segment may instead
    send what it keeps to host memory (``offload.py``: kept, or recomputed with its inputs on the host),
    at the modelled cost of the copies over this machine's measured host link.
 4. **Emission** (``plan_emit``): each chosen segment becomes a sub-GraphModule called through
    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (RNG state preserved, so dropout
    masks, opsmath's seeds included, are the same in the recompute). When the graph goes on to
-   Inductor, the segment's nodes are tagged ``MUST_RECOMPUTE`` instead (``tag_recompute``; a selective
-   run's GEMMs ``MUST_SAVE``), and the offloaded ones marked for Inductor's offload
-   (``offload.mark_offloaded``).
+   Inductor, the segment's nodes are tagged ``MUST_RECOMPUTE`` instead (``tag_recompute``; what a
+   selective run keeps ``MUST_SAVE``), and the offloaded ones marked for Inductor's offload (``offload``).
 
 Predicted peak = resident (parameters, their gradients, optimizer state, inputs) + activations kept
 + the largest recomputed segment's activations (live while its backward runs).
@@ -38,8 +37,8 @@ import torch.fx as fx
 from . import offload
 from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
-from .segments import (Segment, describe, forward_order, runs_of, saved_index, segments_of, selective,
-                       user_regions, user_segments)
+from .segments import (KEEPS, Segment, describe, forward_order, runs_of, saved_index, segments_of,
+                       selective, user_regions, user_segments)
 
 @dataclass
 class Plan:
@@ -60,6 +59,7 @@ class Plan:
     note: str = ""              # how a fractional budget was met across graphs, if this graph needed it
     offloaded: dict = field(default_factory=dict)   # segment index -> "kept" | "inputs" (offload.py)
     selective: list[int] = field(default_factory=list)   # segments whose cheap ops only are recomputed
+    gemms_recomputed: list[int] = field(default_factory=list)   # selective ones recomputing GEMMs too
     link: float | None = None   # host-link bytes/s the plan could offload over (None: no offload)
     ops: dict = field(default_factory=dict)   # segment index -> what it spans (segments.describe)
 
@@ -159,7 +159,8 @@ def _rank(choice) -> tuple:
 @dataclass(frozen=True)
 class Step:
     """One choice of the DP for segments i..j: ``"recompute"`` (keeps only its inputs), ``"selective"``
-    (its GEMMs kept and its cheap ops recomputed), ``"offload"`` (a single segment, kept, its saved
+    (its GEMMs kept and its cheap ops recomputed), ``"selective-gemms"`` (only its fused ops, such as
+    attention, kept; GEMMs recomputed too), ``"offload"`` (a single segment, kept, its saved
     tensors on the host) or ``"recompute+offload"`` (recomputed, its inputs on the host). ``size``: its
     activations live again while its backward runs (the transient)."""
     i: int
@@ -170,13 +171,13 @@ class Step:
     size: int
 
 
-def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None = None) -> dict[int, list[Step]]:
+def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None = None) -> dict:
     """Every step that saves something, by first segment. Offload steps only with a host ``link``
-    (bytes/s); their cost is the copy out and back, ``2 b / link`` (``offload.py``). ``sel``: run
-    (i, j) -> its selective candidate (``segments.selective``)."""
+    (bytes/s); their cost is the copy out and back, ``2 b / link`` (``offload.py``). ``sel``: (i, j, kind)
+    -> run i..j's selective candidate of that kind (``segments.selective``)."""
     out: dict = {}
-    for (i, j), c in (sel or {}).items():
-        out.setdefault(i, []).append(Step(i, j, "selective", c.saving, c.cost, c.saved))
+    for (i, j, kind), c in (sel or {}).items():
+        out.setdefault(i, []).append(Step(i, j, kind, c.saving, c.cost, c.saved))
     for (i, j), r in runs.items():
         if r.saving > 0:
             out.setdefault(i, []).append(Step(i, j, "recompute", r.saving, r.cost, r.saved))
@@ -278,9 +279,9 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
 
 
 def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:
-    """The segment list with each picked run i..j as one segment, the indices of the recomputed ones,
-    and the other choices as ``{index: "selective" | "kept" | "inputs"}`` (the last two offloaded: the
-    segment's saved tensors, or a recomputed run's inputs; ``offload.mark_offloaded``)."""
+    """The segment list with each picked run i..j as one segment, the indices of the recomputed ones, and
+    the other choices as ``{index: "selective" | "selective-gemms" | "kept" | "inputs"}`` (the last two
+    offloaded: the segment's saved tensors, or a recomputed run's inputs; ``offload.mark_offloaded``)."""
     out, chosen, kinds, at, i = [], [], {}, {st.i: st for st in picked}, 0
     while i < len(segs):
         st = at.get(i)
@@ -288,8 +289,8 @@ def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Se
             out.append(segs[i])
             i += 1
             continue
-        if st.kind == "selective":   # kept on the device: what its cheap ops did not free
-            kinds[len(out)] = "selective"
+        if st.kind.startswith("selective"):   # kept on the device: what its cheap ops did not free
+            kinds[len(out)] = st.kind
             run = runs[(st.i, st.j)]
             out.append(Segment(run.start, run.end, run.saved, run.saved - st.saving, st.cost))
             i = st.j + 1
@@ -332,15 +333,16 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         raise error
     label, fine, (picked, kept, trans, cost), runs = best
     segs, chosen, kinds = merged(fine, runs, picked)
-    selective = sorted(i for i, k in kinds.items() if k == "selective")
-    offloaded = {i: k for i, k in kinds.items() if k != "selective"}
+    selective = sorted(i for i, k in kinds.items() if k.startswith("selective"))
+    gemms = [i for i in selective if kinds[i] == "selective-gemms"]
+    offloaded = {i: k for i, k in kinds.items() if not k.startswith("selective")}
     order = forward_order(gm)
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
                 chosen, cost, segmentation=label, user_regions=len(user_regions(order)), note=note,
-                offloaded=offloaded, link=link, selective=selective,
+                offloaded=offloaded, link=link, selective=selective, gemms_recomputed=gemms,
                 ops={i: describe(order, segs[i]) for i in {*chosen, *selective, *offloaded}})
     if chosen or selective:
-        (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen, selective)
+        (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen, selective, gemms)
     offload.mark_offloaded(order, segs, offloaded)
     plan.planning_seconds = time.perf_counter() - t0
     return plan
@@ -386,8 +388,8 @@ def _best_option(gm, options, resident: int, kind: str, value: float, link=None,
     order, index = forward_order(gm), saved_index(pairs) if pairs is not None else None
     for label, sg in options:
         runs = runs_of(gm, sg)
-        sel = {ij: c for ij, run in runs.items() if index is not None and ij[1] - ij[0] < SELECTIVE_RUNS
-               and (c := selective(order, run, index)) is not None}
+        sel = {(*ij, k): c for ij, run in runs.items() for k in KEEPS if index is not None
+               and ij[1] - ij[0] < SELECTIVE_RUNS and (c := selective(order, run, index, k)) is not None}
         try:
             got = choose(sg, runs, resident, kind, value, link=link, sel=sel)
         except InfeasibleBudget as e:

@@ -7,7 +7,7 @@ import operator
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .segments import Segment, forward_order, is_compute, node_computes
+from .segments import KEEPS, Segment, forward_order, is_compute, is_fused_compute
 
 
 def _keep_compute(ctx, op, *args, **kwargs):
@@ -15,18 +15,23 @@ def _keep_compute(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if is_compute(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context():
-    return create_selective_checkpoint_contexts(_keep_compute)
+def _keep_fused(ctx, op, *args, **kwargs):
+    """Selective checkpoint policy of a ``"selective-gemms"`` run: fused GEMM ops (attention) saved,
+    plain GEMMs and everything else recomputed."""
+    return CheckpointPolicy.MUST_SAVE if is_fused_compute(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def selective_checkpoint(fn, *args, **kwargs):
-    """``checkpoint(fn, *args)`` that recomputes only the cheap ops (``_keep_compute``)."""
-    return checkpoint(fn, *args, context_fn=_selective_context, **kwargs)
+def selective_checkpoint(fn, *args, gemms=False, **kwargs):
+    """``checkpoint(fn, *args)`` that recomputes only the cheap ops (``_keep_compute``), or with
+    ``gemms=True`` the plain GEMMs too (``_keep_fused``)."""
+    policy = _keep_fused if gemms else _keep_compute
+    return checkpoint(fn, *args, context_fn=lambda: create_selective_checkpoint_contexts(policy), **kwargs)
 
 
-def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], selective=()) -> None:
+def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], selective=(), gemms=()) -> None:
     """Replace each chosen segment's nodes by a ``checkpoint(sub_graph_module, *inputs)`` call; a
-    selective one's call recomputes only its cheap ops (``selective_checkpoint``)."""
+    selective one's call recomputes only its cheap ops (``selective_checkpoint``; those in ``gemms``
+    their plain GEMMs too)."""
     order = forward_order(gm)
     for i in sorted([*chosen, *selective], reverse=True):
         seg = segs[i]
@@ -50,8 +55,9 @@ def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int],
         gm.add_submodule(name, fx.GraphModule(gm, sub, class_name=name))
         with gm.graph.inserting_before(nodes[0]):
             fn = gm.graph.get_attr(name)
+            kw = {"use_reentrant": False, "preserve_rng_state": True}
             call = gm.graph.call_function(selective_checkpoint if i in selective else checkpoint, (fn, *ext),
-                                          {"use_reentrant": False, "preserve_rng_state": True})
+                                          dict(kw, gemms=True) if i in gemms else kw)
             for j, o in enumerate(outs):
                 got = gm.graph.call_function(operator.getitem, (call, j))
                 got.meta = dict(o.meta)
@@ -62,14 +68,15 @@ def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int],
     gm.recompile()
 
 
-def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], selective=()) -> None:
+def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], selective=(), gemms=()) -> None:
     """Mark each chosen segment's nodes ``MUST_RECOMPUTE`` with the segment as its ``ac_graph_id``:
     the tags selective activation checkpointing leaves for AOTAutograd's partitioner, which then
     saves only the segment's inputs and recomputes the rest inside Inductor's backward graph. In a
-    ``selective`` segment the GEMMs and fused GEMM ops are ``MUST_SAVE`` instead."""
+    ``selective`` segment the GEMMs and fused GEMM ops are ``MUST_SAVE`` instead (in one of ``gemms``,
+    only the fused ops)."""
     order = forward_order(gm)
     for i in [*chosen, *selective]:
         for n in order[segs[i].start:segs[i].end + 1]:
-            keep = i in selective and node_computes(n)
+            keep = i in selective and KEEPS["selective-gemms" if i in gemms else "selective"](n)
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = i + 1

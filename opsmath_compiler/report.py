@@ -286,7 +286,9 @@ class Report(Rendered):
                  f"{' with the host copies' if p.offloaded else ''}); planned in "
                  f"{p.planning_seconds:.2f}s", style="magenta")
         if p.selective:
-            t.append(f"\n{len(p.selective)} runs recompute only their cheap ops, keeping their GEMMs", style="magenta")
+            g = len(p.gemms_recomputed)
+            t.append(f"\n{len(p.selective)} runs recompute only their cheap ops, keeping their GEMMs"
+                     + (f" ({g} of them their GEMMs too, keeping attention)" if g else ""), style="magenta")
         if p.offloaded:
             t.append(f"\n{len(p.offloaded)} segments keep their tensors in host memory ({_mib(p.offloaded_bytes)} "
                      f"each way over the host link, {p.link / 1e9:.0f} GB/s measured; in the modelled cost)",
@@ -306,7 +308,8 @@ class Report(Rendered):
         listed = sorted({*p.chosen, *p.selective, *p.offloaded})
         for i in listed[:6]:
             s, where = p.segments[i], p.offloaded.get(i)
-            what = (f"keeps {_mib(s.inputs)}" + (" (GEMM outputs among them)" if i in p.selective else "")
+            what = (f"keeps {_mib(s.inputs)}" + ((" (attention outputs among them)" if i in p.gemms_recomputed else
+                                                  " (GEMM outputs among them)") if i in p.selective else "")
                     if where is None else "in host memory" if where == "kept"
                     else f"its inputs ({_mib(s.inputs)}) in host memory")
             t.append(f"\n  segment {i}: {p.ops.get(i) or f'nodes {s.start}-{s.end}'}, saves {_mib(s.saved)}, {what}"

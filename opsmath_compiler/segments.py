@@ -1,9 +1,10 @@
 """Segments of a captured graph for the recompute plan (``opsmath.plan``): sizes, modelled costs, and
 the two ways of cutting the forward order into candidate segments.
 
-* **Cost**: a modelled recompute time per node: matmul/attention FLOPs at 400 TFLOP/s, every other op's
-  bytes at 3 TB/s (about 55% and 75% of the H200 ceilings in docs/design.md), plus 5 us per launch;
-  views cost nothing.
+* **Cost**: a modelled recompute time per node: matmul FLOPs at 400 TFLOP/s, a fused op's FLOPs at its
+  op spec's measured share of that (attention, vendor SDPA included: a third), every other op's bytes at
+  3 TB/s (about 55% and 75% of the H200 ceilings in docs/design.md), plus 5 us per launch; views cost
+  nothing.
 * **opsmath's cut points** (``segments_of``): the places in the forward order where the activations
   crossing the cut are fewest (local minima of the crossing bytes, e.g. the residual stream between
   blocks). Checkpointing a segment keeps only its external activation inputs and recomputes the rest in
@@ -73,7 +74,7 @@ def node_cost(n: fx.Node) -> float:
     spec = spec_of(n.target)
     if spec is not None and spec.flops is not None:    # a fused op with GEMMs inside (its op spec)
         vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
-        return t + spec.flops(*vals) / _FLOP_RATE
+        return t + spec.flops(*vals) / (_FLOP_RATE * spec.efficiency)
     moved = _nbytes(n) + sum(_nbytes(i) for i in n.all_input_nodes if i.op != "get_attr")
     return t + moved / _BYTE_RATE
 
@@ -93,11 +94,30 @@ class Segment:
 
 
 
+def is_fused_compute(target) -> bool:
+    """A fused op with GEMMs inside (attention, the LM-head loss), not a plain GEMM: what a selective run
+    that recomputes its GEMMs still keeps (its recompute costs far more per byte it frees)."""
+    return target not in GEMMS and is_compute(target)
+
+
+def _producer(n: fx.Node) -> fx.Node:
+    return n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else n
+
+
 def node_computes(n: fx.Node) -> bool:
     """``n`` is a compute op (``is_compute``) or an output of one: the nodes a selective run keeps."""
-    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
+    n = _producer(n)
     return n.op == "call_function" and is_compute(n.target)
+
+
+def node_fuses(n: fx.Node) -> bool:
+    """``n`` is a fused compute op (``is_fused_compute``) or an output of one: the nodes a selective run
+    of kind ``"selective-gemms"`` keeps."""
+    n = _producer(n)
+    return n.op == "call_function" and is_fused_compute(n.target)
+
+
+KEEPS = {"selective": node_computes, "selective-gemms": node_fuses}   # selective kind -> the nodes it keeps
 
 
 @dataclass
@@ -115,22 +135,27 @@ def saved_index(pairs: list) -> SavedIndex:
     return SavedIndex(by_saver, {maker for _, maker, _ in pairs})
 
 
-def selective(order: list[fx.Node], seg: Segment, index: SavedIndex) -> Segment | None:
+def selective(order: list[fx.Node], seg: Segment, index: SavedIndex, kind: str = "selective") -> Segment | None:
     """``seg`` (a segment or a run of them) with its cheap ops recomputed and its GEMMs and fused GEMM
-    ops kept, as a candidate (``plan.Step`` kind ``"selective"``): ``saved`` the bytes its nodes keep
+    ops kept, as a candidate (``plan.Step`` kind ``"selective"``; kind ``"selective-gemms"`` recomputes the
+    plain GEMMs too and keeps only the fused ops, ``KEEPS``): ``saved`` the bytes its nodes keep
     for backward that its cheap ops produced (each storage counted in its saver's segment only, as
     ``Segment.saved`` counts it; live again while its backward runs), ``inputs`` what must be kept in
     their stead (inputs of its cheap ops nothing keeps yet, and any made by a cheap op of another
-    segment, which may be recomputed there), ``cost`` the cheap ops' time. None when that saves nothing."""
+    segment, which may be recomputed there), ``cost`` the cheap ops' time. None when that saves nothing or
+    keeps nothing (the plain recompute of the run)."""
     nodes = order[seg.start:seg.end + 1]
     names = {n.name for n in nodes}
-    cheap = {n for n in nodes if not node_computes(n)}
+    keep = KEEPS[kind]
+    cheap = dict.fromkeys(n for n in nodes if not keep(n))   # in order: the cost sums the same way each run
+    if len(cheap) == len(nodes):
+        return None   # it keeps nothing: that is the run's plain recompute candidate
     cheap_names = {n.name for n in cheap}
     saved = sum(b for n in nodes for maker, b in index.by_saver.get(n.name, ()) if maker in cheap_names)
     extra = {}
     for c in cheap:
         for x in c.all_input_nodes:
-            outside_cheap = x not in cheap and x.name not in names and not node_computes(x)
+            outside_cheap = x not in cheap and x.name not in names and not keep(x)
             if x not in cheap and x.op == "call_function" and (outside_cheap or x.name not in index.makers):
                 extra[_storage(x)] = _nbytes(x)
     inputs = sum(extra.values())

@@ -57,7 +57,7 @@ def test_solver_takes_selective_where_gemms_are_dear():
     from opsmath.segments import Segment
     segs = [Segment(0, 2, 100, 10, 10.0), Segment(3, 5, 100, 10, 10.0)]
     runs = {(0, 0): segs[0], (1, 1): segs[1], (0, 1): Segment(0, 5, 200, 10, 20.0)}
-    sel = {(i, i): Segment(s.start, s.end, 60, 0, 1.0) for i, s in enumerate(segs)}
+    sel = {(i, i, "selective"): Segment(s.start, s.end, 60, 0, 1.0) for i, s in enumerate(segs)}
     picked, kept, trans, cost = choose(segs, runs, 0, "bytes", 200 - 100 + 60, sel=sel)
     assert [st.kind for st in picked] == ["selective", "selective"] and cost == 2.0 and kept == 80
     out, chosen, kinds = merged(segs, runs, picked)
@@ -101,3 +101,72 @@ def test_selective_candidate_counts_what_must_be_kept_instead():
     cands = [c for (i, j), r in runs.items() if j - i < 4 and (c := selective(order, r, saved_index(by.pairs))) is not None]
     assert cands and all(0 < c.saving <= c.saved for c in cands)
     assert max(c.saving for c in cands) < sum(by.values())
+
+
+def test_gemms_policy_keeps_fused_ops_only():
+    from opsmath.plan_emit import _keep_fused
+    assert _keep_fused(None, torch.ops.aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert _keep_fused(None, torch.ops.opsmath.attention.default) == CheckpointPolicy.MUST_SAVE
+    assert _keep_fused(None, torch.ops.aten.gelu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_gemms_candidate_frees_more_than_keeping_gemms():
+    """Recomputing a run's GEMMs too frees the GEMM outputs the plain selective candidate keeps: per run,
+    at least as many bytes freed, at a higher modelled cost; attention outputs stay kept (less freed
+    than recomputing the whole run)."""
+    model, batch = _model()
+    opt = opsmath.optimize(model, memory_budget=1.0)
+    opt(*batch).backward()
+    gm = opsmath.report(opt).graphs[0].graph
+    by = saved_bytes_by_node(gm, [True] * len(gm.graph.find_nodes(op="placeholder")))
+    order, index = forward_order(gm), saved_index(by.pairs)
+    runs = runs_of(gm, segments_of(gm, by))
+    both = [(selective(order, r, index), selective(order, r, index, "selective-gemms"), r)
+            for (i, j), r in runs.items() if j - i < 2]
+    pairs = [(a, b, r) for a, b, r in both if a is not None and b is not None]
+    assert pairs and any(b.saving > a.saving for a, b, _ in pairs)
+    assert all(b.saved >= a.saved and b.cost >= a.cost for a, b, _ in pairs)
+    attends = [(b, r) for _, b, r in pairs if any(n.target is torch.ops.opsmath.attention.default
+                                                  for n in order[r.start:r.end + 1])]
+    assert attends and all(b.cost < r.cost for b, r in attends)
+
+
+@pytest.mark.parametrize("inductor", [False, pytest.param(True, marks=needs_cxx)])
+def test_gemms_selective_plan_is_chosen_and_exact(inductor, monkeypatch):
+    """Only the GEMM-recomputing selective kind offered, attention made dear in the cost model: the plan
+    at 0.5 takes it (whole recompute redoes attention), and training equals no plan, dropout on."""
+    from opsmath import plan as plan_mod
+    from opsmath import segments
+    cost = segments.node_cost
+    monkeypatch.setattr(segments, "node_cost", lambda n: cost(n) * (
+        1e4 if n.target is torch.ops.opsmath.attention.default else 1.0))
+    monkeypatch.setattr(plan_mod, "KEEPS", {"selective-gemms": segments.node_fuses})
+    model, batch = _model()
+    ref = opsmath.optimize(model, inductor=inductor)
+    loss0, grads0 = _step(ref, model, batch)
+    model, batch = _model()
+    opt = opsmath.optimize(model, memory_budget=0.5, inductor=inductor)
+    loss1, grads1 = _step(opt, model, batch)
+    plan = opsmath.report(opt).graphs[0].plan
+    assert plan.gemms_recomputed and plan.kept + plan.transient <= 0.5 * plan.unconstrained, plan.to_dict()
+    torch.testing.assert_close(loss0, loss1, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads0, grads1):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert "keeping attention" in opsmath.report(opt).render(width=200)
+
+
+def test_vendor_sdpa_stand_in_is_costed_as_attention():
+    """The rewrite's SDPA stand-in (CUDA graphs) is the attention family's op too: costed by its FLOPs at
+    attention's measured rate (not by bytes moved), kept by selective runs, causal half of full."""
+    from opsmath.kernels import spec_of
+    from opsmath.kernels.attention_tuning import sdpa
+    from opsmath.segments import is_fused_compute
+    spec = spec_of(sdpa)
+    assert spec is spec_of(torch.ops.opsmath.attention.default) and spec.family == "attention"
+    assert is_fused_compute(sdpa) and spec.efficiency < 1
+    q = torch.empty(2, 4, 128, 64)
+    full = spec.flops(q, q, q, None, False, 0.125, 0.0, "sdpa_cudnn")
+    assert full == 4 * 2 * 4 * 128 * 128 * 64
+    assert spec.flops(q, q, q, None, True, 0.125, 0.0, "sdpa_cudnn") == 4 * 2 * 4 * (128 * 129 // 2) * 64
+    # opsmath.attention's own signature: (q, k, v, bias, mask, mask_fill, is_causal, ...)
+    assert spec.flops(q, q, q, None, None, 0.0, True) == 4 * 2 * 4 * (128 * 129 // 2) * 64
