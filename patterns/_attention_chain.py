@@ -89,12 +89,40 @@ def _score_op(ctx: RewriteContext, cur: fx.Node):
         return _bias_op(cur)
     if t in (aten.add.Tensor, aten.sub.Tensor) and isinstance(a[1], (int, float)):
         return a[0], None  # a constant shift of every score: softmax is invariant to it
+    if (merged := _windows_merged(cur)) is not None:   # Swin: a mask added per window, then merged back
+        return merged
     if t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         f = fill_value(ctx, a[2])
         return "masked_fill value is not a constant" if f is None else (a[0], ("mask", a[1], False, f))
     if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
         return _where_op(ctx, cur)
     return _unsupported(cur)
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _windows_merged(cur: fx.Node):
+    """Swin's shifted-window mask: ``view(view(S, (A, W, H, N, N)) + m, (A*W, H, N, N))``, the scores of
+    A images x W windows split per window, a (1, W|1, H|1, N, N) bias ``m`` added, merged back. Returns
+    (S, the bias op with ``m`` 5-D, folded to 4-D at emission: ``_attention_plan.bias_shape``), a reason,
+    or None for any other op."""
+    x = cur.args[0] if cur.args else None
+    if cur.target not in _VIEWS or len(shape(cur)) != 4 or not isinstance(x, fx.Node) \
+            or x.target is not aten.add.Tensor or len(x.users) != 1 or len(shape(x)) != 5:
+        return None
+    s5 = shape(x)
+    if s5[0] * s5[1] != shape(cur)[0] or s5[2:] != shape(cur)[1:]:
+        return None
+    for split, m in (x.args[:2], x.args[1::-1]):
+        if isinstance(split, fx.Node) and split.target in _VIEWS and len(split.users) == 1 \
+                and isinstance(m, fx.Node) and shape(split.args[0]) == shape(cur):
+            ms = shape(m)
+            if len(ms) != 5 or ms[0] != 1 or ms[1] not in (1, s5[1]) or ms[2] not in (1, s5[2]) \
+                    or ms[3:] != s5[3:] or not all(isinstance(d, int) for d in (*s5, *ms)):
+                return f"a bias of shape {ms} on scores split per window {s5}: not read"
+            return split.args[0], ("bias", m, 1.0)
+    return None
 
 
 def _baddbmm_scores(node: fx.Node) -> bool:

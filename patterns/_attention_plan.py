@@ -45,10 +45,14 @@ class Plan:
 
 
 def bias_shape(plan: Plan, b: fx.Node) -> tuple:
-    """A bias's shape as the 4-D scores see it: (B*H)-row biases of a flattened chain as (B, H, ...)."""
+    """A bias's shape as the 4-D scores see it: (B*H)-row biases of a flattened chain as (B, H, ...); a
+    5-D per-window bias (1, W|1, H|1, N, N) of Swin's split scores (``_attention_chain._windows_merged``)
+    as (A*W|1, H|1, N, N)."""
     s = shape(b)
     if plan.flat_rows and flat_bias_rows(b, plan.scores[1]):
         return (s[0] // plan.scores[1], plan.scores[1]) + s[1:]
+    if len(s) == 5:
+        return (plan.scores[0] if s[1] > 1 else 1,) + s[2:]
     return s
 
 

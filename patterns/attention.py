@@ -137,6 +137,11 @@ def _bias(ctx: RewriteContext, sm: fx.Node, plan: Plan):
     for b, mult in plan.biases:
         if plan.flat_rows and flat_bias_rows(b, plan.scores[1]):
             b = ctx.call(aten.unflatten.int, (b, 0, [-1, plan.scores[1]]), sm)
+        if len(shape(b)) == 5:   # per window (1, W|1, H|1, N, N): repeated over the A images of A*W rows
+            s, merged = shape(b), list(bias_shape(plan, b))
+            if s[1] > 1:
+                b = ctx.call(aten.expand.default, (b, [plan.scores[0] // s[1], *s[1:]]), sm)
+            b = ctx.call(aten.reshape.default, (b, merged), sm)
         term = b if mult == 1.0 else ctx.call(aten.mul.Tensor, (b, mult), sm)
         bias = term if bias is None else ctx.call(aten.add.Tensor, (bias, term), sm)
     if bias is None:

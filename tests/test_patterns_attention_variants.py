@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opsmath
-from test_patterns_attention import D, H, T, AttnModel, _compare, _inputs
+from test_patterns_attention import C, D, H, T, AttnModel, _compare, _inputs
 from tolerance import rel_err
 
 
@@ -138,3 +138,55 @@ def test_scale_read_from_a_buffer_is_not_baked_in():
         eager.temperature.fill_(t)
         assert rel_err(opt(x, pad), eager(x, pad)) < 1e-5, t
     assert opsmath.report(opt).matches[0].details["scale"] == 1.0
+
+
+class _ShiftedWindows(nn.Module):
+    """timm's Swin ``WindowAttention`` as written without SDPA: A images x W windows of N tokens in the
+    batch, a learned relative-position bias, then the shifted-window mask (0 / -100 per window) added on
+    the scores split per window and merged back."""
+
+    def __init__(self, windows, N, mask_shape=None):
+        super().__init__()
+        self.W, self.N = windows, N
+        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.rel = nn.Parameter(torch.randn(1, H, N, N) * 0.1)
+        mask = (torch.rand(*(mask_shape or (windows, N, N))) < 0.3).float() * -100.0
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        B_, N, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B_, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q * D ** -0.5) @ k.transpose(-2, -1) + self.rel
+        m = self.mask.unsqueeze(1).unsqueeze(0) if self.mask.dim() == 3 else self.mask
+        attn = attn.view(-1, self.W, H, N, N) + m
+        attn = attn.view(-1, H, N, N).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(B_, N, C))
+
+
+def _compare_windows(model, x):
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    y1, y2 = opt(x), eager(x)
+    w = torch.randn_like(y1)
+    (y1 * w).sum().backward()
+    (y2 * w).sum().backward()
+    assert rel_err(y1, y2) < 1e-5
+    for (name, p1), p2 in zip(opt.named_parameters(), eager.parameters()):
+        assert rel_err(p1.grad, p2.grad) < 1e-4, name
+    return opsmath.report(opt)
+
+
+def test_swin_shifted_window_mask_is_fused_and_exact():
+    """The per-window mask on scores split as (A, W, H, N, N) becomes a bias of the merged (A*W) rows:
+    every window's attention rewritten, the relative-position bias's gradient kept."""
+    torch.manual_seed(0)
+    rep = _compare_windows(_ShiftedWindows(windows=3, N=9), torch.randn(2 * 3, 9, C))
+    assert rep.count("attention") == 1, rep.render(width=120)
+
+
+def test_window_bias_varying_per_image_is_declined_with_its_shape():
+    """A bias on the split scores that differs per image (A, W, 1, N, N) is not read: declined, exact."""
+    torch.manual_seed(0)
+    rep = _compare_windows(_ShiftedWindows(windows=3, N=9, mask_shape=(2, 3, 1, 9, 9)), torch.randn(6, 9, C))
+    assert rep.count("attention") == 0
+    assert any(d.pattern == "attention" and "split per window" in d.reason for d in rep.declines), rep.declines
