@@ -60,6 +60,16 @@ class OptimizeState:
     notes: list[str] = field(default_factory=list)   # what rules changed on the module (Rule.prepare)
     cuda_graph_skips: list[str] = field(default_factory=list)   # Inductor's reasons for not replaying
 
+    def __reduce__(self):
+        """Pickled or deep-copied with its module, the state becomes None: like ``Module.compile()``'s
+        compiled call (which ``Module.__getstate__`` drops), the copy is the plain module, run eagerly
+        (``torch.save(model)``, an EMA copy); optimize the copy to compile it again."""
+        return _no_state, ()
+
+
+def _no_state():
+    return None
+
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
              inductor=None, cuda_graphs=False, fp8=False, **options) -> torch.nn.Module:

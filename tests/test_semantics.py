@@ -349,3 +349,29 @@ def test_users_checkpoint_regions_are_plan_candidates():
     assert plan.user_regions == 6 and plan.segmentation in ("user", "opsmath", "opsmath-fine")
     assert plan.kept + plan.transient <= 0.35 * plan.unconstrained
     assert "checkpoint regions as candidates" in rep.render(width=200)
+
+
+def test_optimized_module_pickles_and_copies_as_the_plain_module():
+    """``torch.save(model)`` and ``copy.deepcopy(model)`` (an EMA copy) of an optimized module work, as for
+    ``Module.compile()``: the copy is the plain module, run eagerly, equal to the optimized one; the
+    original stays optimized."""
+    import copy
+    import io
+
+    from opsmath import examples
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=2, seq_len=32, n_layer=2, dropout=0.0)
+    opt = opsmath.optimize(model)
+    opt(*batch).backward()
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    loaded, twin = torch.load(buf, weights_only=False), copy.deepcopy(opt)
+    runs = opt._opsmath.graph_runs
+    with torch.no_grad():
+        want = opt(*batch)
+        for m in (loaded, twin):
+            assert m._opsmath is None and torch.allclose(m(*batch), want, rtol=1e-5, atol=1e-6)
+            with pytest.raises(ValueError, match="not returned by opsmath.optimize"):
+                opsmath.report(m)
+    assert opt._opsmath.graph_runs > runs   # the original still runs its optimized graph
