@@ -78,8 +78,8 @@ def line_up(plan: Plan) -> Optional[str]:
         return "V batch dims differ from the scores' (K and V repeated differently?)"
     if shape(q)[:-2] != lead or kshape[-2:] != (Sk, D) or shape(plan.v)[-2] != Sk:
         return "Q/K/V shapes do not line up (broadcasting matmul)"
-    if shape(plan.v)[-1] != D:
-        return f"V head dim {shape(plan.v)[-1]} differs from Q/K head dim {D} (not supported yet)"
+    if shape(plan.v)[-1] != D and not all(isinstance(x, int) for x in (shape(plan.v)[-1], D)):
+        return f"V head dim {shape(plan.v)[-1]} differs from Q/K head dim {D}, symbolic"
     if dtype(plan.qk) != dtype(plan.pv) or dtype(plan.qk) not in (torch.float16, torch.bfloat16, torch.float32,
                                                                   torch.float64):
         return f"mixed or unsupported dtypes: QK^T in {dtype(plan.qk)}, PV in {dtype(plan.pv)}"

@@ -96,9 +96,14 @@ class AttentionRule(Rule):
                            (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed,
                             plan.softcap, plan.window), sm)
             res.meta[MATCH] = len(ctx.matches)   # the match recorded below; its backend is chosen after matching
-            if nd == 4 and not plan.flat_out and isinstance(pv.meta.get("val"), torch.Tensor):
-                res.meta[LAYOUT] = dim_order(pv.meta["val"])   # kept by the backend pass (_keep_layout)
+            order = dim_order(pv.meta["val"]) if nd == 4 and not plan.flat_out and isinstance(
+                pv.meta.get("val"), torch.Tensor) else None
+            dv = shape(plan.v)[-1]
+            if order is not None and dv >= shape(plan.q)[-1]:
+                res.meta[LAYOUT] = order   # kept by the backend pass (_keep_layout)
             out = ctx.call(operator.getitem, (res, 0), sm)
+            if dv < shape(plan.q)[-1]:   # V was zero-padded to the Q/K head dim: its columns, densely
+                out = _narrowed(ctx, sm, out, dv, order or (0, 1, 2, 3))
             if nd == 3:
                 out = ctx.call(aten.squeeze.dim, (out, 1), sm)
             if plan.flat_out:
@@ -120,15 +125,32 @@ def _to4d(ctx: RewriteContext, sm: fx.Node, plan: Plan, x: fx.Node, rank: int) -
 
 
 def _operands(ctx: RewriteContext, sm: fx.Node, plan: Plan) -> tuple:
-    """q, k, v in the scores' dtype, k as [.., Sk, D], with a head dim for 3-D scores."""
+    """q, k, v in the scores' dtype, k as [.., Sk, D], with a head dim for 3-D scores. Head dims that
+    differ (DeepSeek's MLA: Q/K 192, V 128; LeViT: Q/K 16, V 64) are zero-padded to the larger one:
+    zero columns of Q and K add exact zeros to every score, zero columns of V give zero output columns
+    (cut off after the kernel, ``_narrowed``), and the pads' gradients drop the padded columns."""
     cdt = dtype(plan.qk)
     q, k, v = plan.q, plan.k, plan.v
     if plan.k_needs_transpose:
         k = ctx.call(aten.transpose.int, (k, -2, -1), sm)
     q, k, v = (x if dtype(x) == cdt else ctx.call(aten.to.dtype, (x, cdt), sm) for x in (q, k, v))
+    d, dv = shape(plan.q)[-1], shape(plan.v)[-1]
+    if dv < d:
+        v = ctx.call(aten.constant_pad_nd.default, (v, [0, d - dv]), sm)
+    elif dv > d:
+        q, k = (ctx.call(aten.constant_pad_nd.default, (x, [0, dv - d]), sm) for x in (q, k))
     if len(plan.scores) == 3:
         q, k, v = (ctx.call(aten.unsqueeze.default, (x, 1), sm) for x in (q, k, v))
     return q, k, v
+
+
+def _narrowed(ctx: RewriteContext, sm: fx.Node, out: fx.Node, dv: int, order: tuple) -> fx.Node:
+    """The first ``dv`` columns of the 4-D output ``out``, copied densely in the memory order ``order``
+    of the output they replace (a reader's ``view`` needs it; see ``_keep_layout``)."""
+    cut = ctx.call(aten.slice.Tensor, (out, -1, 0, dv), sm)
+    p = ctx.call(aten.permute.default, (cut, list(order)), sm)
+    c = ctx.call(aten.clone.default, (p,), sm, {"memory_format": torch.contiguous_format})
+    return ctx.call(aten.permute.default, (c, [order.index(d) for d in range(4)]), sm)
 
 
 def _bias(ctx: RewriteContext, sm: fx.Node, plan: Plan):
@@ -170,6 +192,8 @@ def _describe(plan: Plan) -> tuple[list, dict]:
     desc += [f"mask(fill={plan.fill:.3g})"] if plan.masks else []
     desc += [f"dropout={plan.dropout_p:g}"] if plan.dropout_p else []
     desc += [f"gqa {H}/{H // plan.rep}"] if plan.rep > 1 else []
+    d, dv = shape(plan.q)[-1], shape(plan.v)[-1]
+    desc += [f"head dims q/k {d}, v {dv}: zero-padded to {max(d, dv)}"] if d != dv else []
     return desc, dict(causal=plan.causal, window=plan.window, window_in_mask=plan.window_in_mask, scale=plan.scale,
                       softcap=plan.softcap, dropout_p=plan.dropout_p,
                       gqa_rep=plan.rep, has_bias=bool(plan.biases), has_mask=bool(plan.masks),

@@ -190,3 +190,37 @@ def test_window_bias_varying_per_image_is_declined_with_its_shape():
     rep = _compare_windows(_ShiftedWindows(windows=3, N=9, mask_shape=(2, 3, 1, 9, 9)), torch.randn(6, 9, C))
     assert rep.count("attention") == 0
     assert any(d.pattern == "attention" and "split per window" in d.reason for d in rep.declines), rep.declines
+
+
+class _UnequalHeadDims(nn.Module):
+    """Q/K head dim ``dqk``, V head dim ``dv`` (DeepSeek's MLA: 192 / 128; LeViT: 16 / 64), written out or
+    through SDPA, the output read back with ``transpose -> contiguous -> view`` (nanoGPT's spelling)."""
+
+    def __init__(self, dqk, dv, sdpa):
+        super().__init__()
+        self.dqk, self.dv, self.sdpa = dqk, dv, sdpa
+        self.qk, self.v = nn.Linear(C, 2 * H * dqk), nn.Linear(C, H * dv)
+        self.proj = nn.Linear(H * dv, C)
+
+    def forward(self, x):
+        B, N, _ = x.shape
+        q, k = self.qk(x).view(B, N, 2, H, self.dqk).permute(2, 0, 3, 1, 4).unbind(0)
+        v = self.v(x).view(B, N, H, self.dv).transpose(1, 2)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * self.dqk ** -0.5
+            att = att.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+            y = att.softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).contiguous().view(B, N, H * self.dv))
+
+
+@pytest.mark.parametrize("dqk,dv", [(24, 16), (8, 20)])
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_unequal_head_dims_are_zero_padded_and_exact(dqk, dv, sdpa):
+    """The smaller head dim is zero-padded to the larger: rewritten, output and every gradient equal to
+    eager, the report says so."""
+    torch.manual_seed(0)
+    rep = _compare_windows(_UnequalHeadDims(dqk, dv, sdpa), torch.randn(3, 11, C))
+    assert rep.count("attention") == 1, rep.render(width=120)
+    assert f"head dims q/k {dqk}, v {dv}: zero-padded to {max(dqk, dv)}" in rep.matches[0].replacement
