@@ -132,10 +132,19 @@ def _baddbmm_scores(node: fx.Node) -> bool:
         and isinstance(node.args[0], fx.Node) and node.args[0].target is aten.baddbmm.default)
 
 
+def _sink_column(node: fx.Node) -> bool:
+    """``cat([scores, sinks], -1)``: GPT-OSS's attention sinks, a learned logit per head in the softmax."""
+    return node.target is aten.cat.default and len(node.args[0]) == 2 and isinstance(node.args[0][0], fx.Node) \
+        and (node.args[1] if len(node.args) > 1 else 0) in (-1, len(shape(node)) - 1) \
+        and leads_to_matmul(node.args[0][0])
+
+
 def _unsupported(cur: fx.Node) -> Optional[str]:
     """Score modifications recognized but not fused yet: said in the report instead of silence."""
     if _baddbmm_scores(cur):
         return "scores from baddbmm whose operands are not 4-D tensors flattened to (B*H) rows: not read"
+    if _sink_column(cur):
+        return "a sink logit concatenated to the scores (GPT-OSS's attention sinks): not fused yet"
     return None
 
 
@@ -260,7 +269,7 @@ def leads_to_matmul(node, depth: int = 12) -> bool:
             return True
         if not isinstance(node, fx.Node) or node.op != "call_function":
             return False
-        if _baddbmm_scores(node):
+        if _baddbmm_scores(node) or _sink_column(node):
             return True     # recognized so that the chain is declined with its reason (_unsupported)
         if passes_through(node) or scalar_scale(node) is not None or node.target is aten.tanh.default \
                 or rows_to_heads(node) is not None:

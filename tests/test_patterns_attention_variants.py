@@ -53,7 +53,17 @@ def baddbmm_rows_from_2d(q, k, v, m):
     return F.softmax(s, dim=-1) @ v
 
 
-@pytest.mark.parametrize("fn,reason", [(baddbmm_rows_from_2d, "baddbmm"), (tanh_after_bias, "not a logit softcap")])
+def attention_sinks(q, k, v, m):
+    """GPT-OSS: a learned logit per head concatenated to the scores, max-subtracted, its column dropped."""
+    att = q @ k.transpose(-2, -1) * D ** -0.5
+    sinks = m.rel_bias[:, :, :1, :1].reshape(1, H, 1, 1).expand(att.shape[0], -1, att.shape[2], -1)
+    logits = torch.cat([att, sinks], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return F.softmax(logits, dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("fn,reason", [(baddbmm_rows_from_2d, "baddbmm"), (tanh_after_bias, "not a logit softcap"),
+                                       (attention_sinks, "attention sinks")])
 def test_unfused_score_modifications_are_declined_with_their_name(fn, reason):
     """Variants no kernel takes yet are reported with what was found, and training stays exact."""
     torch.manual_seed(0)
