@@ -32,6 +32,42 @@ def dit():
                    class_labels=torch.tensor([1, 3]))
 
 
+def sd3():
+    from diffusers import SD3Transformer2DModel
+    m = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+                              num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                              pooled_projection_dim=16, out_channels=4)
+    return m, dict(hidden_states=torch.randn(2, 4, 8, 8), encoder_hidden_states=torch.randn(2, 5, 32),
+                   pooled_projections=torch.randn(2, 16), timestep=torch.tensor([10, 500]))
+
+
+def flux():
+    from diffusers import FluxTransformer2DModel
+    m = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                               num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+                               axes_dims_rope=(4, 6, 6))
+    return m, dict(hidden_states=torch.randn(2, 16, 16), encoder_hidden_states=torch.randn(2, 5, 32),
+                   pooled_projections=torch.randn(2, 16), timestep=torch.tensor([0.1, 0.5]), img_ids=torch.zeros(16, 3),
+                   txt_ids=torch.zeros(5, 3))
+
+
+def pixart():
+    from diffusers import PixArtTransformer2DModel
+    m = PixArtTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8,
+                                 num_layers=2, cross_attention_dim=32, caption_channels=24, sample_size=8, patch_size=2,
+                                 norm_num_groups=8)
+    return m, dict(hidden_states=torch.randn(2, 4, 8, 8), encoder_hidden_states=torch.randn(2, 5, 24),
+                   timestep=torch.tensor([10, 500]), added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+
+
+def vae():
+    from diffusers import AutoencoderKL
+    m = AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(16, 32), latent_channels=4, norm_num_groups=8,
+                      down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                      layers_per_block=1)
+    return m, dict(sample=torch.randn(2, 3, 16, 16))
+
+
 def check(factory) -> str:
     torch.manual_seed(0)
     model, kw = factory()
@@ -50,5 +86,6 @@ def check(factory) -> str:
 
 
 if __name__ == "__main__":
-    for name, factory in (("unet2d-condition", unet), ("dit", dit)):
+    for name, factory in (("unet2d-condition", unet), ("dit", dit), ("sd3-mmdit", sd3), ("flux", flux),
+                          ("pixart-alpha", pixart), ("vae-kl", vae)):
         print(f"{name:18} {check(factory)}", flush=True)
