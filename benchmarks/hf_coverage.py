@@ -53,7 +53,7 @@ MODELS = {  # name: (model class, config class, config)
  "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(SMALL, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)),
  "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(SMALL, num_key_value_heads=2, head_dim=16, sliding_window=6, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=16)),
  # multi-head latent attention: Q/K head dim 24 (16 + 8 rotary), V head dim 16; routed experts
- # attention sinks (a learned logit per head in the softmax): declined with the reason, not fused yet
+ # attention sinks (a learned logit per head in the softmax), on a full and a sliding-window layer
  "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(SMALL, num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
  "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(SMALL, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1)),
 }

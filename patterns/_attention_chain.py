@@ -19,6 +19,7 @@ from opsmath.canonicalize import (aten, as_matmul, constant_value, dropout_info,
 from opsmath.match import RewriteContext
 
 from ._attention_flat import flat_pv, flat_scores, rows_to_heads, unflattened
+from ._attention_sinks import drops_sink, is_row_max_of, row_max_shift, sink_column, sink_reason
 from ._attention_plan import Plan, fill_value, finish_plan, line_up
 
 
@@ -39,7 +40,11 @@ def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
     if isinstance(found, str):
         return found
     down, pv, p_drop = found
-    plan = _operands(ctx, qk, fs, pv, p_drop, [*reversed(up), sm, *down], sshape,
+    sink = any(op[0] == "sink" for op in ops)
+    if sink != any(drops_sink(n) for n in down):
+        return "a sink column not cut after the softmax" if sink else "attention probabilities sliced"
+    scores = sshape[:-1] + (sshape[-1] - 1,) if sink else sshape   # without the sink's column
+    plan = _operands(ctx, qk, fs, pv, p_drop, [*reversed(up), sm, *down], scores,
                      any(rows_to_heads(n) is not None for n in up))
     if isinstance(plan, str):
         return plan
@@ -47,7 +52,8 @@ def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
         return why
     if (why := _compose(plan, ops)) is not None:
         return why
-    return finish_plan(ctx, plan)
+    plan = finish_plan(ctx, plan)
+    return (sink_reason(plan) or plan) if not isinstance(plan, str) else plan
 
 
 def _upward(ctx: RewriteContext, cur):
@@ -56,7 +62,7 @@ def _upward(ctx: RewriteContext, cur):
     while as_matmul(cur) is None and flat_scores(cur) is None:
         if not isinstance(cur, fx.Node) or cur.op != "call_function":
             return None
-        if len(cur.users) != 1 and escape is None:
+        if len([u for u in cur.users if not is_row_max_of(u, cur)]) != 1 and escape is None:
             escape = cur
         up.append(cur)
         step = _score_op(ctx, cur)
@@ -84,6 +90,10 @@ def _score_op(ctx: RewriteContext, cur: fx.Node):
         return s[0], ("scale", s[1])
     if t is aten.tanh.default:
         return a[0], ("tanh",)
+    if (x := row_max_shift(cur)) is not None:   # a per-row shift: the softmax does not see it
+        return x, None
+    if (cs := sink_column(cur)) is not None and leads_to_matmul(cs[0]):   # GPT-OSS's attention sinks
+        return cs[0], ("sink", cs[1])
     if t in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(x, fx.Node) for x in a[:2]) \
             and cur.kwargs.get("alpha", 1) == 1:
         return _bias_op(cur)
@@ -132,19 +142,10 @@ def _baddbmm_scores(node: fx.Node) -> bool:
         and isinstance(node.args[0], fx.Node) and node.args[0].target is aten.baddbmm.default)
 
 
-def _sink_column(node: fx.Node) -> bool:
-    """``cat([scores, sinks], -1)``: GPT-OSS's attention sinks, a learned logit per head in the softmax."""
-    return node.target is aten.cat.default and len(node.args[0]) == 2 and isinstance(node.args[0][0], fx.Node) \
-        and (node.args[1] if len(node.args) > 1 else 0) in (-1, len(shape(node)) - 1) \
-        and leads_to_matmul(node.args[0][0])
-
-
 def _unsupported(cur: fx.Node) -> Optional[str]:
     """Score modifications recognized but not fused yet: said in the report instead of silence."""
     if _baddbmm_scores(cur):
         return "scores from baddbmm whose operands are not 4-D tensors flattened to (B*H) rows: not read"
-    if _sink_column(cur):
-        return "a sink logit concatenated to the scores (GPT-OSS's attention sinks): not fused yet"
     return None
 
 
@@ -180,7 +181,7 @@ def _downward(sm: fx.Node):
         if len(users) != 1:
             return f"{cur.name} (attention probabilities) is used outside the attention, e.g. returned"
         u = users[0]
-        if passes_through(u):
+        if passes_through(u) or drops_sink(u):
             cur = u
         elif (d := dropout_info(u)) is not None and d[0] is cur:
             if p_drop > 0 and d[1] > 0:
@@ -232,7 +233,11 @@ def _compose(plan: Plan, ops: list) -> Optional[str]:
     ``c * tanh(scale * QK^T / c)`` with ``c = m`` and ``scale = a * m``."""
     outer = None   # the product of the scales after a tanh
     for op in reversed(ops):
-        if op[0] == "tanh":
+        if plan.sink is not None:
+            return "a score op after the sink column (it would reach the sink's logit)"
+        if op[0] == "sink":
+            plan.sink = op[1]
+        elif op[0] == "tanh":
             if outer is not None or plan.biases or plan.masks:
                 return "tanh on the scores after a bias, mask or another tanh (not a logit softcap)"
             outer = 1.0
@@ -269,8 +274,11 @@ def leads_to_matmul(node, depth: int = 12) -> bool:
             return True
         if not isinstance(node, fx.Node) or node.op != "call_function":
             return False
-        if _baddbmm_scores(node) or _sink_column(node):
+        if _baddbmm_scores(node):
             return True     # recognized so that the chain is declined with its reason (_unsupported)
+        if (x := row_max_shift(node)) is not None or (x := sink_column(node)) is not None:
+            node = x if isinstance(x, fx.Node) else x[0]
+            continue
         if passes_through(node) or scalar_scale(node) is not None or node.target is aten.tanh.default \
                 or rows_to_heads(node) is not None:
             node = node.args[0]

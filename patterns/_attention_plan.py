@@ -42,6 +42,7 @@ class Plan:
     scores: tuple = ()                # the scores' shape (..., Sq, Sk)
     flat_rows: bool = False           # scores from (B*H)-row operands (_attention_flat): biases unflattened
     flat_out: bool = False            # P V over (B*H) rows: the 4-D output is flattened back
+    sink: Optional[fx.Node] = None    # attention sinks: a logit per head in the softmax (_attention_sinks)
 
 
 def bias_shape(plan: Plan, b: fx.Node) -> tuple:
@@ -101,7 +102,11 @@ def finish_plan(ctx, plan: Plan) -> Union[str, Plan]:
             ok = False
         if not ok:
             return f"{what} of shape {xs} does not broadcast to the scores {plan.scores}"
+    kept = (list(plan.biases), list(plan.masks), plan.fill, plan.causal)
     _detect_causal(ctx, plan, *plan.scores[-2:])
+    if plan.sink is not None and plan.window:   # a skipped window would hide the sink: the mask stays as written
+        plan.biases, plan.masks, plan.fill, plan.causal = kept
+        plan.window = plan.window_in_mask = 0
     return plan
 
 

@@ -26,6 +26,7 @@ from ._attention_backend import LAYOUT, MATCH, choose_backends, dim_order
 from ._attention_chain import analyze_chain
 from ._attention_flat import flat_bias_rows
 from ._attention_plan import Plan, bias_shape, finish_plan, line_up
+from ._attention_sinks import pad_for_sink, with_sink
 
 
 class AttentionRule(Rule):
@@ -91,6 +92,9 @@ class AttentionRule(Rule):
         with ctx.graph.inserting_before(pv):
             q, k, v = _operands(ctx, sm, plan)
             bias, mask = _bias(ctx, sm, plan), _mask(ctx, sm, plan)
+            if plan.sink is not None:   # one more key and a dummy query row (_attention_sinks)
+                q, k, v = with_sink(ctx, sm, q, k, v, plan.sink, plan.scale)
+                bias, mask = (pad_for_sink(ctx, sm, x, plan.scores[-1]) for x in (bias, mask))
             seed = ctx.dropout_seed(plan.dropout_p, q, sm)
             res = ctx.call(torch.ops.opsmath.attention.default,
                            (q, k, v, bias, mask, plan.fill, plan.causal, plan.scale, plan.dropout_p, seed,
@@ -98,12 +102,12 @@ class AttentionRule(Rule):
             res.meta[MATCH] = len(ctx.matches)   # the match recorded below; its backend is chosen after matching
             order = dim_order(pv.meta["val"]) if nd == 4 and not plan.flat_out and isinstance(
                 pv.meta.get("val"), torch.Tensor) else None
-            dv = shape(plan.v)[-1]
-            if order is not None and dv >= shape(plan.q)[-1]:
+            dv, cut = shape(plan.v)[-1], plan.sink is not None or shape(plan.v)[-1] < shape(plan.q)[-1]
+            if order is not None and not cut:
                 res.meta[LAYOUT] = order   # kept by the backend pass (_keep_layout)
             out = ctx.call(operator.getitem, (res, 0), sm)
-            if dv < shape(plan.q)[-1]:   # V was zero-padded to the Q/K head dim: its columns, densely
-                out = _narrowed(ctx, sm, out, dv, order or (0, 1, 2, 3))
+            if cut:   # V zero-padded (or a sink's dummy row added): the real rows and columns, densely
+                out = _narrowed(ctx, sm, out, dv, order or (0, 1, 2, 3), int(plan.sink is not None))
             if nd == 3:
                 out = ctx.call(aten.squeeze.dim, (out, 1), sm)
             if plan.flat_out:
@@ -144,10 +148,13 @@ def _operands(ctx: RewriteContext, sm: fx.Node, plan: Plan) -> tuple:
     return q, k, v
 
 
-def _narrowed(ctx: RewriteContext, sm: fx.Node, out: fx.Node, dv: int, order: tuple) -> fx.Node:
-    """The first ``dv`` columns of the 4-D output ``out``, copied densely in the memory order ``order``
-    of the output they replace (a reader's ``view`` needs it; see ``_keep_layout``)."""
+def _narrowed(ctx: RewriteContext, sm: fx.Node, out: fx.Node, dv: int, order: tuple, first_row: int = 0) -> fx.Node:
+    """The first ``dv`` columns of the 4-D output ``out`` from query row ``first_row`` on, copied densely
+    in the memory order ``order`` of the output they replace (a reader's ``view`` needs it; see
+    ``_keep_layout``)."""
     cut = ctx.call(aten.slice.Tensor, (out, -1, 0, dv), sm)
+    if first_row:
+        cut = ctx.call(aten.slice.Tensor, (cut, 2, first_row, shape(out)[2]), sm)
     p = ctx.call(aten.permute.default, (cut, list(order)), sm)
     c = ctx.call(aten.clone.default, (p,), sm, {"memory_format": torch.contiguous_format})
     return ctx.call(aten.permute.default, (c, [order.index(d) for d in range(4)]), sm)
@@ -194,6 +201,7 @@ def _describe(plan: Plan) -> tuple[list, dict]:
     desc += [f"gqa {H}/{H // plan.rep}"] if plan.rep > 1 else []
     d, dv = shape(plan.q)[-1], shape(plan.v)[-1]
     desc += [f"head dims q/k {d}, v {dv}: zero-padded to {max(d, dv)}"] if d != dv else []
+    desc += ["sinks (one more key)"] if plan.sink is not None else []
     return desc, dict(causal=plan.causal, window=plan.window, window_in_mask=plan.window_in_mask, scale=plan.scale,
                       softcap=plan.softcap, dropout_p=plan.dropout_p,
                       gqa_rep=plan.rep, has_bias=bool(plan.biases), has_mask=bool(plan.masks),

@@ -62,8 +62,38 @@ def attention_sinks(q, k, v, m):
     return F.softmax(logits, dim=-1)[..., :-1] @ v
 
 
-@pytest.mark.parametrize("fn,reason", [(baddbmm_rows_from_2d, "baddbmm"), (tanh_after_bias, "not a logit softcap"),
-                                       (attention_sinks, "attention sinks")])
+def causal_sinks_with_padding(q, k, v, m):
+    """GPT-OSS's eager spelling with HF's additive causal + padding mask and the row-max shift."""
+    att = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+    att = att + torch.zeros(T, T).masked_fill(~m.causal[:T, :T], torch.finfo(torch.float32).min)
+    att = att + (1.0 - m.pad[:, None, None, :]) * torch.finfo(torch.float32).min
+    sinks = m.rel_bias[0, :, 0, 0].reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    logits = torch.cat([att, sinks], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return F.dropout(F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1], p=0.0) @ v
+
+
+def windowed_sinks(q, k, v, m):
+    """Sinks on a sliding-window causal mask (GPT-OSS's local layers): the window stays a mask."""
+    i = torch.arange(T)
+    keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4)
+    att = (q @ k.transpose(-2, -1)) * D ** -0.5 + torch.zeros(T, T).masked_fill(~keep, float("-inf"))
+    sinks = m.rel_bias[0, :, 0, 0].reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    logits = torch.cat([att, sinks], dim=-1)
+    return F.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("fn", [attention_sinks, causal_sinks_with_padding, windowed_sinks])
+def test_attention_sinks_run_as_one_more_key_and_are_exact(fn):
+    """GPT-OSS's sinks: the kernel runs them as one more key (and a dummy query row); output and every
+    gradient, the sink logits' included, equal to eager."""
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(fn), *_inputs())
+    assert rep.count("attention") == 1, rep.render(width=120)
+    assert "sinks" in rep.matches[0].replacement
+
+
+@pytest.mark.parametrize("fn,reason", [(baddbmm_rows_from_2d, "baddbmm"), (tanh_after_bias, "not a logit softcap")])
 def test_unfused_score_modifications_are_declined_with_their_name(fn, reason):
     """Variants no kernel takes yet are reported with what was found, and training stays exact."""
     torch.manual_seed(0)
