@@ -39,7 +39,7 @@ def row_max_shift(node: fx.Node) -> Optional[fx.Node]:
         return None
     x, m = node.args[:2]
     if m.target is operator.getitem and m.args[1] == 0 and isinstance(m.args[0], fx.Node):
-        m, dims = m.args[0], None
+        m = m.args[0]
         if m.target is not aten.max.dim:
             return None
         dims, keep = [m.args[1]], (m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False))
