@@ -49,6 +49,12 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
     "llama8b4": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
         intermediate_size=14336, vocab_size=32000, max_position_embeddings=8192), 2, 4096),
+    # GPT-OSS-20B's attention (64 heads of 64, GQA 64/8, sinks, sliding window 128 on every other layer),
+    # 4 layers, 8 experts top-4 (20B has 32): eager attention as HF offers it (no SDPA)
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        hidden_size=2880, num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        intermediate_size=2880, num_local_experts=8, num_experts_per_tok=4, vocab_size=32000, sliding_window=128,
+        max_position_embeddings=4096), 2, 2048),
     "tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=256), 2, 32),
@@ -226,7 +232,7 @@ def main():
     for n in names:   # written after each model: a run cut short keeps what it measured
         out[n] = run(n, args.rounds, args.steps, device, args.gradient_checkpointing, args.variants.split(","))
         if not args.smoke:
-            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n == "gemma2" else "") \
+            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n in ("gemma2", "gpt_oss") else "") \
                 + ("-fp8" if any("fp8" in v for v in args.variants.split(",")) else "")
             print("wrote", write("hf_default_attention" + tag, out), flush=True)
 
