@@ -83,7 +83,15 @@ def windowed_sinks(q, k, v, m):
     return F.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1] @ v
 
 
-@pytest.mark.parametrize("fn", [attention_sinks, causal_sinks_with_padding, windowed_sinks])
+def masked_sinks(q, k, v, m):
+    """Sinks after boolean masks (masked_fill): the kernel's mask gets a visible column for the sink."""
+    att = (q @ k.transpose(-2, -1)) * D ** -0.5
+    att = att.masked_fill(m.pad[:, None, None, :] == 0, float("-inf")).masked_fill(~m.causal[:T, :T], float("-inf"))
+    sinks = m.rel_bias[0, :, 0, 0].reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    return F.softmax(torch.cat([att, sinks], dim=-1), dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("fn", [attention_sinks, causal_sinks_with_padding, windowed_sinks, masked_sinks])
 def test_attention_sinks_run_as_one_more_key_and_are_exact(fn):
     """GPT-OSS's sinks: the kernel runs them as one more key (and a dummy query row); output and every
     gradient, the sink logits' included, equal to eager."""
