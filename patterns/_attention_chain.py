@@ -94,6 +94,8 @@ def _score_op(ctx: RewriteContext, cur: fx.Node):
         return x, None
     if (cs := sink_column(cur)) is not None and leads_to_matmul(cs[0]):   # GPT-OSS's attention sinks
         return cs[0], ("sink", cs[1])
+    if t is aten.mul.Tensor and all(isinstance(x, fx.Node) for x in a[:2]):
+        return _tensor_scale(cur)
     if t in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(x, fx.Node) for x in a[:2]) \
             and cur.kwargs.get("alpha", 1) == 1:
         return _bias_op(cur)
@@ -147,6 +149,19 @@ def _unsupported(cur: fx.Node) -> Optional[str]:
     if _baddbmm_scores(cur):
         return "scores from baddbmm whose operands are not 4-D tensors flattened to (B*H) rows: not read"
     return None
+
+
+def _tensor_scale(cur: fx.Node):
+    """``scores * t`` with ``t`` a tensor constant over the keys (SwinV2's learned per-head logit scale,
+    XCiT's temperature): the scores' rows scaled, i.e. q scaled by ``t`` (``Plan.q_scales``)."""
+    first, second = (leads_to_matmul(x) for x in cur.args[:2])
+    if first == second:
+        return None
+    s, t = cur.args[:2] if first else cur.args[1::-1]
+    ts = shape(t)
+    if len(ts) > len(shape(cur)) or (ts and ts[-1] != 1):
+        return "scores multiplied by a tensor that varies over the keys: not read"
+    return s, ("tscale", t)
 
 
 def _bias_op(cur: fx.Node):
@@ -237,6 +252,10 @@ def _compose(plan: Plan, ops: list) -> Optional[str]:
             return "a score op after the sink column (it would reach the sink's logit)"
         if op[0] == "sink":
             plan.sink = op[1]
+        elif op[0] == "tscale":
+            if plan.biases or plan.masks or outer is not None or plan.flat_rows:
+                return "scores scaled by a tensor after a bias, mask or tanh, or over (B*H) rows"
+            plan.q_scales.append(op[1])
         elif op[0] == "tanh":
             if outer is not None or plan.biases or plan.masks:
                 return "tanh on the scores after a bias, mask or another tanh (not a logit softcap)"
@@ -282,7 +301,7 @@ def leads_to_matmul(node, depth: int = 12) -> bool:
         if passes_through(node) or scalar_scale(node) is not None or node.target is aten.tanh.default \
                 or rows_to_heads(node) is not None:
             node = node.args[0]
-        elif node.target in (aten.add.Tensor, aten.sub.Tensor):
+        elif node.target in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor):
             return any(leads_to_matmul(a, depth - 1) for a in node.args[:2] if isinstance(a, fx.Node))
         elif node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.ScalarOther):
             node = node.args[0]

@@ -101,7 +101,40 @@ def test_attention_sinks_run_as_one_more_key_and_are_exact(fn):
     assert "sinks" in rep.matches[0].replacement
 
 
-@pytest.mark.parametrize("fn,reason", [(baddbmm_rows_from_2d, "baddbmm"), (tanh_after_bias, "not a logit softcap")])
+def cosine_with_logit_scale(q, k, v, m):
+    """SwinV2's cosine attention: normalized q, k, a learned per-head logit scale exp(clamp(t)), a bias."""
+    att = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+    att = att * torch.clamp(m.rel_bias[0, :, :1, :1] * 10, max=4.6).exp() + m.rel_bias[:, :, :T, :T]
+    return F.softmax(att, dim=-1) @ v
+
+
+def temperature_times_scores(q, k, v, m):
+    """XCiT's learned temperature on the left, a causal mask after it."""
+    att = (m.rel_bias[:, :, :1, :1] + 1.0) * (q @ k.transpose(-2, -1))
+    return F.softmax(att.masked_fill(~m.causal[:T, :T], float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn", [cosine_with_logit_scale, temperature_times_scores])
+def test_scores_scaled_by_a_learned_tensor_are_fused_and_exact(fn):
+    """A tensor constant over the keys multiplying the scores scales the queries: rewritten, and the
+    scale's own gradient equal to eager's."""
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(fn), *_inputs())
+    assert rep.count("attention") == 1, rep.render(width=120)
+    assert "rows scaled by" in rep.matches[0].replacement
+
+
+def scale_varying_over_keys(q, k, v, m):
+    return F.softmax((q @ k.transpose(-2, -1)) * m.rel_bias[:, :, :1, :T].exp(), dim=-1) @ v
+
+
+def tensor_scale_after_bias(q, k, v, m):
+    return F.softmax((q @ k.transpose(-2, -1) + m.rel_bias[:, :, :T, :T]) * m.rel_bias[:, :, :1, :1], dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn,reason", [(baddbmm_rows_from_2d, "baddbmm"), (tanh_after_bias, "not a logit softcap"),
+                                       (scale_varying_over_keys, "varies over the keys"),
+                                       (tensor_scale_after_bias, "tensor after a bias")])
 def test_unfused_score_modifications_are_declined_with_their_name(fn, reason):
     """Variants no kernel takes yet are reported with what was found, and training stays exact."""
     torch.manual_seed(0)
