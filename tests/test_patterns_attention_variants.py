@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import opsmath
 from test_patterns_attention import C, D, H, T, AttnModel, _compare, _inputs
-from tolerance import rel_err
+from tolerance import optimized_matches_eager, rel_err
 
 
 def softcapped(q, k, v, m):
@@ -244,31 +244,18 @@ class _ShiftedWindows(nn.Module):
         return self.proj((attn @ v).transpose(1, 2).reshape(B_, N, C))
 
 
-def _compare_windows(model, x):
-    eager = copy.deepcopy(model)
-    opt = opsmath.optimize(model)
-    y1, y2 = opt(x), eager(x)
-    w = torch.randn_like(y1)
-    (y1 * w).sum().backward()
-    (y2 * w).sum().backward()
-    assert rel_err(y1, y2) < 1e-5
-    for (name, p1), p2 in zip(opt.named_parameters(), eager.parameters()):
-        assert rel_err(p1.grad, p2.grad) < 1e-4, name
-    return opsmath.report(opt)
-
-
 def test_swin_shifted_window_mask_is_fused_and_exact():
     """The per-window mask on scores split as (A, W, H, N, N) becomes a bias of the merged (A*W) rows:
     every window's attention rewritten, the relative-position bias's gradient kept."""
     torch.manual_seed(0)
-    rep = _compare_windows(_ShiftedWindows(windows=3, N=9), torch.randn(2 * 3, 9, C))
+    rep = optimized_matches_eager(_ShiftedWindows(windows=3, N=9), torch.randn(2 * 3, 9, C))
     assert rep.count("attention") == 1, rep.render(width=120)
 
 
 def test_window_bias_varying_per_image_is_declined_with_its_shape():
     """A bias on the split scores that differs per image (A, W, 1, N, N) is not read: declined, exact."""
     torch.manual_seed(0)
-    rep = _compare_windows(_ShiftedWindows(windows=3, N=9, mask_shape=(2, 3, 1, 9, 9)), torch.randn(6, 9, C))
+    rep = optimized_matches_eager(_ShiftedWindows(windows=3, N=9, mask_shape=(2, 3, 1, 9, 9)), torch.randn(6, 9, C))
     assert rep.count("attention") == 0
     assert any(d.pattern == "attention" and "split per window" in d.reason for d in rep.declines), rep.declines
 
@@ -302,6 +289,6 @@ def test_unequal_head_dims_are_zero_padded_and_exact(dqk, dv, sdpa):
     """The smaller head dim is zero-padded to the larger: rewritten, output and every gradient equal to
     eager, the report says so."""
     torch.manual_seed(0)
-    rep = _compare_windows(_UnequalHeadDims(dqk, dv, sdpa), torch.randn(3, 11, C))
+    rep = optimized_matches_eager(_UnequalHeadDims(dqk, dv, sdpa), torch.randn(3, 11, C))
     assert rep.count("attention") == 1, rep.render(width=120)
     assert f"head dims q/k {dqk}, v {dv}: zero-padded to {max(dqk, dv)}" in rep.matches[0].replacement

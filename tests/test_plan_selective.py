@@ -32,6 +32,22 @@ def _step(opt, model, batch, seed=1):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+def _planned_exactly(budget, inductor):
+    """(plan, report) of the model trained one step under ``budget``; its loss and gradients checked
+    equal to the same step without a plan (dropout on)."""
+    model, batch = _model()
+    ref = opsmath.optimize(model, inductor=inductor)
+    loss0, grads0 = _step(ref, model, batch)
+    model, batch = _model()
+    opt = opsmath.optimize(model, memory_budget=budget, inductor=inductor)
+    loss1, grads1 = _step(opt, model, batch)
+    torch.testing.assert_close(loss0, loss1, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads0, grads1):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    rep = opsmath.report(opt)
+    return rep.graphs[0].plan, rep
+
+
 def test_saved_bytes_by_producer_add_up():
     """Every saved storage has one saver and one producer: the pairs add up to the per-saver bytes."""
     model, batch = _model()
@@ -70,20 +86,11 @@ def test_selective_plan_is_chosen_and_exact(inductor, monkeypatch):
     plan at 0.85 recomputes cheap ops only; loss and gradients equal no plan, dropout on."""
     from opsmath import segments
     monkeypatch.setattr(segments, "_FLOP_RATE", 1e6)
-    model, batch = _model()
-    ref = opsmath.optimize(model, inductor=inductor)
-    loss0, grads0 = _step(ref, model, batch)
-    model, batch = _model()
-    opt = opsmath.optimize(model, memory_budget=0.85, inductor=inductor)
-    loss1, grads1 = _step(opt, model, batch)
-    plan = opsmath.report(opt).graphs[0].plan
+    plan, rep = _planned_exactly(0.85, inductor)
     assert plan.selective and plan.kept + plan.transient <= 0.85 * plan.unconstrained, plan.to_dict()
-    torch.testing.assert_close(loss0, loss1, rtol=1e-6, atol=1e-7)
-    for a, b in zip(grads0, grads1):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    assert "recompute only their cheap ops" in opsmath.report(opt).render(width=200)
+    assert "recompute only their cheap ops" in rep.render(width=200)
     if not inductor:
-        assert "selective_checkpoint" in opsmath.report(opt).graphs[0].after_code
+        assert "selective_checkpoint" in rep.graphs[0].after_code
 
 
 def test_selective_candidate_counts_what_must_be_kept_instead():
@@ -141,18 +148,9 @@ def test_gemms_selective_plan_is_chosen_and_exact(inductor, monkeypatch):
     monkeypatch.setattr(segments, "node_cost", lambda n: cost(n) * (
         1e4 if n.target is torch.ops.opsmath.attention.default else 1.0))
     monkeypatch.setattr(plan_mod, "KEEPS", {"selective-gemms": segments.node_fuses})
-    model, batch = _model()
-    ref = opsmath.optimize(model, inductor=inductor)
-    loss0, grads0 = _step(ref, model, batch)
-    model, batch = _model()
-    opt = opsmath.optimize(model, memory_budget=0.5, inductor=inductor)
-    loss1, grads1 = _step(opt, model, batch)
-    plan = opsmath.report(opt).graphs[0].plan
+    plan, rep = _planned_exactly(0.5, inductor)
     assert plan.gemms_recomputed and plan.kept + plan.transient <= 0.5 * plan.unconstrained, plan.to_dict()
-    torch.testing.assert_close(loss0, loss1, rtol=1e-6, atol=1e-7)
-    for a, b in zip(grads0, grads1):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    assert "keeping attention" in opsmath.report(opt).render(width=200)
+    assert "keeping attention" in rep.render(width=200)
 
 
 def test_vendor_sdpa_stand_in_is_costed_as_attention():

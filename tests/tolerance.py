@@ -31,3 +31,22 @@ def grads_close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float = 1e-
     """``||a - b|| <= rtol ||b|| + atol``: relative, except for gradients that are zero in exact
     arithmetic (a key projection's bias under softmax) where only rounding noise remains."""
     return (a.double() - b.double()).norm().item() <= rtol * b.double().norm().item() + atol
+
+
+def optimized_matches_eager(model, *inputs):
+    """``opsmath.optimize(model)`` against a deep copy run eagerly on ``inputs`` (fp32): the output within
+    1e-5 and every parameter's gradient within 1e-4 (relative, in norm) of eager's, for one random
+    weighting of the output. Returns the report."""
+    import copy
+
+    import opsmath
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    y1, y2 = opt(*inputs), eager(*inputs)
+    w = torch.randn_like(y1)
+    (y1 * w).sum().backward()
+    (y2 * w).sum().backward()
+    assert rel_err(y1, y2) < 1e-5
+    for (n, p1), p2 in zip(opt.named_parameters(), eager.parameters()):
+        assert rel_err(p1.grad, p2.grad) < 1e-4, n
+    return opsmath.report(opt)
