@@ -7,25 +7,24 @@ import operator
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .segments import KEEPS, Segment, forward_order, is_compute, is_fused_compute
+from .segments import KEEPS, Segment, forward_order, node_kept
 
 
-def _keep_compute(ctx, op, *args, **kwargs):
-    """Selective checkpoint policy: GEMMs and fused GEMM ops saved, everything else recomputed."""
-    return CheckpointPolicy.MUST_SAVE if is_compute(op) else CheckpointPolicy.PREFER_RECOMPUTE
+def policy(kind: str):
+    """The selective checkpoint policy of a run of ``kind``: the ops ``segments.KEEPS[kind]`` saved
+    (GEMMs and fused GEMM ops; with ``"selective-gemms"`` the fused ops only), the rest recomputed."""
+    keeps = KEEPS[kind]
 
-
-def _keep_fused(ctx, op, *args, **kwargs):
-    """Selective checkpoint policy of a ``"selective-gemms"`` run: fused GEMM ops (attention) saved,
-    plain GEMMs and everything else recomputed."""
-    return CheckpointPolicy.MUST_SAVE if is_fused_compute(op) else CheckpointPolicy.PREFER_RECOMPUTE
+    def keep(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if keeps(op) else CheckpointPolicy.PREFER_RECOMPUTE
+    return keep
 
 
 def selective_checkpoint(fn, *args, gemms=False, **kwargs):
-    """``checkpoint(fn, *args)`` that recomputes only the cheap ops (``_keep_compute``), or with
-    ``gemms=True`` the plain GEMMs too (``_keep_fused``)."""
-    policy = _keep_fused if gemms else _keep_compute
-    return checkpoint(fn, *args, context_fn=lambda: create_selective_checkpoint_contexts(policy), **kwargs)
+    """``checkpoint(fn, *args)`` that recomputes only the cheap ops (``policy("selective")``), or with
+    ``gemms=True`` the plain GEMMs too (``policy("selective-gemms")``)."""
+    keep = policy("selective-gemms" if gemms else "selective")
+    return checkpoint(fn, *args, context_fn=lambda: create_selective_checkpoint_contexts(keep), **kwargs)
 
 
 def emit_checkpoints(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], selective=(), gemms=()) -> None:
@@ -77,6 +76,6 @@ def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], se
     order = forward_order(gm)
     for i in [*chosen, *selective]:
         for n in order[segs[i].start:segs[i].end + 1]:
-            keep = i in selective and KEEPS["selective-gemms" if i in gemms else "selective"](n)
+            keep = i in selective and node_kept("selective-gemms" if i in gemms else "selective", n)
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = i + 1

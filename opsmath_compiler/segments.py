@@ -100,24 +100,15 @@ def is_fused_compute(target) -> bool:
     return target not in GEMMS and is_compute(target)
 
 
-def _producer(n: fx.Node) -> fx.Node:
-    return n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else n
+# selective kind -> the op targets its runs keep (everything else in the run is recomputed)
+KEEPS = {"selective": is_compute, "selective-gemms": is_fused_compute}
 
 
-def node_computes(n: fx.Node) -> bool:
-    """``n`` is a compute op (``is_compute``) or an output of one: the nodes a selective run keeps."""
-    n = _producer(n)
-    return n.op == "call_function" and is_compute(n.target)
-
-
-def node_fuses(n: fx.Node) -> bool:
-    """``n`` is a fused compute op (``is_fused_compute``) or an output of one: the nodes a selective run
-    of kind ``"selective-gemms"`` keeps."""
-    n = _producer(n)
-    return n.op == "call_function" and is_fused_compute(n.target)
-
-
-KEEPS = {"selective": node_computes, "selective-gemms": node_fuses}   # selective kind -> the nodes it keeps
+def node_kept(kind: str, n: fx.Node) -> bool:
+    """``n`` is an op a selective run of ``kind`` keeps (``KEEPS``), or an output of one."""
+    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n.op == "call_function" and KEEPS[kind](n.target)
 
 
 @dataclass
@@ -146,8 +137,7 @@ def selective(order: list[fx.Node], seg: Segment, index: SavedIndex, kind: str =
     keeps nothing (the plain recompute of the run)."""
     nodes = order[seg.start:seg.end + 1]
     names = {n.name for n in nodes}
-    keep = KEEPS[kind]
-    cheap = dict.fromkeys(n for n in nodes if not keep(n))   # in order: the cost sums the same way each run
+    cheap = dict.fromkeys(n for n in nodes if not node_kept(kind, n))   # in order: the cost sums the same way each run
     if len(cheap) == len(nodes):
         return None   # it keeps nothing: that is the run's plain recompute candidate
     cheap_names = {n.name for n in cheap}
@@ -155,7 +145,7 @@ def selective(order: list[fx.Node], seg: Segment, index: SavedIndex, kind: str =
     extra = {}
     for c in cheap:
         for x in c.all_input_nodes:
-            outside_cheap = x not in cheap and x.name not in names and not keep(x)
+            outside_cheap = x not in cheap and x.name not in names and not node_kept(kind, x)
             if x not in cheap and x.op == "call_function" and (outside_cheap or x.name not in index.makers):
                 extra[_storage(x)] = _nbytes(x)
     inputs = sum(extra.values())

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import opsmath
 from opsmath import examples
 from opsmath.analysis import saved_bytes_by_node
-from opsmath.plan_emit import _keep_compute
+from opsmath.plan_emit import policy
 from opsmath.segments import forward_order, runs_of, saved_index, segments_of, selective
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -60,9 +60,10 @@ def test_saved_bytes_by_producer_add_up():
 
 
 def test_policy_keeps_gemms_and_fused_gemm_ops():
-    assert _keep_compute(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
-    assert _keep_compute(None, torch.ops.opsmath.attention.default) == CheckpointPolicy.MUST_SAVE
-    assert _keep_compute(None, torch.ops.aten.gelu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    keep = policy("selective")
+    assert keep(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert keep(None, torch.ops.opsmath.attention.default) == CheckpointPolicy.MUST_SAVE
+    assert keep(None, torch.ops.aten.gelu.default) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def test_solver_takes_selective_where_gemms_are_dear():
@@ -111,10 +112,10 @@ def test_selective_candidate_counts_what_must_be_kept_instead():
 
 
 def test_gemms_policy_keeps_fused_ops_only():
-    from opsmath.plan_emit import _keep_fused
-    assert _keep_fused(None, torch.ops.aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE
-    assert _keep_fused(None, torch.ops.opsmath.attention.default) == CheckpointPolicy.MUST_SAVE
-    assert _keep_fused(None, torch.ops.aten.gelu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    keep = policy("selective-gemms")
+    assert keep(None, torch.ops.aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert keep(None, torch.ops.opsmath.attention.default) == CheckpointPolicy.MUST_SAVE
+    assert keep(None, torch.ops.aten.gelu.default) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def test_gemms_candidate_frees_more_than_keeping_gemms():
@@ -147,7 +148,7 @@ def test_gemms_selective_plan_is_chosen_and_exact(inductor, monkeypatch):
     cost = segments.node_cost
     monkeypatch.setattr(segments, "node_cost", lambda n: cost(n) * (
         1e4 if n.target is torch.ops.opsmath.attention.default else 1.0))
-    monkeypatch.setattr(plan_mod, "KEEPS", {"selective-gemms": segments.node_fuses})
+    monkeypatch.setattr(plan_mod, "KEEPS", {"selective-gemms": segments.is_fused_compute})
     plan, rep = _planned_exactly(0.5, inductor)
     assert plan.gemms_recomputed and plan.kept + plan.transient <= 0.5 * plan.unconstrained, plan.to_dict()
     assert "keeping attention" in rep.render(width=200)
