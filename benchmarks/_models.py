@@ -11,6 +11,13 @@ from opsmath.examples import GPT, Block
 GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1)
 
 
+def gpt2_batch(device="cuda", B=8, T=1024):
+    """One batch of random tokens for GPT-2-small and its next-token targets (seeded)."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, GPT2_SMALL["vocab_size"], (B, T), device=device)
+    return idx, torch.roll(idx, -1, 1)
+
+
 class PerBlockCheckpoint(torch.nn.Module):
     """Every transformer block under torch.utils.checkpoint (non-reentrant), the common baseline."""
 

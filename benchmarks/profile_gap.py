@@ -19,7 +19,7 @@ import torch
 
 import opsmath
 from _harness import kernel_ms
-from _models import GPT2_SMALL, build
+from _models import GPT2_SMALL, build, gpt2_batch
 from train import variants
 
 
@@ -68,9 +68,7 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tag", default="", help="suffix of the results file (several pairs in one run)")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    idx = torch.randint(0, GPT2_SMALL["vocab_size"], (8, 1024), device="cuda")
-    batch = (idx, torch.roll(idx, -1, 1))
+    batch = gpt2_batch()
     names = [s.strip() for s in args.pair.split(",")]
     res = {n: kernels_per_step(n, batch) for n in names}
     for n, (per, host, peak, plans) in res.items():

@@ -24,7 +24,7 @@ import torch
 
 import opsmath
 from _harness import kernel_ms, write
-from _models import GPT2_SMALL, build
+from _models import GPT2_SMALL, build, gpt2_batch
 
 
 class Variant:
@@ -82,9 +82,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cprofile", default="", help="variant name whose host time cProfile takes apart")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    idx = torch.randint(0, GPT2_SMALL["vocab_size"], (8, 1024), device="cuda")
-    batch = (idx, torch.roll(idx, -1, 1))
+    batch = gpt2_batch()
     specs = [("no budget", None)] + [(f"budget {b}", float(b)) for b in args.budgets.split(",") if b]
     graphs = (False,) if args.no_cuda_graphs else (False, True)
     variants = []
