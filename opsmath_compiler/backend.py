@@ -25,6 +25,7 @@ from opsmath.kernels import SPECS
 
 from .analysis import kernel_launches, saved_bytes_by_node, to_networkx
 from .capture import lower_to_aten, static_inputs
+from .guards import after_change, guarded
 from .match import Decline, Match, run_patterns
 from . import offload
 from .budget import resident_bytes
@@ -245,7 +246,10 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     state.graphs.append(record)
     fn = _finish(state, record, ctx.gm, example_inputs, use_inductor)
     record.capture_seconds = time.perf_counter() - t0
-    return _runner(state, record, fn, base, by_node, model, use_inductor, absolute)
+    return guarded(_runner(state, record, fn, base, by_node, model, use_inductor, absolute),
+                   captured.buffer_guard(example_inputs),
+                   lambda args, names: after_change(state, record.index, names, gm.forward, None if captured.dynamic
+                                                    else lambda: compile_graph(state, model, gm, args)))
 
 
 def _runner(state, record, fn, base, by_node, model, use_inductor, absolute):

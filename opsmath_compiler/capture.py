@@ -23,6 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from .guards import BufferGuard, ReadTracking
+
 
 @dataclass
 class Captured:
@@ -33,9 +35,17 @@ class Captured:
     masks. Parameters and user inputs are never read.
     """
     gm: fx.GraphModule
-    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)   # a ``guards.ReadTracking``
     requires_grad: list[bool] = field(default_factory=list)   # per placeholder, from the real inputs
+    positions: dict[str, int] = field(default_factory=dict)   # constant's name -> its input's index
     dynamic: bool = False         # traced with dynamo's symbolic sizes (a dim that changed between calls)
+
+    def buffer_guard(self, example_inputs: list) -> Optional[BufferGuard]:
+        """A guard on the buffers whose value a matcher read (``constants.read``), or None."""
+        names = sorted(getattr(self.constants, "read", ()))
+        if not names:
+            return None
+        return BufferGuard([self.positions[n] for n in names], names, example_inputs)
 
 
 def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional[set[int]] = None) -> Captured:
@@ -58,14 +68,15 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
     split_size_calls(aten)
     _keep_input_metadata(aten, gm)
     _source_names(aten, gm)
-    constants = {}
+    constants = ReadTracking()
     placeholders = [n for n in aten.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, example_inputs):
+    positions = {}
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
         if buffer_ids and isinstance(value, torch.Tensor) and id(value) in buffer_ids \
                 and not isinstance(value, torch._subclasses.FakeTensor):
-            constants[node.name] = value
+            constants[node.name], positions[node.name] = value, i
     requires_grad = [bool(getattr(v, "requires_grad", False)) for v in example_inputs]
-    return Captured(aten, constants, requires_grad, dynamic=dynamic)
+    return Captured(aten, constants, requires_grad, positions, dynamic=dynamic)
 
 
 def _keep_input_metadata(aten: fx.GraphModule, dynamo_gm: fx.GraphModule) -> None:
