@@ -138,6 +138,24 @@ def torchao_float8(model):
     return torch.compile(model)
 
 
+class SharedInputThresholdOff(torch.nn.Module):
+    """An FP8 model captured with every layer held to ``MIN_DIM`` (``SHARED_MIN_DIM`` raised to it while
+    it runs): the A/B of the rule that lets k/v (reading q's input) run FP8 from ``SHARED_MIN_DIM``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self._opsmath = model, model._opsmath
+
+    def forward(self, **kwargs):
+        import opsmath.patterns.fp8_linear as rule
+        old, rule.SHARED_MIN_DIM = rule.SHARED_MIN_DIM, rule.MIN_DIM
+        try:
+            return self.model(**kwargs)
+        finally:
+            rule.SHARED_MIN_DIM = old
+
+
+FP8_ALONE = "opsmath.optimize(fp8=True) + CUDA graphs (shared-input rule off)"
 VARIANTS = {  # label: (wrap the built model, attn_implementation or None for the model's default)
     "torch.compile": (torch.compile, None),
     "opsmath.optimize": (opsmath.optimize, None),
@@ -147,6 +165,7 @@ VARIANTS = {  # label: (wrap the built model, attn_implementation or None for th
     "opsmath.optimize(fp8=True) + CUDA graphs": (lambda m: opsmath.optimize(m, fp8=True, cuda_graphs=True),
                                                      None),
     "torchao float8 + torch.compile": (torchao_float8, None),
+    FP8_ALONE: (lambda m: SharedInputThresholdOff(opsmath.optimize(m, fp8=True, cuda_graphs=True)), None),
 }
 # built after the first variant's warm-up, under an absolute memory_budget at the first variant's total
 # step peak (``planned``): the model without the user's checkpointing

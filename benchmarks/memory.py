@@ -127,20 +127,25 @@ def main():
         gib = (lambda b: "-" if b is None else f"{b / 2**30:.2f}")
         print(f"{name:34} peak {gib(r['peak']):>6} GiB  predicted {gib(r['predicted']):>6}  "
               f"{'-' if ms is None else f'{ms:.1f}'} ms  {r['error'] or ''}", flush=True)
+        save({}, [])   # after every row: a run cut short keeps what it measured
         return r
+
+    def save(longest, tried):
+        if args.smoke:
+            return None
+        from _harness import write
+        name = "memory" + ("-llama" if args.model == "llama" else "") + ("-long" if args.long_only else "")
+        for r in rows:
+            if r["ms"] and r.get("base_ms"):
+                r["overhead_vs_opsmath_unconstrained"] = r["ms"] / r["base_ms"] - 1
+        return write(name, dict(rows=rows, longest_in_8GiB=longest, lengths_tried=tried, config=cfg, batch=[B, T]))
 
     if not args.long_only:
         sweep(args, cfg, device, batch, row)
-    for r in rows:
-        if r["ms"] and r.get("base_ms"):
-            r["overhead_vs_opsmath_unconstrained"] = r["ms"] / r["base_ms"] - 1
     longest, tried = longest_in_8gib(args, cfg, device, amp) if not args.no_long else ({}, [])
-
-    if not args.smoke:
-        from _harness import write
-        name = "memory" + ("-llama" if args.model == "llama" else "") + ("-long" if args.long_only else "")
-        print("wrote", write(name, dict(rows=rows, longest_in_8GiB=longest, lengths_tried=tried, config=cfg,
-                                        batch=[B, T])))
+    path = save(longest, tried)
+    if path:
+        print("wrote", path)
 
 
 def sweep(args, cfg, device, batch, row):

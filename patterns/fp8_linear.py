@@ -5,6 +5,9 @@ Anchor: ``aten.linear.default`` whose weight is a graph input (a parameter), x a
 multiples of 16. Per layer, by measured shape (docs/anchors ``fp8_gemm``, H200): FP8 GEMMs are 1.38-1.84x
 bf16 from K, N >= 2048 at 8192 rows, 1.19x at 768 -> 3072, and the casts cost a share that shrinks with
 size; a GEMM with K, N or the row count below ``MIN_DIM`` stays bf16, and the report says so per layer.
+Except a layer whose input another FP8 layer also reads (k and v beside q, gate beside up): the input's
+amax and cast are then computed once for all of them (AOTAutograd's CSE under Inductor), so such a
+layer pays only its weight's and gradient's casts, and runs FP8 from ``SHARED_MIN_DIM``.
 Opt-in: applied only when ``optimize(..., fp8=True)`` (FP8 changes numerics beyond the tolerance rule).
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
 
 MIN_DIM = 2048
+SHARED_MIN_DIM = 1024
 
 
 class FP8LinearRule(Rule):
@@ -29,24 +33,17 @@ class FP8LinearRule(Rule):
     after = ("linear_cross_entropy", "experts")   # the LM head's loss and grouped experts keep theirs
 
     def match(self, ctx: RewriteContext, n: fx.Node):
-        x, w = n.args[0], n.args[1]
-        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-        if not isinstance(w, fx.Node) or w.op != "placeholder" or len(shape(w)) != 2:
-            return None
-        if dtype(x) != torch.bfloat16 or dtype(w) != torch.bfloat16:
-            return f"FP8 GEMMs take bf16 operands here, not {dtype(x)} x {dtype(w)}"
-        if any(not isinstance(s, int) for s in shape(x)):
-            return "symbolic sizes: the per-layer FP8 decision needs the row count"
-        N, K = shape(w)
-        M = size_hint(val(x).numel()) // max(K, 1)
-        if K % 16 or N % 16:
-            return f"K x N = {K} x {N}: FP8 GEMMs need multiples of 16"
-        if min(M, K, N) < MIN_DIM:
-            return (f"{M} x {K} -> {N}: below {MIN_DIM} in some dim, where FP8 GEMMs gained <= 1.2x on the "
-                    "H200 and the casts cost more; stays bf16")
+        found = _operands(n)
+        if not isinstance(found, tuple):
+            return found
+        x, _, _, (M, K, N) = found
+        if min(M, K, N) < MIN_DIM and not (min(M, K, N) >= SHARED_MIN_DIM and _sibling(n, x)):
+            return (f"{M} x {K} -> {N}: below {MIN_DIM} in some dim (below {SHARED_MIN_DIM} where another "
+                    "FP8 layer reads the same input), where FP8 GEMMs gained <= 1.2x on the H200 and the casts "
+                    "cost more; stays bf16")
         if val(x).device.type == "cuda" and torch.cuda.get_device_capability(val(x).device) < (8, 9):
             return "this GPU has no FP8 tensor cores (needs sm_89 or newer)"
-        return x, w, b, (M, K, N)
+        return found
 
     def emit(self, ctx: RewriteContext, n: fx.Node, plan) -> None:
         x, w, b, (M, K, N) = plan
@@ -57,6 +54,36 @@ class FP8LinearRule(Rule):
         ctx.erase_dead([n])
         ctx.replaced(self.name, n, [n], f"FP8 linear ({M} x {K} -> {N}, e4m3 fwd, e5m2 grads, tensorwise)",
                      before, M=M, K=K, N=N, weight=parameter_name(w))
+
+
+def _operands(n: fx.Node):
+    """``(x, W, b, (M, K, N))`` of a ``linear`` of a 2-D parameter that FP8 GEMMs can take; else why not
+    (a string), or None when ``W`` is not a parameter."""
+    x, w = n.args[0], n.args[1]
+    b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    if not isinstance(w, fx.Node) or w.op != "placeholder" or len(shape(w)) != 2:
+        return None
+    if dtype(x) != torch.bfloat16 or dtype(w) != torch.bfloat16:
+        return f"FP8 GEMMs take bf16 operands here, not {dtype(x)} x {dtype(w)}"
+    if any(not isinstance(s, int) for s in shape(x)):
+        return "symbolic sizes: the per-layer FP8 decision needs the row count"
+    N, K = shape(w)
+    if K % 16 or N % 16:
+        return f"K x N = {K} x {N}: FP8 GEMMs need multiples of 16"
+    return x, w, b, (size_hint(val(x).numel()) // max(K, 1), K, N)
+
+
+def _sibling(n: fx.Node, x) -> bool:
+    """Whether another layer reading ``x`` runs FP8 (already rewritten, or on its own sizes): its cast
+    of ``x`` is then shared."""
+    def fp8(u):
+        if u.op != "call_function" or u is n:
+            return False
+        if u.target is fp8_linear:
+            return True
+        found = _operands(u) if u.target is aten.linear.default else None
+        return isinstance(found, tuple) and min(found[3]) >= MIN_DIM
+    return isinstance(x, fx.Node) and any(fp8(u) for u in x.users)
 
 
 def parameter_name(w: fx.Node):

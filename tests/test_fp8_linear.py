@@ -84,6 +84,40 @@ def test_fp8_is_opt_in_and_small_gemms_stay_bf16():
         opsmath.optimize(copy.deepcopy(model), fp8="rowwise")
 
 
+class Projections(nn.Module):
+    """q (64 -> 64) with k and v (64 -> 16) on the same input, as attention projects; ``solo`` (64 -> 16)
+    on its own input; ``a``/``b`` (64 -> 16) share an input but neither runs FP8 on its own sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 16), nn.Linear(64, 16)
+        self.solo, self.a, self.b = nn.Linear(64, 16), nn.Linear(64, 16), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        g = torch.sigmoid(x)
+        return torch.cat([self.q(x), self.k(x), self.v(x), self.solo(h), self.a(g) * self.b(g)], -1)
+
+
+def test_layers_sharing_an_fp8_layers_input_run_fp8_from_the_lower_threshold(monkeypatch):
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.SHARED_MIN_DIM", 16)
+    torch.manual_seed(0)
+    model = Projections().to(torch.bfloat16)
+    opt = opsmath.optimize(copy.deepcopy(model), fp8=True)
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    lo, le = opt(x), model(x)
+    assert rel_err(lo.detach().float(), le.detach().float()) < 5e-2
+    lo.float().pow(2).mean().backward()
+    le.float().pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), opt.parameters()):
+        assert rel_err(q.grad.float(), p.grad.float()) < 0.15, name
+    rep = opsmath.report(opt)
+    assert sorted(m.details["weight"] for m in rep.matches if m.pattern == "fp8_linear") == \
+        ["k.weight", "q.weight", "v.weight"]
+    assert sum("stays bf16" in d.reason for d in rep.declines if d.pattern == "fp8_linear") == 3
+
+
 def test_report_gives_each_fp8_weights_flushed_share(monkeypatch):
     """The report names each FP8 linear's weight and the share of its nonzero values e4m3 scaling
     flushes to zero: none for a normal init, about half when half the weight is 1e-9 x the rest."""
