@@ -55,6 +55,10 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
         hidden_size=2880, num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
         intermediate_size=2880, num_local_experts=8, num_experts_per_tok=4, vocab_size=32000, sliding_window=128,
         max_position_embeddings=4096), 2, 2048),
+    # BLOOM-1B7's layer shape (ALiBi slopes added to the scores inside baddbmm, 16 heads of 128), 8 layers:
+    # HF's eager attention as BLOOM writes it
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(
+        hidden_size=2048, n_layer=8, n_head=16, vocab_size=32000, hidden_dropout=0.0, attention_dropout=0.0), 4, 2048),
     "tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=256), 2, 32),
@@ -251,7 +255,7 @@ def main():
     for n in names:   # written after each model: a run cut short keeps what it measured
         out[n] = run(n, args.rounds, args.steps, device, args.gradient_checkpointing, args.variants.split(","))
         if not args.smoke:
-            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n in ("gemma2", "gpt_oss") else "") \
+            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n in ("gemma2", "gpt_oss", "bloom") else "") \
                 + ("-fp8" if any("fp8" in v for v in args.variants.split(",")) else "")
             print("wrote", write("hf_default_attention" + tag, out), flush=True)
 
