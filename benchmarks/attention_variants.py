@@ -1,7 +1,8 @@
 """Attention variants, forward + backward, bf16: opsmath's kernel against what a user has for the same
 function, interleaved in one process. ``--kind softcap``: logit softcapping (Gemma-2:
 ``S = c * tanh(scale QK^T / c)``, causal); ``--kind window``: causal sliding-window attention (Mistral,
-Gemma-2/3: query i sees keys i - w < j <= i).
+Gemma-2/3: query i sees keys i - w < j <= i); ``--kind alibi``: causal attention with BLOOM's ALiBi
+(``alibi_variants``).
 
 Softcap variants (same inputs, same ``dO``):
 - ``compiled eager``: the softcapped attention as written (scores, tanh, softmax, P V) under ``torch.compile``;
@@ -18,7 +19,7 @@ Per case: ``--rounds`` rounds, each timing every variant once (``do_bench`` medi
 the row is the median and spread of the rounds, GPU kernel time (torch.profiler), and the output's and
 dQ's relative error against an fp32 reference.
 
-    python benchmarks/attention_variants.py [--kind softcap|window] [--rounds 5] [--cap 50]
+    python benchmarks/attention_variants.py [--kind softcap|window|alibi] [--rounds 5] [--cap 50]
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from opsmath.kernels.attention import attention_op
 from opsmath.kernels.attention_tuning import backend_for, eager_same_dtype
 
 CASES = [(4, 16, 2048, 128), (4, 8, 2048, 256), (2, 16, 4096, 128)]   # B, H, S, D (D256: Gemma-2's head dim)
+ALIBI_CASES = [(4, 16, 2048, 128), (2, 16, 4096, 128)]
 WINDOW_CASES = [(4, 16, 2048, 128, 512), (2, 16, 8192, 128, 1024), (1, 32, 8192, 128, 4096)]   # ..., window
 
 
@@ -56,6 +58,43 @@ def window_variants(q, k, v, w, scale):
     }
 
 
+def alibi_slopes(H: int, device) -> torch.Tensor:
+    """BLOOM's ALiBi slopes for ``H`` heads (a power of two): ``2^(-8 (h + 1) / H)``."""
+    return torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
+
+
+def alibi_bias(q) -> torch.Tensor:
+    """BLOOM's ALiBi as the additive bias it adds inside ``baddbmm``: ``slope_h * j`` over key j,
+    (B, H, 1, S) in q's dtype (shift-invariant per row, so the same softmax as ``slope_h * (j - i)``)."""
+    B, H, S, _ = q.shape
+    return (alibi_slopes(H, q.device)[:, None] * torch.arange(S, device=q.device)).to(q.dtype).view(1, H, 1, S) \
+        .expand(B, H, 1, S)
+
+
+def alibi_variants(q, k, v, scale):
+    """Causal attention with ALiBi: SDPA with the bias and the causal mask materialized (B, H, S, S),
+    compiled eager (BLOOM's chain under ``torch.compile``), flex with a ``score_mod``, opsmath's kernel."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    B, H, S, _ = q.shape
+    bias, slopes = alibi_bias(q), alibi_slopes(H, q.device)
+    i = torch.arange(S, device=q.device)
+    full = bias.masked_fill(i[None, None, None, :] > i[None, None, :, None], float("-inf"))   # (B, H, S, S)
+    block = create_block_mask(lambda b, h, qi, kj: kj <= qi, None, None, S, S, device=q.device)
+    flex = torch.compile(flex_attention)
+    eager = torch.compile(lambda q, k, v: eager_same_dtype(q, k, v, bias, None, float("-inf"), True, scale))
+    chosen = backend_for(q, k, tuple(bias.shape), None, float("-inf"), True, scale, 0.0, False)
+    print(f"B{B} H{H} S{S}: the rewrite's tuner picks {chosen}", flush=True)
+    seed = torch.tensor(0, device=q.device)
+    return {
+        "SDPA + materialized bias": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=full, scale=scale),
+        "compiled eager": eager,
+        "flex_attention": lambda q, k, v: flex(q, k, v, score_mod=lambda s, b, h, qi, kj: s + slopes[h] * kj,
+                                               block_mask=block, scale=scale),
+        "opsmath": lambda q, k, v: attention_op(q, k, v, bias, None, float("-inf"), True, scale, 0.0, seed)[0],
+        "SDPA causal, no ALiBi": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale),
+    }
+
+
 def variants(q, k, v, cap, scale):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     S = q.shape[2]
@@ -75,17 +114,19 @@ def variants(q, k, v, cap, scale):
     }
 
 
-def run_case(B, H, S, D, cap, rounds, window=0):
+def run_case(B, H, S, D, cap, rounds, window=0, alibi=False):
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
     # softcap: scores of tens, where a cap of 50 bends them (Gemma-2's scores reach the cap)
-    scale = D ** -0.5 * (1 if window else 8)
+    cap = 0.0 if window or alibi else cap
+    scale = D ** -0.5 * (8 if cap else 1)
     ref_in = [t.detach().float()[:1].requires_grad_() for t in (q, k, v)]   # fp32 reference on batch 0
-    ref = eager_same_dtype(*ref_in, None, None, float("-inf"), True, scale, softcap=0.0 if window else cap,
-                           window=window)
+    ref = eager_same_dtype(*ref_in, alibi_bias(ref_in[0]) if alibi else None, None, float("-inf"), True, scale,
+                           softcap=cap, window=window)
     ref.backward(do[:1].float())
-    fns = window_variants(q, k, v, window, scale) if window else variants(q, k, v, cap, scale)
+    fns = window_variants(q, k, v, window, scale) if window else alibi_variants(q, k, v, scale) if alibi \
+        else variants(q, k, v, cap, scale)
 
     def step(fn):
         def go():
@@ -109,21 +150,22 @@ def run_case(B, H, S, D, cap, rounds, window=0):
         r.update(ms=statistics.median(r["rounds"]), ms_min=min(r["rounds"]), ms_max=max(r["rounds"]),
                  gpu_ms=sum(kernel_ms(step(fn), calls=5).values()))
         r["tflops"] = flops / r["ms"] / 1e9
-        print(f"B{B} H{H} S{S} D{D} {f'window {window}' if window else f'cap {cap}'}: {name:26} {r['ms']:7.3f} ms [{r['ms_min']:.3f}-{r['ms_max']:.3f}] "
+        print(f"B{B} H{H} S{S} D{D} {f'window {window}' if window else 'alibi' if alibi else f'cap {cap}'}: {name:26} {r['ms']:7.3f} ms [{r['ms_min']:.3f}-{r['ms_max']:.3f}] "
               f"gpu {r['gpu_ms']:7.3f} ms {r['tflops']:6.1f} TFLOP/s  out err {r['out_err']:.2e} "
               f"dq err {r['dq_err']:.2e}", flush=True)
-    return dict(shape=[B, H, S, D], cap=0.0 if window else cap, window=window, scale=scale, rows=list(rows.values()))
+    return dict(shape=[B, H, S, D], cap=cap, window=window, alibi=alibi, scale=scale, rows=list(rows.values()))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cap", type=float, default=50.0)
-    ap.add_argument("--kind", choices=("softcap", "window"), default="softcap")
+    ap.add_argument("--kind", choices=("softcap", "window", "alibi"), default="softcap")
     args = ap.parse_args()
     out = []
-    for case in (CASES if args.kind == "softcap" else WINDOW_CASES):
-        out.append(run_case(*case[:4], args.cap, args.rounds, *case[4:]))
+    cases = {"softcap": CASES, "window": WINDOW_CASES, "alibi": ALIBI_CASES}[args.kind]
+    for case in cases:
+        out.append(run_case(*case[:4], args.cap, args.rounds, *case[4:5], alibi=args.kind == "alibi"))
         print("wrote", write(f"attention_{args.kind}", dict(cases=out)), flush=True)
 
 

@@ -121,8 +121,9 @@ class Variant:
                  ms_max=max(self.round_ms), rounds=self.round_ms, first_step_s=self.first_s,
                  first_loss=self.first_loss)
         if self.device == "cuda":
-            r["gpu_ms"] = sum(kernel_ms(self.step, calls=3).values())
-            r["step_peak_gib"] = self.peak_gib
+            per = kernel_ms(self.step, calls=3)
+            r["gpu_ms"], r["step_peak_gib"] = sum(per.values()), self.peak_gib
+            r["top_kernels"] = sorted(per.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
         if hasattr(self.model, "_opsmath"):
             rep = opsmath.report(self.model)
             r["rewrites"] = dict(Counter(m.pattern for m in rep.matches))
@@ -159,6 +160,7 @@ class SharedInputThresholdOff(torch.nn.Module):
             rule.SHARED_MIN_DIM = old
 
 
+TOP_KERNELS = 15   # the row keeps its step's most expensive kernels (name, GPU ms per step)
 FP8_ALONE = "opsmath.optimize(fp8=True) + CUDA graphs (shared-input rule off)"
 VARIANTS = {  # label: (wrap the built model, attn_implementation or None for the model's default)
     "torch.compile": (torch.compile, None),
@@ -233,6 +235,8 @@ def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile
               f"gpu {r.get('gpu_ms', 0):8.2f} ms peak {r.get('step_peak_gib', 0):6.2f} GiB "
               f"x{r['speedup_vs_compile']:.3f} {r.get('rewrites', '')} {r.get('attention_backends', '')}",
               flush=True)
+        for k, ms in r.get("top_kernels", [])[:8]:
+            print(f"    {ms:8.3f} ms  {k[:110]}", flush=True)
     return dict(batch=[B, T], config=cfg, gradient_checkpointing=checkpointing, rows=rows)
 
 
