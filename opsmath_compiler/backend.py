@@ -30,8 +30,8 @@ from .match import Decline, Match, run_patterns
 from . import offload
 from .budget import resident_bytes
 from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
-from .regions import (EagerRegion, LazyPiece, eager_nodes, hooks_off_while_tracing, inline_checkpoint,
-                      route_checkpoints, split_around)
+from .regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
+                      inline_checkpoint, route_checkpoints, split_around)
 
 log = logging.getLogger("opsmath")
 
@@ -129,9 +129,11 @@ def make_backend(state, model: torch.nn.Module):
         # them; the pieces between them and the checkpoints' bodies (which may hold regions of their
         # own) go through this backend at their first call, with the real inputs they get there
         state.eager_regions.extend(regions.values())
-        parent, pieces = split_around(gm, set(regions))
+        parent, pieces, alone = split_around(gm, set(regions))
         for name in pieces:
             setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend))
+        if _uses_inductor(state, example_inputs):
+            compile_functions(parent, regions, alone, compile_fx, state.fallback_errors)
         route_checkpoints(parent, opsmath_backend)
         return parent.forward
     return opsmath_backend

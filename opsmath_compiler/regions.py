@@ -35,8 +35,12 @@ from .segments import USER_REGION
 LOWERED = {"wrap", "flex_attention", "flex_attention_backward"}
 CHECKPOINT = "tag_activation_checkpoint"
 
+FUNCTION = "autograd_function_apply"
+# where the graph is compiled by Inductor: a Function dynamo traced (forward and backward bodies) is
+# compiled as ``torch.compile`` compiles it, AOTAutograd keeping its backward
+FUNCTION_COMPILED = "compiled by Inductor with its own backward, as torch.compile compiles it"
 _WHY = {
-    "autograd_function_apply": ("autograd.Function", "custom backward kept as written"),
+    FUNCTION: ("autograd.Function", "custom backward kept as written"),
     "register_hook": ("tensor hook", "hook registered on the real tensor"),
     CHECKPOINT: ("checkpoint", "recomputed in backward as written (RNG preserved); its body is rewritten"),
 }
@@ -74,10 +78,11 @@ def eager_nodes(gm: fx.GraphModule) -> dict[fx.Node, EagerRegion]:
     return out
 
 
-def split_around(gm: fx.GraphModule, keep: set[fx.Node]) -> tuple[fx.GraphModule, list[str]]:
+def split_around(gm: fx.GraphModule, keep: set[fx.Node]) -> tuple[fx.GraphModule, list[str], dict]:
     """Split ``gm`` into a parent calling submodules in the original order: each node of ``keep`` alone
-    in its own submodule, each run of other nodes between them in one. Returns the parent and the
-    names of the submodules to lower (the runs of ordinary nodes that compute something)."""
+    in its own submodule, each run of other nodes between them in one. Returns the parent, the
+    names of the submodules to lower (the runs of ordinary nodes that compute something), and the
+    submodule name of each kept node."""
     part, prev_alone, ids, lowered = -1, None, {}, set()
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output", "get_attr"):
@@ -97,7 +102,8 @@ def split_around(gm: fx.GraphModule, keep: set[fx.Node]) -> tuple[fx.GraphModule
     for name in names:   # pieces keep dynamo's graph id: their parameters stay static inputs (capture.py)
         if "dynamo_compile_id" in gm.meta:
             getattr(parent, name).meta["dynamo_compile_id"] = gm.meta["dynamo_compile_id"]
-    return parent, [s for s in names if _computes(getattr(parent, s))]
+    alone = {n: f"submod_{ids[n]}" for n in keep if hasattr(parent, f"submod_{ids[n]}")}
+    return parent, [s for s in names if _computes(getattr(parent, s))], alone
 
 
 def _computes(sub: fx.GraphModule) -> bool:
@@ -105,6 +111,25 @@ def _computes(sub: fx.GraphModule) -> bool:
     skip = {torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast, operator.getitem}
     return any(n.op in ("call_function", "call_method", "call_module") and n.target not in skip
                for n in sub.graph.nodes)
+
+
+def compile_functions(parent: fx.GraphModule, regions: dict, alone: dict, compile_fx, errors: list) -> None:
+    """Under Inductor: each user ``autograd.Function`` dynamo traced (its node alone in a submodule of
+    ``parent``) is compiled by ``compile_fx(gm, args)`` at its first call, as ``torch.compile`` compiles
+    it: AOTAutograd traces its forward body and keeps its backward body as the gradient. Where that
+    fails the region runs as traced, and ``errors`` says so."""
+    def compile_region(gm, args):
+        try:
+            with hooks_off_while_tracing():
+                return compile_fx(gm, args)
+        except Exception as e:  # noqa: BLE001  (the region still runs, as dynamo traced it)
+            errors.append(f"an autograd.Function region: Inductor failed ({type(e).__name__}: {str(e)[:200]}); "
+                          "running it as traced")
+            return gm.forward
+    for node, region in regions.items():
+        if node.target.name() == FUNCTION and node in alone:
+            setattr(parent, alone[node], LazyPiece(getattr(parent, alone[node]), compile_region))
+            region.reason = FUNCTION_COMPILED
 
 
 def hooks_off_while_tracing():

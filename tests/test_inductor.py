@@ -233,3 +233,29 @@ def test_dynamo_settings_apply_inside_a_call_and_restore_after():
         with _dynamo_settings(dict(optimize_ddp=not before[1])):
             raise RuntimeError("inside")
     assert (cfg.recompile_limit, cfg.optimize_ddp) == before
+
+
+# dynamo does not trace ``ctx.mark_dirty``: a graph break, the Function runs as Python
+GRAPH_BREAKS = {"function_mark_dirty"}
+
+
+@pytest.mark.parametrize("name", ["function_custom_backward", "function_gradient_reversal",
+                                  "function_non_differentiable_output", "function_mark_dirty",
+                                  "function_once_differentiable", "function_parameter_input",
+                                  "function_straight_through"])
+def test_autograd_functions_compiled_by_inductor_keep_their_backward(name):
+    """Under Inductor a user ``autograd.Function`` is compiled as ``torch.compile`` compiles it (its
+    custom backward kept: Square3's is 3x g x, not the derivative), or runs as traced; training equals
+    eager's within fp32 rounding either way."""
+    from semantics_idioms import IDIOMS, reduce_output
+    from test_semantics import assert_trains_like_eager
+    from opsmath.regions import FUNCTION_COMPILED
+    assert_trains_like_eager(IDIOMS[name], None, "fp32", inductor=True)
+    model, batches = IDIOMS[name]()
+    optimized = opsmath.optimize(model, inductor=True)
+    reduce_output(optimized(*batches[0])).backward()
+    rep = opsmath.report(optimized)
+    functions = [r for r in rep.eager_regions if r.kind == "autograd.Function"]
+    assert functions or name in GRAPH_BREAKS, "no autograd.Function region"
+    assert all(r.reason == FUNCTION_COMPILED for r in functions), [r.reason for r in functions]
+    assert not rep.fallback_errors, rep.fallback_errors
