@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from opsmath.kernels import SPECS
 
-from .analysis import kernel_launches, saved_bytes_by_node, to_networkx
+from .analysis import kernel_launches, partitioned_saved_bytes, saved_bytes_by_node, to_networkx
 from .capture import lower_to_aten, static_inputs
 from .guards import after_change, guarded
 from .match import Decline, Match, run_patterns
@@ -230,8 +230,10 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
         else:
             # an absolute budget may be re-planned later, on a fresh copy of the unplanned graph
             base = clone_graph_module(ctx.gm) if absolute else None
-            # under Inductor the plan becomes recompute tags its partitioner must honor
+            # under Inductor the plan becomes recompute tags its partitioner must honor, and is made
+            # for what that partitioner saves (less than eager's saved set)
             how = "tag" if use_inductor else "checkpoint"
+            by_node = (partitioned_saved_bytes(ctx.gm, example_inputs) if use_inductor else None) or by_node
             plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model),
                                  how=how, earlier=[r.plan for r in state.graphs], link=offload.link_for(example_inputs, how))
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs

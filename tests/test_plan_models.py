@@ -42,16 +42,17 @@ def test_gpt2_plans_a_quarter_of_its_activations_across_its_two_graphs():
 
 
 def test_a_graph_above_its_share_is_planned_at_its_floor_when_the_step_stays_close():
-    """Under Inductor the model's graph of a 6-layer GPT-2 keeps 0.297 of its activations at 0.3, too
-    little slack for the 65 KiB loss graph, which keeps all it saves. The step then keeps 0.305, within
-    ``STEP_SLACK`` of 0.3: the loss graph is planned at its floor and says so, and training is exact."""
+    """Op by op and unrewritten, the model's graph of a 6-layer GPT-2 keeps about 0.3 of its activations
+    at 0.3, too little slack for the 65 KiB loss graph (its log-softmax), which keeps all it saves. The
+    step then stays within ``STEP_SLACK`` of 0.3: the loss graph is planned at its floor and says so,
+    and training is exact. (Under Inductor the loss graph's partition saves 2 KiB: it fits.)"""
     from opsmath.plan import STEP_SLACK
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=128, n_positions=256,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
     model = transformers.GPT2LMHeadModel(cfg).train()
     eager = copy.deepcopy(model)
-    opt = opsmath.optimize(model, memory_budget=0.3, inductor=True)
+    opt = opsmath.optimize(model, memory_budget=0.3, inductor=False, patterns=[])
     ids = torch.randint(0, 128, (2, 64))
     loss, loss_e = opt(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss
     loss.backward()
