@@ -170,6 +170,8 @@ VARIANTS = {  # label: (wrap the built model, attn_implementation or None for th
     "opsmath.optimize + CUDA graphs": (lambda m: opsmath.optimize(m, cuda_graphs=True), None),
     "opsmath.optimize(fp8=True) + CUDA graphs": (lambda m: opsmath.optimize(m, fp8=True, cuda_graphs=True),
                                                      None),
+    "opsmath.optimize(fp8=rowwise) + CUDA graphs": (
+        lambda m: opsmath.optimize(m, fp8="rowwise", cuda_graphs=True), None),
     "torchao float8 + torch.compile": (torchao_float8, None),
     FP8_ALONE: (lambda m: SharedInputThresholdOff(opsmath.optimize(m, fp8=True, cuda_graphs=True)), None),
 }

@@ -1,5 +1,5 @@
 """A linear layer on FP8 tensor cores: ``y = x @ W^T (+ b)`` with both GEMM operands in FP8 and both
-backward GEMMs in FP8, tensorwise dynamic scaling.
+backward GEMMs in FP8, dynamic scaling per tensor (default) or per row.
 
     forward:   s_x = amax|x| / 448,  s_w = amax|W| / 448              (e4m3: largest finite 448)
                y   = scaled_mm(e4m3(x / s_x), e4m3(W / s_w)^T) * s_x * s_w        [M, K] x [K, N]
@@ -7,6 +7,15 @@ backward GEMMs in FP8, tensorwise dynamic scaling.
                dx  = scaled_mm(e5m2(dy / s_g), e4m3 W) * s_g * s_w               [M, N] x [N, K]
                dW  = scaled_mm(e5m2(dy / s_g)^T, e4m3 x) * s_g * s_x             [N, M] x [M, K]
                db  = sum_rows dy (bf16, exact as eager)
+
+Rowwise (``rowwise=True``, torchao's rowwise recipe): one scale per row of each GEMM operand along its
+contraction dim, e4m3 everywhere (gradients too; the e4m3 range suffices once each row has its own scale):
+
+    forward:   y  = scaled_mm(e4m3 x [s per row of x], e4m3 W^T [s per row of W])       scales (M,1), (1,N)
+    backward:  dx = scaled_mm(e4m3 dy [per row], e4m3 W [per column of W])             (M,1), (1,K)
+               dW = scaled_mm(e4m3 dy^T [per column of dy], e4m3 x [per column of x])   (N,1), (1,K)
+
+so x, W and dy are each quantized twice, along both dims; the forward saves x's column-quantized copy.
 
 Shapes: ``x`` [..., K], ``W`` [N, K], ``b`` [N]; K and N multiples of 16 (``torch._scaled_mm``). The
 forward saves the FP8 copies of x and W (half of bf16) and the two scales. The casts and amax
@@ -28,9 +37,11 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
 
 
-def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t / s) as dtype, s``: one fp32 scale for the tensor, amax mapped to the format's largest value."""
-    amax = t.abs().amax().float()
+def quantize(t: torch.Tensor, dtype: torch.dtype, dim=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t / s) as dtype, s``: fp32 scales mapping amax to the format's largest value, one for the tensor
+    (``dim=None``) or one per slice reduced over ``dim`` (kept as a size-1 dim: ``dim=-1`` gives a scale per
+    row, shape (rows, 1))."""
+    amax = (t.abs().amax() if dim is None else t.abs().amax(dim, keepdim=True)).float()
     scale = torch.where(amax > 0, amax / MAX[dtype], torch.ones_like(amax))
     return (t.float() / scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype), scale
 
@@ -42,43 +53,63 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 class FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b):
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b, rowwise: bool = False):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        xq, sx = quantize(x2, E4M3)
-        wq, sw = quantize(w, E4M3)
-        y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+        if rowwise:
+            xq, sx = quantize(x2, E4M3, -1)
+            wq, sw = quantize(w, E4M3, -1)
+            y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.reshape(1, -1), out_dtype=x.dtype)
+            xq, sx = quantize(x2, E4M3, 0)          # what dW needs: a scale per column of x
+            ctx.save_for_backward(xq, sx, w)
+        else:
+            xq, sx = quantize(x2, E4M3)
+            wq, sw = quantize(w, E4M3)
+            y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+            ctx.save_for_backward(xq, sx, wq, sw)
         if b is not None:
             y = y + b
-        ctx.save_for_backward(xq, sx, wq, sw)
-        ctx.shape, ctx.has_bias, ctx.dtype = shape, b is not None, x.dtype
+        ctx.shape, ctx.has_bias, ctx.dtype, ctx.rowwise = shape, b is not None, x.dtype, rowwise
         return y.reshape(*shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        xq, sx, wq, sw = ctx.saved_tensors
         g = dy.reshape(-1, dy.shape[-1])
-        gq, sg = quantize(g, E5M2)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = torch._scaled_mm(gq, _col_major(wq), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
+        if ctx.rowwise:
+            xq, sx, w = ctx.saved_tensors
+            if ctx.needs_input_grad[0]:
+                gq, sg = quantize(g, E4M3, -1)
+                wq, sw = quantize(w, E4M3, 0)
+                dx = torch._scaled_mm(gq, _col_major(wq), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
+            if ctx.needs_input_grad[1]:
+                gq, sg = quantize(g, E4M3, 0)
+                dw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg.reshape(-1).unsqueeze(1), scale_b=sx,
+                                      out_dtype=ctx.dtype)
+        else:
+            xq, sx, wq, sw = ctx.saved_tensors
+            gq, sg = quantize(g, E5M2)
+            if ctx.needs_input_grad[0]:
+                dx = torch._scaled_mm(gq, _col_major(wq), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg, scale_b=sx, out_dtype=ctx.dtype)
+        if dx is not None:
             dx = dx.reshape(ctx.shape)
-        if ctx.needs_input_grad[1]:
-            dw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg, scale_b=sx, out_dtype=ctx.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0)
-        return dx, dw, db
+        return dx, dw, db, None
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, b=None) -> torch.Tensor:
-    """``F.linear(x, w, b)`` with FP8 GEMMs forward and backward (module docstring)."""
-    return FP8Linear.apply(x, w, b)
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, b=None, rowwise: bool = False) -> torch.Tensor:
+    """``F.linear(x, w, b)`` with FP8 GEMMs forward and backward (module docstring); ``rowwise``: a scale
+    per row of each operand instead of one per tensor."""
+    return FP8Linear.apply(x, w, b, rowwise)
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, b=None) -> torch.Tensor:
-    """The same quantization in fp32 matmuls (what tests compare ``fp8_linear`` against)."""
-    xq, sx = quantize(x.reshape(-1, x.shape[-1]), E4M3)
-    wq, sw = quantize(w, E4M3)
+def reference(x: torch.Tensor, w: torch.Tensor, b=None, rowwise: bool = False) -> torch.Tensor:
+    """The same forward quantization in fp32 matmuls (what tests compare ``fp8_linear`` against)."""
+    xq, sx = quantize(x.reshape(-1, x.shape[-1]), E4M3, -1 if rowwise else None)
+    wq, sw = quantize(w, E4M3, -1 if rowwise else None)
     y = (xq.float() * sx) @ (wq.float() * sw).t()
     y = (y + b.float() if b is not None else y).to(x.dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -96,5 +127,5 @@ def _exercise(dtype):
 
 
 SPEC = register(OpSpec("fp8_linear", ops=(fp8_linear,), exercise=_exercise, triton=False,
-                       flops=lambda x, w, b=None: 2.0 * x.numel() * w.shape[0],
+                       flops=lambda x, w, b=None, rowwise=False: 2.0 * x.numel() * w.shape[0],
                        saves="the FP8 copies of x and W (half of bf16) and their two scales"))

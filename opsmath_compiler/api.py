@@ -29,6 +29,7 @@ import torch
 
 import opsmath.kernels  # noqa: F401  (registers the opsmath:: custom ops)
 from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
+from opsmath.patterns.fp8_linear import with_scaling
 
 from .backend import INDUCTOR_FUSES_BETTER, GraphRecord, make_backend  # noqa: F401  (re-exported)
 from .cudagraphs import CUDA_GRAPHS_NOTE, guard_for
@@ -111,6 +112,8 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             tensor cores with dynamic tensorwise scaling (e4m3 operands, e5m2 gradients); the report
             lists every linear as FP8 or not, with the reason. Numerics change beyond the tolerance
             rule (judge by loss curves). Needs sm_89+ on CUDA; on CPU it runs PyTorch's FP8 reference.
+            ``"rowwise"``: a scale per row of each GEMM operand, e4m3 throughout (torchao's rowwise
+            recipe: more accurate for outlier rows, slower on the H200 by its anchors).
 
     Returns:
         ``model``, whose next call captures and rewrites; ``opsmath.report(model)`` shows the result.
@@ -163,13 +166,15 @@ def _has_experts(model: torch.nn.Module) -> bool:
 
 def _chosen(patterns, fp8) -> list:
     """The rules ``optimize`` applies: all but the opt-in ones not asked for, or exactly ``patterns``."""
-    if fp8 not in (False, True, "tensorwise"):
-        raise ValueError(f"fp8={fp8!r}: use True or 'tensorwise' (dynamic tensorwise scaling; rowwise and "
-                         "delayed scaling are not implemented)")
+    if fp8 not in (False, True, "tensorwise", "rowwise"):
+        raise ValueError(f"fp8={fp8!r}: use True or 'tensorwise' (a dynamic scale per tensor) or 'rowwise' "
+                         "(per row); delayed scaling is not implemented")
+    rules = ALL_PATTERNS if fp8 != "rowwise" else \
+        [with_scaling(p, "rowwise") if p.name == "fp8_linear" else p for p in ALL_PATTERNS]
     if patterns is not None:
-        return [p for p in ALL_PATTERNS if p.name in set(patterns)]
+        return [p for p in rules if p.name in set(patterns)]
     enabled = {"fp8": bool(fp8)}
-    return [p for p in ALL_PATTERNS if p.opt_in is None or enabled[p.opt_in]]
+    return [p for p in rules if p.opt_in is None or enabled[p.opt_in]]
 
 
 def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):

@@ -30,6 +30,7 @@ class FP8LinearRule(Rule):
     name = "fp8_linear"
     anchors = (aten.linear.default,)
     opt_in = "fp8"
+    scaling = "tensorwise"   # or "rowwise": ``with_scaling``
     after = ("linear_cross_entropy", "experts")   # the LM head's loss and grouped experts keep theirs
 
     def match(self, ctx: RewriteContext, n: fx.Node):
@@ -49,11 +50,20 @@ class FP8LinearRule(Rule):
         x, w, b, (M, K, N) = plan
         before = [node_line(n)]
         with ctx.graph.inserting_before(n):
-            y = ctx.call(fp8_linear, (x, w, b), n)
+            y = ctx.call(fp8_linear, (x, w, b, self.scaling == "rowwise"), n)
         n.replace_all_uses_with(y)
         ctx.erase_dead([n])
-        ctx.replaced(self.name, n, [n], f"FP8 linear ({M} x {K} -> {N}, e4m3 fwd, e5m2 grads, tensorwise)",
+        how = "e4m3, rowwise" if self.scaling == "rowwise" else "e4m3 fwd, e5m2 grads, tensorwise"
+        ctx.replaced(self.name, n, [n], f"FP8 linear ({M} x {K} -> {N}, {how})",
                      before, M=M, K=K, N=N, weight=parameter_name(w))
+
+
+def with_scaling(rule: FP8LinearRule, scaling: str) -> FP8LinearRule:
+    """A copy of ``rule`` emitting ``scaling`` ("tensorwise" or "rowwise") FP8 GEMMs."""
+    import copy
+    out = copy.copy(rule)
+    out.scaling = scaling
+    return out
 
 
 def _operands(n: fx.Node):
