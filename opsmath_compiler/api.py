@@ -107,13 +107,11 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             but a large output (logits) kept past the next step's forward must be cloned, as under
             ``reduce-overhead``. CPU graphs run without. Needs the Inductor path; an outer
             ``torch.compile(..., mode="reduce-overhead")`` does not reach opsmath's graphs: ask here.
-        fp8: ``True`` or ``"tensorwise"``: bf16 linear layers whose GEMMs are large enough to gain
-            (``patterns/fp8_linear.py``: K, N and the rows >= 2048) run forward and backward on FP8
-            tensor cores with dynamic tensorwise scaling (e4m3 operands, e5m2 gradients); the report
-            lists every linear as FP8 or not, with the reason. Numerics change beyond the tolerance
-            rule (judge by loss curves). Needs sm_89+ on CUDA; on CPU it runs PyTorch's FP8 reference.
-            ``"rowwise"``: a scale per row of each GEMM operand, e4m3 throughout (torchao's rowwise
-            recipe: more accurate for outlier rows, slower on the H200 by its anchors).
+        fp8: ``True`` or ``"tensorwise"``: bf16 linear layers whose GEMMs gain (``patterns/fp8_linear.py``)
+            run forward and backward on FP8 tensor cores, dynamic tensorwise scaling (e4m3 operands, e5m2
+            gradients); ``"rowwise"``: a scale per operand row, e4m3 throughout (torchao's rowwise recipe).
+            The report lists every linear as FP8 or not, with the reason. Numerics change beyond the
+            tolerance rule (judge by loss curves). Needs sm_89+ on CUDA; CPU runs PyTorch's FP8 reference.
 
     Returns:
         ``model``, whose next call captures and rewrites; ``opsmath.report(model)`` shows the result.
