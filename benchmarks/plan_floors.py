@@ -1,9 +1,11 @@
 """The smallest memory budget the recompute plan reaches, as a fraction of the step's activation bytes,
 on the bundled examples and on Hugging Face models as they load (tiny widths, CPU, fake-tensor liveness:
 no GPU needed). Each model is optimized with ``memory_budget=0.01``, which no plan meets; the error names
-the floor. A model whose plan meets 0.25 lists it as feasible.
+the floor. A model whose plan meets 0.25 lists it as feasible. ``--inductor``: the graphs compiled by
+Inductor (CPU, needs a C++ compiler), as on CUDA by default: the plan then counts what Inductor's
+partitioner saves, and the families Inductor fuses itself are left to it.
 
-    python benchmarks/plan_floors.py [name ...]
+    python benchmarks/plan_floors.py [--inductor] [name ...]
 """
 import re
 import sys
@@ -34,9 +36,9 @@ MODELS = {   # name: model factory (trained on one batch of 2 x 128 tokens)
 }
 
 
-def floor(model, call) -> str:
+def floor(model, call, inductor: bool = False) -> str:
     torch._dynamo.reset()
-    opt = opsmath.optimize(model, memory_budget=0.01)
+    opt = opsmath.optimize(model, memory_budget=0.01, inductor=inductor)
     try:
         call(opt)
     except InfeasibleBudget as e:
@@ -52,10 +54,12 @@ def main():
     for name, factory in examples.EXAMPLES.items():
         model, batch = factory()
         rows[f"bundled {name}"] = (lambda model=model: model, lambda m, batch=batch: m(*batch).float().sum().backward())
+    inductor = "--inductor" in sys.argv
+    names = [a for a in sys.argv[1:] if a != "--inductor"]
     for name, (make, call) in rows.items():
-        if len(sys.argv) > 1 and not any(a in name for a in sys.argv[1:]):
+        if names and not any(a in name for a in names):
             continue
-        print(f"{name:18} smallest feasible fraction: {floor(make(), call)}", flush=True)
+        print(f"{name:18} smallest feasible fraction: {floor(make(), call, inductor)}", flush=True)
 
 
 if __name__ == "__main__":
