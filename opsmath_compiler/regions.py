@@ -18,6 +18,7 @@ added by a later torch, is left to eager.
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 from dataclasses import dataclass
 from typing import Optional
@@ -39,6 +40,7 @@ FUNCTION = "autograd_function_apply"
 # where the graph is compiled by Inductor: a Function dynamo traced (forward and backward bodies) is
 # compiled as ``torch.compile`` compiles it, AOTAutograd keeping its backward
 FUNCTION_COMPILED = "compiled by Inductor with its own backward, as torch.compile compiles it"
+FUNCTION_SHAPES = 8   # as dynamo's recompile limit
 _WHY = {
     FUNCTION: ("autograd.Function", "custom backward kept as written"),
     "register_hook": ("tensor hook", "hook registered on the real tensor"),
@@ -117,11 +119,16 @@ def compile_functions(parent: fx.GraphModule, regions: dict, alone: dict, compil
     """Under Inductor: each user ``autograd.Function`` dynamo traced (its node alone in a submodule of
     ``parent``) is compiled by ``compile_fx(gm, args)`` at its first call, as ``torch.compile`` compiles
     it: AOTAutograd traces its forward body and keeps its backward body as the gradient. Where that
-    fails the region runs as traced, and ``errors`` says so."""
+    fails the region runs as traced, and ``errors`` says so. A region is compiled for at most
+    ``FUNCTION_SHAPES`` input sizes (each compile is specialized to its sizes); further sizes run as traced."""
     def compile_region(gm, args):
+        compiled = gm.meta.setdefault("opsmath_compiles", [0])
+        compiled[0] += 1
+        if compiled[0] > FUNCTION_SHAPES:   # sizes that keep changing: no compile per size
+            return gm.forward
         try:
-            with hooks_off_while_tracing():
-                return compile_fx(gm, args)
+            with hooks_off_while_tracing():   # on a copy: Inductor may rewrite the graph it gets (its output)
+                return compile_fx(copy.deepcopy(gm), args)
         except Exception as e:  # noqa: BLE001  (the region still runs, as dynamo traced it)
             errors.append(f"an autograd.Function region: Inductor failed ({type(e).__name__}: {str(e)[:200]}); "
                           "running it as traced")

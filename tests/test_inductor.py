@@ -302,3 +302,29 @@ def test_plan_under_inductor_is_made_for_what_its_partitioner_saves(budget):
     else:
         assert real <= plan.kept * 1.02, (real, plan.kept)
         assert plan.kept + plan.transient <= 0.5 * plan.unconstrained + 4096
+
+
+def test_function_region_stops_compiling_when_sizes_keep_changing(monkeypatch):
+    """A Function region compiles once per input size, up to ``FUNCTION_SHAPES``; past that it runs as
+    traced (no Inductor compile per new length), and training stays exact."""
+    from semantics_idioms import IDIOMS, reduce_output
+    from opsmath import regions
+    monkeypatch.setattr(regions, "FUNCTION_SHAPES", 2)
+    calls = []
+    real = regions.hooks_off_while_tracing
+
+    def counting():
+        calls.append(1)
+        return real()
+    monkeypatch.setattr(regions, "hooks_off_while_tracing", counting)
+    model, _ = IDIOMS["function_custom_backward"]()
+    eager = copy.deepcopy(model)
+    optimized = opsmath.optimize(model, inductor=True)
+    for rows in (3, 4, 5, 6):
+        x = torch.randn(rows, 8)
+        reduce_output(optimized(x)).backward()
+        reduce_output(eager(x)).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    # the static graph's piece compiled once (3 rows); the dynamic graph's for 4 and 5 rows, not for 6
+    assert len(calls) == 3, len(calls)
