@@ -2,7 +2,8 @@
 # One device call: install, then the STEPS asked for (default: all), each logged to $OUT/<step>.log.
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
 #   STEPS="tests attn_tests semantics cuda_graphs attention lce ce dan act train gap recompute memory memory_llama long curve
-#          fp8_curve fp8_speed tune llama hf_sdpa lengths guards window_tests window window_model"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#          fp8_curve fp8_speed tune llama hf_sdpa lengths guards window_tests window window_model
+#          bloom alibi memory_llama_fractions"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -78,4 +79,11 @@ step fp8_speed ${FP8_SPEED_TIMEOUT:-560} python3 benchmarks/hf_default_attention
 step window_tests ${WINDOW_TESTS_TIMEOUT:-300} env OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \
     tests/test_kernel_attention_window.py
 step window ${WINDOW_TIMEOUT:-330} python3 benchmarks/attention_variants.py --kind window --rounds 5
+# BLOOM with its GeLU Function compiled by Inductor, ALiBi attention's alternatives, and LLaMA 1.1B's
+# fractional budgets planned for Inductor's partition (the fixes their first GPU runs called for)
+step bloom ${BLOOM_TIMEOUT:-200} python3 benchmarks/hf_default_attention.py --models bloom \
+    --variants "torch.compile,opsmath.optimize" --rounds 3 --steps 3
+step alibi ${ALIBI_TIMEOUT:-150} python3 benchmarks/attention_variants.py --kind alibi --rounds 3
+step memory_llama_fractions ${MLF_TIMEOUT:-400} python3 benchmarks/memory.py --model llama --no-long \
+    --paths inductor --fractions 0.5,0.25 --absolute "" --no-anchors
 step window_model ${WINDOW_MODEL_TIMEOUT:-300} python3 benchmarks/hf_default_attention.py --models mistral_sw --rounds 3 --steps 3
