@@ -125,7 +125,8 @@ def make_backend(state, model: torch.nn.Module):
         _inline_checkpoints(state, gm, regions, _uses_inductor(state, example_inputs))
         if not regions:
             return compile_graph(state, model, gm, list(example_inputs))
-        # autograd Functions and tensor hooks run as dynamo traced them, checkpoints as the user wrote
+        # autograd Functions (compiled by Inductor where the graph is) and tensor hooks run as dynamo
+        # traced them, checkpoints as the user wrote
         # them; the pieces between them and the checkpoints' bodies (which may hold regions of their
         # own) go through this backend at their first call, with the real inputs they get there
         state.eager_regions.extend(regions.values())

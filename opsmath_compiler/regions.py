@@ -13,7 +13,8 @@ backward, the hook on the real tensor). The runs of ordinary nodes between them 
 rewritten and compiled on their own, each a graph of the report; the report lists every region left
 eager with its reason, and dynamo's graph breaks (the code around them runs as plain Python).
 Higher-order ops whose lowering is exact stay in the pieces (``LOWERED``); any other, known today or
-added by a later torch, is left to eager.
+added by a later torch, is left to eager. Where the graph goes to Inductor, a Function's own piece is
+compiled by Inductor, as ``torch.compile`` compiles it (``compile_functions``).
 """
 from __future__ import annotations
 
