@@ -38,16 +38,17 @@ def step_equals_eager(model, ref, batch, run=None):
     return loss
 
 
-def saved_bytes(fn):
-    """Bytes autograd saves for backward during ``fn()``, deduplicated by storage."""
-    seen = {}
+def saved_bytes(fn, exclude=()):
+    """Bytes autograd saves for backward during ``fn()``, deduplicated by storage; the storages of the
+    tensors in ``exclude`` (parameters: resident, not activations) left out."""
+    seen, left_out = {}, {t.untyped_storage().data_ptr() for t in exclude}
 
     def pack(t):
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return out, sum(seen.values())
+    return out, sum(v for k, v in seen.items() if k not in left_out)
 
 
 def test_inductor_matches_eager_and_keeps_the_rewrites():
@@ -262,18 +263,6 @@ def test_autograd_functions_compiled_by_inductor_keep_their_backward(name):
     assert not rep.fallback_errors, rep.fallback_errors
 
 
-def _saved_by_step(model, run) -> int:
-    """Bytes of the storages autograd saves during ``run()`` (parameters left out): measured, not modelled."""
-    seen, params = {}, {p.untyped_storage()._cdata for p in model.parameters()}
-
-    def pack(t):
-        seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(v for k, v in seen.items() if k not in params)
-
-
 @pytest.mark.parametrize("budget", [1.0, 0.5])
 def test_plan_under_inductor_is_made_for_what_its_partitioner_saves(budget):
     """HF LLaMA under bf16 autocast: eager's saved set overstates what Inductor keeps (norm intermediates,
@@ -292,7 +281,7 @@ def test_plan_under_inductor_is_made_for_what_its_partitioner_saves(budget):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return optimized(input_ids=ids, labels=ids, use_cache=False).loss
     run().backward()
-    real = _saved_by_step(model, run)
+    _, real = saved_bytes(run, exclude=list(model.parameters()))
     (graph,) = [g for g in opsmath.report(optimized).graphs if g.plan is not None]
     plan = graph.plan
     eager_estimate = graph.saved_bytes[1]
