@@ -122,7 +122,9 @@ def run_case(B, H, S, D, cap, rounds, window=0, alibi=False):
     cap = 0.0 if window or alibi else cap
     scale = D ** -0.5 * (8 if cap else 1)
     ref_in = [t.detach().float()[:1].requires_grad_() for t in (q, k, v)]   # fp32 reference on batch 0
-    ref = eager_same_dtype(*ref_in, alibi_bias(ref_in[0]) if alibi else None, None, float("-inf"), True, scale,
+    # ALiBi's reference adds the bias the model holds (bf16, slope * j rounded) in fp32: the function every
+    # variant but flex computes (flex's score_mod forms slope * j in fp32, a rounding apart: its error shows it)
+    ref = eager_same_dtype(*ref_in, alibi_bias(q[:1]).float() if alibi else None, None, float("-inf"), True, scale,
                            softcap=cap, window=window)
     ref.backward(do[:1].float())
     fns = window_variants(q, k, v, window, scale) if window else alibi_variants(q, k, v, scale) if alibi \

@@ -85,5 +85,5 @@ step bloom ${BLOOM_TIMEOUT:-200} python3 benchmarks/hf_default_attention.py --mo
     --variants "torch.compile,opsmath.optimize" --rounds 3 --steps 3
 step alibi ${ALIBI_TIMEOUT:-150} python3 benchmarks/attention_variants.py --kind alibi --rounds 3
 step memory_llama_fractions ${MLF_TIMEOUT:-400} python3 benchmarks/memory.py --model llama --no-long \
-    --paths inductor --fractions 0.5,0.25 --absolute "" --no-anchors
+    --paths inductor --fractions ${MLF_FRACTIONS:-0.5,0.25} --absolute "" --no-anchors
 step window_model ${WINDOW_MODEL_TIMEOUT:-300} python3 benchmarks/hf_default_attention.py --models mistral_sw --rounds 3 --steps 3

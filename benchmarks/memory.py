@@ -126,7 +126,9 @@ def main():
         r = rows[-1]
         gib = (lambda b: "-" if b is None else f"{b / 2**30:.2f}")
         print(f"{name:34} peak {gib(r['peak']):>6} GiB  predicted {gib(r['predicted']):>6}  "
-              f"{'-' if ms is None else f'{ms:.1f}'} ms  {r['error'] or ''}", flush=True)
+              f"{'-' if ms is None else f'{ms:.1f}'} ms  {r['error'] or ''}"
+              + "".join(f"  [activations {p['unconstrained'] / 2**30:.2f} GiB as {p['estimated_by']} saves them]"
+                        for p in r["plans"][:1]), flush=True)
         save({}, [])   # after every row: a run cut short keeps what it measured
         return r
 

@@ -37,7 +37,9 @@ def _scores(q, k, b, h, rows, cols, Bias, Mask, sbb, sbh, sbm, sbn, smb, smh, sm
         s = softcap * t
         dcap = 1.0 - t * t
     inb = (rows[:, None] < SQ) & (cols[None, :] < SK)
-    if HAS_BIAS:
+    if HAS_BIAS == 2:   # a per-key bias (query stride 0: ALiBi): one row of BN values, broadcast over rows
+        s += tl.load(Bias + b * sbb + h * sbh + cols.to(tl.int64) * sbn, mask=cols < SK, other=0.0).to(tl.float32)[None, :]
+    elif HAS_BIAS:
         bp = Bias + b * sbb + h * sbh + rows[:, None].to(tl.int64) * sbm + cols[None, :].to(tl.int64) * sbn
         s += tl.load(bp, mask=inb, other=0.0).to(tl.float32)
     if CHECK:
@@ -342,15 +344,14 @@ def _precision(q: torch.Tensor):
 
 
 def _aux(q, k, bias, mask):
-    """Broadcast bias/mask to (B, H, Sq, Sk) as stride-0 views; dummy pointers when absent."""
+    """bias/mask as (B, H, Sq, Sk) stride-0 views (dummies when absent), and HAS_BIAS: 0 none, 2 per-key, 1 other."""
     B, H, Sq, _ = q.shape
-    Sk = k.shape[2]
-    full = (B, H, Sq, Sk)
+    full = (B, H, Sq, k.shape[2])
     b = bias.expand(full) if bias is not None else q.new_empty(1)
     m = mask.expand(full).view(torch.uint8) if mask is not None else q.new_empty(1, dtype=torch.uint8)
     bs = b.stride() if bias is not None else (0, 0, 0, 0)
     ms = m.stride() if mask is not None else (0, 0, 0, 0)
-    return b, m, bs, ms
+    return b, m, bs, ms, 0 if bias is None else 2 if bs[2] == 0 and Sq > 1 else 1
 
 
 def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0,
@@ -359,15 +360,14 @@ def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, d
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
     stats = torch.empty((B, H, Sq, 2), device=q.device, dtype=torch.float32)
-    b, m, bs, ms = _aux(q, k, bias, mask)
+    b, m, bs, ms, has_bias = _aux(q, k, bias, mask)
     BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap, window))
     grid = (triton.cdiv(Sq, BM), B * H)
     _attn_fwd[grid](q, k, v, b, m, out, stats, seed_arg(seed, q, dropout_p),
                     *q.stride(), *k.stride(), *v.stride(), *bs, *ms, *out.stride(),
                     H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p),
-                    int(window), HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
-                    WINDOW=window > 0,
-                    HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=_precision(q),
+                    int(window), HAS_BIAS=has_bias, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+                    WINDOW=window > 0, HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=_precision(q),
                     BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     return out, stats
 
@@ -382,9 +382,9 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
     dk = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
     dbias = torch.empty((B, H, Sq, Sk), device=q.device, dtype=torch.float32) if bias_grad else q.new_empty(1)
-    b, m, bs, ms = _aux(q, k, bias, mask)
+    b, m, bs, ms, has_bias = _aux(q, k, bias, mask)
     BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap, window))
-    common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal), WINDOW=window > 0,
+    common = dict(HAS_BIAS=has_bias, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal), WINDOW=window > 0,
                   HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=_precision(q),
                   BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)

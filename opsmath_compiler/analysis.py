@@ -160,11 +160,14 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
         with torch._functorch.config.patch(enable_autograd_cache=False), \
                 torch._inductor.config.patch(fx_graph_cache=False):
             inductor.compile_fx(clone_graph_module(gm), list(example_inputs))
-        return None    # compiled without reaching the partition
+        log.warning("opsmath: Inductor compiled without reaching its partition; the memory plan uses eager "
+                    "autograd's saved set (larger than Inductor's)")
+        return None
     except _Partitioned:
         pass
     except Exception as e:  # an estimate for the planner, never fatal
-        log.debug("opsmath: partitioned saved-bytes analysis failed: %s", e)
+        log.warning("opsmath: Inductor's partition could not be analyzed (%s: %s); the memory plan uses eager "
+                    "autograd's saved set (larger than Inductor's)", type(e).__name__, str(e)[:300])
         return None
     finally:
         inductor.min_cut_rematerialization_partition = partition

@@ -234,9 +234,11 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             # under Inductor the plan becomes recompute tags its partitioner must honor, and is made
             # for what that partitioner saves (less than eager's saved set)
             how = "tag" if use_inductor else "checkpoint"
-            by_node = (partitioned_saved_bytes(ctx.gm, example_inputs) if use_inductor else None) or by_node
+            partitioned = partitioned_saved_bytes(ctx.gm, example_inputs) if use_inductor else None
+            by_node = partitioned or by_node
             plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model),
                                  how=how, earlier=[r.plan for r in state.graphs], link=offload.link_for(example_inputs, how))
+            plan.estimated_by = "Inductor's partition" if partitioned else "eager autograd"
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
               if not isinstance(t, torch.nn.Parameter)]
     record = GraphRecord(

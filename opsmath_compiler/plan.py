@@ -13,9 +13,9 @@
    segmentation, the cheaper kept (ties: the user's). A run may also be recomputed selectively: its
    GEMMs and fused GEMM ops kept, only its cheap ops (norms, activations, dropout, casts) recomputed,
    freeing what those produced (``segments.selective``), or its plain GEMMs recomputed too and only its
-   fused ops (attention) kept. On CUDA under Inductor a segment may instead
-   send what it keeps to host memory (``offload.py``: kept, or recomputed with its inputs on the host),
-   at the modelled cost of the copies over this machine's measured host link.
+   fused ops (attention) kept. On CUDA under Inductor a segment may instead send what it keeps to host
+   memory (``offload.py``: kept, or recomputed with its inputs on the host), at the modelled cost of
+   the copies over this machine's measured host link.
 4. **Emission** (``plan_emit``): each chosen segment becomes a sub-GraphModule called through
    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (RNG state preserved, so dropout
    masks, opsmath's seeds included, are the same in the recompute). When the graph goes on to
@@ -62,6 +62,7 @@ class Plan:
     gemms_recomputed: list[int] = field(default_factory=list)   # selective ones recomputing GEMMs too
     link: float | None = None   # host-link bytes/s the plan could offload over (None: no offload)
     ops: dict = field(default_factory=dict)   # segment index -> what it spans (segments.describe)
+    estimated_by: str = "eager autograd"   # who saves the bytes counted, or "Inductor's partition"
 
     def budget_both_units(self) -> tuple[int, float]:
         """The budget as bytes of the whole step and as a share of the unconstrained activations: the
@@ -138,7 +139,7 @@ class Plan:
                     measured_peak=self.measured_peak, replanned=self.replanned,
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
                     offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
-                    offloaded_bytes=self.offloaded_bytes, link=self.link,
+                    offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by,
                     timeline=[list(t) for t in self.timeline()])
 
 
@@ -306,9 +307,8 @@ def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Se
 
 def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
                   how: str = "checkpoint", earlier: tuple = (), link: float | None = None) -> Plan:
-    """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes
-    (``analysis.saved_bytes_by_node``) and rewrite it in place: ``how="checkpoint"`` emits
-    ``checkpoint`` calls (eager execution), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
+    """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes (``analysis``) and rewrite
+    it in place: ``how="checkpoint"`` emits ``checkpoint`` calls (eager), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
     of graphs captured before this one. A fraction is a share of the whole step's activations: a graph
     that cannot keep its own share (a small loss graph after the model's) may use what the earlier
     graphs left under theirs, and its plan's ``note`` says so. ``link``: host-link bytes/s when saved

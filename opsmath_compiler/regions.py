@@ -100,6 +100,7 @@ def split_around(gm: fx.GraphModule, keep: set[fx.Node]) -> tuple[fx.GraphModule
         if not alone:
             lowered.add(part)
         prev_alone = alone
+    recompute_in_pieces(gm, ids, keep)
     parent = split_module(gm, None, lambda n: ids[n], keep_original_order=True)
     names = [f"submod_{p}" for p in sorted(lowered) if hasattr(parent, f"submod_{p}")]
     for name in names:   # pieces keep dynamo's graph id: their parameters stay static inputs (capture.py)
@@ -107,6 +108,67 @@ def split_around(gm: fx.GraphModule, keep: set[fx.Node]) -> tuple[fx.GraphModule
             getattr(parent, name).meta["dynamo_compile_id"] = gm.meta["dynamo_compile_id"]
     alone = {n: f"submod_{ids[n]}" for n in keep if hasattr(parent, f"submod_{ids[n]}")}
     return parent, [s for s in names if _computes(getattr(parent, s))], alone
+
+
+# ops whose value is not a function of their arguments alone (random draws, uninitialized memory) or
+# whose call has an effect: never recomputed in another piece
+_IMPURE = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential",
+           "empty", "seed", "print", "assert")
+_SIZES = {"size", "dim", "numel", "sym_size"}   # read a tensor's sizes only, not its values
+
+
+def _name(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+
+
+def size_only(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of ``gm`` whose value depends on no tensor input's values: sizes and constants only
+    (HF's causal masks, ALiBi slopes and position ranges when no attention mask is passed), computed by
+    deterministic out-of-place ops."""
+    ok = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("example_value", n.meta.get("val"))
+        if n.op == "placeholder":
+            if not isinstance(val, torch.Tensor):
+                ok.add(n)
+            continue
+        name = _name(n)
+        if n.op not in ("call_function", "call_method") or name.startswith("_") or name.endswith("_") \
+                or any(w in name for w in _IMPURE) or "out" in n.kwargs:
+            continue
+        if name in _SIZES or all(a in ok for a in n.all_input_nodes):
+            ok.add(n)
+    return ok
+
+
+def recompute_in_pieces(gm: fx.GraphModule, ids: dict, keep: set[fx.Node]) -> int:
+    """Give each piece its own copy of the size-only values (``size_only``) it reads from another piece,
+    instead of receiving them as inputs. Why: a piece after a Function region sees HF's causal mask and
+    ALiBi bias as opaque inputs, so its attention match can neither recognize the mask as causal nor
+    the bias as per-key, and falls back to a materialized (B, H, S, S) bias with no causal skipping (HF
+    BLOOM: 7 of 8 layers). The copies compute the same values (deterministic ops of sizes and
+    constants); what a rewrite leaves unused is dead code for Inductor. Updates ``ids``; returns the
+    number of nodes copied."""
+    ok, copies = size_only(gm), {}
+
+    def copy_into(a: fx.Node, piece: int) -> fx.Node:
+        if a.op == "placeholder" or ids.get(a) == piece:
+            return a
+        if (piece, a) not in copies:
+            c = gm.graph.node_copy(a, lambda x: copy_into(x, piece))
+            ids[c] = piece
+            copies[piece, a] = c
+        return copies[piece, a]
+
+    for u in list(gm.graph.nodes):
+        if u not in ids or u in keep or (u.target is operator.getitem and u.args[0] in keep):
+            continue
+        for a in u.all_input_nodes:
+            if a in ok and a.op != "placeholder" and ids.get(a) != ids[u] \
+                    and isinstance(a.meta.get("example_value", a.meta.get("val")), torch.Tensor):
+                with gm.graph.inserting_before(u):
+                    u.replace_input_with(a, copy_into(a, ids[u]))
+    return len(copies)
 
 
 def _computes(sub: fx.GraphModule) -> bool:

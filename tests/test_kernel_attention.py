@@ -25,6 +25,7 @@ CASES = [  # B, H, Hkv, Sq, Sk, D, bias, mask, causal, p
     (1, 3, 3, 21, 21, 24, "grad", None, True, 0.2),
     (2, 2, 2, 9, 40, 8, None, "padding", True, 0.0),
     (2, 4, 4, 31, 31, 32, "padding", None, False, 0.1),
+    (2, 4, 2, 37, 37, 16, "alibi", None, True, 0.0),   # per-key bias (B, H, 1, Sk), with its gradient
 ]
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
 PAIRS = [(c, dt) for c in CASES for dt in DTYPES]
@@ -43,6 +44,10 @@ def _inputs(case, dtype, device):
         bias = torch.randn(B, 1, Sq, Sk, device=device)
     elif bias_kind == "grad":
         bias = torch.randn(1, H, Sq, Sk, device=device, requires_grad=True)
+    elif bias_kind == "alibi":   # BLOOM's ALiBi: slope_h * j, one row per head broadcast over queries
+        slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device=device) / H)
+        bias = (slopes[:, None] * torch.arange(Sk, device=device)).expand(B, H, Sk)[:, :, None].clone()
+        bias.requires_grad_()
     elif bias_kind == "padding":  # HF-style additive padding mask
         keep = torch.rand(B, 1, 1, Sk, device=device) > 0.3
         keep[..., 0] = True

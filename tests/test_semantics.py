@@ -210,6 +210,23 @@ def test_bloom_gelu_function_keeps_every_gradient():
     assert sum(r.kind == "autograd.Function" for r in regions) == 2, regions
 
 
+def test_pieces_after_a_function_recompute_the_causal_mask_and_alibi():
+    """BLOOM's Function splits its graph; the pieces after it recompute HF's causal mask and ALiBi from
+    sizes instead of receiving them, so every layer's attention is causal with a per-key bias (not a
+    materialized (B, H, S, S) one), and training stays equal to eager."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BloomConfig(n_layer=3, hidden_size=32, n_head=4, vocab_size=100, attn_implementation="eager",
+                                   hidden_dropout=0.0, attention_dropout=0.0)
+
+    def make():
+        ids = [torch.randint(0, 100, (2, 12)) for _ in range(3)]
+        return transformers.BloomForCausalLM(cfg), [dict(input_ids=i, labels=i) for i in ids]
+    optimized = assert_trains_like_eager(make, patterns=None, mode=MODES[True], kwargs=True)
+    attn = [m for m in opsmath.report(optimized).matches if m.pattern == "attention"]
+    assert len(attn) == 3 and all(m.details["causal"] and m.details["has_bias"] for m in attn), attn
+    assert all("bias(8, 1, 12)" in m.replacement for m in attn), [m.replacement for m in attn]   # B*H, 1, S
+
+
 def test_domain_adversarial_model_with_gradient_reversal():
     """DANN: a shared encoder, a label head, and a domain head behind a gradient-reversal Function."""
     class DANN(nn.Module):
