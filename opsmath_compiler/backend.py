@@ -132,7 +132,7 @@ def make_backend(state, model: torch.nn.Module):
         state.eager_regions.extend(regions.values())
         parent, pieces, alone = split_around(gm, set(regions))
         for name in pieces:
-            setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend))
+            setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors))
         if _uses_inductor(state, example_inputs):
             compile_functions(parent, regions, alone, compile_fx, state.fallback_errors)
         route_checkpoints(parent, opsmath_backend)

@@ -41,7 +41,7 @@ FUNCTION = "autograd_function_apply"
 # where the graph is compiled by Inductor: a Function dynamo traced (forward and backward bodies) is
 # compiled as ``torch.compile`` compiles it, AOTAutograd keeping its backward
 FUNCTION_COMPILED = "compiled by Inductor with its own backward, as torch.compile compiles it"
-FUNCTION_SHAPES = 8   # as dynamo's recompile limit
+PIECE_SIZES = 8   # sizes a piece or Function region is compiled for (as dynamo's recompile limit)
 _WHY = {
     FUNCTION: ("autograd.Function", "custom backward kept as written"),
     "register_hook": ("tensor hook", "hook registered on the real tensor"),
@@ -183,12 +183,8 @@ def compile_functions(parent: fx.GraphModule, regions: dict, alone: dict, compil
     ``parent``) is compiled by ``compile_fx(gm, args)`` at its first call, as ``torch.compile`` compiles
     it: AOTAutograd traces its forward body and keeps its backward body as the gradient. Where that
     fails the region runs as traced, and ``errors`` says so. A region is compiled for at most
-    ``FUNCTION_SHAPES`` input sizes (each compile is specialized to its sizes); further sizes run as traced."""
+    ``PIECE_SIZES`` input sizes (each compile is specialized to its sizes); further sizes run as traced."""
     def compile_region(gm, args):
-        compiled = gm.meta.setdefault("opsmath_compiles", [0])
-        compiled[0] += 1
-        if compiled[0] > FUNCTION_SHAPES:   # sizes that keep changing: no compile per size
-            return gm.forward
         try:
             with hooks_off_while_tracing():   # on a copy: Inductor may rewrite the graph it gets (its output)
                 return compile_fx(copy.deepcopy(gm), args)
@@ -198,7 +194,8 @@ def compile_functions(parent: fx.GraphModule, regions: dict, alone: dict, compil
             return gm.forward
     for node, region in regions.items():
         if node.target.name() == FUNCTION and node in alone:
-            setattr(parent, alone[node], LazyPiece(getattr(parent, alone[node]), compile_region))
+            setattr(parent, alone[node], LazyPiece(getattr(parent, alone[node]), compile_region, errors,
+                                                   "an autograd.Function region"))
             region.reason = FUNCTION_COMPILED
 
 
@@ -307,11 +304,14 @@ class LazyPiece(torch.nn.Module):
     """A lowered piece of a split graph, compiled by ``compile_piece(gm, args)`` at its first call with
     the real inputs it receives there (what a dynamo backend gets), then run through the result. The
     compiled piece is specialized to those inputs' sizes: a call with other sizes (the parent graph has
-    dynamic sizes) compiles the piece again for them."""
+    dynamic sizes) compiles the piece again for them, up to ``PIECE_SIZES`` sizes (each compile costs
+    seconds under Inductor); further sizes run the piece as dynamo traced it (eager, unrewritten: what
+    ``torch.compile`` does at its recompile limit), and ``errors`` gets a line saying so (once)."""
 
-    def __init__(self, gm: fx.GraphModule, compile_piece):
+    def __init__(self, gm: fx.GraphModule, compile_piece, errors: Optional[list] = None,
+                 what: str = "a graph piece between regions left to eager"):
         super().__init__()
-        self.gm, self._compile, self._fns = gm, compile_piece, {}
+        self.gm, self._compile, self._fns, self._errors, self._what = gm, compile_piece, {}, errors, what
 
     @staticmethod
     def _key(args) -> tuple:
@@ -321,6 +321,13 @@ class LazyPiece(torch.nn.Module):
     def compile_for(self, args):
         key = self._key(args)
         if key not in self._fns:   # (the backend it compiles through turns saved-tensor hooks off)
+            if len(self._fns) >= PIECE_SIZES:
+                note = (f"{self._what} met more than {PIECE_SIZES} input sizes: "
+                        "further sizes run it as traced (not rewritten, not compiled); padding lengths to a few "
+                        "buckets keeps it optimized")
+                if self._errors is not None and note not in self._errors:   # said once
+                    self._errors.append(note)
+                return self.gm.forward
             self._fns[key] = self._compile(self.gm, list(args))
         return self._fns[key]
 

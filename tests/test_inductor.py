@@ -294,11 +294,11 @@ def test_plan_under_inductor_is_made_for_what_its_partitioner_saves(budget):
 
 
 def test_function_region_stops_compiling_when_sizes_keep_changing(monkeypatch):
-    """A Function region compiles once per input size, up to ``FUNCTION_SHAPES``; past that it runs as
+    """A Function region compiles once per input size, up to ``PIECE_SIZES``; past that it runs as
     traced (no Inductor compile per new length), and training stays exact."""
     from semantics_idioms import IDIOMS, reduce_output
     from opsmath import regions
-    monkeypatch.setattr(regions, "FUNCTION_SHAPES", 2)
+    monkeypatch.setattr(regions, "PIECE_SIZES", 2)
     calls = []
     real = regions.hooks_off_while_tracing
 
@@ -317,3 +317,28 @@ def test_function_region_stops_compiling_when_sizes_keep_changing(monkeypatch):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     # the static graph's piece compiled once (3 rows); the dynamic graph's for 4 and 5 rows, not for 6
     assert len(calls) == 3, len(calls)
+    assert any("an autograd.Function region" in e and "more than 2 input sizes" in e
+               for e in opsmath.report(optimized).fallback_errors)
+
+
+def test_pieces_between_regions_stop_compiling_when_sizes_keep_changing(monkeypatch):
+    """The lowered pieces around a Function compile once per input size up to ``PIECE_SIZES`` (the
+    parent graph's sizes are dynamic, the pieces' static); then they run as traced, training exact, and
+    the report says so once."""
+    from semantics_idioms import IDIOMS, reduce_output
+    from opsmath import regions
+    monkeypatch.setattr(regions, "PIECE_SIZES", 2)
+    model, _ = IDIOMS["function_custom_backward"]()
+    eager = copy.deepcopy(model)
+    optimized = opsmath.optimize(model, inductor=False)
+    for rows in (3, 4, 5, 6, 7):
+        x = torch.randn(rows, 8)
+        reduce_output(optimized(x)).backward()
+        reduce_output(eager(x)).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    rep = opsmath.report(optimized)
+    notes = [e for e in rep.fallback_errors if "a graph piece" in e]
+    assert len(notes) == 1 and "more than 2 input sizes" in notes[0], rep.fallback_errors
+    sizes = {g.input_shapes[0] for g in rep.graphs}
+    assert len(rep.graphs) <= 2 * 3 + 2, (len(rep.graphs), sizes)   # 3 rows static, 4 and 5 dynamic; not 6, 7
