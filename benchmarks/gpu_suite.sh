@@ -3,7 +3,7 @@
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
 #   STEPS="tests attn_tests semantics cuda_graphs attention lce ce dan act train gap recompute memory memory_llama long curve
 #          fp8_curve fp8_speed tune llama hf_sdpa lengths guards window_tests window window_model
-#          bloom alibi memory_llama_fractions"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#          bloom alibi memory_llama_fractions plan_estimate attention_layout fp8_rowwise bloom_rewrites"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -87,3 +87,13 @@ step alibi ${ALIBI_TIMEOUT:-150} python3 benchmarks/attention_variants.py --kind
 step memory_llama_fractions ${MLF_TIMEOUT:-400} python3 benchmarks/memory.py --model llama --no-long \
     --paths inductor --fractions ${MLF_FRACTIONS:-0.5,0.25} --absolute "" --no-anchors
 step window_model ${WINDOW_MODEL_TIMEOUT:-300} python3 benchmarks/hf_default_attention.py --models mistral_sw --rounds 3 --steps 3
+# what the memory plan counts against what a forward leaves allocated (LLaMA 1.1B, no recompute), the
+# attention kernel on fused-QKV views (the BLOOM step's attention ran ~2x the kernel benchmark's time),
+# and rowwise FP8 beside tensorwise (both with CUDA-graph replay)
+step plan_estimate ${PLAN_ESTIMATE_TIMEOUT:-240} python3 benchmarks/plan_estimate.py --model llama
+step attention_layout ${LAYOUT_TIMEOUT:-90} python3 benchmarks/attention_layout.py
+step fp8_rowwise ${FP8_ROWWISE_TIMEOUT:-400} python3 benchmarks/hf_default_attention.py --models ${FP8_ROWWISE_MODELS:-llama8b4,llama} \
+    --variants "opsmath.optimize(fp8=True) + CUDA graphs,opsmath.optimize(fp8=rowwise) + CUDA graphs" --rounds 3 --steps 3
+# one BLOOM step with its attention rewrites printed (causal? which bias?) and its kernel times
+step bloom_rewrites ${BLOOM_REWRITES_TIMEOUT:-120} python3 benchmarks/hf_default_attention.py --models bloom \
+    --variants "opsmath.optimize" --rounds 1 --steps 2

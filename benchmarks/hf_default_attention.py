@@ -129,6 +129,7 @@ class Variant:
             r["rewrites"] = dict(Counter(m.pattern for m in rep.matches))
             r["attention_backends"] = sorted({m.details.get("backend", "") for m in rep.matches
                                               if m.pattern == "attention"})
+            r["attention_rewrites"] = dict(Counter(m.replacement for m in rep.matches if m.pattern == "attention"))
             r["graphs"], r["fallbacks"] = len(rep.graphs), rep.fallback_errors
             r["kept_as_written"] = [e.to_dict() for e in rep.eager_regions]
         return r
@@ -237,6 +238,8 @@ def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile
               f"gpu {r.get('gpu_ms', 0):8.2f} ms peak {r.get('step_peak_gib', 0):6.2f} GiB "
               f"x{r['speedup_vs_compile']:.3f} {r.get('rewrites', '')} {r.get('attention_backends', '')}",
               flush=True)
+        for what, count in r.get("attention_rewrites", {}).items():
+            print(f"    {count} x {what}", flush=True)
         for k, ms in r.get("top_kernels", [])[:8]:
             print(f"    {ms:8.3f} ms  {k[:110]}", flush=True)
     return dict(batch=[B, T], config=cfg, gradient_checkpointing=checkpointing, rows=rows)
