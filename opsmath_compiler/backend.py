@@ -28,7 +28,7 @@ from .capture import lower_to_aten, static_inputs
 from .guards import after_change, guarded
 from .match import Decline, Match, run_patterns
 from . import offload
-from .budget import resident_bytes
+from .budget import grad_bytes, resident_bytes
 from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
 from .regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
                       inline_checkpoint, route_checkpoints, split_around)
@@ -237,7 +237,8 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             partitioned = partitioned_saved_bytes(ctx.gm, example_inputs) if use_inductor else None
             by_node = partitioned or by_node
             plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model),
-                                 how=how, earlier=[r.plan for r in state.graphs], link=offload.link_for(example_inputs, how))
+                                 how=how, earlier=[r.plan for r in state.graphs], link=offload.link_for(example_inputs, how),
+                                 grads=grad_bytes(ctx.gm, example_inputs))
             plan.estimated_by = "Inductor's partition" if partitioned else "eager autograd"
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
               if not isinstance(t, torch.nn.Parameter)]
@@ -361,7 +362,7 @@ def _replan(state, record, base, by_node, args, model, use_inductor, peak_before
            f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB at call {record.calls}"
            + (f"; first step measured {measured / 2**20:.1f} MiB, {over / 2**20:.1f} MiB over the prediction, "
               f"taken off the budget" if over > slack else ""))
-    return _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured)
+    return _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured, args)
 
 
 def _tighten(state, record, base, by_node, args, model, use_inductor, peak_before):
@@ -380,15 +381,15 @@ def _tighten(state, record, base, by_node, args, model, use_inductor, peak_befor
     why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
            f"{over / 2**20:.1f} MiB over the budget: tightened")
     return _plan_again(state, record, base, by_node, budget, resident_bytes(args, model), use_inductor, why,
-                       measured)
+                       measured, args)
 
 
-def _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured):
+def _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured, args):
     """Plan ``base`` (a fresh copy of the rewritten graph) again for ``budget`` bytes; record why."""
     g = clone_graph_module(base)
     try:
         how = "tag" if use_inductor else "checkpoint"
-        plan = plan_and_emit(g, by_node, budget, resident, how=how, link=record.plan.link)
+        plan = plan_and_emit(g, by_node, budget, resident, how=how, link=record.plan.link, grads=grad_bytes(g, args))
     except InfeasibleBudget as e:
         raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
                                f"{record.calls - 1} ({why}): {e}") from None

@@ -83,3 +83,11 @@ def resident_bytes(example_inputs: list, model: torch.nn.Module) -> int:
         return p.numel() * p.element_size()
     params = 2 * sum(local_bytes(p) for p in model.parameters())
     return params + sum(t.numel() * t.element_size() for t in tensors if not t.requires_grad)
+
+
+def grad_bytes(gm, example_inputs: list) -> dict[str, int]:
+    """The bytes of the gradient backward will allocate for each input of ``gm`` that needs one and has
+    none yet (a parameter, by its placeholder's name): what ``resident_bytes`` counts ahead of backward."""
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    return {name: t.numel() * t.element_size() for name, t in zip(names, example_inputs)
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad is None}

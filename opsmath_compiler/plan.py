@@ -62,6 +62,7 @@ class Plan:
     gemms_recomputed: list[int] = field(default_factory=list)   # selective ones recomputing GEMMs too
     link: float | None = None   # host-link bytes/s the plan could offload over (None: no offload)
     ops: dict = field(default_factory=dict)   # segment index -> what it spans (segments.describe)
+    grads: list = field(default_factory=list)   # per segment: gradient bytes its backward allocates
     estimated_by: str = "eager autograd"   # who saves the bytes counted, or "Inductor's partition"
 
     def budget_both_units(self) -> tuple[int, float]:
@@ -81,18 +82,20 @@ class Plan:
     def timeline(self) -> list[tuple[str, int, int]]:
         """Predicted memory over the step at segment granularity: ``(phase, segment, bytes)``.
 
-        Forward: after segment i, resident + what segments 0..i keep (a recomputed segment keeps only
-        its inputs). Backward, last segment first: a recomputed segment's activations are live again
-        while its gradients are computed (``"recompute"`` point), then its kept bytes are freed. The
-        maximum is at most ``predicted_peak``, which bounds it by the largest recomputation."""
+        Forward: after segment i, resident (less the gradients to come) + what segments 0..i keep (a
+        recomputed segment keeps only its inputs). Backward, last segment first: its parameters'
+        gradients are allocated (``grads``), a recomputed segment's activations are live again while its
+        gradients are computed (``"recompute"`` point), then its kept bytes are freed. The maximum is at
+        most ``predicted_peak`` (equal to it where ``grads`` are known)."""
         chosen, sel = set(self.chosen), set(self.selective)
         kept = [0 if i in self.offloaded else s.inputs if i in chosen or i in sel else s.saved
                 for i, s in enumerate(self.segments)]
-        points, live = [], self.resident
+        points, live = [], self.resident - sum(self.grads)
         for i, k in enumerate(kept):
             live += k
             points.append(("forward", i, live))
         for i in range(len(kept) - 1, -1, -1):
+            live += self.grads[i] if self.grads else 0   # its parameters' gradients, allocated here
             if i in chosen or i in sel or i in self.offloaded:   # recomputed, or back from the host
                 back = self.segments[i].saved - (self.segments[i].inputs if i in sel else 0)
                 points.append(("reload" if i in self.offloaded else "recompute", i, live + back))
@@ -101,31 +104,9 @@ class Plan:
         return points
 
     def plot(self, ax=None, unconstrained_peak: bool = True):
-        """Predicted memory over the step (``timeline``) as a step chart in MiB, forward then backward,
-        the recompute points marked, with the budget and the resident bytes as lines (and, with
-        ``unconstrained_peak``, the peak without recompute: resident + every activation). Returns the
-        matplotlib Axes."""
-        import matplotlib.pyplot as plt
-        if ax is None:
-            _, ax = plt.subplots(figsize=(7, 3.2))
-        pts = self.timeline()
-        mib = [b / 2**20 for _, _, b in pts]
-        ax.step(range(len(pts)), mib, where="post", label="predicted")
-        rec = [i for i, (phase, _, _) in enumerate(pts) if phase == "recompute"]
-        ax.scatter(rec, [mib[i] for i in rec], s=12, color="tab:red", label="recompute", zorder=3)
-        lines = [(self.budget_both_units()[0], "budget", "k", "--"), (self.resident, "resident", "grey", ":")]
-        if unconstrained_peak:
-            lines.append((self.resident + self.unconstrained, "no recompute", "tab:orange", "-."))
-        for b, name, color, style in lines:
-            ax.axhline(b / 2**20, color=color, linestyle=style, linewidth=1, label=name)
-        split = sum(1 for phase, _, _ in pts if phase == "forward")
-        ax.axvline(split - 0.5, color="grey", linewidth=0.5)
-        ax.set_xlabel("forward segments, then backward")
-        ax.set_ylabel("MiB")
-        ax.set_title(f"memory plan: budget {self.budget}, predicted peak {self.predicted_peak / 2**20:.1f} MiB",
-                     fontsize=9)
-        ax.legend(fontsize=7)
-        return ax
+        """The predicted memory over the step as a chart (``plan_chart.plot``); returns the Axes."""
+        from .plan_chart import plot
+        return plot(self, ax, unconstrained_peak)
 
     def to_dict(self) -> dict:
         as_bytes, share = self.budget_both_units()
@@ -139,7 +120,7 @@ class Plan:
                     measured_peak=self.measured_peak, replanned=self.replanned,
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
                     offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
-                    offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by,
+                    offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by, grads=self.grads,
                     timeline=[list(t) for t in self.timeline()])
 
 
@@ -305,14 +286,30 @@ def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Se
     return out, chosen, kinds
 
 
+def grads_by_segment(gm: fx.GraphModule, segs: list[Segment], grads: dict[str, int]) -> list[int]:
+    """Per segment, the gradient bytes backward allocates on reaching it: a parameter's gradient
+    (``grads``: bytes by placeholder name) appears at its last use in forward order (a tied embedding's
+    at the LM head), the first that backward meets."""
+    pos = {n: i for i, n in enumerate(forward_order(gm))}
+    out = [0] * len(segs)
+    for n in gm.graph.find_nodes(op="placeholder"):
+        last = max((pos[u] for u in n.users if u in pos), default=None)
+        if n.name in grads and last is not None and segs:
+            i = next((k for k, sg in enumerate(segs) if sg.start <= last <= sg.end), len(segs) - 1)
+            out[i] += grads[n.name]
+    return out
+
+
 def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
-                  how: str = "checkpoint", earlier: tuple = (), link: float | None = None) -> Plan:
+                  how: str = "checkpoint", earlier: tuple = (), link: float | None = None,
+                  grads: dict[str, int] | None = None) -> Plan:
     """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes (``analysis``) and rewrite
     it in place: ``how="checkpoint"`` emits ``checkpoint`` calls (eager), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
     of graphs captured before this one. A fraction is a share of the whole step's activations: a graph
     that cannot keep its own share (a small loss graph after the model's) may use what the earlier
     graphs left under theirs, and its plan's ``note`` says so. ``link``: host-link bytes/s when saved
-    tensors may go to the host (``offload.py``; only with ``how="tag"``)."""
+    tensors may go to the host (``offload.py``; only with ``how="tag"``). ``grads``: each parameter's gradient bytes (in ``resident``), which
+    backward allocates as it frees activations: the predicted peak is the timeline's (the choice keeps them all resident)."""
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
     # two cuts of opsmath's own: local minima of the crossing bytes within 6 positions (block-sized
@@ -341,6 +338,9 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
                 chosen, cost, segmentation=label, user_regions=len(user_regions(order)), note=note,
                 offloaded=offloaded, link=link, selective=selective, gemms_recomputed=gemms,
                 ops={i: describe(order, segs[i]) for i in {*chosen, *selective, *offloaded}})
+    if grads:
+        plan.grads = grads_by_segment(gm, segs, grads)
+        plan.predicted_peak = max(b for _, _, b in plan.timeline())
     if chosen or selective:
         (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen, selective, gemms)
     offload.mark_offloaded(order, segs, offloaded)

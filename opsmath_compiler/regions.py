@@ -115,41 +115,64 @@ def split_around(gm: fx.GraphModule, keep: set[fx.Node]) -> tuple[fx.GraphModule
 _IMPURE = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential",
            "empty", "seed", "print", "assert")
 _SIZES = {"size", "dim", "numel", "sym_size"}   # read a tensor's sizes only, not its values
+# Python's in-place operators (``operator.and_`` is out of place, ``operator.iand`` is not)
+_INPLACE_OPERATORS = {"setitem", "delitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+                      "iand", "ior", "ixor", "ilshift", "irshift", "imatmul", "iconcat"}
+# nodes a copied value may depend on, at most (HF's mask chains are 10-30 nodes)
+COPY_LIMIT = 64
 
 
 def _name(n: fx.Node) -> str:
     return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
 
 
-def size_only(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes of ``gm`` whose value depends on no tensor input's values: sizes and constants only
-    (HF's causal masks, ALiBi slopes and position ranges when no attention mask is passed), computed by
-    deterministic out-of-place ops."""
+def _pure(n: fx.Node) -> bool:
+    """A deterministic, out-of-place call (by its name: an ``op_`` method or torch function mutates its
+    input, an ``operator`` function is in place only as ``i<op>``)."""
+    if n.op not in ("call_function", "call_method") or "out" in n.kwargs:
+        return False
+    name = _name(n)
+    if getattr(n.target, "__module__", None) in ("_operator", "operator"):
+        return name not in _INPLACE_OPERATORS
+    return not (name.startswith("_") or name.endswith("_") or any(w in name for w in _IMPURE))
+
+
+def index_only(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of ``gm`` computed by pure ops (``_pure``) from sizes, constants and integer or boolean
+    inputs that need no gradient (token ids, an attention mask): HF's causal and padding masks, ALiBi,
+    position ranges. Floating tensors (activations, parameters) are never among their inputs, so a copy
+    of such a value costs index arithmetic, not model compute."""
     ok = set()
     for n in gm.graph.nodes:
         val = n.meta.get("example_value", n.meta.get("val"))
         if n.op == "placeholder":
-            if not isinstance(val, torch.Tensor):
+            if not isinstance(val, torch.Tensor) or not (val.requires_grad or val.is_floating_point()
+                                                         or val.is_complex()):
                 ok.add(n)
             continue
-        name = _name(n)
-        if n.op not in ("call_function", "call_method") or name.startswith("_") or name.endswith("_") \
-                or any(w in name for w in _IMPURE) or "out" in n.kwargs:
-            continue
-        if name in _SIZES or all(a in ok for a in n.all_input_nodes):
+        if _pure(n) and (_name(n) in _SIZES or all(a in ok for a in n.all_input_nodes)):
             ok.add(n)
     return ok
 
 
 def recompute_in_pieces(gm: fx.GraphModule, ids: dict, keep: set[fx.Node]) -> int:
-    """Give each piece its own copy of the size-only values (``size_only``) it reads from another piece,
+    """Give each piece its own copy of the index values (``index_only``) it reads from another piece,
     instead of receiving them as inputs. Why: a piece after a Function region sees HF's causal mask and
     ALiBi bias as opaque inputs, so its attention match can neither recognize the mask as causal nor
     the bias as per-key, and falls back to a materialized (B, H, S, S) bias with no causal skipping (HF
-    BLOOM: 7 of 8 layers). The copies compute the same values (deterministic ops of sizes and
-    constants); what a rewrite leaves unused is dead code for Inductor. Updates ``ids``; returns the
-    number of nodes copied."""
-    ok, copies = size_only(gm), {}
+    BLOOM: 7 of 8 layers). The copies compute the same values (deterministic ops of the same inputs);
+    what a rewrite leaves unused is dead code for Inductor. A value whose chain is longer than
+    ``COPY_LIMIT`` nodes stays an input. Updates ``ids``; returns the number of nodes copied."""
+    ok, copies = index_only(gm), {}
+
+    def chain(a: fx.Node) -> int:
+        seen, stack = set(), [a]
+        while stack and len(seen) <= COPY_LIMIT:
+            n = stack.pop()
+            if n not in seen and n.op != "placeholder":
+                seen.add(n)
+                stack.extend(n.all_input_nodes)
+        return len(seen)
 
     def copy_into(a: fx.Node, piece: int) -> fx.Node:
         if a.op == "placeholder" or ids.get(a) == piece:
@@ -165,7 +188,8 @@ def recompute_in_pieces(gm: fx.GraphModule, ids: dict, keep: set[fx.Node]) -> in
             continue
         for a in u.all_input_nodes:
             if a in ok and a.op != "placeholder" and ids.get(a) != ids[u] \
-                    and isinstance(a.meta.get("example_value", a.meta.get("val")), torch.Tensor):
+                    and isinstance(a.meta.get("example_value", a.meta.get("val")), torch.Tensor) \
+                    and chain(a) <= COPY_LIMIT:
                 with gm.graph.inserting_before(u):
                     u.replace_input_with(a, copy_into(a, ids[u]))
     return len(copies)

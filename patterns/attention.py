@@ -197,7 +197,7 @@ def _describe(plan: Plan) -> tuple[list, dict]:
     desc += ["causal"] if plan.causal else []
     desc += [f"window={plan.window}"] if plan.window else []
     desc += [f"window {plan.window_in_mask} kept in the finite-fill mask, not skipped"] if plan.window_in_mask else []
-    desc += ["bias" + str(tuple(shape(plan.biases[0][0])))] if plan.biases else []
+    desc += ["bias" + str(tuple(shape(b[0]))) for b in plan.biases]
     desc += [f"mask(fill={plan.fill:.3g})"] if plan.masks else []
     desc += [f"dropout={plan.dropout_p:g}"] if plan.dropout_p else []
     desc += [f"gqa {H}/{H // plan.rep}"] if plan.rep > 1 else []
