@@ -184,6 +184,8 @@ def recompute_in_pieces(gm: fx.GraphModule, ids: dict, keep: set[fx.Node]) -> in
         return copies[piece, a]
 
     for u in list(gm.graph.nodes):
+        if u in keep and u.op == "call_function" and _name(u) == CHECKPOINT:
+            copy_into_body(gm, u, ok)
         if u not in ids or u in keep or (u.target is operator.getitem and u.args[0] in keep):
             continue
         for a in u.all_input_nodes:
@@ -193,6 +195,40 @@ def recompute_in_pieces(gm: fx.GraphModule, ids: dict, keep: set[fx.Node]) -> in
                 with gm.graph.inserting_before(u):
                     u.replace_input_with(a, copy_into(a, ids[u]))
     return len(copies)
+
+
+def copy_into_body(gm: fx.GraphModule, node: fx.Node, ok: set) -> int:
+    """For a checkpoint ``node`` of ``gm``: each operand computed from constants alone (``ok``: index
+    values; no input of ``gm`` among its ancestors, at most ``COPY_LIMIT`` nodes) is computed again
+    inside the checkpoint's body, whose own input for it is then unused. The body then sees HF's causal
+    mask being built, as the pieces do (``recompute_in_pieces``). Returns the operands copied."""
+    body = getattr(gm, node.args[0].target, None) if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(body, fx.GraphModule):
+        return 0
+    pos, copied = {n: i for i, n in enumerate(gm.graph.nodes)}, 0
+    holders = list(body.graph.find_nodes(op="placeholder"))
+    for ph, a in zip(holders, node.args[1:]):
+        if not (isinstance(a, fx.Node) and a in ok and a.op != "placeholder" and ph.users):
+            continue
+        chain, stack, reads_input = set(), [a], False
+        while stack and len(chain) <= COPY_LIMIT and not reads_input:
+            n = stack.pop()
+            reads_input = n.op == "placeholder"
+            if n not in chain and not reads_input:
+                chain.add(n)
+                stack.extend(n.all_input_nodes)
+        if reads_input or len(chain) > COPY_LIMIT:   # an input of gm among its ancestors, or too long
+            continue
+        env = {}
+        first = next(n for n in body.graph.nodes if n.op != "placeholder")
+        with body.graph.inserting_before(first):
+            for n in sorted(chain, key=pos.__getitem__):
+                env[n] = body.graph.node_copy(n, env.__getitem__)
+        ph.replace_all_uses_with(env[a])
+        copied += 1
+    if copied:
+        body.recompile()
+    return copied
 
 
 def _computes(sub: fx.GraphModule) -> bool:
