@@ -155,24 +155,33 @@ def index_only(gm: fx.GraphModule) -> set[fx.Node]:
     return ok
 
 
+def _chain(a: fx.Node, ok: set) -> tuple[set, bool]:
+    """``a`` and the ancestors it is computed from within ``ok`` (inputs of the graph excluded; at most
+    ``COPY_LIMIT + 1`` of them), and whether it also reads something outside ``ok`` (a size read of an
+    activation: that value can only be passed in, not computed again)."""
+    seen, stack, outside = set(), [a], False
+    while stack and len(seen) <= COPY_LIMIT:
+        n = stack.pop()
+        if n.op == "placeholder" or n in seen:
+            continue
+        if n not in ok or any(x not in ok for x in n.all_input_nodes):
+            outside = True
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen, outside
+
+
 def recompute_in_pieces(gm: fx.GraphModule, ids: dict, keep: set[fx.Node]) -> int:
     """Give each piece its own copy of the index values (``index_only``) it reads from another piece,
     instead of receiving them as inputs. Why: a piece after a Function region sees HF's causal mask and
     ALiBi bias as opaque inputs, so its attention match can neither recognize the mask as causal nor
     the bias as per-key, and falls back to a materialized (B, H, S, S) bias with no causal skipping (HF
     BLOOM: 7 of 8 layers). The copies compute the same values (deterministic ops of the same inputs);
-    what a rewrite leaves unused is dead code for Inductor. A value whose chain is longer than
-    ``COPY_LIMIT`` nodes stays an input. Updates ``ids``; returns the number of nodes copied."""
+    what a rewrite leaves unused is dead code for Inductor. Only values wholly computed from ``index_only``
+    nodes and graph inputs are copied, at most ``COPY_LIMIT`` nodes each (nothing that reads an activation,
+    not even its size); a kept checkpoint's body gets the same (``copy_into_body``). Returns the nodes copied."""
     ok, copies = index_only(gm), {}
-
-    def chain(a: fx.Node) -> int:
-        seen, stack = set(), [a]
-        while stack and len(seen) <= COPY_LIMIT:
-            n = stack.pop()
-            if n not in seen and n.op != "placeholder":
-                seen.add(n)
-                stack.extend(n.all_input_nodes)
-        return len(seen)
 
     def copy_into(a: fx.Node, piece: int) -> fx.Node:
         if a.op == "placeholder" or ids.get(a) == piece:
@@ -183,15 +192,18 @@ def recompute_in_pieces(gm: fx.GraphModule, ids: dict, keep: set[fx.Node]) -> in
             copies[piece, a] = c
         return copies[piece, a]
 
+    def copyable(a: fx.Node) -> bool:
+        chain, outside = _chain(a, ok)
+        return a in chain and not outside and len(chain) <= COPY_LIMIT
+
     for u in list(gm.graph.nodes):
         if u in keep and u.op == "call_function" and _name(u) == CHECKPOINT:
             copy_into_body(gm, u, ok)
         if u not in ids or u in keep or (u.target is operator.getitem and u.args[0] in keep):
             continue
         for a in u.all_input_nodes:
-            if a in ok and a.op != "placeholder" and ids.get(a) != ids[u] \
-                    and isinstance(a.meta.get("example_value", a.meta.get("val")), torch.Tensor) \
-                    and chain(a) <= COPY_LIMIT:
+            if ids.get(a, ids[u]) != ids[u] and isinstance(a.meta.get("example_value", a.meta.get("val")), torch.Tensor) \
+                    and copyable(a):
                 with gm.graph.inserting_before(u):
                     u.replace_input_with(a, copy_into(a, ids[u]))
     return len(copies)
@@ -208,17 +220,10 @@ def copy_into_body(gm: fx.GraphModule, node: fx.Node, ok: set) -> int:
     pos, copied = {n: i for i, n in enumerate(gm.graph.nodes)}, 0
     holders = list(body.graph.find_nodes(op="placeholder"))
     for ph, a in zip(holders, node.args[1:]):
-        if not (isinstance(a, fx.Node) and a in ok and a.op != "placeholder" and ph.users):
-            continue
-        chain, stack, reads_input = set(), [a], False
-        while stack and len(chain) <= COPY_LIMIT and not reads_input:
-            n = stack.pop()
-            reads_input = n.op == "placeholder"
-            if n not in chain and not reads_input:
-                chain.add(n)
-                stack.extend(n.all_input_nodes)
-        if reads_input or len(chain) > COPY_LIMIT:   # an input of gm among its ancestors, or too long
-            continue
+        chain, outside = _chain(a, ok) if isinstance(a, fx.Node) else (set(), True)
+        if outside or a not in chain or len(chain) > COPY_LIMIT or not ph.users \
+                or any(x.op == "placeholder" for n in chain for x in n.all_input_nodes):
+            continue   # the body cannot compute it: it reads an input of gm (or is too long)
         env = {}
         first = next(n for n in body.graph.nodes if n.op != "placeholder")
         with body.graph.inserting_before(first):

@@ -342,3 +342,28 @@ def test_pieces_between_regions_stop_compiling_when_sizes_keep_changing(monkeypa
     assert len(notes) == 1 and "more than 2 input sizes" in notes[0], rep.fallback_errors
     sizes = {g.input_shapes[0] for g in rep.graphs}
     assert len(rep.graphs) <= 2 * 3 + 2, (len(rep.graphs), sizes)   # 3 rows static, 4 and 5 dynamic; not 6, 7
+
+
+def test_only_index_values_are_copied_into_pieces():
+    """What a piece may compute again (``regions.index_only``): masks from sizes, ``arange`` and integer
+    inputs, never a random op or a floating activation (a copy would redraw dropout or redo model compute)."""
+    from opsmath.regions import _chain, index_only
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(x, ids):
+        h = torch.nn.functional.dropout(x, 0.5) * 2
+        i = torch.arange(h.size(1))
+        return h, (ids > 0) & (i <= i[:, None])[None]
+    torch.compile(f, backend=capture, dynamic=True)(torch.randn(2, 5), torch.randint(0, 3, (2, 5, 5)))
+    gm = graphs[0]
+    ok = index_only(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    floats = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta["example_value"].is_floating_point()]
+    assert floats and not any(n in ok for n in floats)   # dropout and its product
+    mask = nodes["output"].args[0][1]   # the graph's second output
+    chain, outside = _chain(mask, ok)
+    assert mask in ok and not outside and not any(n in chain for n in floats), sorted(n.name for n in chain)
