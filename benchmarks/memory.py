@@ -127,8 +127,8 @@ def main():
         gib = (lambda b: "-" if b is None else f"{b / 2**30:.2f}")
         print(f"{name:34} peak {gib(r['peak']):>6} GiB  predicted {gib(r['predicted']):>6}  "
               f"{'-' if ms is None else f'{ms:.1f}'} ms  {r['error'] or ''}"
-              + "".join(f"  [activations {p['unconstrained'] / 2**30:.2f} GiB as {p['estimated_by']} saves them]"
-                        for p in r["plans"][:1]), flush=True)
+              + "".join(f"  [activations {p['unconstrained'] / 2**30:.2f} GiB as {p['estimated_by']} saves them; "
+                        f"expected peak {gib(p.get('expected_peak'))} GiB]" for p in r["plans"][:1]), flush=True)
         save({}, [])   # after every row: a run cut short keeps what it measured
         return r
 

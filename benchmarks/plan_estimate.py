@@ -60,7 +60,8 @@ def main():
     gib = lambda b: "-" if b is None else f"{b / 2**30:.3f}"  # noqa: E731
     for p in plans:
         print(f"plan: activations {gib(p['unconstrained'])} GiB as {p['estimated_by']} saves them, kept "
-              f"{gib(p['kept'])}, resident {gib(p['resident'])}, predicted peak {gib(p['predicted_peak'])}")
+              f"{gib(p['kept'])}, resident {gib(p['resident'])}, predicted peak {gib(p['predicted_peak'])} (bound), "
+              f"expected {gib(p.get('expected_peak'))}")
     print(f"eager autograd's saved set: {[gib(e) for e in eager]} GiB")
     print(f"measured: left allocated by the forward {[gib(k) for k in kept]} GiB, step peaks {[gib(p) for p in peaks]}")
     if not args.smoke:

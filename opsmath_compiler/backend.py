@@ -350,6 +350,7 @@ def _replan(state, record, base, by_node, args, model, use_inductor, peak_before
     kind, value = parse_budget(state.memory_budget)
     if kind == "fraction":
         old.predicted_peak += resident - old.resident
+        old.expected_peak = old.expected_peak and old.expected_peak + resident - old.resident
         old.resident = resident
         return None
     over = max(0, measured - old.predicted_peak) if measured is not None else 0

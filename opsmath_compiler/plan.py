@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from . import offload
+from . import offload, plan_chart
 from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
 from .segments import (KEEPS, Segment, describe, forward_order, runs_of, saved_index, segments_of,
@@ -63,6 +63,7 @@ class Plan:
     link: float | None = None   # host-link bytes/s the plan could offload over (None: no offload)
     ops: dict = field(default_factory=dict)   # segment index -> what it spans (segments.describe)
     grads: list = field(default_factory=list)   # per segment: gradient bytes its backward allocates
+    expected_peak: int | None = None   # the timeline's maximum with ``grads`` (predicted_peak: the bound)
     estimated_by: str = "eager autograd"   # who saves the bytes counted, or "Inductor's partition"
 
     def budget_both_units(self) -> tuple[int, float]:
@@ -86,7 +87,7 @@ class Plan:
         recomputed segment keeps only its inputs). Backward, last segment first: its parameters'
         gradients are allocated (``grads``), a recomputed segment's activations are live again while its
         gradients are computed (``"recompute"`` point), then its kept bytes are freed. The maximum is at
-        most ``predicted_peak`` (equal to it where ``grads`` are known)."""
+        most ``predicted_peak`` (with ``grads`` known: ``expected_peak``)."""
         chosen, sel = set(self.chosen), set(self.selective)
         kept = [0 if i in self.offloaded else s.inputs if i in chosen or i in sel else s.saved
                 for i, s in enumerate(self.segments)]
@@ -103,10 +104,7 @@ class Plan:
             points.append(("backward", i, live))
         return points
 
-    def plot(self, ax=None, unconstrained_peak: bool = True):
-        """The predicted memory over the step as a chart (``plan_chart.plot``); returns the Axes."""
-        from .plan_chart import plot
-        return plot(self, ax, unconstrained_peak)
+    plot = plan_chart.plot   # the predicted memory over the step as a chart; returns the Axes
 
     def to_dict(self) -> dict:
         as_bytes, share = self.budget_both_units()
@@ -121,6 +119,7 @@ class Plan:
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
                     offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
                     offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by, grads=self.grads,
+                    expected_peak=self.expected_peak,
                     timeline=[list(t) for t in self.timeline()])
 
 
@@ -308,8 +307,8 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     of graphs captured before this one. A fraction is a share of the whole step's activations: a graph
     that cannot keep its own share (a small loss graph after the model's) may use what the earlier
     graphs left under theirs, and its plan's ``note`` says so. ``link``: host-link bytes/s when saved
-    tensors may go to the host (``offload.py``; only with ``how="tag"``). ``grads``: each parameter's gradient bytes (in ``resident``), which
-    backward allocates as it frees activations: the predicted peak is the timeline's (the choice keeps them all resident)."""
+    tensors may go to the host (``offload.py``; only with ``how="tag"``). ``grads``: each parameter's gradient bytes (in ``resident``),
+    which backward allocates as it frees activations: ``expected_peak`` (the bound and the choice hold them all resident)."""
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
     # two cuts of opsmath's own: local minima of the crossing bytes within 6 positions (block-sized
@@ -340,7 +339,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
                 ops={i: describe(order, segs[i]) for i in {*chosen, *selective, *offloaded}})
     if grads:
         plan.grads = grads_by_segment(gm, segs, grads)
-        plan.predicted_peak = max(b for _, _, b in plan.timeline())
+        plan.expected_peak = max(b for _, _, b in plan.timeline())
     if chosen or selective:
         (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen, selective, gemms)
     offload.mark_offloaded(order, segs, offloaded)

@@ -280,7 +280,9 @@ class Report(Rendered):
         as_bytes, share = p.budget_both_units()
         t.append(f"memory plan: budget {p.budget} (= {_mib(as_bytes)}, {share:.2f} of activations) | predicted "
                  f"peak {_mib(p.predicted_peak)} = resident "
-                 f"{_mib(p.resident)} + kept {_mib(p.kept)} + recompute {_mib(p.transient)}\n", style="bold")
+                 f"{_mib(p.resident)} + kept {_mib(p.kept)} + recompute {_mib(p.transient)}"
+                 + (f" (expected {_mib(p.expected_peak)}: gradients arrive as activations leave)" if p.expected_peak else "")
+                 + "\n", style="bold")
         t.append(f"activations (as {p.estimated_by} saves them) {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
                  f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms"
                  f"{' with the host copies' if p.offloaded else ''}); planned in "

@@ -180,7 +180,7 @@ def test_memory_timeline_is_bounded_by_the_predicted_peak():
         tl = p.timeline()
         values = [b for _, _, b in tl]
         fwd = [b for phase, _, b in tl if phase == "forward"]
-        assert max(values) == p.predicted_peak   # the parameters' gradients known: the peak is the timeline's
+        assert max(values) <= p.predicted_peak and max(values) == p.expected_peak   # gradients' timing known
         base = p.resident - sum(p.grads)          # gradients come during backward
         assert sum(p.grads) > 0 and fwd == sorted(fwd) and fwd[-1] == base + p.kept   # forward only accumulates
         assert tl[-1] == ("backward", 0, p.resident)   # every activation freed, every gradient there
