@@ -34,8 +34,8 @@ step attn_tests ${TEST_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python3 -m pyt
 # the differential semantics suite in bf16 by the tolerance rule, and the default-attention HF models'
 # tests, in SHARDS parallel pytest processes (each compiles its own graphs with Inductor on the CPU cores)
 semantics() {
-    python3 -m pytest -q --collect-only tests/test_semantics.py tests/test_dynamic_shapes.py "tests/test_models.py" \
-        -k "semantics or sdpa or dynamic" \
+    python3 -m pytest -q --collect-only tests/test_semantics.py tests/test_pieces.py tests/test_dynamic_shapes.py "tests/test_models.py" \
+        -k "semantics or pieces or sdpa or dynamic" \
         2>/dev/null | grep "::" > "$OUT/semantics-ids.txt"
     local n=${SHARDS:-6} i pids=()
     for i in $(seq 0 $((n - 1))); do

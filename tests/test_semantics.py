@@ -195,68 +195,6 @@ def test_random_module_stack_trains_like_eager(seed):
             raise AssertionError(f"stack {names}, patterns={patterns}: {e}") from None
 
 
-def test_bloom_gelu_function_keeps_every_gradient():
-    """BLOOM's MLP activation is an ``autograd.Function``: every gradient present and equal, the region
-    reported as left to eager."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=100, attn_implementation="eager",
-                                   hidden_dropout=0.0, attention_dropout=0.0)
-
-    def make():
-        ids = [torch.randint(0, 100, (2, 12)) for _ in range(3)]
-        return transformers.BloomForCausalLM(cfg), [dict(input_ids=i, labels=i) for i in ids]
-    optimized = assert_trains_like_eager(make, patterns=None, mode=MODES[True], kwargs=True)
-    regions = opsmath.report(optimized).eager_regions
-    assert sum(r.kind == "autograd.Function" for r in regions) == 2, regions
-
-
-def test_pieces_after_a_function_recompute_the_causal_mask_and_alibi():
-    """BLOOM's Function splits its graph; the pieces after it recompute HF's causal mask and ALiBi from
-    sizes instead of receiving them, so every layer's attention is causal with a per-key bias (not a
-    materialized (B, H, S, S) one), and training stays equal to eager."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BloomConfig(n_layer=3, hidden_size=32, n_head=4, vocab_size=100, attn_implementation="eager",
-                                   hidden_dropout=0.0, attention_dropout=0.0)
-
-    def make():
-        ids = [torch.randint(0, 100, (2, 12)) for _ in range(3)]
-        return transformers.BloomForCausalLM(cfg), [dict(input_ids=i, labels=i) for i in ids]
-    optimized = assert_trains_like_eager(make, patterns=None, mode=MODES[True], kwargs=True)
-    attn = [m for m in opsmath.report(optimized).matches if m.pattern == "attention"]
-    assert len(attn) == 3 and all(m.details["causal"] and m.details["has_bias"] for m in attn), attn
-    assert all("bias(8, 1, 12)" in m.replacement for m in attn), [m.replacement for m in attn]   # B*H, 1, S
-
-
-class _MaskedBlocks(nn.Module):
-    """Two attention layers with a Function between them, the causal mask built as transformers 5.17
-    builds BLOOM's: ``ones`` as the attention mask, ``causal & padding`` through ``operator.and_``."""
-    def __init__(self, d=32, h=4):
-        super().__init__()
-        self.h, self.qkv, self.out = h, nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(2)), nn.Linear(d, d)
-
-    def forward(self, x):
-        B, S, D = x.shape
-        keep = torch.ones(B, S, device=x.device)
-        i = torch.arange(S, device=x.device)
-        allowed = (i[None, None, :, None] >= i[None, None, None, :]) & (keep[:, None, None, :] > 0)
-        mask = torch.where(allowed, 0.0, torch.finfo(x.dtype).min)
-        for n, qkv in enumerate(self.qkv):
-            q, k, v = qkv(x).view(B, S, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
-            p = torch.softmax(q @ k.transpose(-1, -2) * (D // self.h) ** -0.5 + mask, -1)
-            x = x + (p @ v).transpose(1, 2).reshape(B, S, D)
-            x = GradReverse.apply(x, 0.5) if n == 0 else x
-        return self.out(x)
-
-
-def test_pieces_after_a_function_copy_a_mask_built_with_operator_and():
-    """``operator.and_`` is out of place: the mask chain is copied into the piece after the Function,
-    whose attention is then causal too (before, only the first piece's was)."""
-    optimized = assert_trains_like_eager(lambda: (_MaskedBlocks(), [(torch.randn(2, 12, 32),) for _ in range(3)]),
-                                         patterns=None, mode=MODES[True])
-    attn = [m for m in opsmath.report(optimized).matches if m.pattern == "attention"]
-    assert len(attn) == 2 and all(m.details["causal"] and not m.details["has_bias"] for m in attn), attn
-
-
 def test_domain_adversarial_model_with_gradient_reversal():
     """DANN: a shared encoder, a label head, and a domain head behind a gradient-reversal Function."""
     class DANN(nn.Module):
