@@ -135,7 +135,7 @@ def make_backend(state, model: torch.nn.Module):
             setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors))
         if _uses_inductor(state, example_inputs):
             compile_functions(parent, regions, alone, compile_fx, state.fallback_errors)
-        route_checkpoints(parent, opsmath_backend)
+        route_checkpoints(parent, opsmath_backend, state.fallback_errors)
         return parent.forward
     return opsmath_backend
 

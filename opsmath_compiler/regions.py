@@ -347,9 +347,9 @@ def inline_checkpoint(gm: fx.GraphModule, node: fx.Node, tag: Optional[int] = No
     return True
 
 
-def route_checkpoints(parent: fx.GraphModule, compile_piece) -> int:
+def route_checkpoints(parent: fx.GraphModule, compile_piece, errors: Optional[list] = None) -> int:
     """In the pieces of a split graph, make every plain checkpoint node call ``run_checkpoint`` on a
-    ``LazyPiece`` of its body. Returns how many were routed."""
+    ``LazyPiece`` of its body (``errors``: where its size limit is reported). Returns how many were routed."""
     routed = 0
     for sub in parent.children():
         if not isinstance(sub, fx.GraphModule):
@@ -358,7 +358,7 @@ def route_checkpoints(parent: fx.GraphModule, compile_piece) -> int:
             if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator) \
                     and n.target.name() == CHECKPOINT and checkpoint_body_is_plain(sub, n):
                 name = n.args[0].target
-                setattr(sub, name, LazyPiece(getattr(sub, name), compile_piece))
+                setattr(sub, name, LazyPiece(getattr(sub, name), compile_piece, errors, "a checkpoint body"))
                 n.target = run_checkpoint
                 routed += 1
         sub.recompile()

@@ -69,3 +69,24 @@ def test_pieces_after_a_function_copy_a_mask_built_with_operator_and():
                                          patterns=None, mode=MODES[True])
     attn = [m for m in opsmath.report(optimized).matches if m.pattern == "attention"]
     assert len(attn) == 2 and all(m.details["causal"] and not m.details["has_bias"] for m in attn), attn
+
+
+def test_checkpoint_bodies_stop_compiling_when_sizes_keep_changing(monkeypatch):
+    """A checkpoint body kept as written compiles once per input size up to ``PIECE_SIZES``; then it
+    runs as traced, training stays equal to eager, and the report says so once."""
+    import copy
+    from idioms_base import Checkpointed
+    from opsmath import regions
+    monkeypatch.setattr(regions, "PIECE_SIZES", 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Checkpointed(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))))
+    eager = copy.deepcopy(model)
+    optimized = opsmath.optimize(model, inductor=False)
+    for rows in (3, 4, 5, 6, 7):
+        x = torch.randn(rows, 8)
+        optimized(x).square().sum().backward()
+        eager(x).square().sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    notes = [e for e in opsmath.report(optimized).fallback_errors if e.startswith("a checkpoint body")]
+    assert len(notes) == 1 and "more than 2 input sizes" in notes[0], opsmath.report(optimized).fallback_errors
