@@ -23,20 +23,16 @@ def main(B=4, H=16, S=2048, D=128, rounds=3):
     flat = [torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     do = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
 
-    def run(q, k, v):
+    def run(q, k, v, copy=False):
         def go():   # the gradients of q, k, v themselves (no copy into the fused tensor's gradient)
-            out = attention_op(q, k, v, bias.view(B, H, 1, S), None, float("-inf"), True, D ** -0.5, 0.0, seed)[0]
+            qkv = [t.contiguous() for t in (q, k, v)] if copy else (q, k, v)
+            out = attention_op(*qkv, bias.view(B, H, 1, S), None, float("-inf"), True, D ** -0.5, 0.0, seed)[0]
             torch.autograd.grad(out, (q, k, v), do)
         return go
     per_head = [fused[..., i, :].transpose(1, 2) for i in range(3)]   # (B, H, S, D) views, strides (S*H*3*D, 3*D, H*3*D, 1)
-    def copied(q, k, v):   # the views copied to contiguous (B, H, S, D) first: what a copy would buy
-        def go():
-            out = attention_op(*(t.contiguous() for t in (q, k, v)), bias.view(B, H, 1, S), None, float("-inf"),
-                               True, D ** -0.5, 0.0, seed)[0]
-            torch.autograd.grad(out, (q, k, v), do)
-        return go
     cases = {"contiguous q/k/v": run(*flat), "fused-QKV views (BLOOM, NeoX)": run(*per_head),
-             "fused-QKV views, copied first": copied(*per_head)}
+             # the views copied to contiguous (B, H, S, D) first: what a copy would buy
+             "fused-QKV views, copied first": run(*per_head, copy=True)}
     rows = {name: [] for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
