@@ -99,10 +99,14 @@ def static_inputs(gm: fx.GraphModule) -> bool:
     """Make ``gm`` carry dynamo's input metadata (``_keep_input_metadata``) where AOTAutograd reads it
     (``_try_get_metadata_from_dynamo``: the module's compile id, ``_param_name_to_source``, each
     placeholder's ``_dynamo_source`` and static-input type). False, and ``gm`` untouched, when an input
-    lacks it or ``gm`` holds registered parameters (which AOTAutograd would look up by source)."""
+    lacks it or ``gm`` holds registered parameters or buffers (which AOTAutograd would look up by source),
+    other than the tensor constants tracing made (``_tensor_constant0``: HF's cache builds ``torch.tensor([])``
+    in every LLaMA-family forward); those get a source of their own."""
+    from torch._dynamo.source import ConstantSource
     inputs = [n.meta.get("dynamo_input") for n in gm.graph.find_nodes(op="placeholder")]
+    owned = [name for name, _ in gm.named_buffers()]
     if not inputs or any(i is None for i in inputs) or next(gm.named_parameters(), None) is not None \
-            or next(gm.named_buffers(), None) is not None:
+            or not all(re.fullmatch(r"_tensor_constant\d+", name) for name in owned):
         return False
     seen = set()
     for node, (source, static, _) in zip(gm.graph.find_nodes(op="placeholder"), inputs):
@@ -111,7 +115,7 @@ def static_inputs(gm: fx.GraphModule) -> bool:
         if static:
             node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = static
     gm.meta["dynamo_compile_id"] = inputs[0][2]
-    gm._param_name_to_source = {}
+    gm._param_name_to_source = {name: ConstantSource(f"opsmath_{id(gm)}_{name}") for name in owned}
     return True
 
 

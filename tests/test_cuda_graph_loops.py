@@ -113,3 +113,38 @@ def test_parameters_reach_inductor_as_static_inputs(monkeypatch):
     # each piece: its weight and bias, not the activation; the Function's own piece (compiled by
     # Inductor as torch.compile compiles it) takes activations only
     assert seen == [[1, 2], [], [1, 2]], seen
+
+
+class _WithConstant(torch.nn.Module):
+    """A forward that builds a tensor constant (as HF's cache does with ``torch.tensor([])``): tracing
+    keeps it as a buffer of the graph module, ``_tensor_constant0``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        empty = torch.tensor([], dtype=x.dtype)
+        return torch.cat([self.a(x).flatten(), empty]).sum()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("shutil").which("g++") is None,
+                    reason="Inductor on CPU needs a C++ compiler")
+def test_parameters_stay_static_beside_traced_constants(monkeypatch):
+    """A traced constant must not cost the parameters their static marking: without it Inductor's
+    partition saves each weight's derived copies (FP8 casts) and every CUDA-graph replay copies weights."""
+    import torch._functorch.aot_autograd as aot
+    seen, real = [], aot._try_get_metadata_from_dynamo
+
+    def spy(mod, *args):
+        got = real(mod, *args)
+        seen.append((sorted(n for n, _ in mod.named_buffers()), got[1]))
+        return got
+    monkeypatch.setattr(aot, "_try_get_metadata_from_dynamo", spy)
+    torch._dynamo.reset()
+    model = opsmath.optimize(_WithConstant(), inductor=True)
+    x = torch.randn(4, 8)
+    model(x).backward()
+    (buffers, static), = seen
+    assert buffers == ["_tensor_constant0"], seen
+    assert len(static) == 3, seen      # the constant, the weight and the bias; not the activation
