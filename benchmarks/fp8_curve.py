@@ -8,6 +8,13 @@ installed. Metric: the largest gap of 20-step means, FP8 vs bf16 seed 0, against
 two bf16 seeds (the row "bf16 seed 1"); both also over the last 100 steps. Writes ``results/fp8_curve-*.json`` and a PNG.
 
     python benchmarks/fp8_curve.py [--model llama] [--steps 500] [--batch 2] [--seq 2048]
+    python benchmarks/fp8_curve.py --model gpt2 --batch 8 --seq 1024 --fp8-min-dim 768 --data-vocab 1024
+
+``--model gpt2`` is GPT-2-small as nanoGPT writes it (``opsmath.examples.GPT``, 12 x 768, vocab 50304,
+dropout off). Its GEMMs (768 wide) are below the per-layer FP8 rule's threshold, so with the rule as it is
+nothing runs FP8; ``--fp8-min-dim 768`` lowers the threshold so every linear does (a numerics test, not the
+speed setting). ``--data-vocab`` draws the token stream from the first N ids only, so the loss can fall
+from ln(vocab) to ln 3 within a few hundred steps instead of plateauing on a vocabulary-sized lookup.
 """
 from __future__ import annotations
 
@@ -20,8 +27,35 @@ import opsmath
 from _harness import write
 from hf_default_attention import MODELS, build, torchao_float8
 from learning_curve import batches
+from opsmath.examples import GPT
 
 WINDOW = 20
+
+
+class NanoGPT(torch.nn.Module):
+    """GPT-2-small (``opsmath.examples.GPT``) with the HF call convention the loop uses."""
+
+    def __init__(self, **cfg):
+        super().__init__()
+        self.gpt = GPT(**cfg)
+
+    def forward(self, input_ids, labels, use_cache=False):
+        return _Out(self.gpt(input_ids, labels))
+
+
+class _Out:
+    def __init__(self, loss):
+        self.loss = loss
+
+
+def build_model(name, device, seed):
+    if not name.startswith("gpt2"):
+        return build(name, device, seed=seed)
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768) if name == "gpt2" else \
+        dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)   # "gpt2-tiny": --smoke
+    model = NanoGPT(dropout=0.0, **cfg)
+    return model.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).train()
 
 
 def train(model, data, steps, lr):
@@ -56,18 +90,27 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--fp8-min-dim", type=int, default=None,
+                    help="run FP8 on every linear whose dims reach this (default: the per-layer rule)")
+    ap.add_argument("--data-vocab", type=int, default=None, help="token stream modulus (default: the vocabulary)")
+    ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip runs that start after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 40 steps: checks the script")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
-        args.model, args.steps, args.batch, args.seq = "tiny", 40, 2, 32
-    vocab = MODELS[args.model][2]["vocab_size"]
+        args.model, args.steps, args.batch, args.seq = ("gpt2-tiny" if args.model == "gpt2" else "tiny"), 40, 2, 32
+    vocab = args.data_vocab or {"gpt2": 50304, "gpt2-tiny": 256}.get(args.model) or MODELS[args.model][2]["vocab_size"]
+    if args.fp8_min_dim is not None:
+        from opsmath.patterns import fp8_linear as rule
+        rule.MIN_DIM = rule.SHARED_MIN_DIM = args.fp8_min_dim
     data = batches(min(args.steps, 200), args.batch, args.seq, vocab, device)
     # the comparison first, the noise level next: a run cut short by --budget-s keeps the FP8 curve
     runs = {"bf16 seed 0": (0, opsmath.optimize), "fp8 seed 0": (0, lambda m: opsmath.optimize(m, fp8=True)),
-            "bf16 seed 1": (1, opsmath.optimize)}
+            "bf16 seed 1": (1, opsmath.optimize), "bf16 seed 0 again": (0, opsmath.optimize)}
     try:
+        if args.no_torchao:
+            raise ImportError
         import torchao  # noqa: F401
         runs["torchao float8 seed 0"] = (0, torchao_float8)
     except ImportError:
@@ -78,7 +121,7 @@ def main():
             print(f"{label}: skipped (--budget-s)", flush=True)
             continue
         torch._dynamo.reset()
-        model = wrap(build(args.model, device, seed=seed))
+        model = wrap(build_model(args.model, device, seed))
         t0 = time.perf_counter()
         curves[label] = train(model, data, args.steps, args.lr)
         info[label] = dict(seconds=time.perf_counter() - t0, last100=sum(curves[label][-100:]) / 100)

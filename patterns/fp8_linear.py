@@ -1,8 +1,11 @@
 """FP8 linear layers (``optimize(model, fp8=True)``): ``linear(x, W[, b])`` to ``kernels.fp8_linear``,
 FP8 GEMMs forward and backward with tensorwise dynamic scaling, where FP8 pays.
 
-Anchor: ``aten.linear.default`` whose weight is a graph input (a parameter), x and W in bf16, K and N
-multiples of 16. Per layer, by measured shape (docs/anchors ``fp8_gemm``, H200): FP8 GEMMs are 1.38-1.84x
+Anchor: ``aten.linear.default`` whose weight is a graph input (a parameter), computing in bf16, K and N
+multiples of 16: bf16 operands, or fp32 ones under bf16 autocast (fp32 master weights, the usual mixed
+precision). Then x, W and b are cast to bf16 explicitly before the FP8 op, as autocast would (a custom
+Function sees its inputs uncast), and W's gradient flows back through the cast to the fp32 parameter;
+under Inductor the bf16 cast fuses into the weight's FP8 cast. Per layer, by measured shape (docs/anchors ``fp8_gemm``, H200): FP8 GEMMs are 1.38-1.84x
 bf16 from K, N >= 2048 at 8192 rows, 1.19x at 768 -> 3072, and the casts cost a share that shrinks with
 size; a GEMM with K, N or the row count below ``MIN_DIM`` stays bf16, and the report says so per layer.
 Except a layer whose input another FP8 layer also reads (k and v beside q, gate beside up): the input's
@@ -50,7 +53,9 @@ class FP8LinearRule(Rule):
         x, w, b, (M, K, N) = plan
         before = [node_line(n)]
         with ctx.graph.inserting_before(n):
-            y = ctx.call(fp8_linear, (x, w, b, self.scaling == "rowwise"), n)
+            bf16 = [t if t is None or dtype(t) == torch.bfloat16 else ctx.call(aten.to.dtype, (t, torch.bfloat16), n)
+                    for t in (x, w, b)]
+            y = ctx.call(fp8_linear, (*bf16, self.scaling == "rowwise"), n)
         n.replace_all_uses_with(y)
         ctx.erase_dead([n])
         how = "e4m3, rowwise" if self.scaling == "rowwise" else "e4m3 fwd, e5m2 grads, tensorwise"
@@ -73,8 +78,9 @@ def _operands(n: fx.Node):
     b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
     if not isinstance(w, fx.Node) or w.op != "placeholder" or len(shape(w)) != 2:
         return None
-    if dtype(x) != torch.bfloat16 or dtype(w) != torch.bfloat16:
-        return f"FP8 GEMMs take bf16 operands here, not {dtype(x)} x {dtype(w)}"
+    if dtype(n) != torch.bfloat16 or {dtype(x), dtype(w)} - {torch.bfloat16, torch.float32}:
+        return (f"FP8 GEMMs take bf16 operands here (or fp32 under bf16 autocast), not {dtype(x)} x {dtype(w)} "
+                f"computing in {dtype(n)}")
     if any(not isinstance(s, int) for s in shape(x)):
         return "symbolic sizes: the per-layer FP8 decision needs the row count"
     N, K = shape(w)

@@ -109,6 +109,33 @@ def test_optimize_fp8_rewrites_large_enough_linears_and_says_why_not_others(monk
     assert "multiples of 16" in why
 
 
+@pytest.mark.parametrize("inductor", [False, True])
+def test_fp8_runs_fp32_master_weights_under_bf16_autocast(monkeypatch, inductor):
+    """The usual mixed precision (fp32 parameters, bf16 autocast): the linears run FP8 from explicit bf16
+    casts, and each fp32 parameter gets its gradient through them, close to eager autocast's."""
+    if inductor and __import__("shutil").which("g++") is None:
+        pytest.skip("Inductor on CPU needs a C++ compiler")
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(4, 16, 64)
+    eager, opt = copy.deepcopy(model), opsmath.optimize(copy.deepcopy(model), fp8=True, inductor=inductor)
+    with torch.autocast("cpu", torch.bfloat16):
+        le, lo = eager(x).float().pow(2).mean(), opt(x).float().pow(2).mean()
+    le.backward()
+    lo.backward()
+    assert rel_err(lo.detach(), le.detach()) < 5e-2
+    for p, q in zip(eager.parameters(), opt.parameters()):
+        assert q.grad.dtype == torch.float32 and rel_err(q.grad, p.grad) < 0.15
+    rep = opsmath.report(opt)
+    assert sorted(m.details["K"] for m in rep.matches if m.pattern == "fp8_linear") == [64, 128]
+    plain = opsmath.optimize(copy.deepcopy(model), fp8=True)          # fp32 without autocast: stays
+    plain(x).sum().backward()
+    assert not [m for m in opsmath.report(plain).matches if m.pattern == "fp8_linear"]
+    assert any("computing in torch.float32" in d.reason for d in opsmath.report(plain).declines)
+
+
 def test_fp8_is_opt_in_and_small_gemms_stay_bf16():
     model = MLP().to(torch.bfloat16)
     x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
