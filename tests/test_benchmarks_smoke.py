@@ -19,7 +19,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
     ["cross_entropy.py", "--smoke"],
     ["learning_curve.py", "--smoke"],
     ["fp8_curve.py", "--smoke"],
-    ["fp8_curve.py", "--smoke", "--model", "gpt2", "--fp8-min-dim", "16", "--data-vocab", "64", "--no-torchao"],
+    ["fp8_curve.py", "--smoke", "--model", "gpt2", "--fp8-min-dim", "16", "--data-vocab", "64", "--no-torchao", "--amp"],
     ["memory.py", "--smoke", "--quick", "--paths", "op-by-op", "--lengths", "64,128"],
     ["memory.py", "--smoke", "--model", "llama", "--no-long", "--no-anchors", "--paths", "op-by-op",
      "--fractions", "0.5"],
