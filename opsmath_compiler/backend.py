@@ -131,8 +131,8 @@ def make_backend(state, model: torch.nn.Module):
         # own) go through this backend at their first call, with the real inputs they get there
         state.eager_regions.extend(regions.values())
         parent, pieces, alone = split_around(gm, set(regions))
-        for name in pieces:
-            setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors))
+        for name in pieces:   # symbolic: a second size compiles the piece once with symbolic sizes
+            setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors, symbolic=True))
         if _uses_inductor(state, example_inputs):
             compile_functions(parent, regions, alone, compile_fx, state.fallback_errors)
         route_checkpoints(parent, opsmath_backend, state.fallback_errors)

@@ -30,6 +30,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .capture import source_location
+from .pieces import LazyPiece
 from .segments import USER_REGION
 
 # Higher-order ops ``make_fx(pre_dispatch=True)`` lowers without changing values or gradients:
@@ -41,7 +42,6 @@ FUNCTION = "autograd_function_apply"
 # where the graph is compiled by Inductor: a Function dynamo traced (forward and backward bodies) is
 # compiled as ``torch.compile`` compiles it, AOTAutograd keeping its backward
 FUNCTION_COMPILED = "compiled by Inductor with its own backward, as torch.compile compiles it"
-PIECE_SIZES = 8   # sizes a piece or Function region is compiled for (as dynamo's recompile limit)
 _WHY = {
     FUNCTION: ("autograd.Function", "custom backward kept as written"),
     "register_hook": ("tensor hook", "hook registered on the real tensor"),
@@ -363,38 +363,3 @@ def route_checkpoints(parent: fx.GraphModule, compile_piece, errors: Optional[li
                 routed += 1
         sub.recompile()
     return routed
-
-
-class LazyPiece(torch.nn.Module):
-    """A lowered piece of a split graph, compiled by ``compile_piece(gm, args)`` at its first call with
-    the real inputs it receives there (what a dynamo backend gets), then run through the result. The
-    compiled piece is specialized to those inputs' sizes: a call with other sizes (the parent graph has
-    dynamic sizes) compiles the piece again for them, up to ``PIECE_SIZES`` sizes (each compile costs
-    seconds under Inductor); further sizes run the piece as dynamo traced it (eager, unrewritten: what
-    ``torch.compile`` does at its recompile limit), and ``errors`` gets a line saying so (once)."""
-
-    def __init__(self, gm: fx.GraphModule, compile_piece, errors: Optional[list] = None,
-                 what: str = "a graph piece between regions left to eager"):
-        super().__init__()
-        self.gm, self._compile, self._fns, self._errors, self._what = gm, compile_piece, {}, errors, what
-
-    @staticmethod
-    def _key(args) -> tuple:
-        return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a if isinstance(a, int) else None
-                     for a in args)
-
-    def compile_for(self, args):
-        key = self._key(args)
-        if key not in self._fns:   # (the backend it compiles through turns saved-tensor hooks off)
-            if len(self._fns) >= PIECE_SIZES:
-                note = (f"{self._what} met more than {PIECE_SIZES} input sizes: "
-                        "further sizes run it as traced (not rewritten, not compiled); padding lengths to a few "
-                        "buckets keeps it optimized")
-                if self._errors is not None and note not in self._errors:   # said once
-                    self._errors.append(note)
-                return self.gm.forward
-            self._fns[key] = self._compile(self.gm, list(args))
-        return self._fns[key]
-
-    def forward(self, *args):
-        return self.compile_for(args)(*args)

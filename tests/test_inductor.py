@@ -297,8 +297,8 @@ def test_function_region_stops_compiling_when_sizes_keep_changing(monkeypatch):
     """A Function region compiles once per input size, up to ``PIECE_SIZES``; past that it runs as
     traced (no Inductor compile per new length), and training stays exact."""
     from semantics_idioms import IDIOMS, reduce_output
-    from opsmath import regions
-    monkeypatch.setattr(regions, "PIECE_SIZES", 2)
+    from opsmath import pieces, regions
+    monkeypatch.setattr(pieces, "PIECE_SIZES", 2)
     calls = []
     real = regions.hooks_off_while_tracing
 
@@ -321,27 +321,29 @@ def test_function_region_stops_compiling_when_sizes_keep_changing(monkeypatch):
                for e in opsmath.report(optimized).fallback_errors)
 
 
-def test_pieces_between_regions_stop_compiling_when_sizes_keep_changing(monkeypatch):
-    """The lowered pieces around a Function compile once per input size up to ``PIECE_SIZES`` (the
-    parent graph's sizes are dynamic, the pieces' static); then they run as traced, training exact, and
-    the report says so once."""
+@pytest.mark.parametrize("inductor", [False, True])
+def test_pieces_between_regions_compile_once_with_symbolic_sizes(monkeypatch, inductor):
+    """The lowered pieces around a Function compile for their first size, then once with symbolic sizes
+    (through dynamo, which guards it): every later length runs compiled and rewritten, past
+    ``PIECE_SIZES``, training exact, and no fallback note."""
     from semantics_idioms import IDIOMS, reduce_output
-    from opsmath import regions
-    monkeypatch.setattr(regions, "PIECE_SIZES", 2)
+    from opsmath import pieces
+    monkeypatch.setattr(pieces, "PIECE_SIZES", 2)
     model, _ = IDIOMS["function_custom_backward"]()
     eager = copy.deepcopy(model)
-    optimized = opsmath.optimize(model, inductor=False)
-    for rows in (3, 4, 5, 6, 7):
+    optimized = opsmath.optimize(model, inductor=inductor)
+    for rows in (3, 4, 5, 6, 7, 9, 12):
         x = torch.randn(rows, 8)
         reduce_output(optimized(x)).backward()
         reduce_output(eager(x)).backward()
     for p, q in zip(model.parameters(), eager.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     rep = opsmath.report(optimized)
-    notes = [e for e in rep.fallback_errors if "a graph piece" in e]
-    assert len(notes) == 1 and "more than 2 input sizes" in notes[0], rep.fallback_errors
-    sizes = {g.input_shapes[0] for g in rep.graphs}
-    assert len(rep.graphs) <= 2 * 3 + 2, (len(rep.graphs), sizes)   # 3 rows static, 4 and 5 dynamic; not 6, 7
+    assert not [e for e in rep.fallback_errors if "a graph piece" in e], rep.fallback_errors
+    # the static parent's two pieces (3 rows), the dynamic parent's at their first size (4 rows), then
+    # once each with symbolic sizes (from 5 rows on): 6 compiles for 7 lengths, none after the sixth
+    assert len(rep.graphs) == 6, [g.input_shapes for g in rep.graphs]
+    assert [g.dynamic for g in rep.graphs[-2:]] == [True, True]
 
 
 def test_only_index_values_are_copied_into_pieces():

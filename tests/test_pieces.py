@@ -76,8 +76,8 @@ def test_checkpoint_bodies_stop_compiling_when_sizes_keep_changing(monkeypatch):
     runs as traced, training stays equal to eager, and the report says so once."""
     import copy
     from idioms_base import Checkpointed
-    from opsmath import regions
-    monkeypatch.setattr(regions, "PIECE_SIZES", 2)
+    from opsmath import pieces
+    monkeypatch.setattr(pieces, "PIECE_SIZES", 2)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), Checkpointed(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))))
     eager = copy.deepcopy(model)

@@ -1,0 +1,70 @@
+"""Lowered pieces of a split graph, compiled lazily at their first call with the real inputs they get.
+
+A graph with regions left to eager (autograd Functions, tensor hooks, checkpoints kept as written) is
+split around them (``regions.split_around``); each piece between them, each Function region and each
+checkpoint body becomes a ``LazyPiece``. Sizes: a piece compiles for the sizes it meets, one compile
+each, up to ``PIECE_SIZES``. A piece between regions (``symbolic=True``) compiles for its first size,
+then, at a second size, once more through dynamo with symbolic sizes (``torch.compile(piece,
+dynamic=True)`` with the same backend): dynamo guards that compile by itself, so a loader with many
+sequence lengths keeps one rewritten, compiled piece instead of running it as traced past the limit.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+PIECE_SIZES = 8   # sizes a piece or Function region is compiled for (as dynamo's recompile limit)
+log = logging.getLogger("opsmath")
+
+
+class LazyPiece(torch.nn.Module):
+    """A lowered piece of a split graph, compiled by ``compile_piece(gm, args)`` at its first call with
+    the real inputs it receives there (what a dynamo backend gets), then run through the result. The
+    compiled piece is specialized to those inputs' sizes. At a call with other sizes (the parent graph
+    has dynamic sizes): with ``symbolic``, one compile through dynamo with symbolic sizes serves every
+    later size (if it fails, the piece falls back to the per-size compiles); without, the piece compiles
+    again for the new sizes, up to ``PIECE_SIZES`` sizes (each compile costs seconds under Inductor), and
+    further sizes run the piece as dynamo traced it (eager, unrewritten: what ``torch.compile`` does at
+    its recompile limit), and ``errors`` gets a line saying so (once)."""
+
+    def __init__(self, gm: fx.GraphModule, compile_piece, errors: Optional[list] = None,
+                 what: str = "a graph piece between regions left to eager", symbolic: bool = False):
+        super().__init__()
+        self.gm, self._compile, self._fns, self._errors, self._what = gm, compile_piece, {}, errors, what
+        self._symbolic, self._dynamic = symbolic, None
+
+    @staticmethod
+    def _key(args) -> tuple:
+        return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a if isinstance(a, int) else None
+                     for a in args)
+
+    def compile_for(self, args):
+        key = self._key(args)
+        if key not in self._fns:   # (the backend it compiles through turns saved-tensor hooks off)
+            if len(self._fns) >= PIECE_SIZES:
+                note = (f"{self._what} met more than {PIECE_SIZES} input sizes: "
+                        "further sizes run it as traced (not rewritten, not compiled); padding lengths to a few "
+                        "buckets keeps it optimized")
+                if self._errors is not None and note not in self._errors:   # said once
+                    self._errors.append(note)
+                return self.gm.forward
+            self._fns[key] = self._compile(self.gm, list(args))
+        return self._fns[key]
+
+    def forward(self, *args):
+        key = self._key(args)
+        if not self._symbolic or not self._fns or key in self._fns:
+            return self.compile_for(args)(*args)
+        if self._dynamic is None:
+            self._dynamic = torch.compile(self.gm, backend=self._compile, dynamic=True)
+            try:
+                return self._dynamic(*args)
+            except Exception as e:  # the symbolic compile failed: sizes are compiled one by one instead
+                log.warning("opsmath: %s could not be compiled with symbolic sizes (%s: %s); compiling it per "
+                            "size", self._what, type(e).__name__, str(e)[:200])
+                self._symbolic = False
+                return self.compile_for(args)(*args)
+        return self._dynamic(*args)
