@@ -7,7 +7,7 @@ time, per-step times (capture and compile included, so the steps that recompile 
 unoptimized calls are recorded. Phase 2 (warm): the variants alternate over ``--rounds`` rounds of the
 same sequence (A B A B); per round the sequence's total time, median and spread over rounds.
 
-    python benchmarks/varying_lengths.py [--steps 30] [--rounds 3] [--model 1b|4layer|tiny]
+    python benchmarks/varying_lengths.py [--steps 30] [--rounds 3] [--model 1b|4layer|bloom4|tiny]
 """
 from __future__ import annotations
 
@@ -28,13 +28,21 @@ CONFIGS = {
                    intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=256),
+    # BLOOM-1B7's layer shape, 4 layers: its GeLU autograd.Function splits every layer's graph into pieces,
+    # which compile once per length and then once with symbolic sizes (pieces.py)
+    "bloom4": dict(arch="Bloom", hidden_size=2048, n_layer=4, n_head=16, vocab_size=32000, hidden_dropout=0.0,
+                   attention_dropout=0.0),
+    "bloom-tiny": dict(arch="Bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=256, hidden_dropout=0.0,
+                       attention_dropout=0.0),
 }
 
 
 def build(cfg, device):
     import transformers
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    arch = cfg.get("arch", "Llama")
+    cfg = {k: v for k, v in cfg.items() if k != "arch"}
+    model = getattr(transformers, arch + "ForCausalLM")(getattr(transformers, arch + "Config")(**cfg))
     return model.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).train()
 
 
@@ -66,7 +74,8 @@ def main():
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
-        args.model, args.steps, args.rounds, args.min_len, args.max_len, args.batch = "tiny", 6, 1, 8, 24, 2
+        args.model = "bloom-tiny" if args.model.startswith("bloom") else "tiny"
+        args.steps, args.rounds, args.min_len, args.max_len, args.batch = 6, 1, 8, 24, 2
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     cfg = CONFIGS[args.model]
     rng = random.Random(0)

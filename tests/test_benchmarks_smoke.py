@@ -15,6 +15,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
     ["train.py", "--smoke"],
     ["hf_default_attention.py", "--smoke"],
     ["varying_lengths.py", "--smoke"],
+    ["varying_lengths.py", "--smoke", "--model", "bloom4"],
     ["activations.py", "--smoke"],
     ["cross_entropy.py", "--smoke"],
     ["learning_curve.py", "--smoke"],
