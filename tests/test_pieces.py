@@ -2,6 +2,8 @@
 ``autograd.Function`` train like eager and still see what their rewrites need (HF's causal mask, ALiBi)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -90,3 +92,24 @@ def test_checkpoint_bodies_stop_compiling_when_sizes_keep_changing(monkeypatch):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     notes = [e for e in opsmath.report(optimized).fallback_errors if e.startswith("a checkpoint body")]
     assert len(notes) == 1 and "more than 2 input sizes" in notes[0], opsmath.report(optimized).fallback_errors
+
+
+def test_bloom_pieces_keep_attention_rewritten_across_lengths():
+    """BLOOM's pieces (split by its GeLU Function) met with a new length each step: after the first sizes
+    they compile once with symbolic sizes, and those pieces still get the causal ALiBi attention rewrite
+    (the causal mask's index chain is copied into them with symbolic sizes); gradients equal eager's."""
+    model = _bloom(2)()[0].train()
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model, inductor=False)
+    for T in (8, 12, 16, 20, 31):
+        ids = torch.randint(0, 100, (2, T))
+        opt(input_ids=ids, labels=ids).loss.backward()
+        eager(input_ids=ids, labels=ids).loss.backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    rep = opsmath.report(opt)
+    symbolic = [g for g in rep.graphs if g.dynamic]
+    assert len(rep.graphs) == 9 and len(symbolic) == 3, [g.input_shapes for g in rep.graphs]
+    attention = [m for g in symbolic for m in g.matches if m.pattern == "attention"]
+    assert len(attention) == 2 and all(m.details["causal"] and m.details["has_bias"] for m in attention)
+    assert not rep.fallback_errors
