@@ -7,9 +7,11 @@
 2. **Segments** and **cost** (``opsmath.segments``): candidate segments cut at opsmath's points (the
    fewest activations crossing, at two granularities) and, where the model checkpoints its own layers,
    the user's regions; a modelled recompute time per segment.
-3. **Choice**: exact 0/1 knapsack (vectorized DP over savings in 1/4096 steps of the total, savings
-   rounded down so the budget holds) for every candidate "largest recomputed segment", minimizing cost,
-   then predicted peak, so a smaller budget never gives a larger predicted peak; solved for each
+3. **Choice**: exact 0/1 knapsack (``plan_solve``: vectorized DP over savings in 1/4096 steps of the
+   total, savings rounded down so the budget holds) for every candidate "largest recomputed segment",
+   minimizing cost, then predicted peak; a recomputed segment is taken only where its backward fits:
+   the bytes the segments up to it keep plus its own activations (later segments' are freed by then,
+   so an early segment may be recomputed under a budget that a late one would break); solved for each
    segmentation, the cheaper kept (ties: the user's). A run may also be recomputed selectively: its
    GEMMs and fused GEMM ops kept, only its cheap ops (norms, activations, dropout, casts) recomputed,
    freeing what those produced (``segments.selective``), or its plain GEMMs recomputed too and only its
@@ -22,21 +24,21 @@
    Inductor, the segment's nodes are tagged ``MUST_RECOMPUTE`` instead (``tag_recompute``; what a
    selective run keeps ``MUST_SAVE``), and the offloaded ones marked for Inductor's offload (``offload``).
 
-Predicted peak = resident (parameters, their gradients, optimizer state, inputs) + activations kept
-+ the largest recomputed segment's activations (live while its backward runs).
+Predicted peak = resident (parameters, their gradients, optimizer state, inputs) + the activations'
+peak: all kept bytes (the start of backward), or, while a recomputed segment's backward runs, what the
+segments up to it keep plus its activations (``plan_solve._peak``).
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
 from . import offload, plan_chart
 from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
+from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps
 from .segments import (KEEPS, Segment, describe, forward_order, runs_of, saved_index, segments_of,
                        selective, user_regions, user_segments)
 
@@ -46,7 +48,7 @@ class Plan:
     resident: int
     unconstrained: int          # activation bytes saved without recompute
     kept: int                   # activation bytes saved with this plan
-    transient: int              # largest recomputed segment's activations
+    transient: int              # bytes above ``kept`` at the activations' peak (a recompute's, back)
     predicted_peak: int
     segments: list[Segment]
     chosen: list[int] = field(default_factory=list)
@@ -137,87 +139,6 @@ def _rank(choice) -> tuple:
     return cost, kept + trans
 
 
-@dataclass(frozen=True)
-class Step:
-    """One choice of the DP for segments i..j: ``"recompute"`` (keeps only its inputs), ``"selective"``
-    (its GEMMs kept and its cheap ops recomputed), ``"selective-gemms"`` (only its fused ops, such as
-    attention, kept; GEMMs recomputed too), ``"offload"`` (a single segment, kept, its saved
-    tensors on the host) or ``"recompute+offload"`` (recomputed, its inputs on the host). ``size``: its
-    activations live again while its backward runs (the transient)."""
-    i: int
-    j: int
-    kind: str
-    saving: int
-    cost: float
-    size: int
-
-
-def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None = None) -> dict:
-    """Every step that saves something, by first segment. Offload steps only with a host ``link``
-    (bytes/s); their cost is the copy out and back, ``2 b / link`` (``offload.py``). ``sel``: (i, j, kind)
-    -> run i..j's selective candidate of that kind (``segments.selective``)."""
-    out: dict = {}
-    for (i, j, kind), c in (sel or {}).items():
-        out.setdefault(i, []).append(Step(i, j, kind, c.saving, c.cost, c.saved))
-    for (i, j), r in runs.items():
-        if r.saving > 0:
-            out.setdefault(i, []).append(Step(i, j, "recompute", r.saving, r.cost, r.saved))
-        if link and r.inputs > 0:
-            out.setdefault(i, []).append(Step(i, j, "recompute+offload", r.saved, r.cost + 2 * r.inputs / link, r.saved))
-    if link:
-        for i, s in enumerate(segs):
-            if s.saved > 0:
-                out.setdefault(i, []).append(Step(i, i, "offload", s.saved, 2 * s.saved / link, s.saved))
-    return out
-
-
-def _max_saving(n: int, steps: dict, T: int) -> int:
-    """The most bytes disjoint steps of size <= T can save (1-D DP over positions)."""
-    best = [0] * (n + 1)
-    for p in range(n):
-        best[p + 1] = max(best[p + 1], best[p])
-        for st in steps.get(p, ()):
-            if st.size <= T:
-                best[st.j + 1] = max(best[st.j + 1], best[p] + st.saving)
-    return best[n]
-
-
-def _solve(n: int, steps: dict, T: int, need: float, unit: float) -> list[Step] | None:
-    """Disjoint steps of size <= T saving >= ``need`` bytes at the least modelled cost: DP over
-    positions and saving units (``dp[p][u]``: least cost over segments < p saving >= u units; savings
-    rounded down to units, so the budget holds), then a backtrack. None when no choice saves enough."""
-    cap = int(math.ceil(need / unit))
-    states = torch.arange(cap + 1)
-    dp = torch.full((n + 1, cap + 1), math.inf, dtype=torch.float64)
-    dp[0, 0] = 0.0
-    came = torch.full((n + 1, cap + 1), -1, dtype=torch.int32)   # start p of the step that reached it
-    took = torch.full((n + 1, cap + 1), -1, dtype=torch.int32)   # -1: segment p kept, else the step's index
-    for p in range(n):
-        cur = dp[p]
-        better = cur < dp[p + 1]
-        dp[p + 1] = torch.where(better, cur, dp[p + 1])
-        came[p + 1][better], took[p + 1][better] = p, -1
-        for k, st in enumerate(steps.get(p, ())):
-            w = int(st.saving // unit)
-            if st.size > T or w == 0:
-                continue
-            new = cur[(states - w).clamp(min=0)] + st.cost
-            better = new < dp[st.j + 1]
-            dp[st.j + 1] = torch.where(better, new, dp[st.j + 1])
-            came[st.j + 1][better], took[st.j + 1][better] = p, k
-    if not math.isfinite(dp[n, cap].item()):
-        return None
-    chosen, q, u = [], n, cap
-    while q > 0:
-        p, k = int(came[q, u]), int(took[q, u])
-        if k >= 0:
-            st = steps[p][k]
-            chosen.append(st)
-            u = max(0, u - int(st.saving // unit))
-        q = p
-    return sorted(chosen, key=lambda st: st.i)
-
-
 def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, budget: float,
            units: int = 4096, max_transients: int = 24, link: float | None = None, sel: dict | None = None
            ) -> tuple[list[Step], int, int, float]:
@@ -228,7 +149,10 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     candidate largest transient T (every distinct step size, thinned to ``max_transients`` spread over
     the range) the exact DP of ``_solve``. Raises InfeasibleBudget naming the smallest feasible budget."""
     total = sum(s.saved for s in segs)
-    limit = budget * total if budget_kind == "fraction" else budget - resident  # on kept + transient
+    limit = budget * total if budget_kind == "fraction" else budget - resident  # on the activations' peak
+    prefix = [0]
+    for sg in segs:
+        prefix.append(prefix[-1] + sg.saved)
     steps = _steps(segs, runs, link, sel)
     sizes = sorted({st.size for sts in steps.values() for st in sts})
     spread = sizes if len(sizes) <= max_transients else \
@@ -240,17 +164,18 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     best, unit = None, max(1.0, total / units)
     for T in sorted({0, *spread, min(floors, key=floors.get)}):
         max_save = total + T - floors[T]
-        need = total + T - limit     # bytes of saving needed
+        need = total - limit     # bytes of saving needed (each step's own backward: ``_solve``)
         if need > max_save:
             continue
-        picked = [] if need <= 0 else _solve(len(segs), steps, T, need, unit)
+        picked = [] if need <= 0 else _solve(len(segs), steps, T, need, unit, prefix, limit)
         if picked is None:
             continue
-        cand = (picked, total - sum(st.saving for st in picked), max((st.size for st in picked), default=0),
-                sum(st.cost for st in picked))
+        kept = total - sum(st.saving for st in picked)
+        cand = (picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked))
         if best is None or _rank(cand) < _rank(best):
             best = cand
     if best is None:
+        smallest = _lowest_peak(segs, steps, prefix, unit, smallest)
         floor = resident + int(smallest)
         asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
         raise InfeasibleBudget(

@@ -312,23 +312,37 @@ def test_adjacent_segments_merge_down_to_the_per_block_floor():
 
 def test_solver_merges_runs_when_single_segments_cannot_reach_the_budget():
     """Four segments saving 100 bytes each, each keeping an 80-byte input when recomputed alone; a run
-    keeps only its first input. Kept + largest recomputation: singles reach at best 320 + 100 = 420 (more
-    than recomputing nothing, 400),
-    two pairs 160 + 200 = 360, all four 80 + 400 = 480. Under 0.95 of 400 = 380 only the pairs fit: the
-    exact DP finds them, a solver of single segments cannot, and merged() rebuilds the list."""
+    keeps only its first input. Singles peak at 340 at best (three recomputed, the last kept: 3 x 80 +
+    100; recomputing the fourth too would bring its 100 bytes back over 320 kept), more than 0.7 of 400
+    = 280; a pair keeps 80 + 200 = 280. Its backward runs with what the segments up to it keep plus its own 200 bytes
+    back: the first pair (80 + 200 = 280) fits, the second (200 + 80 + 200 = 480) does not, since
+    segments before it are still held. The exact DP finds the first pair, a solver of single segments
+    cannot, and merged() rebuilds the list."""
     from opsmath.plan import choose, merged
     from opsmath.segments import Segment
     segs = [Segment(3 * k, 3 * k + 2, 100, 80, 1.0) for k in range(4)]
     runs = {(i, j): Segment(segs[i].start, segs[j].end, 100 * (j - i + 1), 80, float(j - i + 1))
             for i in range(4) for j in range(i, 4)}
-    picked, kept, trans, cost = choose(segs, runs, 0, "fraction", 0.95)
-    assert [(st.i, st.j, st.kind) for st in picked] == [(0, 1, "recompute"), (2, 3, "recompute")]
-    assert (kept, trans, cost) == (160, 200, 4.0)
+    picked, kept, trans, cost = choose(segs, runs, 0, "fraction", 0.7)
+    assert [(st.i, st.j, st.kind) for st in picked] == [(0, 1, "recompute")]
+    assert (kept, trans, cost) == (280, 0, 2.0)
     singles = {k: v for k, v in runs.items() if k[0] == k[1]}
-    with pytest.raises(InfeasibleBudget, match="fraction 1.000"):   # (recomputing nothing: 400)
-        choose(segs, singles, 0, "fraction", 0.95)
+    with pytest.raises(InfeasibleBudget, match="fraction 0.85"):
+        choose(segs, singles, 0, "fraction", 0.7)
     out, chosen, offloaded = merged(segs, runs, picked)
-    assert [(s.start, s.end) for s in out] == [(0, 5), (6, 11)] and chosen == [0, 1] and offloaded == {}
+    assert [(s.start, s.end) for s in out] == [(0, 5), (6, 8), (9, 11)] and chosen == [0] and offloaded == {}
+
+
+def test_a_late_recompute_counts_what_earlier_segments_still_hold():
+    """The peak while a recomputed segment's backward runs is what the segments up to it keep plus its
+    activations: recomputing the first of two segments costs the same as the last, but only the first
+    fits a budget of 60% (the last one's backward would find the first's 100 bytes still held)."""
+    from opsmath.plan import choose
+    from opsmath.segments import Segment
+    segs = [Segment(0, 2, 100, 10, 1.0), Segment(3, 5, 100, 10, 1.0)]
+    runs = {(0, 0): segs[0], (1, 1): segs[1]}
+    picked, kept, trans, cost = choose(segs, runs, 0, "fraction", 0.6)
+    assert [(st.i, st.j) for st in picked] == [(0, 0)] and (kept, kept + trans) == (110, 110)
 
 
 def test_budget_is_one_target_in_two_units():

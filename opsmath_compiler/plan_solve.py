@@ -1,0 +1,137 @@
+"""The exact solver behind ``plan.choose``: steps (a run of segments recomputed, recomputed selectively
+or offloaded), a DP over positions and saving units that picks disjoint steps at the least modelled
+cost, and the activation peak a choice reaches.
+
+The peak model: activations kept by every segment are live at the start of backward; while a chosen
+step's backward runs, what the segments up to it keep is still live (the later segments' were freed)
+plus its own activations, back from a recompute or the host. The step's saving and that peak both
+bound a choice; gradients are counted in the resident bytes (``plan.py``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .segments import Segment
+
+
+@dataclass(frozen=True)
+class Step:
+    """One choice of the DP for segments i..j: ``"recompute"`` (keeps only its inputs), ``"selective"``
+    (its GEMMs kept and its cheap ops recomputed), ``"selective-gemms"`` (only its fused ops, such as
+    attention, kept; GEMMs recomputed too), ``"offload"`` (a single segment, kept, its saved
+    tensors on the host) or ``"recompute+offload"`` (recomputed, its inputs on the host). ``size``: its
+    activations live again while its backward runs (the transient)."""
+    i: int
+    j: int
+    kind: str
+    saving: int
+    cost: float
+    size: int
+
+
+def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None = None) -> dict:
+    """Every step that saves something, by first segment. Offload steps only with a host ``link``
+    (bytes/s); their cost is the copy out and back, ``2 b / link`` (``offload.py``). ``sel``: (i, j, kind)
+    -> run i..j's selective candidate of that kind (``segments.selective``)."""
+    out: dict = {}
+    for (i, j, kind), c in (sel or {}).items():
+        out.setdefault(i, []).append(Step(i, j, kind, c.saving, c.cost, c.saved))
+    for (i, j), r in runs.items():
+        if r.saving > 0:
+            out.setdefault(i, []).append(Step(i, j, "recompute", r.saving, r.cost, r.saved))
+        if link and r.inputs > 0:
+            out.setdefault(i, []).append(Step(i, j, "recompute+offload", r.saved, r.cost + 2 * r.inputs / link, r.saved))
+    if link:
+        for i, s in enumerate(segs):
+            if s.saved > 0:
+                out.setdefault(i, []).append(Step(i, i, "offload", s.saved, 2 * s.saved / link, s.saved))
+    return out
+
+
+def _max_saving(n: int, steps: dict, T: int) -> int:
+    """The most bytes disjoint steps of size <= T can save (1-D DP over positions)."""
+    best = [0] * (n + 1)
+    for p in range(n):
+        best[p + 1] = max(best[p + 1], best[p])
+        for st in steps.get(p, ()):
+            if st.size <= T:
+                best[st.j + 1] = max(best[st.j + 1], best[p] + st.saving)
+    return best[n]
+
+
+def _solve(n: int, steps: dict, T: int, need: float, unit: float, prefix: list, limit: float) -> list[Step] | None:
+    """Disjoint steps of size <= T saving >= ``need`` bytes at the least modelled cost, each taken only
+    where the bytes live while its backward runs fit ``limit``: what segments up to its end keep, plus
+    its own activations back (``prefix[j]``: bytes segments < j save unconstrained; the later segments'
+    are freed by then). DP over positions and saving units (``dp[p][u]``: least cost over segments < p
+    saving >= u units; savings rounded down to units, so both bounds hold), then a backtrack. None when
+    no choice saves enough."""
+    cap = int(math.ceil(need / unit))
+    floor_of = {}   # a step's least saving so far (units) for its backward to fit
+    for sts in steps.values():
+        for st in sts:
+            floor_of[st] = max(0, int(math.ceil((prefix[st.j + 1] + st.size - limit) / unit)))
+    top = max([cap, *floor_of.values()])
+    states = torch.arange(top + 1)
+    dp = torch.full((n + 1, top + 1), math.inf, dtype=torch.float64)
+    dp[0, 0] = 0.0
+    came = torch.full((n + 1, top + 1), -1, dtype=torch.int32)   # start p of the step that reached it
+    took = torch.full((n + 1, top + 1), -1, dtype=torch.int32)   # -1: segment p kept, else the step's index
+    for p in range(n):
+        cur = dp[p]
+        better = cur < dp[p + 1]
+        dp[p + 1] = torch.where(better, cur, dp[p + 1])
+        came[p + 1][better], took[p + 1][better] = p, -1
+        for k, st in enumerate(steps.get(p, ())):
+            w = int(st.saving // unit)
+            if st.size > T or w == 0:
+                continue
+            new = cur[(states - w).clamp(min=0)] + st.cost
+            new[:floor_of[st]] = math.inf
+            better = new < dp[st.j + 1]
+            dp[st.j + 1] = torch.where(better, new, dp[st.j + 1])
+            came[st.j + 1][better], took[st.j + 1][better] = p, k
+    u = cap + int(torch.argmin(dp[n, cap:]))
+    if not math.isfinite(dp[n, u].item()):
+        return None
+    chosen, q = [], n
+    while q > 0:
+        p, k = int(came[q, u]), int(took[q, u])
+        if k >= 0:
+            st = steps[p][k]
+            chosen.append(st)
+            u = max(0, u - int(st.saving // unit))
+        q = p
+    return sorted(chosen, key=lambda st: st.i)
+
+
+def _lowest_peak(segs: list[Segment], steps: dict, prefix: list, unit: float, hi: float) -> float:
+    """The lowest activation peak any choice reaches, to within a unit: bisection on ``_solve``'s
+    feasibility below ``hi`` (a peak known to be reachable)."""
+    total, T, lo = prefix[-1], max((st.size for sts in steps.values() for st in sts), default=0), 0.0
+    while hi - lo > unit:
+        mid = (lo + hi) / 2
+        if _solve(len(segs), steps, T, total - mid, unit, prefix, mid) is not None:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _peak(segs: list[Segment], picked: list[Step]) -> int:
+    """The most activation bytes live at once with ``picked``: all that is kept (the start of backward),
+    or, while a step's backward runs, what segments up to its end keep plus its own activations back."""
+    at, kept, peak, i = {st.i: st for st in picked}, 0, 0, 0
+    while i < len(segs):
+        st = at.get(i)
+        if st is None:
+            kept += segs[i].saved
+            i += 1
+            continue
+        kept += sum(sg.saved for sg in segs[st.i:st.j + 1]) - st.saving
+        peak = max(peak, kept + st.size)
+        i = st.j + 1
+    return max(peak, kept)
