@@ -126,13 +126,13 @@ def make_backend(state, model: torch.nn.Module):
         if not regions:
             return compile_graph(state, model, gm, list(example_inputs))
         # autograd Functions (compiled by Inductor where the graph is) and tensor hooks run as dynamo
-        # traced them, checkpoints as the user wrote
-        # them; the pieces between them and the checkpoints' bodies (which may hold regions of their
-        # own) go through this backend at their first call, with the real inputs they get there
+        # traced them, checkpoints as the user wrote them; the pieces between them and the checkpoints'
+        # bodies (which may hold regions of their own) go through this backend at their first call
         state.eager_regions.extend(regions.values())
         parent, pieces, alone = split_around(gm, set(regions))
-        for name in pieces:   # symbolic: a second size compiles the piece once with symbolic sizes
-            setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors, symbolic=True))
+        for name in pieces:   # a second size: once with symbolic sizes (a budget plans each size exactly)
+            setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors,
+                                            symbolic=state.memory_budget is None))
         if _uses_inductor(state, example_inputs):
             compile_functions(parent, regions, alone, compile_fx, state.fallback_errors)
         route_checkpoints(parent, opsmath_backend, state.fallback_errors)
