@@ -5,7 +5,10 @@ cost, and the activation peak a choice reaches.
 The peak model: activations kept by every segment are live at the start of backward; while a chosen
 step's backward runs, what the segments up to it keep is still live (the later segments' were freed)
 plus its own activations, back from a recompute or the host. The step's saving and that peak both
-bound a choice; gradients are counted in the resident bytes (``plan.py``).
+bound a choice; gradients are counted in the resident bytes (``plan.py``). Recompute does run there:
+``torch.utils.checkpoint`` in the segment's backward (op by op), and under Inductor AOTAutograd's
+partition orders recomputed ops as autograd would run them (``reordering_to_mimic_autograd_engine``),
+not all at the start of backward.
 """
 from __future__ import annotations
 
