@@ -41,8 +41,8 @@ class LazyPiece(torch.nn.Module):
         return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a if isinstance(a, int) else None
                      for a in args)
 
-    def compile_for(self, args):
-        key = self._key(args)
+    def compile_for(self, args, key=None):
+        key = self._key(args) if key is None else key
         if key not in self._fns:   # (the backend it compiles through turns saved-tensor hooks off)
             if len(self._fns) >= PIECE_SIZES:
                 note = (f"{self._what} met more than {PIECE_SIZES} input sizes: "
@@ -57,7 +57,7 @@ class LazyPiece(torch.nn.Module):
     def forward(self, *args):
         key = self._key(args)
         if not self._symbolic or not self._fns or key in self._fns:
-            return self.compile_for(args)(*args)
+            return self.compile_for(args, key)(*args)
         if self._dynamic is None:
             self._dynamic = torch.compile(self.gm, backend=self._compile, dynamic=True)
             try:
@@ -66,5 +66,5 @@ class LazyPiece(torch.nn.Module):
                 log.warning("opsmath: %s could not be compiled with symbolic sizes (%s: %s); compiling it per "
                             "size", self._what, type(e).__name__, str(e)[:200])
                 self._symbolic = False
-                return self.compile_for(args)(*args)
+                return self.compile_for(args, key)(*args)
         return self._dynamic(*args)
