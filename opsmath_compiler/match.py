@@ -17,7 +17,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from opsmath.kernels._common import new_seed, new_seeds
 
-from .canonicalize import aten, private_temporary
+from .canonicalize import aten, dtype, private_temporary
 from .capture import Captured, source_location, split_size_calls
 
 log = logging.getLogger("opsmath")
@@ -134,6 +134,13 @@ class RewriteContext:
         loc, code = source_location(anchor)
         self.matches.append(Match(pattern, loc, code, [n.name for n in nodes], replacement, before, details,
                                   anchor.name))
+
+    def cast(self, t, dt: torch.dtype, like: fx.Node):
+        """``t`` as ``dt``: ``t`` itself when it already is (or is None), else an inserted ``aten.to``
+        (what autocast would have done to an op's inputs, made explicit for a fused op that sees them raw)."""
+        if t is None or dtype(t) == dt:
+            return t
+        return self.call(aten.to.dtype, (t, dt), like)
 
     def call(self, target, args, like: fx.Node, kwargs=None) -> fx.Node:
         """Insert ``target(*args)`` at the current insertion point, inheriting ``like``'s source trace

@@ -137,9 +137,9 @@ def _operands(ctx: RewriteContext, sm: fx.Node, plan: Plan) -> tuple:
     q, k, v = plan.q, plan.k, plan.v
     if plan.k_needs_transpose:
         k = ctx.call(aten.transpose.int, (k, -2, -1), sm)
-    q, k, v = (x if dtype(x) == cdt else ctx.call(aten.to.dtype, (x, cdt), sm) for x in (q, k, v))
+    q, k, v = (ctx.cast(x, cdt, sm) for x in (q, k, v))
     for t in plan.q_scales:   # a score row's scale is its query's (``_attention_chain._tensor_scale``)
-        q = ctx.call(aten.mul.Tensor, (q, t if dtype(t) == cdt else ctx.call(aten.to.dtype, (t, cdt), sm)), sm)
+        q = ctx.call(aten.mul.Tensor, (q, ctx.cast(t, cdt, sm)), sm)
     d, dv = shape(plan.q)[-1], shape(plan.v)[-1]
     if dv < d:
         v = ctx.call(aten.constant_pad_nd.default, (v, [0, d - dv]), sm)

@@ -53,8 +53,7 @@ class FP8LinearRule(Rule):
         x, w, b, (M, K, N) = plan
         before = [node_line(n)]
         with ctx.graph.inserting_before(n):
-            bf16 = [t if t is None or dtype(t) == torch.bfloat16 else ctx.call(aten.to.dtype, (t, torch.bfloat16), n)
-                    for t in (x, w, b)]
+            bf16 = [ctx.cast(t, torch.bfloat16, n) for t in (x, w, b)]
             y = ctx.call(fp8_linear, (*bf16, self.scaling == "rowwise"), n)
         n.replace_all_uses_with(y)
         ctx.erase_dead([n])

@@ -120,7 +120,7 @@ class LinearCrossEntropyPattern(CrossEntropyAnchored):
         before = [node_line(n) for n in [lin, *reversed(chain), ce]]
         with ctx.graph.inserting_before(ce):
             def cast(t):
-                return t if t is None or dtype(t) == cdt else ctx.call(aten.to.dtype, (t, cdt), ce)
+                return ctx.cast(t, cdt, ce)
             rows = cast(x)
             for op in reversed(chain):   # the rows' views and slices, replayed on x instead of logits
                 if is_op(op, {aten.slice.Tensor}):
