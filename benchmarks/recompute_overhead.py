@@ -70,8 +70,9 @@ class Variant:
                     wall_max=max(self.wall), host_ms=statistics.median(self.host),
                     gpu_ms=sum(kernel_ms(self.step, calls=3).values()), peak_gib=self.peak_gib,
                     step_peak_gib=self.step_peak_gib, rounds=self.wall,
-                    plans=[{k: p[k] for k in ("budget", "kept", "predicted_peak", "recompute_seconds", "chosen",
-                                              "selective", "offloaded")} for p in plans])
+                    plans=[{k: p.get(k) for k in ("budget", "kept", "predicted_peak", "expected_peak",
+                                                  "recompute_seconds", "chosen", "selective", "offloaded")}
+                           for p in plans])
 
 
 def main():
