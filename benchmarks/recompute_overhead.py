@@ -79,19 +79,22 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budgets", default="0.5,0.25")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="only the variants without CUDA graphs")
+    ap.add_argument("--cuda-graphs-only", action="store_true", help="only the variants with CUDA graphs")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cprofile", default="", help="variant name whose host time cProfile takes apart")
     args = ap.parse_args()
     batch = gpt2_batch()
     specs = [("no budget", None)] + [(f"budget {b}", float(b)) for b in args.budgets.split(",") if b]
-    graphs = (False,) if args.no_cuda_graphs else (False, True)
+    graphs = (False,) if args.no_cuda_graphs else (True,) if args.cuda_graphs_only else (False, True)
     variants = []
     for cg in graphs:
         for name, budget in specs:
             label = name + (" + CUDA graphs" if cg else "")
             try:
+                t0 = time.perf_counter()
                 variants.append(Variant(label, budget, cg, batch))
+                print(f"{label}: built and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
             except Exception as e:  # noqa: BLE001  (reported, the others still run)
                 print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     for _ in range(args.rounds):   # A B A B: the host's noise falls on every variant

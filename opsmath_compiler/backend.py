@@ -4,8 +4,8 @@
         pre-dispatch ATen (capture) -> patterns (match + replace) -> recompute plan -> GraphModule (emit)
         -> Inductor on CUDA, op by op under autograd elsewhere
 
-Each piece is one ``GraphRecord`` of the report. Under an absolute memory budget a piece's plan is
-checked against what its first steps measured and made again if needed (``_replan``, ``_tighten``).
+Each piece is one ``GraphRecord`` of the report. Under a memory budget a piece's plan is checked against
+what its first steps measured and made again if needed (``replan.py``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from .guards import after_change, guarded
 from .match import Decline, Match, run_patterns
 from . import offload
 from .budget import grad_bytes, resident_bytes
-from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
+from .plan import clone_graph_module, plan_and_emit
+from .replan import runner
 from .regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
                       inline_checkpoint, route_checkpoints, split_around)
 
@@ -79,6 +80,7 @@ class GraphRecord:
     graph: Optional[fx.GraphModule] = field(default=None, repr=False)
     before_nx: object = field(default=None, repr=False)   # networkx.DiGraph of the captured graph
     calls: int = 0                          # how many times the graph ran (one graph can serve many modules)
+    last_run: int = 0                       # ``graph_runs`` at its latest call: which graphs ran in one step
     plan: object = None                     # the recompute Plan under memory_budget (plan.py), if any
     inductor: bool = False                  # whether the emitted graph was compiled by Inductor
     inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
@@ -223,14 +225,13 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             m.saved_delta = (sum(by_node.get(n, 0) for n in m.inserted)
                              - sum(before_by_node.get(n, 0) for n in m.nodes))
     plan = base = None
-    absolute = state.memory_budget is not None and parse_budget(state.memory_budget)[0] == "bytes"
     if state.memory_budget is not None:
         if by_node is None:
             log.warning("opsmath: graph %d could not be analyzed on fake tensors; no recompute planned "
                         "for memory_budget=%r", len(state.graphs), state.memory_budget)
         else:
-            # an absolute budget may be re-planned later, on a fresh copy of the unplanned graph
-            base = clone_graph_module(ctx.gm) if absolute else None
+            # the plan may be made again after the first steps, on a fresh copy of the unplanned graph
+            base = clone_graph_module(ctx.gm)
             # under Inductor the plan becomes recompute tags its partitioner must honor, and is made
             # for what that partitioner saves (less than eager's saved set)
             how = "tag" if use_inductor else "checkpoint"
@@ -254,36 +255,10 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     state.graphs.append(record)
     fn = _finish(state, record, ctx.gm, example_inputs, use_inductor)
     record.capture_seconds = time.perf_counter() - t0
-    return guarded(_runner(state, record, fn, base, by_node, model, use_inductor, absolute),
+    return guarded(runner(state, record, fn, base, by_node, model, use_inductor, _finish),
                    captured.buffer_guard(example_inputs),
                    lambda args, names: after_change(state, record.index, names, gm.forward, None if captured.dynamic
                                                     else lambda: compile_graph(state, model, gm, args)))
-
-
-def _runner(state, record, fn, base, by_node, model, use_inductor, absolute):
-    """The callable dynamo calls for ``record``'s graph: runs ``fn``, and while a memory plan is watched
-    (the graph's first ``_WATCH_CALLS`` calls) measures steps and swaps in a re-planned graph."""
-    start = [None]   # where the current step's peak measurement began (absolute budgets, CUDA)
-
-    def run(*args):
-        nonlocal fn
-        record.calls += 1
-        state.graph_runs += 1
-        g = None
-        if record.plan is not None and record.calls <= _WATCH_CALLS:
-            if record.calls == 2:    # step 1 measured: re-plan for what it showed
-                g = _replan(state, record, base, by_node, list(args), model, use_inductor, start[0])
-            elif record.calls == 3 and absolute:   # the plan's own first step: tightened once if over
-                g = _tighten(state, record, base, by_node, list(args), model, use_inductor, start[0])
-            elif record.calls > 2:   # optimizer state that appears late (gradient accumulation)
-                g = _replan(state, record, base, by_node, list(args), model, use_inductor, None)
-            if g is not None:
-                record.graph, record.after_code = g, g.code
-                fn = _finish(state, record, g, list(args), use_inductor)
-            if record.calls < 3:    # measure the step about to run
-                start[0] = _start_peak(args, absolute)
-        return fn(*args)
-    return run
 
 
 def _finish(state, record, gm, example_inputs, use_inductor):
@@ -302,99 +277,3 @@ def _finish(state, record, gm, example_inputs, use_inductor):
         log.warning("opsmath: %s", msg)
         state.fallback_errors.append(msg)
         return gm
-
-
-def _start_peak(args, reset: bool) -> Optional[int]:
-    """Where a step's peak measurement starts (the graph's first and second calls). Under an absolute
-    budget CUDA's peak statistic is reset here (``reset_peak_memory_stats``), so the step is measured
-    even when something earlier in the process peaked higher; this is documented in ``optimize``.
-    Otherwise the process's peak so far is kept, and the step is measured only if it exceeds it."""
-    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
-    if reset and cuda:
-        torch.cuda.reset_peak_memory_stats(cuda[0].device)
-        return torch.cuda.memory_allocated(cuda[0].device)
-    return _max_allocated(args)
-
-
-def _max_allocated(args) -> Optional[int]:
-    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
-    return torch.cuda.max_memory_allocated(cuda[0].device) if cuda else None
-
-
-_REPLAN_MARGIN = 0.02
-# calls of a graph during which its plan is re-checked against the resident bytes: with gradient
-# accumulation over k micro-batches the optimizer state appears only after call k
-_WATCH_CALLS = 16
-
-
-def _replan(state, record, base, by_node, args, model, use_inductor, peak_before):
-    """At the graph's second call (and, for the resident bytes alone, its later calls up to
-    ``_WATCH_CALLS``), under an absolute budget: what the first plan assumed may have been wrong.
-    Optimizer state appears after the first optimizer step (AdamW: 8 bytes per parameter), so the
-    resident bytes are measured again; on CUDA the first step's measured peak is compared with the prediction and
-    the unexplained excess (workspaces, autocast's weight cache) is taken off the budget (measured as
-    ``max_memory_allocated`` from the reset at the first call, see ``_start_peak``). When either
-    moved, the plan is made once more on a fresh copy of the rewritten graph, else nothing changes.
-    The excess measured in step 1 varies a little from step to step (on the H200, GPT-2-small under
-    Inductor: 192 MiB in step 1, about 215 MiB later), so a re-plan for an excess also keeps a margin of
-    ``_REPLAN_MARGIN`` of the budget. A fractional budget (of the activations) keeps its plan; only its
-    predicted peak is brought up to date with the resident bytes measured now.
-    Returns the re-planned graph or None; an infeasible budget raises ``InfeasibleBudget``."""
-    old = record.plan
-    resident = resident_bytes(args, model)
-    measured = _max_allocated(args) if peak_before is not None else None
-    if measured is not None and measured <= peak_before:
-        measured = None   # step 1 never exceeded an earlier peak of the process: its own is unknown
-    if measured is not None:
-        old.measured_peak = measured
-    kind, value = parse_budget(state.memory_budget)
-    if kind == "fraction":
-        old.predicted_peak += resident - old.resident
-        old.expected_peak = old.expected_peak and old.expected_peak + resident - old.resident
-        old.resident = resident
-        return None
-    over = max(0, measured - old.predicted_peak) if measured is not None else 0
-    slack = int(0.01 * value)
-    if resident <= old.resident + slack and over <= slack:
-        return None
-    # the budget the current plan was made for: the user's, less what earlier re-plans took off
-    budget = int(parse_budget(old.budget)[1]) - (over + int(_REPLAN_MARGIN * value) if over > slack else 0)
-    why = (f"{old.replanned + '; ' if old.replanned else ''}"
-           f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB at call {record.calls}"
-           + (f"; first step measured {measured / 2**20:.1f} MiB, {over / 2**20:.1f} MiB over the prediction, "
-              f"taken off the budget" if over > slack else ""))
-    return _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured, args)
-
-
-def _tighten(state, record, base, by_node, args, model, use_inductor, peak_before):
-    """At the graph's third call, under an absolute budget: the step that just ran was the final plan's
-    first. If its measured peak exceeded the budget, the plan is made once more with the excess (and
-    the margin) taken off. Returns the re-planned graph or None."""
-    measured = _max_allocated(args)
-    if measured is None or peak_before is None:
-        return None
-    old, value = record.plan, parse_budget(state.memory_budget)[1]
-    old.measured_peak = measured
-    if measured <= value:
-        return None
-    over = measured - int(value)
-    budget = int(parse_budget(old.budget)[1]) - over - int(_REPLAN_MARGIN * value)
-    why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
-           f"{over / 2**20:.1f} MiB over the budget: tightened")
-    return _plan_again(state, record, base, by_node, budget, resident_bytes(args, model), use_inductor, why,
-                       measured, args)
-
-
-def _plan_again(state, record, base, by_node, budget, resident, use_inductor, why, measured, args):
-    """Plan ``base`` (a fresh copy of the rewritten graph) again for ``budget`` bytes; record why."""
-    g = clone_graph_module(base)
-    try:
-        how = "tag" if use_inductor else "checkpoint"
-        plan = plan_and_emit(g, by_node, budget, resident, how=how, link=record.plan.link, grads=grad_bytes(g, args))
-    except InfeasibleBudget as e:
-        raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
-                               f"{record.calls - 1} ({why}): {e}") from None
-    plan.replanned, plan.measured_peak = why, measured
-    record.plan = plan
-    log.warning("opsmath: graph %d re-planned for memory_budget=%r: %s", record.index, state.memory_budget, why)
-    return g

@@ -75,7 +75,8 @@ def resident_bytes(example_inputs: list, model: torch.nn.Module) -> int:
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     cuda = [t for t in tensors if t.is_cuda]
     if cuda:
-        grads_to_come = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad and t.grad is None)
+        grads_to_come = sum(t.numel() * t.element_size() for t in tensors
+                            if t.requires_grad and t.is_leaf and t.grad is None)
         return torch.cuda.memory_allocated(cuda[0].device) + grads_to_come
 
     def local_bytes(p):
@@ -90,4 +91,4 @@ def grad_bytes(gm, example_inputs: list) -> dict[str, int]:
     none yet (a parameter, by its placeholder's name): what ``resident_bytes`` counts ahead of backward."""
     names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     return {name: t.numel() * t.element_size() for name, t in zip(names, example_inputs)
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad is None}
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and t.grad is None}

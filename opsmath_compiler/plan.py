@@ -67,6 +67,7 @@ class Plan:
     grads: list = field(default_factory=list)   # per segment: gradient bytes its backward allocates
     expected_peak: int | None = None   # the timeline's maximum with ``grads`` (predicted_peak: the bound)
     estimated_by: str = "eager autograd"   # who saves the bytes counted, or "Inductor's partition"
+    excess: int = 0             # measured peak above the model's (replan.py), counted in the predicted peak
 
     def budget_both_units(self) -> tuple[int, float]:
         """The budget as bytes of the whole step and as a share of the unconstrained activations: the
@@ -121,7 +122,7 @@ class Plan:
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
                     offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
                     offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by, grads=self.grads,
-                    expected_peak=self.expected_peak,
+                    expected_peak=self.expected_peak, excess=self.excess,
                     timeline=[list(t) for t in self.timeline()])
 
 

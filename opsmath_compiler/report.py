@@ -281,6 +281,7 @@ class Report(Rendered):
         t.append(f"memory plan: budget {p.budget} (= {_mib(as_bytes)}, {share:.2f} of activations) | predicted "
                  f"peak {_mib(p.predicted_peak)} = resident "
                  f"{_mib(p.resident)} + kept {_mib(p.kept)} + recompute {_mib(p.transient)}"
+                 + (f" + measured beyond the model {_mib(p.excess)}" if p.excess else "")
                  + (f" (expected {_mib(p.expected_peak)}: gradients arrive as activations leave)" if p.expected_peak else "")
                  + "\n", style="bold")
         t.append(f"activations (as {p.estimated_by} saves them) {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
@@ -304,7 +305,7 @@ class Report(Rendered):
         if p.measured_peak is not None:
             t.append(f"\nmeasured peak {_mib(p.measured_peak)} (max_memory_allocated when the graph ran again)")
         if p.replanned:
-            t.append(f"\nre-planned at the second call: {p.replanned}", style="yellow")
+            t.append(f"\nre-planned after the first steps: {p.replanned}", style="yellow")
         if p.note:
             t.append(f"\n{p.note}", style="yellow")
         listed = sorted({*p.chosen, *p.selective, *p.offloaded})

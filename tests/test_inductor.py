@@ -95,7 +95,7 @@ def test_outer_torch_compile_runs_opsmath_without_graph_breaks():
 def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
     """An absolute budget re-planned at the second call (resident grew: optimizer state) is compiled
     by Inductor again, with the new recompute tags; the step's numbers do not change."""
-    from opsmath import backend
+    from opsmath import backend, replan
     ref, model, batch = pair(dropout=0.0)
     probe = opsmath.optimize(copy.deepcopy(ref), memory_budget=1.0, inductor=True)
     probe(*batch).backward()
@@ -106,7 +106,8 @@ def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
     def resident(args, m):
         calls.append(1)
         return real(args, m) + (int(0.15 * p.unconstrained) if len(calls) > 1 else 0)
-    monkeypatch.setattr(backend, "resident_bytes", resident)
+    for module in (backend, replan):
+        monkeypatch.setattr(module, "resident_bytes", resident)
     model = opsmath.optimize(model, memory_budget=int(p.resident + 0.9 * p.unconstrained), inductor=True)
     model(*batch).backward()
     model.zero_grad()

@@ -1,0 +1,167 @@
+"""A memory plan checked against the steps it runs, and made again where the model of the step was wrong.
+
+``plan.py`` plans at a graph's first call from a fake-tensor model of the step. Two things that model
+cannot know: the resident bytes after the optimizer's first step (AdamW adds 8 bytes a parameter), and
+what the real step holds beyond the activations it counts (backward's gradients in flight, kernel
+workspaces, the allocator's rounding), here called the model's *error*: measured peak - modelled peak.
+While a graph is watched (its first ``WATCH_CALLS`` calls):
+
+* call 2: the resident bytes are measured again and, on CUDA, step 1's peak (``max_memory_allocated``
+  since the reset at call 1) is compared with the plan's model. Where either moved by more than 1% of
+  the budget, the plan is made again for the budget less the error and a margin of ``REPLAN_MARGIN``;
+  its predicted peak then counts the error (``Plan.excess``).
+* call 3: step 2 ran the final plan; if its peak still went over the budget, the plan is tightened once.
+* later calls: the resident bytes alone (optimizer state appears only after k micro-batches under
+  gradient accumulation).
+
+A budget is one target in bytes whatever its unit: a fraction f of the activations stands for
+``resident + f * unconstrained`` (``target``), which moves with the resident bytes while the plan's kept
+bytes do not, and is held against the measured peak as a byte budget is. Of the graphs that ran in one
+step, the one with the most activations carries the error (the step peaks in its backward; a small loss
+graph beside the model's sees the same peak but does not hold it).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .budget import grad_bytes, resident_bytes
+from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
+
+log = logging.getLogger("opsmath")
+
+REPLAN_MARGIN = 0.02
+# calls of a graph during which its plan is re-checked against the resident bytes: with gradient
+# accumulation over k micro-batches the optimizer state appears only after call k
+WATCH_CALLS = 16
+
+
+def runner(state, record, fn, base, by_node, model, use_inductor, finish):
+    """The callable dynamo calls for ``record``'s graph: runs ``fn``, and while its memory plan is watched
+    measures the steps and swaps in a re-planned graph (``finish(state, record, gm, args, use_inductor)``
+    compiles one). ``base``: an unplanned copy of the rewritten graph, or None when nothing is planned."""
+    start = [None]   # where the current step's peak measurement began (CUDA)
+
+    def run(*args):
+        nonlocal fn
+        record.calls += 1
+        state.graph_runs += 1
+        previous, record.last_run = record.last_run, state.graph_runs
+        g = None
+        if record.plan is not None and base is not None and 2 <= record.calls <= WATCH_CALLS:
+            args_ = list(args)
+            if record.calls == 2:    # step 1 measured: re-plan for what it showed
+                g = recheck(state, record, base, by_node, args_, model, use_inductor, start[0], previous)
+            elif record.calls == 3:   # the plan's own first step: tightened once if over
+                g = tighten(state, record, base, by_node, args_, model, use_inductor, start[0], previous)
+            else:   # optimizer state that appears late (gradient accumulation)
+                g = recheck(state, record, base, by_node, args_, model, use_inductor, None, previous)
+            if g is not None:
+                record.graph, record.after_code = g, g.code
+                fn = finish(state, record, g, args_, use_inductor)
+        if record.plan is not None and base is not None and record.calls < 3:   # measure the step about to run
+            start[0] = start_peak(args)
+        return fn(*args)
+    return run
+
+
+def start_peak(args) -> Optional[int]:
+    """Where a step's peak measurement starts (the graph's first and second calls): CUDA's peak statistic
+    is reset (``reset_peak_memory_stats``), so the step is measured even when something earlier in the
+    process peaked higher; ``optimize`` documents this. None off CUDA."""
+    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
+    if not cuda:
+        return None
+    torch.cuda.reset_peak_memory_stats(cuda[0].device)
+    return torch.cuda.memory_allocated(cuda[0].device)
+
+
+def max_allocated(args) -> Optional[int]:
+    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
+    return torch.cuda.max_memory_allocated(cuda[0].device) if cuda else None
+
+
+def target(state, plan, resident: int) -> int:
+    """The user's budget in bytes of the whole step with ``resident`` bytes resident."""
+    kind, value = parse_budget(state.memory_budget)
+    return int(resident + value * plan.unconstrained) if kind == "fraction" else int(value)
+
+
+def _carries_error(state, record, since: int) -> bool:
+    """Whether ``record``'s graph holds the step's peak: of the planned graphs that ran since its
+    previous call (one step), it has the most activations."""
+    step = [r.plan.unconstrained for r in state.graphs if r.plan is not None and r.last_run > since]
+    return record.plan.unconstrained >= max(step, default=0)
+
+
+def recheck(state, record, base, by_node, args, model, use_inductor, peak_before, since):
+    """At the graph's second call (and, for the resident bytes alone, its later calls up to
+    ``WATCH_CALLS``). A byte budget is re-planned when the resident bytes grew; a fraction's target grows
+    with them, so its plan stays and only its prediction counts them. Either is re-planned when step 1
+    peaked above the model by more than 1% of the budget (the error measured on the H200, GPT-2-small
+    under Inductor: 0.2-0.4 GiB of gradients in flight and workspaces, 7-12% of the activations), for the
+    budget less that error and the margin. Returns the re-planned graph or None; an infeasible budget
+    raises ``InfeasibleBudget``."""
+    old = record.plan
+    resident = resident_bytes(args, model)
+    measured = max_allocated(args) if peak_before is not None else None
+    if measured is not None:
+        old.measured_peak = measured
+    error = measured - (old.predicted_peak - old.excess) \
+        if measured is not None and _carries_error(state, record, since) else 0
+    slack = int(0.01 * target(state, old, old.resident))
+    excess = error if error > slack else old.excess
+    grew = resident > old.resident + slack and parse_budget(state.memory_budget)[0] == "bytes"
+    if not grew and error <= slack:
+        old.predicted_peak += resident - old.resident   # a fraction's plan stays, its prediction follows
+        old.expected_peak = old.expected_peak and old.expected_peak + resident - old.resident
+        old.resident = resident
+        return None
+    goal = target(state, old, resident)
+    why = (f"{old.replanned + '; ' if old.replanned else ''}"
+           + (f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB at call {record.calls}"
+              if resident != old.resident else f"call {record.calls}")
+           + (f"; step 1 measured {measured / 2**20:.1f} MiB, {error / 2**20:.1f} MiB over the model, "
+              f"taken off the budget" if error > slack else ""))
+    return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, measured, args)
+
+
+def tighten(state, record, base, by_node, args, model, use_inductor, peak_before, since):
+    """At the graph's third call: the step that just ran was the final plan's first. If its measured peak
+    exceeded the budget, the plan is made once more for the budget less the model's error now and the
+    margin. Returns the re-planned graph or None."""
+    measured = max_allocated(args)
+    if measured is None or peak_before is None:
+        return None
+    old = record.plan
+    old.measured_peak = measured
+    goal = target(state, old, old.resident)
+    if measured <= goal or not _carries_error(state, record, since):
+        return None
+    error = measured - (old.predicted_peak - old.excess)
+    why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
+           f"{(measured - goal) / 2**20:.1f} MiB over the budget: tightened")
+    return _plan_again(state, record, base, by_node, goal, error, resident_bytes(args, model), use_inductor, why,
+                       measured, args)
+
+
+def _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, measured, args):
+    """Plan ``base`` (a fresh copy of the rewritten graph) again for ``goal`` bytes less ``excess`` (the
+    model's measured error, counted in the new plan's predicted peak) and the margin; record why."""
+    g = clone_graph_module(base)
+    budget = goal - (excess + int(REPLAN_MARGIN * goal) if excess else 0)
+    try:
+        how = "tag" if use_inductor else "checkpoint"
+        plan = plan_and_emit(g, by_node, budget, resident, how=how, link=record.plan.link, grads=grad_bytes(g, args))
+    except InfeasibleBudget as e:
+        raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
+                               f"{record.calls - 1} ({why}): {e}") from None
+    plan.estimated_by, plan.budget = record.plan.estimated_by, state.memory_budget
+    plan.excess, plan.predicted_peak = excess, plan.predicted_peak + excess
+    plan.expected_peak = plan.expected_peak and plan.expected_peak + excess
+    plan.replanned, plan.measured_peak = why, measured
+    record.plan = plan
+    log.warning("opsmath: graph %d re-planned for memory_budget=%r: %s", record.index, state.memory_budget, why)
+    return g
