@@ -29,18 +29,29 @@ from _models import build, build_llama
 
 def measure(model_fn, batch, device, amp, steps=3, warmup=1):
     """(peak bytes over the timed steps after ``warmup`` steps or None on CPU, median step ms, model,
-    exception or None). An absolute budget may be re-planned (and recompiled) at the second and third
-    calls: its rows warm up for three steps so that the timed steps run the final plan."""
+    exception or None, the peak of each phase: forward / backward / optimizer over the timed steps). A
+    budget may be re-planned (and recompiled) at the second and third calls: its rows warm up for three
+    steps so that the timed steps run the final plan."""
+    phases = dict(forward=0, backward=0, optimizer=0)
+
+    def mark(phase):   # the phase's peak, and a fresh statistic for the next one
+        if device == "cuda":
+            torch.cuda.synchronize()
+            phases[phase] = max(phases[phase], torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
     try:
         model = model_fn()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
 
-        def step():
+        def step(timed=False):
             with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
                 loss = model(*batch)
+            timed and mark("forward")
             loss.backward()
+            timed and mark("backward")
             opt.step()
             opt.zero_grad(set_to_none=True)
+            timed and mark("optimizer")
         for _ in range(warmup):   # capture, planning, optimizer state (and the re-plan)
             step()
         if device == "cuda":
@@ -54,10 +65,11 @@ def measure(model_fn, batch, device, amp, steps=3, warmup=1):
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-        return peak, statistics.median(times), model, None
+        step(timed=True)   # once more, the peak taken apart by phase (synchronizing between them)
+        return peak, statistics.median(times), model, None, phases
     except (torch.OutOfMemoryError, InfeasibleBudget) as e:
         e.__traceback__ = None   # its frames hold the failed step's model and tensors
-        return None, None, None, e
+        return None, None, None, e, phases
     finally:
         model = opt = None
         gc.collect()
@@ -117,9 +129,9 @@ def main():
 
     def row(name, fn, budget=None, base_ms=None):
         torch._dynamo.reset()
-        absolute = budget is not None and not isinstance(budget, float)
-        peak, ms, model, err = measure(fn, batch, device, amp, warmup=3 if absolute else 1)
+        peak, ms, model, err, phases = measure(fn, batch, device, amp, warmup=3 if budget is not None else 1)
         rows.append(dict(name=name, budget=None if budget is None else str(budget), peak=peak, ms=ms, base_ms=base_ms,
+                         phase_peaks=phases,
                          predicted=predicted(model) if budget is not None else None,
                          plans=plans(model) if budget is not None else [],
                          error=None if err is None else f"{type(err).__name__}: {str(err)[:120]}"))
@@ -128,7 +140,10 @@ def main():
         print(f"{name:34} peak {gib(r['peak']):>6} GiB  predicted {gib(r['predicted']):>6}  "
               f"{'-' if ms is None else f'{ms:.1f}'} ms  {r['error'] or ''}"
               + "".join(f"  [activations {p['unconstrained'] / 2**30:.2f} GiB as {p['estimated_by']} saves them; "
-                        f"expected peak {gib(p.get('expected_peak'))} GiB]" for p in r["plans"][:1]), flush=True)
+                        f"expected peak {gib(p.get('expected_peak'))} GiB, target {gib(p.get('budget_bytes'))}, "
+                        f"model error {gib(p.get('excess'))}]" for p in r["plans"][:1])
+              + (f"  phase peaks {' / '.join(f'{k} {gib(v)}' for k, v in phases.items())}" if peak else ""),
+              flush=True)
         save({}, [])   # after every row: a run cut short keeps what it measured
         return r
 
@@ -211,7 +226,7 @@ def longest_in_8gib(args, cfg, device, amp):
             if name.endswith("no-offload"):   # the plan without its third choice
                 opsmath.offload.link_for = lambda inputs, how: None
             try:
-                peak, ms, model, err = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1,
+                peak, ms, model, err, _ = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1,
                                                warmup=3 if budget else 1)
             finally:
                 opsmath.offload.link_for = link_for
