@@ -30,6 +30,7 @@ segments up to it keep plus its activations (``plan_solve._peak``).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -141,48 +142,34 @@ def _rank(choice) -> tuple:
 
 
 def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, budget: float,
-           units: int = 4096, max_transients: int = 24, link: float | None = None, sel: dict | None = None
+           units: int = 4096, link: float | None = None, sel: dict | None = None
            ) -> tuple[list[Step], int, int, float]:
-    """(chosen steps, kept bytes, transient bytes, cost) minimizing modelled cost, then predicted peak,
-    subject to the budget. ``runs`` maps (i, j) to segments i..j recomputed as one unit
+    """(chosen steps, kept bytes, transient bytes, cost) at the least modelled cost subject to the budget:
+    one exact DP (``plan_solve._solve``) in which every step's own backward must fit, so no candidate
+    "largest transient" needs enumerating. ``runs`` maps (i, j) to segments i..j recomputed as one unit
     (``segments.runs_of``); ``link``: host-link bytes/s when offload is a choice (``offload.py``); ``sel``:
-    the selective candidates by segment (``segments.selective``). For each
-    candidate largest transient T (every distinct step size, thinned to ``max_transients`` spread over
-    the range) the exact DP of ``_solve``. Raises InfeasibleBudget naming the smallest feasible budget."""
+    the selective candidates by segment (``segments.selective``). Raises InfeasibleBudget naming the
+    smallest feasible budget."""
     total = sum(s.saved for s in segs)
     limit = budget * total if budget_kind == "fraction" else budget - resident  # on the activations' peak
     prefix = [0]
     for sg in segs:
         prefix.append(prefix[-1] + sg.saved)
     steps = _steps(segs, runs, link, sel)
-    sizes = sorted({st.size for sts in steps.values() for st in sts})
-    spread = sizes if len(sizes) <= max_transients else \
-        [sizes[round(k * (len(sizes) - 1) / (max_transients - 1))] for k in range(max_transients)]
-    # the floor (kept + largest transient) is usually reached at a small T: those are all checked
-    # for it (a cheap 1-D DP each), and the exact solve runs on the spread plus the floor's T
-    floors = {T: total - _max_saving(len(segs), steps, T) + T for T in {0, *spread, *sizes[:4 * max_transients]}}
-    smallest = min(floors.values())
-    best, unit = None, max(1.0, total / units)
-    for T in sorted({0, *spread, min(floors, key=floors.get)}):
-        max_save = total + T - floors[T]
-        need = total - limit     # bytes of saving needed (each step's own backward: ``_solve``)
-        if need > max_save:
-            continue
-        picked = [] if need <= 0 else _solve(len(segs), steps, T, need, unit, prefix, limit)
-        if picked is None:
-            continue
-        kept = total - sum(st.saving for st in picked)
-        cand = (picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked))
-        if best is None or _rank(cand) < _rank(best):
-            best = cand
-    if best is None:
-        smallest = _lowest_peak(segs, steps, prefix, unit, smallest)
+    unit, need = max(1.0, total / units), total - limit   # bytes of saving needed
+    picked = [] if need <= 0 else _solve(len(segs), steps, math.inf, need, unit, prefix, limit)
+    if picked is None:
+        sizes = sorted({st.size for sts in steps.values() for st in sts})
+        # a reachable peak to bisect from: kept + the largest transient, at a few transient caps
+        reach = min(total - _max_saving(len(segs), steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]})
+        smallest = _lowest_peak(segs, steps, prefix, unit, reach)
         floor = resident + int(smallest)
         asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
         raise InfeasibleBudget(
             f"memory budget {asked} cannot be met: the smallest feasible is about {_size(floor)} ({floor} bytes"
             + (f", fraction {smallest / total:.3f}" if total else "") + ")", floor)
-    return best
+    kept = total - sum(st.saving for st in picked)
+    return picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked)
 
 
 def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:

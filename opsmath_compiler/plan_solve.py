@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from .segments import Segment
 
@@ -65,40 +65,40 @@ def _max_saving(n: int, steps: dict, T: int) -> int:
     return best[n]
 
 
-def _solve(n: int, steps: dict, T: int, need: float, unit: float, prefix: list, limit: float) -> list[Step] | None:
+def _solve(n: int, steps: dict, T: float, need: float, unit: float, prefix: list, limit: float) -> list[Step] | None:
     """Disjoint steps of size <= T saving >= ``need`` bytes at the least modelled cost, each taken only
     where the bytes live while its backward runs fit ``limit``: what segments up to its end keep, plus
     its own activations back (``prefix[j]``: bytes segments < j save unconstrained; the later segments'
     are freed by then). DP over positions and saving units (``dp[p][u]``: least cost over segments < p
     saving >= u units; savings rounded down to units, so both bounds hold), then a backtrack. None when
-    no choice saves enough."""
+    no choice saves enough. NumPy rows: one vector update per step, O(steps x units)."""
     cap = int(math.ceil(need / unit))
     floor_of = {}   # a step's least saving so far (units) for its backward to fit
     for sts in steps.values():
         for st in sts:
             floor_of[st] = max(0, int(math.ceil((prefix[st.j + 1] + st.size - limit) / unit)))
     top = max([cap, *floor_of.values()])
-    states = torch.arange(top + 1)
-    dp = torch.full((n + 1, top + 1), math.inf, dtype=torch.float64)
+    dp = np.full((n + 1, top + 1), np.inf)
     dp[0, 0] = 0.0
-    came = torch.full((n + 1, top + 1), -1, dtype=torch.int32)   # start p of the step that reached it
-    took = torch.full((n + 1, top + 1), -1, dtype=torch.int32)   # -1: segment p kept, else the step's index
+    came = np.full((n + 1, top + 1), -1, dtype=np.int32)   # start p of the step that reached it
+    took = np.full((n + 1, top + 1), -1, dtype=np.int32)   # -1: segment p kept, else the step's index
+    new = np.empty(top + 1)
     for p in range(n):
-        cur = dp[p]
-        better = cur < dp[p + 1]
-        dp[p + 1] = torch.where(better, cur, dp[p + 1])
-        came[p + 1][better], took[p + 1][better] = p, -1
+        cur, nxt = dp[p], dp[p + 1]
+        better = cur < nxt
+        nxt[better], came[p + 1][better], took[p + 1][better] = cur[better], p, -1
         for k, st in enumerate(steps.get(p, ())):
-            w = int(st.saving // unit)
+            w = min(int(st.saving // unit), top + 1)
             if st.size > T or w == 0:
                 continue
-            new = cur[(states - w).clamp(min=0)] + st.cost
-            new[:floor_of[st]] = math.inf
-            better = new < dp[st.j + 1]
-            dp[st.j + 1] = torch.where(better, new, dp[st.j + 1])
-            came[st.j + 1][better], took[st.j + 1][better] = p, k
-    u = cap + int(torch.argmin(dp[n, cap:]))
-    if not math.isfinite(dp[n, u].item()):
+            new[:w] = cur[0] + st.cost            # saving >= u for every u <= w: from "saving >= 0"
+            new[w:] = cur[:top + 1 - w] + st.cost
+            new[:floor_of[st]] = np.inf
+            dst = dp[st.j + 1]
+            better = new < dst
+            dst[better], came[st.j + 1][better], took[st.j + 1][better] = new[better], p, k
+    u = cap + int(np.argmin(dp[n, cap:]))
+    if not math.isfinite(dp[n, u]):
         return None
     chosen, q = [], n
     while q > 0:
