@@ -7,9 +7,9 @@
 2. **Segments** and **cost** (``opsmath.segments``): candidate segments cut at opsmath's points (the
    fewest activations crossing, at two granularities) and, where the model checkpoints its own layers,
    the user's regions; a modelled recompute time per segment.
-3. **Choice**: exact 0/1 knapsack (``plan_solve``: vectorized DP over savings in 1/4096 steps of the
-   total, savings rounded down so the budget holds) for every candidate "largest recomputed segment",
-   minimizing cost, then predicted peak; a recomputed segment is taken only where its backward fits:
+3. **Choice**: one exact 0/1 knapsack (``plan_solve``: a DP over positions and savings in 1/4096 steps
+   of the total, savings rounded down so the budget holds, NumPy rows), minimizing modelled cost; a
+   recomputed segment is taken only where its backward fits:
    the bytes the segments up to it keep plus its own activations (later segments' are freed by then,
    so an early segment may be recomputed under a budget that a late one would break); solved for each
    segmentation, the cheaper kept (ties: the user's). A run may also be recomputed selectively: its
