@@ -2,7 +2,7 @@
 
 ``plan.py`` plans at a graph's first call from a fake-tensor model of the step. Two things that model
 cannot know: the resident bytes after the optimizer's first step (AdamW adds 8 bytes a parameter), and
-what the real step holds beyond the activations it counts (backward's gradients in flight, kernel
+what the real step holds beyond the activations it counts (the loss's chunk of logits, kernel
 workspaces, the allocator's rounding), here called the model's *error*: measured peak - modelled peak.
 While a graph is watched (its first ``WATCH_CALLS`` calls):
 
@@ -100,9 +100,9 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     """At the graph's second call (and, for the resident bytes alone, its later calls up to
     ``WATCH_CALLS``). A byte budget is re-planned when the resident bytes grew; a fraction's target grows
     with them, so its plan stays and only its prediction counts them. Either is re-planned when step 1
-    peaked above the model by more than 1% of the budget (the error measured on the H200, GPT-2-small
-    under Inductor: 0.2-0.4 GiB of gradients in flight and workspaces, 7-12% of the activations), for the
-    budget less that error and the margin. Returns the re-planned graph or None; an infeasible budget
+    peaked above the model by more than 1% of the budget, for the budget less that error and the margin
+    (measured on the H200, GPT-2-small under Inductor: 0.2-0.3 GiB, 6-9% of the activations; the step
+    peaks at the end of its forward, where the loss's chunk of logits is live, which the model omits). Returns the re-planned graph or None; an infeasible budget
     raises ``InfeasibleBudget``."""
     old = record.plan
     resident = resident_bytes(args, model)
