@@ -30,7 +30,6 @@ segments up to it keep plus its activations (``plan_solve._peak``).
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -157,7 +156,7 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
         prefix.append(prefix[-1] + sg.saved)
     steps = _steps(segs, runs, link, sel)
     unit, need = max(1.0, total / units), total - limit   # bytes of saving needed
-    picked = [] if need <= 0 else _solve(len(segs), steps, math.inf, need, unit, prefix, limit)
+    picked = [] if need <= 0 else _solve(len(segs), steps, need, unit, prefix, limit)
     if picked is None:
         sizes = sorted({st.size for sts in steps.values() for st in sts})
         # a reachable peak to bisect from: kept + the largest transient, at a few transient caps

@@ -65,8 +65,8 @@ def _max_saving(n: int, steps: dict, T: int) -> int:
     return best[n]
 
 
-def _solve(n: int, steps: dict, T: float, need: float, unit: float, prefix: list, limit: float) -> list[Step] | None:
-    """Disjoint steps of size <= T saving >= ``need`` bytes at the least modelled cost, each taken only
+def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: float) -> list[Step] | None:
+    """Disjoint steps saving >= ``need`` bytes at the least modelled cost, each taken only
     where the bytes live while its backward runs fit ``limit``: what segments up to its end keep, plus
     its own activations back (``prefix[j]``: bytes segments < j save unconstrained; the later segments'
     are freed by then). DP over positions and saving units (``dp[p][u]``: least cost over segments < p
@@ -89,7 +89,7 @@ def _solve(n: int, steps: dict, T: float, need: float, unit: float, prefix: list
         nxt[better], came[p + 1][better], took[p + 1][better] = cur[better], p, -1
         for k, st in enumerate(steps.get(p, ())):
             w = min(int(st.saving // unit), top + 1)
-            if st.size > T or w == 0:
+            if w == 0:
                 continue
             new[:w] = cur[0] + st.cost            # saving >= u for every u <= w: from "saving >= 0"
             new[w:] = cur[:top + 1 - w] + st.cost
@@ -114,10 +114,10 @@ def _solve(n: int, steps: dict, T: float, need: float, unit: float, prefix: list
 def _lowest_peak(segs: list[Segment], steps: dict, prefix: list, unit: float, hi: float) -> float:
     """The lowest activation peak any choice reaches, to within a unit: bisection on ``_solve``'s
     feasibility below ``hi`` (a peak known to be reachable)."""
-    total, T, lo = prefix[-1], max((st.size for sts in steps.values() for st in sts), default=0), 0.0
+    total, lo = prefix[-1], 0.0
     while hi - lo > unit:
         mid = (lo + hi) / 2
-        if _solve(len(segs), steps, T, total - mid, unit, prefix, mid) is not None:
+        if _solve(len(segs), steps, total - mid, unit, prefix, mid) is not None:
             hi = mid
         else:
             lo = mid
