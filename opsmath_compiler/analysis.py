@@ -72,6 +72,7 @@ def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> SavedB
         return None
     owner: dict[int, tuple[str, int]] = {}
     maker: dict[int, str] = {}   # storage -> the node whose output first held it
+    held = []   # every output kept alive through the run, so no storage address is reused for another
 
     def key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
@@ -85,6 +86,7 @@ def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> SavedB
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(t, torch.Tensor):
                     maker.setdefault(key(t), n.name)
+                    held.append(t)
             return out
 
     def pack(t):

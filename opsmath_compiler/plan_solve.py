@@ -97,9 +97,13 @@ def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: f
             dst = dp[st.j + 1]
             better = new < dst
             dst[better], came[st.j + 1][better], took[st.j + 1][better] = new[better], p, k
-    u = cap + int(np.argmin(dp[n, cap:]))
-    if not math.isfinite(dp[n, u]):
+    ends = dp[n, cap:]
+    best = ends.min()
+    if not math.isfinite(best):
         return None
+    # of the choices at the least cost (to rounding), the one that saves the most: the lowest peak, and
+    # the same choice for a budget a unit apart (a fraction and the bytes it stands for)
+    u = cap + int(np.flatnonzero(ends <= best + 1e-12 * abs(best))[-1])
     chosen, q = [], n
     while q > 0:
         p, k = int(came[q, u]), int(took[q, u])
