@@ -303,7 +303,10 @@ class Report(Rendered):
         t.append("\nmemory over the step (predicted; forward, then backward): ")
         t.append(_sparkline([b for _, _, b in p.timeline()], 48), style="cyan")
         if p.measured_peak is not None:
-            t.append(f"\nmeasured peak {_mib(p.measured_peak)} (max_memory_allocated when the graph ran again)")
+            over = p.measured_peak > as_bytes
+            t.append(f"\nmeasured peak {_mib(p.measured_peak)} (max_memory_allocated when the graph ran again), "
+                     + (f"over the budget's {_mib(as_bytes)}" if over else f"within the budget's {_mib(as_bytes)}"),
+                     style="red" if over else None)
         if p.replanned:
             t.append(f"\nre-planned after the first steps: {p.replanned}", style="yellow")
         if p.note:

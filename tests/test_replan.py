@@ -53,9 +53,11 @@ def test_fraction_measured_above_its_model_is_replanned_for_less(monkeypatch):
     assert second.excess == error[0] and second.budget == 0.6
     assert second.predicted_peak <= target and second.kept < first.kept
     assert second.budget_both_units()[1] == 0.6   # the report still speaks of the user's fraction
+    assert "over the budget's" in opsmath.report(opt).render(width=200)   # step 1, the plan before
     model.zero_grad()
     _assert_same_step(opt, ref, batch)   # call 3: as modelled, under the target: no tightening
     assert opsmath.report(opt).graphs[0].plan is second
+    assert "within the budget's" in opsmath.report(opt).render(width=200)
 
 
 def test_fraction_within_its_model_keeps_its_plan(monkeypatch):
@@ -68,6 +70,7 @@ def test_fraction_within_its_model_keeps_its_plan(monkeypatch):
         opt(*batch).backward()
     plan = opsmath.report(opt).graphs[0].plan
     assert not plan.replanned and plan.excess == 0 and plan.measured_peak == plan.predicted_peak
+    assert "within the budget's" in opsmath.report(opt).render(width=200)
 
 
 class _TwoGraphs(torch.nn.Module):
