@@ -69,13 +69,19 @@ class Plan:
     estimated_by: str = "eager autograd"   # who saves the bytes counted, or "Inductor's partition"
     excess: int = 0             # measured peak above the model's (replan.py), counted in the predicted peak
 
+    def target(self, resident: int | None = None) -> int:
+        """The budget in bytes of the whole step with ``resident`` bytes resident (default: the plan's):
+        a fraction f stands for ``resident + f * unconstrained``."""
+        kind, value = parse_budget(self.budget)
+        resident = self.resident if resident is None else resident
+        return int(resident + value * self.unconstrained) if kind == "fraction" else int(value)
+
     def budget_both_units(self) -> tuple[int, float]:
         """The budget as bytes of the whole step and as a share of the unconstrained activations: the
         two are one target, ``bytes = resident + share * unconstrained``."""
         kind, value = parse_budget(self.budget)
-        if kind == "fraction":
-            return int(self.resident + value * self.unconstrained), value
-        return int(value), (value - self.resident) / max(1, self.unconstrained)
+        as_bytes = self.target()
+        return as_bytes, value if kind == "fraction" else (value - self.resident) / max(1, self.unconstrained)
 
     @property
     def offloaded_bytes(self) -> int:

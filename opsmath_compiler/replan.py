@@ -15,10 +15,10 @@ While a graph is watched (its first ``WATCH_CALLS`` calls):
   gradient accumulation).
 
 A budget is one target in bytes whatever its unit: a fraction f of the activations stands for
-``resident + f * unconstrained`` (``target``), which moves with the resident bytes while the plan's kept
+``resident + f * unconstrained`` (``Plan.target``), which moves with the resident bytes while the plan's kept
 bytes do not, and is held against the measured peak as a byte budget is. Of the graphs that ran in one
-step, the one with the most activations carries the error (the step peaks in its backward; a small loss
-graph beside the model's sees the same peak but does not hold it).
+step, the one with the most activations carries the error (the step peaks while its activations are live;
+a small loss graph beside the model's sees the same peak but does not hold it).
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def runner(state, record, fn, base, by_node, model, use_inductor, finish):
         record.calls += 1
         state.graph_runs += 1
         previous, record.last_run = record.last_run, state.graph_runs
-        g = None
-        if record.plan is not None and base is not None and 2 <= record.calls <= WATCH_CALLS:
+        g, watched = None, record.plan is not None and base is not None
+        if watched and 2 <= record.calls <= WATCH_CALLS:
             args_ = list(args)
             if record.calls == 2:    # step 1 measured: re-plan for what it showed
                 g = recheck(state, record, base, by_node, args_, model, use_inductor, start[0], previous)
@@ -61,7 +61,7 @@ def runner(state, record, fn, base, by_node, model, use_inductor, finish):
             if g is not None:
                 record.graph, record.after_code = g, g.code
                 fn = finish(state, record, g, args_, use_inductor)
-        if record.plan is not None and base is not None and record.calls < 3:   # measure the step about to run
+        if watched and record.calls < 3:   # measure the step about to run
             start[0] = start_peak(args)
         return fn(*args)
     return run
@@ -81,12 +81,6 @@ def start_peak(args) -> Optional[int]:
 def max_allocated(args) -> Optional[int]:
     cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
     return torch.cuda.max_memory_allocated(cuda[0].device) if cuda else None
-
-
-def target(state, plan, resident: int) -> int:
-    """The user's budget in bytes of the whole step with ``resident`` bytes resident."""
-    kind, value = parse_budget(state.memory_budget)
-    return int(resident + value * plan.unconstrained) if kind == "fraction" else int(value)
 
 
 def _carries_error(state, record, since: int) -> bool:
@@ -111,7 +105,7 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
         old.measured_peak = measured
     error = measured - (old.predicted_peak - old.excess) \
         if measured is not None and _carries_error(state, record, since) else 0
-    slack = int(0.01 * target(state, old, old.resident))
+    slack = int(0.01 * old.target())
     excess = error if error > slack else old.excess
     grew = resident > old.resident + slack and parse_budget(state.memory_budget)[0] == "bytes"
     if not grew and error <= slack:
@@ -119,7 +113,7 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
         old.expected_peak = old.expected_peak and old.expected_peak + resident - old.resident
         old.resident = resident
         return None
-    goal = target(state, old, resident)
+    goal = old.target(resident)
     why = (f"{old.replanned + '; ' if old.replanned else ''}"
            + (f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB at call {record.calls}"
               if resident != old.resident else f"call {record.calls}")
@@ -137,7 +131,7 @@ def tighten(state, record, base, by_node, args, model, use_inductor, peak_before
         return None
     old = record.plan
     old.measured_peak = measured
-    goal = target(state, old, old.resident)
+    goal = old.target()
     if measured <= goal or not _carries_error(state, record, since):
         return None
     error = measured - (old.predicted_peak - old.excess)
