@@ -24,9 +24,13 @@
    Inductor, the segment's nodes are tagged ``MUST_RECOMPUTE`` instead (``tag_recompute``; what a
    selective run keeps ``MUST_SAVE``), and the offloaded ones marked for Inductor's offload (``offload``).
 
-Predicted peak = resident (parameters, their gradients, optimizer state, inputs) + the activations'
-peak: all kept bytes (the start of backward), or, while a recomputed segment's backward runs, what the
-segments up to it keep plus its activations (``plan_solve._peak``).
+Predicted peak, for a fraction = resident (parameters, their gradients, optimizer state, inputs) + the
+activations' peak: all kept bytes (the start of backward), or, while a recomputed segment's backward
+runs, what the segments up to it keep plus its activations (``plan_solve._peak``). For a byte budget the
+gradients are counted when backward allocates them, as the activations they follow are freed
+(``Plan.timeline``): the same points, each with the gradients allocated by then. On HF LLaMA 1.1B with
+fp32 master weights (3.5 GB of gradients, 11.5 GB of activations) counting them all from the start put
+the model 2.9 GB above the step's real peak, which sits at the end of the forward.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import torch.fx as fx
 from . import offload, plan_chart
 from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
-from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps
+from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, suffix
 from .segments import (KEEPS, Segment, describe, forward_order, runs_of, saved_index, segments_of,
                        selective, user_regions, user_segments)
 
@@ -68,6 +72,7 @@ class Plan:
     expected_peak: int | None = None   # the timeline's maximum with ``grads`` (predicted_peak: the bound)
     estimated_by: str = "eager autograd"   # who saves the bytes counted, or "Inductor's partition"
     excess: int = 0             # measured peak above the model's (replan.py), counted in the predicted peak
+    timed: bool = False         # planned against the gradients' timing: predicted_peak is the timeline's
 
     def target(self, resident: int | None = None) -> int:
         """The budget in bytes of the whole step with ``resident`` bytes resident (default: the plan's):
@@ -94,9 +99,10 @@ class Plan:
 
         Forward: after segment i, resident (less the gradients to come) + what segments 0..i keep (a
         recomputed segment keeps only its inputs). Backward, last segment first: its parameters'
-        gradients are allocated (``grads``), a recomputed segment's activations are live again while its
-        gradients are computed (``"recompute"`` point), then its kept bytes are freed. The maximum is at
-        most ``predicted_peak`` (with ``grads`` known: ``expected_peak``)."""
+        gradients are allocated (``grads``, a ``"gradients"`` point), a recomputed segment's activations
+        are live again while its gradients are computed (``"recompute"`` point), then its kept bytes are
+        freed. The maximum is at most ``predicted_peak`` (with ``grads`` known: ``expected_peak``; a byte
+        budget's plan predicts it)."""
         chosen, sel = set(self.chosen), set(self.selective)
         kept = [0 if i in self.offloaded else s.inputs if i in chosen or i in sel else s.saved
                 for i, s in enumerate(self.segments)]
@@ -106,6 +112,8 @@ class Plan:
             points.append(("forward", i, live))
         for i in range(len(kept) - 1, -1, -1):
             live += self.grads[i] if self.grads else 0   # its parameters' gradients, allocated here
+            if self.grads and self.grads[i]:
+                points.append(("gradients", i, live))
             if i in chosen or i in sel or i in self.offloaded:   # recomputed, or back from the host
                 back = self.segments[i].saved - (self.segments[i].inputs if i in sel else 0)
                 points.append(("reload" if i in self.offloaded else "recompute", i, live + back))
@@ -128,7 +136,7 @@ class Plan:
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
                     offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
                     offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by, grads=self.grads,
-                    expected_peak=self.expected_peak, excess=self.excess,
+                    expected_peak=self.expected_peak, excess=self.excess, timed=self.timed,
                     timeline=[list(t) for t in self.timeline()])
 
 
@@ -147,32 +155,37 @@ def _rank(choice) -> tuple:
 
 
 def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, budget: float,
-           units: int = 4096, link: float | None = None, sel: dict | None = None
+           units: int = 4096, link: float | None = None, sel: dict | None = None, grads: list | None = None
            ) -> tuple[list[Step], int, int, float]:
     """(chosen steps, kept bytes, transient bytes, cost) at the least modelled cost subject to the budget:
     one exact DP (``plan_solve._solve``) in which every step's own backward must fit, so no candidate
     "largest transient" needs enumerating. ``runs`` maps (i, j) to segments i..j recomputed as one unit
     (``segments.runs_of``); ``link``: host-link bytes/s when offload is a choice (``offload.py``); ``sel``:
-    the selective candidates by segment (``segments.selective``). Raises InfeasibleBudget naming the
-    smallest feasible budget."""
-    total = sum(s.saved for s in segs)
-    limit = budget * total if budget_kind == "fraction" else budget - resident  # on the activations' peak
+    the selective candidates by segment (``segments.selective``). ``grads``: per segment, the gradient
+    bytes its backward allocates (``grads_by_segment``; in ``resident``): given, a byte budget is held
+    at every point of backward with the gradients allocated by then (``plan_solve.suffix``) instead of
+    all of them from the start. Raises InfeasibleBudget naming the smallest feasible budget."""
+    total, n = sum(s.saved for s in segs), len(segs)
+    after = suffix(grads, n)
+    base = resident - after[0]   # resident without the gradients backward allocates
+    limit = budget * total if budget_kind == "fraction" else budget - base  # on activations + gradients
     prefix = [0]
     for sg in segs:
         prefix.append(prefix[-1] + sg.saved)
     steps = _steps(segs, runs, link, sel)
-    unit, need = max(1.0, total / units), total - limit   # bytes of saving needed
-    picked = [] if need <= 0 else _solve(len(segs), steps, need, unit, prefix, limit)
+    unit, need = max(1.0, total / units), total + (after[n - 1] if n else 0) - limit   # bytes of saving needed
+    picked = [] if need <= 0 and max(p + a for p, a in zip(prefix[1:], after)) <= limit \
+        else _solve(n, steps, max(0.0, need), unit, prefix, limit, after)
     if picked is None:
         sizes = sorted({st.size for sts in steps.values() for st in sts})
         # a reachable peak to bisect from: kept + the largest transient, at a few transient caps
-        reach = min(total - _max_saving(len(segs), steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]})
-        smallest = _lowest_peak(segs, steps, prefix, unit, reach)
-        floor = resident + int(smallest)
+        reach = min(total - _max_saving(n, steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]}) + after[0]
+        smallest = _lowest_peak(segs, steps, prefix, unit, reach, after)
+        floor = base + int(smallest)
         asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
         raise InfeasibleBudget(
             f"memory budget {asked} cannot be met: the smallest feasible is about {_size(floor)} ({floor} bytes"
-            + (f", fraction {smallest / total:.3f}" if total else "") + ")", floor)
+            + (f", fraction {max(0.0, smallest - after[0]) / total:.3f}" if total else "") + ")", floor)
     kept = total - sum(st.saving for st in picked)
     return picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked)
 
@@ -219,14 +232,16 @@ def grads_by_segment(gm: fx.GraphModule, segs: list[Segment], grads: dict[str, i
 
 def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
                   how: str = "checkpoint", earlier: tuple = (), link: float | None = None,
-                  grads: dict[str, int] | None = None) -> Plan:
+                  grads: dict[str, int] | None = None, timed: bool = True) -> Plan:
     """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes (``analysis``) and rewrite
     it in place: ``how="checkpoint"`` emits ``checkpoint`` calls (eager), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
     of graphs captured before this one. A fraction is a share of the whole step's activations: a graph
     that cannot keep its own share (a small loss graph after the model's) may use what the earlier
     graphs left under theirs, and its plan's ``note`` says so. ``link``: host-link bytes/s when saved
-    tensors may go to the host (``offload.py``; only with ``how="tag"``). ``grads``: each parameter's gradient bytes (in ``resident``),
-    which backward allocates as it frees activations: ``expected_peak`` (the bound and the choice hold them all resident)."""
+    tensors may go to the host (``offload.py``; only with ``how="tag"``). ``grads``: each parameter's
+    gradient bytes (in ``resident``), which backward allocates as it frees activations. A byte budget
+    (with ``timed``) is planned against that timeline: the peak it predicts is the timeline's maximum. A
+    fraction keeps its meaning, a share of the activations, every gradient counted from the start."""
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
     # two cuts of opsmath's own: local minima of the crossing bytes within 6 positions (block-sized
@@ -238,7 +253,8 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     if how != "tag":
         link = None
     pairs = getattr(saved_by, "pairs", None)   # (saver, producer, bytes): the selective candidates need it
-    best, error = _best_option(gm, options, resident, kind, value, link, pairs)
+    timing = grads if timed and grads and kind == "bytes" else None
+    best, error = _best_option(gm, options, resident, kind, value, link, pairs, timing)
     note = ""
     if best is None and kind == "fraction":
         best, note = _within_the_step(gm, options, resident, value, [p for p in earlier if p is not None], error,
@@ -258,6 +274,8 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     if grads:
         plan.grads = grads_by_segment(gm, segs, grads)
         plan.expected_peak = max(b for _, _, b in plan.timeline())
+        if timing:
+            plan.predicted_peak, plan.timed = plan.expected_peak, True
     if chosen or selective:
         (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen, selective, gemms)
     offload.mark_offloaded(order, segs, offloaded)
@@ -298,9 +316,10 @@ def _within_the_step(gm, options, resident: int, value: float, earlier: list, er
                   f"planned at its floor, the step keeps {step:.3f} of its activations")
 
 
-def _best_option(gm, options, resident: int, kind: str, value: float, link=None, pairs=None):
+def _best_option(gm, options, resident: int, kind: str, value: float, link=None, pairs=None, grads=None):
     """The cheapest feasible (label, segments, choice, runs) over the segmentations, and the error with
-    the lowest floor when none is feasible."""
+    the lowest floor when none is feasible. ``grads``: gradient bytes by placeholder, to plan against
+    their timing (``choose``)."""
     best, errors = None, []
     order, index = forward_order(gm), saved_index(pairs) if pairs is not None else None
     for label, sg in options:
@@ -308,7 +327,8 @@ def _best_option(gm, options, resident: int, kind: str, value: float, link=None,
         sel = {(*ij, k): c for ij, run in runs.items() for k in KEEPS if index is not None
                and ij[1] - ij[0] < SELECTIVE_RUNS and (c := selective(order, run, index, k)) is not None}
         try:
-            got = choose(sg, runs, resident, kind, value, link=link, sel=sel)
+            got = choose(sg, runs, resident, kind, value, link=link, sel=sel,
+                         grads=grads_by_segment(gm, sg, grads) if grads else None)
         except InfeasibleBudget as e:
             errors.append(e)
             continue

@@ -5,7 +5,11 @@ cost, and the activation peak a choice reaches.
 The peak model: activations kept by every segment are live at the start of backward; while a chosen
 step's backward runs, what the segments up to it keep is still live (the later segments' were freed)
 plus its own activations, back from a recompute or the host. The step's saving and that peak both
-bound a choice; gradients are counted in the resident bytes (``plan.py``). Recompute does run there:
+bound a choice. Gradients, where their timing is given (``after[k]``: the gradient bytes allocated once
+backward reaches segment k, a suffix sum, non-increasing in k), are added at every point: segment p's
+boundary holds what segments 0..p keep plus ``after[p]``, a step i..j's backward what segments up to j
+keep, its activations and ``after[i]``. Without timing (``after`` all 0) they are in the resident
+bytes (``plan.py``). Recompute does run there:
 ``torch.utils.checkpoint`` in the segment's backward (op by op), and under Inductor AOTAutograd's
 partition orders recomputed ops as autograd would run them (``reordering_to_mimic_autograd_engine``),
 not all at the start of backward.
@@ -65,19 +69,25 @@ def _max_saving(n: int, steps: dict, T: int) -> int:
     return best[n]
 
 
-def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: float) -> list[Step] | None:
+def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: float,
+           after: list | None = None) -> list[Step] | None:
     """Disjoint steps saving >= ``need`` bytes at the least modelled cost, each taken only
     where the bytes live while its backward runs fit ``limit``: what segments up to its end keep, plus
     its own activations back (``prefix[j]``: bytes segments < j save unconstrained; the later segments'
-    are freed by then). DP over positions and saving units (``dp[p][u]``: least cost over segments < p
-    saving >= u units; savings rounded down to units, so both bounds hold), then a backtrack. None when
-    no choice saves enough. NumPy rows: one vector update per step, O(steps x units)."""
-    cap = int(math.ceil(need / unit))
+    are freed by then), plus ``after[i]`` gradient bytes; and every segment boundary p where backward
+    arrives (what segments 0..p keep, plus ``after[p]``) fits ``limit`` too. DP over positions and
+    saving units (``dp[p][u]``: least cost over segments < p saving >= u units; savings rounded down to
+    units, so the bounds hold; a state below a boundary's least saving is dropped), then a backtrack.
+    None when no choice saves enough. NumPy rows: one vector update per step, O(steps x units)."""
+    after = after or [0] * (n + 1)
+    cap = max(0, int(math.ceil(need / unit)))
     floor_of = {}   # a step's least saving so far (units) for its backward to fit
     for sts in steps.values():
         for st in sts:
-            floor_of[st] = max(0, int(math.ceil((prefix[st.j + 1] + st.size - limit) / unit)))
-    top = max([cap, *floor_of.values()])
+            floor_of[st] = max(0, int(math.ceil((prefix[st.j + 1] + st.size + after[st.i] - limit) / unit)))
+    # least saving (units) over segments 0..p for backward's arrival at p to fit: dp[p + 1]'s floor
+    edge = [max(0, int(math.ceil((prefix[p + 1] + after[p] - limit) / unit))) for p in range(n)]
+    top = max([cap, *floor_of.values(), *edge])
     dp = np.full((n + 1, top + 1), np.inf)
     dp[0, 0] = 0.0
     came = np.full((n + 1, top + 1), -1, dtype=np.int32)   # start p of the step that reached it
@@ -85,6 +95,8 @@ def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: f
     new = np.empty(top + 1)
     for p in range(n):
         cur, nxt = dp[p], dp[p + 1]
+        if p:
+            cur[:edge[p - 1]] = np.inf   # every write to dp[p] is done: drop what breaks boundary p - 1
         better = cur < nxt
         nxt[better], came[p + 1][better], took[p + 1][better] = cur[better], p, -1
         for k, st in enumerate(steps.get(p, ())):
@@ -97,6 +109,8 @@ def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: f
             dst = dp[st.j + 1]
             better = new < dst
             dst[better], came[st.j + 1][better], took[st.j + 1][better] = new[better], p, k
+    if n:
+        dp[n, :edge[n - 1]] = np.inf
     ends = dp[n, cap:]
     best = ends.min()
     if not math.isfinite(best):
@@ -115,30 +129,43 @@ def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: f
     return sorted(chosen, key=lambda st: st.i)
 
 
-def _lowest_peak(segs: list[Segment], steps: dict, prefix: list, unit: float, hi: float) -> float:
-    """The lowest activation peak any choice reaches, to within a unit: bisection on ``_solve``'s
-    feasibility below ``hi`` (a peak known to be reachable)."""
-    total, lo = prefix[-1], 0.0
+def _lowest_peak(segs: list[Segment], steps: dict, prefix: list, unit: float, hi: float,
+                 after: list | None = None) -> float:
+    """The lowest peak of activations (and gradients by ``after``) any choice reaches, to within a
+    unit: bisection on ``_solve``'s feasibility below ``hi`` (a peak known to be reachable)."""
+    total, lo, last = prefix[-1], 0.0, (after[len(segs) - 1] if after and segs else 0)
     while hi - lo > unit:
         mid = (lo + hi) / 2
-        if _solve(len(segs), steps, total - mid, unit, prefix, mid) is not None:
+        if _solve(len(segs), steps, total + last - mid, unit, prefix, mid, after) is not None:
             hi = mid
         else:
             lo = mid
     return hi
 
 
-def _peak(segs: list[Segment], picked: list[Step]) -> int:
+def _peak(segs: list[Segment], picked: list[Step], after: list | None = None) -> int:
     """The most activation bytes live at once with ``picked``: all that is kept (the start of backward),
-    or, while a step's backward runs, what segments up to its end keep plus its own activations back."""
+    or, while a step's backward runs, what segments up to its end keep plus its own activations back;
+    with ``after``, the gradient bytes allocated by each point are added (``_solve``'s model)."""
+    after = after or [0] * (len(segs) + 1)
     at, kept, peak, i = {st.i: st for st in picked}, 0, 0, 0
     while i < len(segs):
         st = at.get(i)
         if st is None:
             kept += segs[i].saved
+            peak = max(peak, kept + after[i])
             i += 1
             continue
         kept += sum(sg.saved for sg in segs[st.i:st.j + 1]) - st.saving
-        peak = max(peak, kept + st.size)
+        peak = max(peak, kept + st.size + after[st.i], kept + after[st.j])
         i = st.j + 1
     return max(peak, kept)
+
+
+def suffix(grads: list | None, n: int) -> list[int]:
+    """``after[k]``: the gradient bytes allocated once backward reaches segment k (``grads[k]``: those
+    segment k's backward allocates; backward runs from the last segment), with ``after[n] = 0``."""
+    after = [0] * (n + 1)
+    for k in range(n - 1, -1, -1):
+        after[k] = after[k + 1] + (grads[k] if grads else 0)
+    return after

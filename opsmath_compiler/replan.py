@@ -148,7 +148,8 @@ def _plan_again(state, record, base, by_node, goal, excess, resident, use_induct
     budget = goal - (excess + int(REPLAN_MARGIN * goal) if excess else 0)
     try:
         how = "tag" if use_inductor else "checkpoint"
-        plan = plan_and_emit(g, by_node, budget, resident, how=how, link=record.plan.link, grads=grad_bytes(g, args))
+        plan = plan_and_emit(g, by_node, budget, resident, how=how, link=record.plan.link, grads=grad_bytes(g, args),
+                             timed=parse_budget(state.memory_budget)[0] == "bytes")
     except InfeasibleBudget as e:
         raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
                                f"{record.calls - 1} ({why}): {e}") from None

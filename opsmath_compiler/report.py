@@ -278,12 +278,16 @@ class Report(Rendered):
     def _plan_text(p) -> Text:
         t = Text()
         as_bytes, share = p.budget_both_units()
+        beyond = f" + measured beyond the model {_mib(p.excess)}" if p.excess else ""
+        if p.timed:   # a byte budget, planned against the gradients' timing
+            how = (f" on the step's timeline (resident {_mib(p.resident - sum(p.grads))}, kept {_mib(p.kept)}, "
+                   f"gradients {_mib(sum(p.grads))} as backward allocates them{beyond})")
+        else:
+            how = (f" = resident {_mib(p.resident)} + kept {_mib(p.kept)} + recompute {_mib(p.transient)}{beyond}"
+                   + (f" (expected {_mib(p.expected_peak)}: gradients arrive as activations leave)"
+                      if p.expected_peak else ""))
         t.append(f"memory plan: budget {p.budget} (= {_mib(as_bytes)}, {share:.2f} of activations) | predicted "
-                 f"peak {_mib(p.predicted_peak)} = resident "
-                 f"{_mib(p.resident)} + kept {_mib(p.kept)} + recompute {_mib(p.transient)}"
-                 + (f" + measured beyond the model {_mib(p.excess)}" if p.excess else "")
-                 + (f" (expected {_mib(p.expected_peak)}: gradients arrive as activations leave)" if p.expected_peak else "")
-                 + "\n", style="bold")
+                 f"peak {_mib(p.predicted_peak)}{how}\n", style="bold")
         t.append(f"activations (as {p.estimated_by} saves them) {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
                  f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms"
                  f"{' with the host copies' if p.offloaded else ''}); planned in "
