@@ -81,6 +81,7 @@ class GraphRecord:
     before_nx: object = field(default=None, repr=False)   # networkx.DiGraph of the captured graph
     calls: int = 0                          # how many times the graph ran (one graph can serve many modules)
     last_run: int = 0                       # ``graph_runs`` at its latest call: which graphs ran in one step
+    step_peak: Optional[int] = None         # CUDA peak through the measured step's backward (replan.py)
     plan: object = None                     # the recompute Plan under memory_budget (plan.py), if any
     inductor: bool = False                  # whether the emitted graph was compiled by Inductor
     inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
