@@ -57,6 +57,7 @@ class OptimizeState:
     cuda_graphs: bool = False               # Inductor replays each compiled graph as a CUDA graph
     eager_regions: list[EagerRegion] = field(default_factory=list)   # left to eager (regions.py), why
     graph_runs: int = 0                     # calls of opsmath's graphs, all together
+    forward_peak: Optional[int] = None      # CUDA peak up to the current backward's start (replan.py)
     unoptimized_calls: int = 0              # model calls that ran none of them (e.g. past the recompile limit)
     notes: list[str] = field(default_factory=list)   # what rules changed on the module (Rule.prepare)
     cuda_graph_skips: list[str] = field(default_factory=list)   # Inductor's reasons for not replaying

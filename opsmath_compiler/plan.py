@@ -73,6 +73,8 @@ class Plan:
     estimated_by: str = "eager autograd"   # who saves the bytes counted, or "Inductor's partition"
     excess: int = 0             # measured peak above the model's (replan.py), counted in the predicted peak
     timed: bool = False         # planned against the gradients' timing: predicted_peak is the timeline's
+    head_excess: int = 0        # measured bytes at the end of the forward alone, beyond ``excess`` (replan.py)
+    modelled: tuple = (0, 0)    # the model's peak at the end of the forward and over the step, no error added
 
     def target(self, resident: int | None = None) -> int:
         """The budget in bytes of the whole step with ``resident`` bytes resident (default: the plan's):
@@ -155,8 +157,8 @@ def _rank(choice) -> tuple:
 
 
 def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, budget: float,
-           units: int = 4096, link: float | None = None, sel: dict | None = None, grads: list | None = None
-           ) -> tuple[list[Step], int, int, float]:
+           units: int = 4096, link: float | None = None, sel: dict | None = None, grads: list | None = None,
+           head: int = 0) -> tuple[list[Step], int, int, float]:
     """(chosen steps, kept bytes, transient bytes, cost) at the least modelled cost subject to the budget:
     one exact DP (``plan_solve._solve``) in which every step's own backward must fit, so no candidate
     "largest transient" needs enumerating. ``runs`` maps (i, j) to segments i..j recomputed as one unit
@@ -164,7 +166,8 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     the selective candidates by segment (``segments.selective``). ``grads``: per segment, the gradient
     bytes its backward allocates (``grads_by_segment``; in ``resident``): given, a byte budget is held
     at every point of backward with the gradients allocated by then (``plan_solve.suffix``) instead of
-    all of them from the start. Raises InfeasibleBudget naming the smallest feasible budget."""
+    all of them from the start. ``head``: bytes live at the end of the forward alone (the loss's
+    measured workspace). Raises InfeasibleBudget naming the smallest feasible budget."""
     total, n = sum(s.saved for s in segs), len(segs)
     after = suffix(grads, n)
     base = resident - after[0]   # resident without the gradients backward allocates
@@ -173,14 +176,14 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     for sg in segs:
         prefix.append(prefix[-1] + sg.saved)
     steps = _steps(segs, runs, link, sel)
-    unit, need = max(1.0, total / units), total + (after[n - 1] if n else 0) - limit   # bytes of saving needed
+    unit, need = max(1.0, total / units), total + (max(after[n - 1], head) if n else 0) - limit   # saving needed
     picked = [] if need <= 0 and max(p + a for p, a in zip(prefix[1:], after)) <= limit \
-        else _solve(n, steps, max(0.0, need), unit, prefix, limit, after)
+        else _solve(n, steps, max(0.0, need), unit, prefix, limit, after, head)
     if picked is None:
         sizes = sorted({st.size for sts in steps.values() for st in sts})
         # a reachable peak to bisect from: kept + the largest transient, at a few transient caps
-        reach = min(total - _max_saving(n, steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]}) + after[0]
-        smallest = _lowest_peak(segs, steps, prefix, unit, reach, after)
+        reach = min(total - _max_saving(n, steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]}) + after[0] + head
+        smallest = _lowest_peak(segs, steps, prefix, unit, reach, after, head)
         floor = base + int(smallest)
         asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
         raise InfeasibleBudget(
@@ -232,7 +235,7 @@ def grads_by_segment(gm: fx.GraphModule, segs: list[Segment], grads: dict[str, i
 
 def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
                   how: str = "checkpoint", earlier: tuple = (), link: float | None = None,
-                  grads: dict[str, int] | None = None, timed: bool = True) -> Plan:
+                  grads: dict[str, int] | None = None, timed: bool = True, head: int = 0) -> Plan:
     """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes (``analysis``) and rewrite
     it in place: ``how="checkpoint"`` emits ``checkpoint`` calls (eager), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
     of graphs captured before this one. A fraction is a share of the whole step's activations: a graph
@@ -241,7 +244,8 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     tensors may go to the host (``offload.py``; only with ``how="tag"``). ``grads``: each parameter's
     gradient bytes (in ``resident``), which backward allocates as it frees activations. A byte budget
     (with ``timed``) is planned against that timeline: the peak it predicts is the timeline's maximum. A
-    fraction keeps its meaning, a share of the activations, every gradient counted from the start."""
+    fraction keeps its meaning, a share of the activations, every gradient counted from the start.
+    ``head``: bytes measured at the end of the forward alone (``replan.py``), held there only."""
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
     # two cuts of opsmath's own: local minima of the crossing bytes within 6 positions (block-sized
@@ -254,7 +258,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         link = None
     pairs = getattr(saved_by, "pairs", None)   # (saver, producer, bytes): the selective candidates need it
     timing = grads if timed and grads and kind == "bytes" else None
-    best, error = _best_option(gm, options, resident, kind, value, link, pairs, timing)
+    best, error = _best_option(gm, options, resident, kind, value, link, pairs, timing, head)
     note = ""
     if best is None and kind == "fraction":
         best, note = _within_the_step(gm, options, resident, value, [p for p in earlier if p is not None], error,
@@ -274,8 +278,10 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     if grads:
         plan.grads = grads_by_segment(gm, segs, grads)
         plan.expected_peak = max(b for _, _, b in plan.timeline())
-        if timing:
-            plan.predicted_peak, plan.timed = plan.expected_peak, True
+    plan.timed = bool(timing)
+    plan.modelled = _modelled(plan)
+    plan.predicted_peak = max(plan.modelled[1], plan.modelled[0] + head)
+    plan.head_excess = head
     if chosen or selective:
         (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen, selective, gemms)
     offload.mark_offloaded(order, segs, offloaded)
@@ -316,7 +322,17 @@ def _within_the_step(gm, options, resident: int, value: float, earlier: list, er
                   f"planned at its floor, the step keeps {step:.3f} of its activations")
 
 
-def _best_option(gm, options, resident: int, kind: str, value: float, link=None, pairs=None, grads=None):
+def _modelled(plan: Plan) -> tuple[int, int]:
+    """The plan's model of the step's peak at the end of the forward (everything kept, no gradient
+    yet where their timing is planned) and over the whole step, before any measured error."""
+    if plan.timed:
+        pts = plan.timeline()
+        return max(b for ph, _, b in pts if ph == "forward"), max(b for _, _, b in pts)
+    return plan.resident + plan.kept, plan.resident + plan.kept + plan.transient
+
+
+def _best_option(gm, options, resident: int, kind: str, value: float, link=None, pairs=None, grads=None,
+                 head: int = 0):
     """The cheapest feasible (label, segments, choice, runs) over the segmentations, and the error with
     the lowest floor when none is feasible. ``grads``: gradient bytes by placeholder, to plan against
     their timing (``choose``)."""
@@ -328,7 +344,7 @@ def _best_option(gm, options, resident: int, kind: str, value: float, link=None,
                and ij[1] - ij[0] < SELECTIVE_RUNS and (c := selective(order, run, index, k)) is not None}
         try:
             got = choose(sg, runs, resident, kind, value, link=link, sel=sel,
-                         grads=grads_by_segment(gm, sg, grads) if grads else None)
+                         grads=grads_by_segment(gm, sg, grads) if grads else None, head=head)
         except InfeasibleBudget as e:
             errors.append(e)
             continue

@@ -9,7 +9,8 @@ bound a choice. Gradients, where their timing is given (``after[k]``: the gradie
 backward reaches segment k, a suffix sum, non-increasing in k), are added at every point: segment p's
 boundary holds what segments 0..p keep plus ``after[p]``, a step i..j's backward what segments up to j
 keep, its activations and ``after[i]``. Without timing (``after`` all 0) they are in the resident
-bytes (``plan.py``). Recompute does run there:
+bytes (``plan.py``). ``head``: bytes live only at the end of the forward, beside everything kept and before any
+gradient (the loss's workspace, measured: ``replan.py``), held at the last boundary alone. Recompute does run there:
 ``torch.utils.checkpoint`` in the segment's backward (op by op), and under Inductor AOTAutograd's
 partition orders recomputed ops as autograd would run them (``reordering_to_mimic_autograd_engine``),
 not all at the start of backward.
@@ -70,12 +71,13 @@ def _max_saving(n: int, steps: dict, T: int) -> int:
 
 
 def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: float,
-           after: list | None = None) -> list[Step] | None:
+           after: list | None = None, head: float = 0) -> list[Step] | None:
     """Disjoint steps saving >= ``need`` bytes at the least modelled cost, each taken only
     where the bytes live while its backward runs fit ``limit``: what segments up to its end keep, plus
     its own activations back (``prefix[j]``: bytes segments < j save unconstrained; the later segments'
     are freed by then), plus ``after[i]`` gradient bytes; and every segment boundary p where backward
-    arrives (what segments 0..p keep, plus ``after[p]``) fits ``limit`` too. DP over positions and
+    arrives (what segments 0..p keep, plus ``after[p]``; at the last one, the end of the forward, ``head``
+    where that is more) fits ``limit`` too. DP over positions and
     saving units (``dp[p][u]``: least cost over segments < p saving >= u units; savings rounded down to
     units, so the bounds hold; a state below a boundary's least saving is dropped), then a backtrack.
     None when no choice saves enough. NumPy rows: one vector update per step, O(steps x units)."""
@@ -86,7 +88,8 @@ def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: f
         for st in sts:
             floor_of[st] = max(0, int(math.ceil((prefix[st.j + 1] + st.size + after[st.i] - limit) / unit)))
     # least saving (units) over segments 0..p for backward's arrival at p to fit: dp[p + 1]'s floor
-    edge = [max(0, int(math.ceil((prefix[p + 1] + after[p] - limit) / unit))) for p in range(n)]
+    at = [*after[:max(0, n - 1)], max(after[n - 1], head)] if n else []   # the forward's end: no gradient yet
+    edge = [max(0, int(math.ceil((prefix[p + 1] + at[p] - limit) / unit))) for p in range(n)]
     top = max([cap, *floor_of.values(), *edge])
     dp = np.full((n + 1, top + 1), np.inf)
     dp[0, 0] = 0.0
@@ -130,23 +133,24 @@ def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: f
 
 
 def _lowest_peak(segs: list[Segment], steps: dict, prefix: list, unit: float, hi: float,
-                 after: list | None = None) -> float:
+                 after: list | None = None, head: float = 0) -> float:
     """The lowest peak of activations (and gradients by ``after``) any choice reaches, to within a
     unit: bisection on ``_solve``'s feasibility below ``hi`` (a peak known to be reachable)."""
     total, lo, last = prefix[-1], 0.0, (after[len(segs) - 1] if after and segs else 0)
     while hi - lo > unit:
         mid = (lo + hi) / 2
-        if _solve(len(segs), steps, total + last - mid, unit, prefix, mid, after) is not None:
+        if _solve(len(segs), steps, total + max(last, head) - mid, unit, prefix, mid, after, head) is not None:
             hi = mid
         else:
             lo = mid
     return hi
 
 
-def _peak(segs: list[Segment], picked: list[Step], after: list | None = None) -> int:
+def _peak(segs: list[Segment], picked: list[Step], after: list | None = None, head: float = 0) -> int:
     """The most activation bytes live at once with ``picked``: all that is kept (the start of backward),
     or, while a step's backward runs, what segments up to its end keep plus its own activations back;
-    with ``after``, the gradient bytes allocated by each point are added (``_solve``'s model)."""
+    with ``after``, the gradient bytes allocated by each point are added, and ``head`` at the end of the
+    forward (``_solve``'s model)."""
     after = after or [0] * (len(segs) + 1)
     at, kept, peak, i = {st.i: st for st in picked}, 0, 0, 0
     while i < len(segs):
@@ -159,7 +163,7 @@ def _peak(segs: list[Segment], picked: list[Step], after: list | None = None) ->
         kept += sum(sg.saved for sg in segs[st.i:st.j + 1]) - st.saving
         peak = max(peak, kept + st.size + after[st.i], kept + after[st.j])
         i = st.j + 1
-    return max(peak, kept)
+    return int(max(peak, kept + (max(after[len(segs) - 1], head) if segs else 0)))
 
 
 def suffix(grads: list | None, n: int) -> list[int]:

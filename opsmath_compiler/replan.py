@@ -6,13 +6,17 @@ what the real step holds beyond the activations it counts (the loss's chunk of l
 workspaces, the allocator's rounding), here called the model's *error*: measured peak - modelled peak.
 While a graph is watched (its first ``WATCH_CALLS`` calls):
 
-* call 2: the resident bytes are measured again and, on CUDA, step 1's peak (``max_memory_allocated``
-  from the reset at call 1 to the end of that step's backward, ``measure_to_backward_end``: the first
-  optimizer step, which allocates AdamW's state while the gradients are live, is not the plan's to
-  hold, and counted as the model's error it cost HF LLaMA 1.1B 1.26 GiB of its budget) is compared
-  with the plan's model. Where either moved by more than 1% of
-  the budget, the plan is made again for the budget less the error and a margin of ``REPLAN_MARGIN``;
-  its predicted peak then counts the error (``Plan.excess``).
+* call 2: the resident bytes are measured again and, on CUDA, step 1's peaks (``max_memory_allocated``)
+  in two windows, ``measure_to_backward_end``: from the reset at call 1 to the start of the step's
+  backward, and from there (reset again) to the backward's end. The first optimizer step, which
+  allocates AdamW's state while the gradients are live, is outside both: it is not the plan's to hold,
+  and counted as the model's error it cost HF LLaMA 1.1B 1.26 GiB of its budget. Each window is
+  compared with the plan's model of it (``Plan.modelled``). Where the resident bytes moved, or the step
+  peaked above the model, by more than 1% of the budget, the plan is made again for the budget less the
+  backward's error (``Plan.excess``, held at every point) and a margin of ``REPLAN_MARGIN``, and the
+  forward's error beyond it held at the end of the forward alone (``Plan.head_excess``: the loss's
+  workspace, 0.52 GiB on LLaMA 1.1B, which the timeline of a byte budget would otherwise take off every
+  point of the backward too); its predicted peak counts both.
 * call 3: step 2 ran the final plan; if its peak still went over the budget, the plan is tightened once.
 * later calls: the resident bytes alone (optimizer state appears only after k micro-batches under
   gradient accumulation).
@@ -68,31 +72,50 @@ def runner(state, record, fn, base, by_node, model, use_inductor, finish):
             start[0], record.step_peak = start_peak(args), None
             out = fn(*args)
             if start[0] is not None:
-                measure_to_backward_end(record, out, args)
+                measure_to_backward_end(state, record, out, args)
             return out
         return fn(*args)
     return run
 
 
-def measure_to_backward_end(record, out, args) -> None:
-    """Record the peak from the measurement's start to the end of the backward that ``out`` (the
-    graph's outputs) starts, in ``record.step_peak``: a hook on the first output that needs a gradient
-    queues a callback for the end of that backward pass. Gradients pass through unchanged."""
+def measure_to_backward_end(state, record, out, args) -> None:
+    """Record the measured step's peaks in ``record.step_peak``: ``(forward, backward)``, the first read
+    when the step's backward starts (at the first graph it reaches, which resets the peak statistic
+    there, once per backward: every graph of the step shares the reading), the second when that backward
+    ends. A hook on the first output that needs a gradient queues the end's callback; gradients pass
+    through unchanged."""
     outs = out if isinstance(out, (list, tuple)) else [out]
     t = next((o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is not None), None)
     if t is None:
         return
 
     def at_backward(grad):
+        if state.forward_peak is None:   # the first graph this backward reaches
+            state.forward_peak = max_allocated(args)
+            start_peak(args)
+        forward = state.forward_peak
+
         def done():
-            record.step_peak = max_allocated(args)
+            record.step_peak, state.forward_peak = (forward, max_allocated(args)), None
         torch.autograd.Variable._execution_engine.queue_callback(done)
     t.register_hook(at_backward)
 
 
-def _step_peak(record, args) -> Optional[int]:
-    """The measured step's peak through its backward, or, where no backward ran, through now."""
-    return record.step_peak if record.step_peak is not None else max_allocated(args)
+def _step_peaks(record, args) -> tuple:
+    """``(forward, backward)`` peaks of the measured step; ``(whole step, None)`` where no backward ran
+    through the hook (read now)."""
+    return record.step_peak if record.step_peak is not None else (max_allocated(args), None)
+
+
+def _errors(modelled: tuple, peaks: tuple) -> tuple[int, int]:
+    """``(excess, head)``: the measured bytes above a model ``(end of forward, whole step)``, as what every
+    point of the step gets (the backward's error, or the whole step's where only that was measured) and
+    what the end of the forward gets beyond it (the loss's workspace: the step peaks there)."""
+    forward, backward = peaks
+    if backward is None:
+        return max(0, forward - modelled[1]), 0
+    excess = max(0, backward - modelled[1])
+    return excess, max(0, forward - modelled[0] - excess)
 
 
 def start_peak(args) -> Optional[int]:
@@ -128,13 +151,14 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     raises ``InfeasibleBudget``."""
     old = record.plan
     resident = resident_bytes(args, model)
-    measured = _step_peak(record, args) if peak_before is not None else None
+    peaks = _step_peaks(record, args) if peak_before is not None else (None, None)
+    measured = None if peaks[0] is None else max(peaks[0], peaks[1] or 0)
     if measured is not None:
         old.measured_peak = measured
-    error = measured - (old.predicted_peak - old.excess) \
-        if measured is not None and _carries_error(state, record, since) else 0
+    errors = _errors(old.modelled, peaks) if measured is not None and _carries_error(state, record, since) else (0, 0)
+    error = max(errors[0], sum(errors) - (old.modelled[1] - old.modelled[0]))   # above the model's peak
     slack = int(0.01 * old.target())
-    excess = error if error > slack else old.excess
+    excess = errors if error > slack else (old.excess, old.head_excess)
     grew = resident > old.resident + slack and parse_budget(state.memory_budget)[0] == "bytes"
     if not grew and error <= slack:
         old.predicted_peak += resident - old.resident   # a fraction's plan stays, its prediction follows
@@ -145,66 +169,68 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     why = (f"{old.replanned + '; ' if old.replanned else ''}"
            + (f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB at call {record.calls}"
               if resident != old.resident else f"call {record.calls}")
-           + (f"; step 1 measured {measured / 2**20:.1f} MiB, {error / 2**20:.1f} MiB over the model, "
-              f"taken off the budget" if error > slack else ""))
-    return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, measured, args)
+           + (f"; step 1 measured {measured / 2**20:.1f} MiB, {error / 2**20:.1f} MiB over the model"
+              + (f" ({errors[1] / 2**20:.1f} MiB of it at the end of the forward alone)" if errors[1] else "")
+              + ", taken off the budget" if error > slack else ""))
+    return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args)
 
 
 def tighten(state, record, base, by_node, args, model, use_inductor, peak_before, since):
     """At the graph's third call: the step that just ran was the final plan's first. If its measured peak
     exceeded the budget, the plan is made once more for the budget less the model's error now and the
     margin. Returns the re-planned graph or None."""
-    measured = _step_peak(record, args) if peak_before is not None else None
-    if measured is None:
+    peaks = _step_peaks(record, args) if peak_before is not None else (None, None)
+    if peaks[0] is None:
         return None
-    old = record.plan
+    old, measured = record.plan, max(peaks[0], peaks[1] or 0)
     old.measured_peak = measured
     goal = old.target()
     if measured <= goal or not _carries_error(state, record, since):
         return None
-    error = measured - (old.predicted_peak - old.excess)
     why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
            f"{(measured - goal) / 2**20:.1f} MiB over the budget: tightened")
-    return _plan_again(state, record, base, by_node, goal, error, resident_bytes(args, model), use_inductor, why,
-                       measured, args)
+    return _plan_again(state, record, base, by_node, goal, _errors(old.modelled, peaks), resident_bytes(args, model),
+                       use_inductor, why, peaks, args)
 
 
-def _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, measured, args):
-    """Plan ``base`` (a fresh copy of the rewritten graph) again for ``goal`` bytes less ``excess`` (the
-    model's measured error, counted in the new plan's predicted peak) and the margin; record why. A byte
-    budget is planned against the gradients' timing; where the error taken off every point of that
-    timeline leaves no feasible plan (a tight budget: the error is the loss's workspace at the end of the
-    forward, where the coarser model counts every gradient instead), it is planned with every gradient
-    resident from the start and that model's own error."""
+def _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args):
+    """Plan ``base`` (a fresh copy of the rewritten graph) again for ``goal`` bytes less the model's
+    measured error ``excess`` = (at every point, beyond that at the end of the forward: ``_errors``),
+    counted in the new plan's predicted peak, and the margin; record why. A byte budget is planned against
+    the gradients' timing; where that leaves no feasible plan, it is planned with every gradient resident
+    from the start (whose count covers the loss's workspace where the gradients are larger) and that
+    model's own error."""
     timed = parse_budget(state.memory_budget)[0] == "bytes"
     try:
         plan, g = _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor, why, args, timed)
     except InfeasibleBudget:
         old = record.plan
-        if not (timed and old.timed and measured is not None):
+        if not (timed and old.timed and peaks[0] is not None):
             raise
-        coarse = measured - (old.resident + old.kept + old.transient)   # error of the all-resident model
-        excess = coarse if coarse > int(0.01 * goal) else 0
-        plan, g = _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor, why, args, False)
-    plan.measured_peak = measured
+        coarse = _errors((old.resident + old.kept, old.resident + old.kept + old.transient), peaks)
+        coarse = coarse if max(coarse) > int(0.01 * goal) else (0, 0)
+        plan, g = _plan_for(state, record, base, by_node, goal, coarse, resident, use_inductor, why, args, False)
+    plan.measured_peak = None if peaks[0] is None else max(peaks[0], peaks[1] or 0)
     record.plan = plan
     log.warning("opsmath: graph %d re-planned for memory_budget=%r: %s", record.index, state.memory_budget, why)
     return g
 
 
 def _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor, why, args, timed):
-    """(plan, graph): ``base`` planned for ``goal`` less ``excess`` and the margin."""
+    """(plan, graph): ``base`` planned for ``goal`` less ``excess[0]`` and the margin, ``excess[1]`` more
+    held at the end of the forward."""
     g = clone_graph_module(base)
-    budget = goal - (excess + int(REPLAN_MARGIN * goal) if excess else 0)
+    every, head = excess
+    budget = goal - (every + int(REPLAN_MARGIN * goal) if every or head else 0)
     try:
         how = "tag" if use_inductor else "checkpoint"
         plan = plan_and_emit(g, by_node, budget, resident, how=how, link=record.plan.link, grads=grad_bytes(g, args),
-                             timed=timed)
+                             timed=timed, head=head)
     except InfeasibleBudget as e:
         raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
                                f"{record.calls - 1} ({why}): {e}", e.floor) from None
     plan.estimated_by, plan.budget = record.plan.estimated_by, state.memory_budget
-    plan.excess, plan.predicted_peak = excess, plan.predicted_peak + excess
-    plan.expected_peak = plan.expected_peak and plan.expected_peak + excess
+    plan.excess, plan.predicted_peak = every, plan.predicted_peak + every
+    plan.expected_peak = plan.expected_peak and plan.expected_peak + every
     plan.replanned = why
     return plan, g

@@ -278,7 +278,8 @@ class Report(Rendered):
     def _plan_text(p) -> Text:
         t = Text()
         as_bytes, share = p.budget_both_units()
-        beyond = f" + measured beyond the model {_mib(p.excess)}" if p.excess else ""
+        beyond = (f" + measured beyond the model {_mib(p.excess)}" if p.excess else "") + (
+            f" (+ {_mib(p.head_excess)} at the end of the forward)" if p.head_excess else "")
         if p.timed:   # a byte budget, planned against the gradients' timing
             how = (f" on the step's timeline (resident {_mib(p.resident - sum(p.grads))}, kept {_mib(p.kept)}, "
                    f"gradients {_mib(sum(p.grads))} as backward allocates them{beyond})")

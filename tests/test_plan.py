@@ -229,13 +229,14 @@ def test_third_call_tightens_once_when_the_planned_step_went_over(monkeypatch):
     budget, the plan is made once more with the excess taken off, and the numbers do not change."""
     from opsmath import replan
     p, model, batch = _probe_then_fresh(dropout=0.0)
-    budget = int(p.resident + 0.9 * p.unconstrained)
+    budget = int(p.expected_peak - 0.1 * p.unconstrained)   # below the unconstrained step's timeline
     ref = copy.deepcopy(model)
-    peaks = iter([0, budget + int(0.1 * p.unconstrained)])   # step 1 as predicted, step 2 over
+    peak = {}
     monkeypatch.setattr(replan, "start_peak", lambda args: 0)
-    monkeypatch.setattr(replan, "max_allocated", lambda args: next(peaks))
+    monkeypatch.setattr(replan, "max_allocated", lambda args: peak["now"])
     opt = opsmath.optimize(model, memory_budget=budget)
-    for _ in range(2):
+    for now in (0, budget + int(0.1 * p.unconstrained)):   # step 1 as predicted, step 2 over
+        peak["now"] = now
         opt(*batch).backward()
         model.zero_grad()
     first = opsmath.report(opt).graphs[0].plan

@@ -58,8 +58,9 @@ def test_choose_finds_the_least_cost_any_choice_reaches(seed):
         assert kept + trans <= limit and kept + trans == _peak(segs, picked)
 
 
-def _brute_timed(segs, runs, limit, after):
-    """``_brute`` with gradients allocated as backward reaches each segment (``after``)."""
+def _brute_timed(segs, runs, limit, after, head):
+    """``_brute`` with gradients allocated as backward reaches each segment (``after``) and ``head`` bytes
+    at the end of the forward."""
     steps = [st for sts in _steps(segs, runs, None).values() for st in sts]
     best, lowest = float("inf"), float("inf")
     for r in range(len(steps) + 1):
@@ -67,7 +68,7 @@ def _brute_timed(segs, runs, limit, after):
             spans = sorted((st.i, st.j) for st in pick)
             if any(a[1] >= b[0] for a, b in zip(spans, spans[1:])):
                 continue
-            peak = _peak(segs, sorted(pick, key=lambda st: st.i), after)
+            peak = _peak(segs, sorted(pick, key=lambda st: st.i), after, head)
             lowest = min(lowest, peak)
             if peak <= limit:
                 best = min(best, sum(st.cost for st in pick))
@@ -77,24 +78,24 @@ def _brute_timed(segs, runs, limit, after):
 @pytest.mark.parametrize("seed", range(12))
 def test_choose_with_gradient_timing_matches_brute_force(seed):
     """Gradients allocated as backward reaches each segment: every boundary and every step's backward
-    holds the gradients allocated by then. ``choose`` finds the least cost under that model, and an
-    infeasible budget's floor is the lowest peak any choice reaches (the gradients all allocated at the
-    end of backward included)."""
+    holds the gradients allocated by then, and the end of the forward a measured workspace (``head``).
+    ``choose`` finds the least cost under that model, and an infeasible budget's floor is the lowest peak
+    any choice reaches (the gradients all allocated at the end of backward included)."""
     rng = random.Random(100 + seed)
     segs, runs = _problem(rng, rng.randint(4, 6))
     grads = [rng.randint(0, 60) for _ in segs]
-    after = suffix(grads, len(segs))
+    after, head = suffix(grads, len(segs)), rng.choice([0, rng.randint(0, 120)])
     total = sum(s.saved for s in segs)
     for frac in (1.1, 0.9, 0.7, 0.55, 0.4):
         limit = int(frac * total)
-        best, lowest = _brute_timed(segs, runs, limit, after)
+        best, lowest = _brute_timed(segs, runs, limit, after, head)
         if best == float("inf"):
             with pytest.raises(InfeasibleBudget) as e:
-                choose(segs, runs, after[0], "bytes", limit, grads=grads)
+                choose(segs, runs, after[0], "bytes", limit, grads=grads, head=head)
             assert abs(e.value.floor - lowest) <= 1, (e.value.floor, lowest)
             continue
-        picked, kept, trans, cost = choose(segs, runs, after[0], "bytes", limit, grads=grads)
+        picked, kept, trans, cost = choose(segs, runs, after[0], "bytes", limit, grads=grads, head=head)
         assert cost == pytest.approx(best), (seed, frac, picked)
-        assert _peak(segs, picked, after) <= limit
+        assert _peak(segs, picked, after, head) <= limit
     # without recompute the peak is where it holds the most: the start of backward or its end
     assert _peak(segs, [], after) == max(p + a for p, a in zip(itertools.accumulate(s.saved for s in segs), after))

@@ -165,3 +165,41 @@ def test_tight_byte_budget_falls_back_to_every_gradient_resident(monkeypatch):
     second = opsmath.report(opt).graphs[0].plan
     assert second is not first and second.replanned and not second.timed
     assert second.excess == 0 and second.predicted_peak <= budget
+
+
+def test_forward_end_workspace_is_held_at_the_end_of_the_forward_alone(monkeypatch):
+    """Step 1 measured above the model only at the end of its forward (the loss's workspace): the re-plan
+    holds those bytes there (``head_excess``) and leaves every other point of the timeline as modelled,
+    where taking them off the whole budget would recompute for them at every point."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    ref = copy.deepcopy(model)
+    probe = opsmath.optimize(copy.deepcopy(model), memory_budget=1.0)
+    probe(*batch).backward()
+    p = opsmath.report(probe).graphs[0].plan
+    torch._dynamo.reset()
+    budget, work = int(p.expected_peak - 0.1 * p.unconstrained), int(0.2 * p.unconstrained)
+    opt = opsmath.optimize(model, memory_budget=budget)
+    phase = {}
+
+    def start(args):   # the step's start, then the backward's: the hook resets the statistic there
+        phase["now"] = "backward" if phase.get("now") == "forward" else "forward"
+        return 0
+
+    def peak(args):
+        q = opsmath.report(opt).graphs[0].plan
+        return q.modelled[0] + work if phase["now"] == "forward" else q.modelled[1]
+    monkeypatch.setattr(replan, "start_peak", start)
+    monkeypatch.setattr(replan, "max_allocated", peak)
+    opt(*batch).backward()
+    first = opsmath.report(opt).graphs[0].plan
+    assert first.timed
+    model.zero_grad()
+    _assert_same_step(opt, ref, batch)
+    second = opsmath.report(opt).graphs[0].plan
+    assert second is not first and "end of the forward" in second.replanned
+    assert (second.excess, second.head_excess) == (0, work)   # nothing taken off the backward's points
+    margin = int(replan.REPLAN_MARGIN * budget)
+    assert second.modelled[0] + work + margin <= budget and second.predicted_peak <= budget
+    assert second.predicted_peak == max(second.modelled[1], second.modelled[0] + work)
