@@ -11,6 +11,8 @@ Each kernel file registers an ``OpSpec`` at import (``register(OpSpec(...))``); 
   Inductor, except under a memory budget when ``kept_under_budget`` (``opsmath.backend``);
 - ``profile``: a class name and substrings of kernel names that ``opsmath.profile`` groups time under;
 - ``saves``: what the op keeps for backward, in words (the report's reason where a rewrite keeps more);
+- ``workspace``: bytes the op allocates beyond its outputs while it runs, from its arguments' (fake)
+  values; the recompute planner holds them at the end of the forward (``opsmath.segments.node_workspace``);
 - ``exercise(dtype)``: runs the op forward and backward once with every flag and launch configuration
   it has (tiny sizes), so that ``tests/test_kernels_compile_for_hopper.py`` compiles each launch for sm_90
   (ops with ``triton=False`` run PyTorch's kernels and have no launch of their own to compile).
@@ -35,6 +37,7 @@ class OpSpec:
     saves: str = ""
     exercise: Optional[Callable[[torch.dtype], None]] = None
     triton: bool = True           # its kernels are Triton's (else torch's own, e.g. a grouped GEMM)
+    workspace: Optional[Callable[..., int]] = None
 
 
 SPECS: dict[str, OpSpec] = {}

@@ -325,6 +325,16 @@ def _flops(x, w, *_):
     return 6 * x.shape[0] * x.shape[1] * w.shape[0]
 
 
+def _workspace(x, w, b, target, ignore_index, smoothing, reduction, compute_grad, return_logits=False) -> int:
+    """Bytes live beside the op's outputs while it runs: one chunk of logits in the compute dtype and,
+    where the weight is not fp32, dW's fp32 accumulator blocks (an fp32 weight's accumulate in place
+    into the returned dW)."""
+    N, C = x.shape
+    V = w.shape[0]
+    chunk = min(chunk_rows(V, N), N) * V * x.element_size()
+    return chunk + (V * C * 4 if compute_grad and w.dtype != torch.float32 else 0)
+
+
 def _exercise(dtype: torch.dtype) -> None:
     t = torch.randint(0, 300, (8,))
     for smoothing in (0.0, 0.1):
@@ -339,4 +349,5 @@ def _exercise(dtype: torch.dtype) -> None:
 # backward, the largest activation of a long-sequence LM step: under a memory budget the chunked op stays
 SPEC = register(OpSpec("linear_cross_entropy", ops=(torch.ops.opsmath.linear_cross_entropy.default,),
                        flops=_flops, inductor_fuses_better=True, kept_under_budget=True, exercise=_exercise,
+                       workspace=_workspace,
                        saves="dX and dW computed in forward; the logits are never kept"))

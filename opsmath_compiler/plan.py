@@ -43,8 +43,8 @@ from . import offload, plan_chart
 from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
 from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, suffix
-from .segments import (KEEPS, Segment, describe, forward_order, runs_of, saved_index, segments_of,
-                       selective, user_regions, user_segments)
+from .segments import (KEEPS, Segment, describe, forward_order, node_workspace, runs_of, saved_index,
+                       segments_of, selective, user_regions, user_segments)
 
 @dataclass
 class Plan:
@@ -235,7 +235,7 @@ def grads_by_segment(gm: fx.GraphModule, segs: list[Segment], grads: dict[str, i
 
 def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
                   how: str = "checkpoint", earlier: tuple = (), link: float | None = None,
-                  grads: dict[str, int] | None = None, timed: bool = True, head: int = 0) -> Plan:
+                  grads: dict[str, int] | None = None, timed: bool = True, head: int | None = None) -> Plan:
     """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes (``analysis``) and rewrite
     it in place: ``how="checkpoint"`` emits ``checkpoint`` calls (eager), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
     of graphs captured before this one. A fraction is a share of the whole step's activations: a graph
@@ -245,7 +245,9 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     gradient bytes (in ``resident``), which backward allocates as it frees activations. A byte budget
     (with ``timed``) is planned against that timeline: the peak it predicts is the timeline's maximum. A
     fraction keeps its meaning, a share of the activations, every gradient counted from the start.
-    ``head``: bytes measured at the end of the forward alone (``replan.py``), held there only."""
+    ``head``: bytes live at the end of the forward alone, held there only: measured (``replan.py``), or
+    by default the largest workspace an op of the graph declares (the chunked loss's logits), less the
+    gradients a plan that counts them all from the start already holds there."""
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
     # two cuts of opsmath's own: local minima of the crossing bytes within 6 positions (block-sized
@@ -258,6 +260,9 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         link = None
     pairs = getattr(saved_by, "pairs", None)   # (saver, producer, bytes): the selective candidates need it
     timing = grads if timed and grads and kind == "bytes" else None
+    if head is None:
+        ws = max((node_workspace(n) for n in forward_order(gm)), default=0)
+        head = max(0, ws - (0 if timing else sum((grads or {}).values())))
     best, error = _best_option(gm, options, resident, kind, value, link, pairs, timing, head)
     note = ""
     if best is None and kind == "fraction":

@@ -107,6 +107,14 @@ def _step_peaks(record, args) -> tuple:
     return record.step_peak if record.step_peak is not None else (max_allocated(args), None)
 
 
+def _above(plan, errors: tuple) -> int:
+    """How far the measured step (``errors``, from ``_errors``) went above ``plan``'s predicted peak."""
+    every, head = errors
+    f, b = plan.modelled
+    predicted = max(b, f + plan.head_excess) + plan.excess
+    return max(b + every, f + every + head) - predicted
+
+
 def _errors(modelled: tuple, peaks: tuple) -> tuple[int, int]:
     """``(excess, head)``: the measured bytes above a model ``(end of forward, whole step)``, as what every
     point of the step gets (the backward's error, or the whole step's where only that was measured) and
@@ -156,7 +164,7 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     if measured is not None:
         old.measured_peak = measured
     errors = _errors(old.modelled, peaks) if measured is not None and _carries_error(state, record, since) else (0, 0)
-    error = max(errors[0], sum(errors) - (old.modelled[1] - old.modelled[0]))   # above the model's peak
+    error = _above(old, errors)
     slack = int(0.01 * old.target())
     excess = errors if error > slack else (old.excess, old.head_excess)
     grew = resident > old.resident + slack and parse_budget(state.memory_budget)[0] == "bytes"
@@ -170,7 +178,7 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
            + (f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB at call {record.calls}"
               if resident != old.resident else f"call {record.calls}")
            + (f"; step 1 measured {measured / 2**20:.1f} MiB, {error / 2**20:.1f} MiB over the model"
-              + (f" ({errors[1] / 2**20:.1f} MiB of it at the end of the forward alone)" if errors[1] else "")
+              + (f", {errors[1] / 2**20:.1f} MiB more at the end of the forward alone" if errors[1] else "")
               + ", taken off the budget" if error > slack else ""))
     return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args)
 

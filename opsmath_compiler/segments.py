@@ -79,6 +79,18 @@ def node_cost(n: fx.Node) -> float:
     return t + moved / _BYTE_RATE
 
 
+def node_workspace(n: fx.Node) -> int:
+    """Bytes ``n``'s op allocates beyond its outputs while it runs (its op spec's ``workspace``; 0 for
+    ATen ops, whose temporaries the measured error covers)."""
+    spec = spec_of(n.target) if n.op == "call_function" else None
+    if spec is None or spec.workspace is None:
+        return 0
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
+    try:
+        return int(spec.workspace(*vals))
+    except (AttributeError, TypeError, ValueError):   # an argument without a fake value
+        return 0
+
 
 @dataclass
 class Segment:

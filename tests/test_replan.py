@@ -21,6 +21,18 @@ def _measure_as(monkeypatch, opt, error):
     monkeypatch.setattr(replan, "max_allocated", peak)
 
 
+def _measure_phases(monkeypatch, forward, backward):
+    """Stand-in CUDA peaks by window: ``forward()`` up to the step's backward, ``backward()`` from there on
+    (``start_peak`` runs at the step's start and again where its backward starts)."""
+    phase = {}
+
+    def start(args):
+        phase["now"] = "backward" if phase.get("now") == "forward" else "forward"
+        return 0
+    monkeypatch.setattr(replan, "start_peak", start)
+    monkeypatch.setattr(replan, "max_allocated", lambda args: forward() if phase["now"] == "forward" else backward())
+
+
 def _assert_same_step(model, ref, batch):
     torch.manual_seed(3)
     loss = model(*batch)
@@ -151,15 +163,15 @@ def test_tight_byte_budget_falls_back_to_every_gradient_resident(monkeypatch):
     budget = int(p.resident + 0.6 * p.unconstrained)
     opt = opsmath.optimize(model, memory_budget=budget)
 
-    def coarse(args):   # the step peaks where "every gradient resident" puts it
-        q = opsmath.report(opt).graphs[0].plan
-        return q.resident + q.kept + q.transient + q.excess
-    monkeypatch.setattr(replan, "start_peak", lambda args: 0)
-    monkeypatch.setattr(replan, "max_allocated", coarse)
+    def plan():
+        return opsmath.report(opt).graphs[0].plan
+    # the step peaks where "every gradient resident" puts it, in each window
+    _measure_phases(monkeypatch, lambda: plan().resident + plan().kept,
+                    lambda: plan().resident + plan().kept + plan().transient)
     monkeypatch.setattr(replan, "REPLAN_MARGIN", 0.5)   # the timed re-plan cannot fit
     opt(*batch).backward()
-    first = opsmath.report(opt).graphs[0].plan
-    assert first.timed and coarse(None) - first.predicted_peak > 0.01 * budget
+    first = plan()
+    assert first.timed and first.resident + first.kept + first.transient - first.predicted_peak > 0.01 * budget
     model.zero_grad()
     _assert_same_step(opt, ref, batch)
     second = opsmath.report(opt).graphs[0].plan
@@ -181,17 +193,8 @@ def test_forward_end_workspace_is_held_at_the_end_of_the_forward_alone(monkeypat
     torch._dynamo.reset()
     budget, work = int(p.expected_peak - 0.1 * p.unconstrained), int(0.2 * p.unconstrained)
     opt = opsmath.optimize(model, memory_budget=budget)
-    phase = {}
-
-    def start(args):   # the step's start, then the backward's: the hook resets the statistic there
-        phase["now"] = "backward" if phase.get("now") == "forward" else "forward"
-        return 0
-
-    def peak(args):
-        q = opsmath.report(opt).graphs[0].plan
-        return q.modelled[0] + work if phase["now"] == "forward" else q.modelled[1]
-    monkeypatch.setattr(replan, "start_peak", start)
-    monkeypatch.setattr(replan, "max_allocated", peak)
+    _measure_phases(monkeypatch, lambda: opsmath.report(opt).graphs[0].plan.modelled[0] + work,
+                    lambda: opsmath.report(opt).graphs[0].plan.modelled[1])
     opt(*batch).backward()
     first = opsmath.report(opt).graphs[0].plan
     assert first.timed
@@ -203,3 +206,25 @@ def test_forward_end_workspace_is_held_at_the_end_of_the_forward_alone(monkeypat
     margin = int(replan.REPLAN_MARGIN * budget)
     assert second.modelled[0] + work + margin <= budget and second.predicted_peak <= budget
     assert second.predicted_peak == max(second.modelled[1], second.modelled[0] + work)
+
+
+def test_the_loss_workspace_is_planned_for_from_the_first_step():
+    """The chunked loss declares its workspace (one chunk of logits): a byte budget's first plan holds it
+    at the end of the forward, before any step is measured, and a fraction's plan, which counts every
+    gradient from the start, holds only what those gradients do not already cover."""
+    from opsmath.segments import node_workspace
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    opt = opsmath.optimize(model, memory_budget=1 << 40)
+    opt(*batch).backward()
+    rec = opsmath.report(opt).graphs[0]
+    assert any(m.pattern == "linear_cross_entropy" for m in opsmath.report(opt).matches)
+    ws = max(node_workspace(n) for n in rec.graph.graph.nodes)
+    assert ws > 0 and rec.plan.timed and rec.plan.head_excess == ws
+    assert rec.plan.predicted_peak == max(rec.plan.modelled[1], rec.plan.modelled[0] + ws)
+    torch._dynamo.reset()
+    opt = opsmath.optimize(copy.deepcopy(model), memory_budget=1.0)
+    opt(*batch).backward()
+    frac = opsmath.report(opt).graphs[0].plan
+    assert not frac.timed and frac.head_excess == max(0, ws - sum(frac.grads))
