@@ -326,13 +326,13 @@ def _flops(x, w, *_):
 
 
 def _workspace(x, w, b, target, ignore_index, smoothing, reduction, compute_grad, return_logits=False) -> int:
-    """Bytes live beside the op's outputs while it runs: one chunk of logits in the compute dtype and,
-    where the weight is not fp32, dW's fp32 accumulator blocks (an fp32 weight's accumulate in place
-    into the returned dW)."""
+    """Bytes the op's peak holds beyond its outputs' size: one chunk of logits in the compute dtype and,
+    where the weight is not fp32, dW's fp32 accumulator blocks less the rounded dW it returns (allocated
+    after the chunks; an fp32 weight's blocks are the returned dW)."""
     N, C = x.shape
     V = w.shape[0]
     chunk = min(chunk_rows(V, N), N) * V * x.element_size()
-    return chunk + (V * C * 4 if compute_grad and w.dtype != torch.float32 else 0)
+    return chunk + (V * C * (4 - w.element_size()) if compute_grad and w.dtype != torch.float32 else 0)
 
 
 def _exercise(dtype: torch.dtype) -> None:

@@ -132,3 +132,25 @@ def test_fp32_accumulation_in_place_is_available_and_right():
     _accumulate(acc, a, b)
     assert acc.data_ptr() == ptr
     torch.testing.assert_close(acc, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="measures CUDA allocations")
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_declared_workspace_covers_what_the_op_allocates(wdtype):
+    """The op spec's ``workspace`` (what the recompute planner holds at the end of the forward) against
+    the CUDA peak the op reaches above its inputs and outputs: within 10%, never below by more."""
+    from opsmath.kernels.linear_cross_entropy import SPEC
+    torch.manual_seed(0)
+    N, C, V = 8192, 768, 50304
+    x = torch.randn(N, C, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(V, C, device="cuda") / C ** 0.5).to(wdtype)
+    t = torch.randint(0, V, (N,), device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    outs = linear_cross_entropy_forward(x, w, None, t, -100, 0.0, "mean", True)
+    torch.cuda.synchronize()
+    kept = sum(o.numel() * o.element_size() for o in outs)
+    used = torch.cuda.max_memory_allocated() - before - kept
+    declared = SPEC.workspace(x, w, None, t, -100, 0.0, "mean", True)
+    assert 0.9 * declared <= used <= 1.1 * declared, (used, declared)
