@@ -139,9 +139,11 @@ def main():
         gib = (lambda b: "-" if b is None else f"{b / 2**30:.2f}")
         print(f"{name:34} peak {gib(r['peak']):>6} GiB  predicted {gib(r['predicted']):>6}  "
               f"{'-' if ms is None else f'{ms:.1f}'} ms  {r['error'] or ''}"
-              + "".join(f"  [activations {p['unconstrained'] / 2**30:.2f} GiB as {p['estimated_by']} saves them; "
+              + "".join(f"  [activations {p['unconstrained'] / 2**30:.2f} GiB as {p['estimated_by']} saves them, "
+                        f"kept {p['kept'] / max(1, p['unconstrained']):.3f}; "
                         f"expected peak {gib(p.get('expected_peak'))} GiB, target {gib(p.get('budget_bytes'))}, "
-                        f"model error {gib(p.get('excess'))}]" for p in r["plans"][:1])
+                        f"model error {gib(p.get('excess'))} (+ {gib(p.get('head_excess'))} at the forward's end)"
+                        f"{', timeline' if p.get('timed') else ''}]" for p in r["plans"][:1])
               + (f"  phase peaks {' / '.join(f'{k} {gib(v)}' for k, v in phases.items())}" if peak else ""),
               flush=True)
         save({}, [])   # after every row: a run cut short keeps what it measured

@@ -139,6 +139,7 @@ class Plan:
                     offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
                     offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by, grads=self.grads,
                     expected_peak=self.expected_peak, excess=self.excess, timed=self.timed,
+                    head_excess=self.head_excess, modelled=list(self.modelled),
                     timeline=[list(t) for t in self.timeline()])
 
 
