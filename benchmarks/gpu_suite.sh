@@ -3,7 +3,8 @@
 # Run from the repository root; everything lands in $OUT (the device tool brings it back).
 #   STEPS="tests attn_tests semantics cuda_graphs attention lce ce dan act train gap recompute memory memory_llama long curve
 #          fp8_curve fp8_speed tune llama hf_sdpa lengths guards window_tests window window_model
-#          bloom alibi memory_llama_fractions plan_estimate attention_layout fp8_rowwise bloom_rewrites"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
+#          bloom alibi memory_llama_fractions plan_estimate attention_layout fp8_rowwise bloom_rewrites
+#          budget_windows"   TESTS=<pytest files>   BENCH_ARGS=<attention.py args>
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 export OPSMATH_CACHE_DIR=${OPSMATH_CACHE_DIR:-$OUT/opsmath-cache}
@@ -94,6 +95,13 @@ step plan_estimate ${PLAN_ESTIMATE_TIMEOUT:-240} python3 benchmarks/plan_estimat
 step attention_layout ${LAYOUT_TIMEOUT:-90} python3 benchmarks/attention_layout.py
 step fp8_rowwise ${FP8_ROWWISE_TIMEOUT:-400} python3 benchmarks/hf_default_attention.py --models ${FP8_ROWWISE_MODELS:-llama8b4,llama} \
     --variants "opsmath.optimize(fp8=True) + CUDA graphs,opsmath.optimize(fp8=rowwise) + CUDA graphs" --rounds 3 --steps 3
+# the loss's declared workspace against its measured peak, then byte budgets whose first plan holds it
+# and whose re-plan holds the forward's measured error at the forward's end (GPT-2-small; LLaMA 1.1B's
+# tight 13.87 GiB, which the timeline's error taken off every point made infeasible)
+step budget_windows ${BUDGET_WINDOWS_TIMEOUT:-560} bash -c "OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q -p no:warnings \
+    tests/test_kernel_linear_cross_entropy.py -k workspace && python3 benchmarks/memory.py --no-long --paths inductor \
+    --fractions 0.5,0.25 --absolute 0.75,0.6 --no-anchors && python3 benchmarks/memory.py --model llama --no-long \
+    --paths inductor --fractions '' --absolute 0.65 --no-anchors"
 # one BLOOM step with its attention rewrites printed (causal? which bias?) and its kernel times
 step bloom_rewrites ${BLOOM_REWRITES_TIMEOUT:-120} python3 benchmarks/hf_default_attention.py --models bloom \
     --variants "opsmath.optimize" --rounds 1 --steps 2
