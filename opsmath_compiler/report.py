@@ -278,13 +278,13 @@ class Report(Rendered):
     def _plan_text(p) -> Text:
         t = Text()
         as_bytes, share = p.budget_both_units()
-        beyond = (f" + measured beyond the model {_mib(p.excess)}" if p.excess else "") + (
-            f" (+ {_mib(p.head_excess)} at the end of the forward)" if p.head_excess else "")
+        beyond = f" + measured beyond the model {_mib(p.excess)}" if p.excess else ""
+        at_end = f"; {_mib(p.head_excess)} more at the end of the forward (the loss's workspace)" if p.head_excess else ""
         if p.timed:   # a byte budget, planned against the gradients' timing
             how = (f" on the step's timeline (resident {_mib(p.resident - sum(p.grads))}, kept {_mib(p.kept)}, "
-                   f"gradients {_mib(sum(p.grads))} as backward allocates them{beyond})")
+                   f"gradients {_mib(sum(p.grads))} as backward allocates them{beyond}{at_end})")
         else:
-            how = (f" = resident {_mib(p.resident)} + kept {_mib(p.kept)} + recompute {_mib(p.transient)}{beyond}"
+            how = (f" = resident {_mib(p.resident)} + kept {_mib(p.kept)} + recompute {_mib(p.transient)}{beyond}{at_end}"
                    + (f" (expected {_mib(p.expected_peak)}: gradients arrive as activations leave)"
                       if p.expected_peak else ""))
         t.append(f"memory plan: budget {p.budget} (= {_mib(as_bytes)}, {share:.2f} of activations) | predicted "
