@@ -180,7 +180,8 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
            + (f"; step 1 measured {measured / 2**20:.1f} MiB, {error / 2**20:.1f} MiB over the model"
               + (f", {errors[1] / 2**20:.1f} MiB more at the end of the forward alone" if errors[1] else "")
               + ", taken off the budget" if error > slack else ""))
-    return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args)
+    return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args,
+                       error > slack)
 
 
 def tighten(state, record, base, by_node, args, model, use_inductor, peak_before, since):
@@ -198,38 +199,41 @@ def tighten(state, record, base, by_node, args, model, use_inductor, peak_before
     why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
            f"{(measured - goal) / 2**20:.1f} MiB over the budget: tightened")
     return _plan_again(state, record, base, by_node, goal, _errors(old.modelled, peaks), resident_bytes(args, model),
-                       use_inductor, why, peaks, args)
+                       use_inductor, why, peaks, args, True)
 
 
-def _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args):
+def _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args, measured):
     """Plan ``base`` (a fresh copy of the rewritten graph) again for ``goal`` bytes less the model's
-    measured error ``excess`` = (at every point, beyond that at the end of the forward: ``_errors``),
-    counted in the new plan's predicted peak, and the margin; record why. A byte budget is planned against
+    error ``excess`` = (at every point, beyond that at the end of the forward: ``_errors``), counted in
+    the new plan's predicted peak, and the margin where the error was ``measured`` (not the declared
+    workspace alone); record why. A byte budget is planned against
     the gradients' timing; where that leaves no feasible plan, it is planned with every gradient resident
     from the start (whose count covers the loss's workspace where the gradients are larger) and that
     model's own error."""
     timed = parse_budget(state.memory_budget)[0] == "bytes"
     try:
-        plan, g = _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor, why, args, timed)
+        plan, g = _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor, why, args, timed,
+                            measured)
     except InfeasibleBudget:
         old = record.plan
         if not (timed and old.timed and peaks[0] is not None):
             raise
         coarse = _errors((old.resident + old.kept, old.resident + old.kept + old.transient), peaks)
         coarse = coarse if max(coarse) > int(0.01 * goal) else (0, 0)
-        plan, g = _plan_for(state, record, base, by_node, goal, coarse, resident, use_inductor, why, args, False)
+        plan, g = _plan_for(state, record, base, by_node, goal, coarse, resident, use_inductor, why, args, False,
+                            max(coarse) > 0)
     plan.measured_peak = None if peaks[0] is None else max(peaks[0], peaks[1] or 0)
     record.plan = plan
     log.warning("opsmath: graph %d re-planned for memory_budget=%r: %s", record.index, state.memory_budget, why)
     return g
 
 
-def _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor, why, args, timed):
-    """(plan, graph): ``base`` planned for ``goal`` less ``excess[0]`` and the margin, ``excess[1]`` more
-    held at the end of the forward."""
+def _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor, why, args, timed, measured):
+    """(plan, graph): ``base`` planned for ``goal`` less ``excess[0]`` and, where ``measured``, the margin;
+    ``excess[1]`` more held at the end of the forward."""
     g = clone_graph_module(base)
     every, head = excess
-    budget = goal - (every + int(REPLAN_MARGIN * goal) if every or head else 0)
+    budget = goal - every - (int(REPLAN_MARGIN * goal) if measured else 0)
     try:
         how = "tag" if use_inductor else "checkpoint"
         plan = plan_and_emit(g, by_node, budget, resident, how=how, link=record.plan.link, grads=grad_bytes(g, args),
