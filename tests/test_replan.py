@@ -33,6 +33,20 @@ def _measure_phases(monkeypatch, forward, backward):
     monkeypatch.setattr(replan, "max_allocated", lambda args: forward() if phase["now"] == "forward" else backward())
 
 
+def _probed_gpt():
+    """(model, its copy for eager, batch, the plan of the model under ``memory_budget=1.0``): the
+    unconstrained step's numbers, to set a byte budget below them."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    ref = copy.deepcopy(model)
+    probe = opsmath.optimize(copy.deepcopy(model), memory_budget=1.0)
+    probe(*batch).backward()
+    p = opsmath.report(probe).graphs[0].plan
+    torch._dynamo.reset()
+    return model, ref, batch, p
+
+
 def _assert_same_step(model, ref, batch):
     torch.manual_seed(3)
     loss = model(*batch)
@@ -152,14 +166,7 @@ def test_tight_byte_budget_falls_back_to_every_gradient_resident(monkeypatch):
     """A byte budget whose measured error, taken off every point of the gradients' timeline, leaves no
     feasible plan is planned again with every gradient resident from the start and that model's own
     error (here none: the step peaked exactly where the coarser model said)."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
-    ref = copy.deepcopy(model)
-    probe = opsmath.optimize(copy.deepcopy(model), memory_budget=1.0)
-    probe(*batch).backward()
-    p = opsmath.report(probe).graphs[0].plan
-    torch._dynamo.reset()
+    model, ref, batch, p = _probed_gpt()
     budget = int(p.resident + 0.6 * p.unconstrained)
     opt = opsmath.optimize(model, memory_budget=budget)
 
@@ -183,14 +190,7 @@ def test_forward_end_workspace_is_held_at_the_end_of_the_forward_alone(monkeypat
     """Step 1 measured above the model only at the end of its forward (the loss's workspace): the re-plan
     holds those bytes there (``head_excess``) and leaves every other point of the timeline as modelled,
     where taking them off the whole budget would recompute for them at every point."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
-    ref = copy.deepcopy(model)
-    probe = opsmath.optimize(copy.deepcopy(model), memory_budget=1.0)
-    probe(*batch).backward()
-    p = opsmath.report(probe).graphs[0].plan
-    torch._dynamo.reset()
+    model, ref, batch, p = _probed_gpt()
     budget, work = int(p.expected_peak - 0.1 * p.unconstrained), int(0.2 * p.unconstrained)
     opt = opsmath.optimize(model, memory_budget=budget)
     _measure_phases(monkeypatch, lambda: opsmath.report(opt).graphs[0].plan.modelled[0] + work,
