@@ -177,9 +177,9 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     for sg in segs:
         prefix.append(prefix[-1] + sg.saved)
     steps = _steps(segs, runs, link, sel)
-    unit, need = max(1.0, total / units), total + (max(after[n - 1], head) if n else 0) - limit   # saving needed
-    picked = [] if need <= 0 and max(p + a for p, a in zip(prefix[1:], after)) <= limit \
-        else _solve(n, steps, max(0.0, need), unit, prefix, limit, after, head)
+    unit = max(1.0, total / units)
+    fits = _peak(segs, [], after, head) <= limit   # nothing to recompute: no DP
+    picked = [] if fits else _solve(n, steps, unit, prefix, limit, after, head)
     if picked is None:
         sizes = sorted({st.size for sts in steps.values() for st in sts})
         # a reachable peak to bisect from: kept + the largest transient, at a few transient caps

@@ -70,9 +70,9 @@ def _max_saving(n: int, steps: dict, T: int) -> int:
     return best[n]
 
 
-def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: float,
+def _solve(n: int, steps: dict, unit: float, prefix: list, limit: float,
            after: list | None = None, head: float = 0) -> list[Step] | None:
-    """Disjoint steps saving >= ``need`` bytes at the least modelled cost, each taken only
+    """Disjoint steps saving what ``limit`` needs at the least modelled cost, each taken only
     where the bytes live while its backward runs fit ``limit``: what segments up to its end keep, plus
     its own activations back (``prefix[j]``: bytes segments < j save unconstrained; the later segments'
     are freed by then), plus ``after[i]`` gradient bytes; and every segment boundary p where backward
@@ -82,7 +82,6 @@ def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: f
     units, so the bounds hold; a state below a boundary's least saving is dropped), then a backtrack.
     None when no choice saves enough. NumPy rows: one vector update per step, O(steps x units)."""
     after = after or [0] * (n + 1)
-    cap = max(0, int(math.ceil(need / unit)))
     floor_of = {}   # a step's least saving so far (units) for its backward to fit
     for sts in steps.values():
         for st in sts:
@@ -90,7 +89,7 @@ def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: f
     # least saving (units) over segments 0..p for backward's arrival at p to fit: dp[p + 1]'s floor
     at = [*after[:max(0, n - 1)], max(after[n - 1], head)] if n else []   # the forward's end: no gradient yet
     edge = [max(0, int(math.ceil((prefix[p + 1] + at[p] - limit) / unit))) for p in range(n)]
-    top = max([cap, *floor_of.values(), *edge])
+    top = max([0, *floor_of.values(), *edge])
     dp = np.full((n + 1, top + 1), np.inf)
     dp[0, 0] = 0.0
     came = np.full((n + 1, top + 1), -1, dtype=np.int32)   # start p of the step that reached it
@@ -114,6 +113,7 @@ def _solve(n: int, steps: dict, need: float, unit: float, prefix: list, limit: f
             dst[better], came[st.j + 1][better], took[st.j + 1][better] = new[better], p, k
     if n:
         dp[n, :edge[n - 1]] = np.inf
+    cap = edge[n - 1] if n else 0   # the last boundary: every kept byte (the saving the whole step needs)
     ends = dp[n, cap:]
     best = ends.min()
     if not math.isfinite(best):
@@ -136,10 +136,10 @@ def _lowest_peak(segs: list[Segment], steps: dict, prefix: list, unit: float, hi
                  after: list | None = None, head: float = 0) -> float:
     """The lowest peak of activations (and gradients by ``after``) any choice reaches, to within a
     unit: bisection on ``_solve``'s feasibility below ``hi`` (a peak known to be reachable)."""
-    total, lo, last = prefix[-1], 0.0, (after[len(segs) - 1] if after and segs else 0)
+    lo = 0.0
     while hi - lo > unit:
         mid = (lo + hi) / 2
-        if _solve(len(segs), steps, total + max(last, head) - mid, unit, prefix, mid, after, head) is not None:
+        if _solve(len(segs), steps, unit, prefix, mid, after, head) is not None:
             hi = mid
         else:
             lo = mid

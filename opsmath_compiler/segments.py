@@ -73,10 +73,14 @@ def node_cost(n: fx.Node) -> float:
         return t + 2 * out.numel() * k / _FLOP_RATE
     spec = spec_of(n.target)
     if spec is not None and spec.flops is not None:    # a fused op with GEMMs inside (its op spec)
-        vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
-        return t + spec.flops(*vals) / (_FLOP_RATE * spec.efficiency)
+        return t + spec.flops(*_arg_values(n)) / (_FLOP_RATE * spec.efficiency)
     moved = _nbytes(n) + sum(_nbytes(i) for i in n.all_input_nodes if i.op != "get_attr")
     return t + moved / _BYTE_RATE
+
+
+def _arg_values(n: fx.Node) -> list:
+    """``n``'s positional arguments, nodes replaced by their (fake) values: what op-spec callables take."""
+    return [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
 
 
 def node_workspace(n: fx.Node) -> int:
@@ -85,9 +89,8 @@ def node_workspace(n: fx.Node) -> int:
     spec = spec_of(n.target) if n.op == "call_function" else None
     if spec is None or spec.workspace is None:
         return 0
-    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
     try:
-        return int(spec.workspace(*vals))
+        return int(spec.workspace(*_arg_values(n)))
     except (AttributeError, TypeError, ValueError):   # an argument without a fake value
         return 0
 
