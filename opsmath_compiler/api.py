@@ -94,7 +94,9 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             ``torch.cuda`` peak memory statistics at the graph's first and second calls.
         patterns: names of pattern families to apply (default: all, see ``opsmath.patterns.NAMES``,
             less ``INDUCTOR_FUSES_BETTER`` when Inductor compiles the graph; given explicitly, exactly these).
-        skip: names (``"attention"``) or single occurrences (``"attention@softmax_3"``) to leave alone.
+        skip: what to leave alone: families (``"attention"``), single occurrences (``"attention@softmax_3"``,
+            the node the report names), or a family's occurrences inside modules, by qualified name or
+            glob (``"fp8_linear@lm_head"``, ``"attention@layers.*.self_attn"``).
         analyze: predict saved activation bytes before/after for the report (one extra fake-tensor
             run of each captured graph at capture time).
         inductor: compile the rewritten graph with Inductor (fusing everything the patterns left

@@ -7,7 +7,9 @@ Matching never changes semantics: when unsure, a rule declines.
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
@@ -107,8 +109,14 @@ class RewriteContext:
 
     def allowed(self, pattern: str, anchor: fx.Node) -> bool:
         """Whether the user (``optimize(..., skip=...)``) lets this occurrence be rewritten: ``skip``
-        holds family names (``"attention"``) or single occurrences (``"attention@softmax_3"``)."""
-        return pattern not in self.skip and f"{pattern}@{anchor.name}" not in self.skip
+        holds family names (``"attention"``), single occurrences (``"attention@softmax_3"``, the node the
+        report names), or the modules an occurrence lies in, by name or glob (``"fp8_linear@lm_head"``,
+        ``"attention@layers.*.self_attn"``; a name also covers what lies inside that module)."""
+        if pattern in self.skip or f"{pattern}@{anchor.name}" in self.skip:
+            return False
+        wanted = [s.split("@", 1)[1] for s in self.skip if s.startswith(pattern + "@")]
+        return not wanted or not any(fnmatch.fnmatchcase(path, w) or path.startswith(w + ".")
+                                     for path in module_paths(anchor) for w in wanted)
 
     def offer(self, pattern: str, anchor: fx.Node, plan, emit: Callable[[], None]) -> None:
         """One occurrence a pattern analysed: ``plan`` is either the reason to leave it alone (a str)
@@ -289,3 +297,17 @@ class SymbolicSizeProp(FakeTensorProp):
         if target is torch.ops.aten.size.default:
             return tuple(args[0].size())
         return super().call_function(target, args, kwargs)
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    """The qualified names (``"h.0.attn"``, as ``named_modules`` spells them) of the modules whose
+    forward produced ``node``, outermost first, from dynamo's ``nn_module_stack``; [] when unknown."""
+    paths = []
+    for value in (node.meta.get("nn_module_stack") or {}).values():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        path = re.sub(r"^L\['[^']*'\]\.?", "", path)                      # the frame's argument
+        path = re.sub(r"\._(?:modules|parameters)\['([^']+)'\]", r".\1", path)   # older spellings
+        path = re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
+        if path:
+            paths.append(path)
+    return paths

@@ -142,7 +142,7 @@ def test_declared_workspace_covers_what_the_op_allocates(wdtype):
     from opsmath.kernels.linear_cross_entropy import SPEC
     torch.manual_seed(0)
     N, C, V = 8192, 768, 50304
-    x = torch.randn(N, C, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(N, C, device="cuda", dtype=wdtype)        # the op computes in its operands' dtype
     w = (torch.randn(V, C, device="cuda") / C ** 0.5).to(wdtype)
     t = torch.randint(0, V, (N,), device="cuda")
     torch.cuda.synchronize()

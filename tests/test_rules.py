@@ -52,3 +52,20 @@ def test_a_skipped_cross_entropy_is_reported_like_any_family():
     reasons = [(d.pattern, d.reason) for g in rep.graphs for d in g.declines]
     assert ("cross_entropy", "skipped by the user") in reasons, reasons
     assert not any(m.pattern == "cross_entropy" for g in rep.graphs for m in g.matches)
+
+
+@pytest.mark.parametrize("skip, rewrites", [(["attention@h.1.attn"], 2), (["attention@h.*.attn"], 0),
+                                            (["attention@h.0"], 2), (["attention@h.3", "attention@h.1.at"], 3)])
+def test_skip_names_the_modules_an_occurrence_lies_in(skip, rewrites):
+    """``skip`` takes a module's qualified name or a glob after the family: occurrences inside it (or
+    any module it contains) are left alone and reported as skipped; the others are rewritten."""
+    from opsmath.examples import GPT
+    torch.manual_seed(0)
+    model = opsmath.optimize(GPT(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, dropout=0.0),
+                             skip=skip, inductor=False)
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x).backward()
+    rep = opsmath.report(model)
+    rewritten = [m for g in rep.graphs for m in g.matches if m.pattern == "attention"]
+    skipped = [d for g in rep.graphs for d in g.declines if d.reason == "skipped by the user"]
+    assert len(rewritten) == rewrites and len(skipped) == 3 - rewrites, (rewritten, skipped)
