@@ -100,7 +100,7 @@ step fp8_rowwise ${FP8_ROWWISE_TIMEOUT:-400} python3 benchmarks/hf_default_atten
 # tight 13.87 GiB, which the timeline's error taken off every point made infeasible)
 step budget_windows ${BUDGET_WINDOWS_TIMEOUT:-560} bash -c "OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q -p no:warnings \
     tests/test_kernel_linear_cross_entropy.py -k workspace; python3 benchmarks/memory.py --no-long --paths inductor \
-    --fractions 0.5,0.25 --absolute ${BW_ABSOLUTE:-0.75,0.6} --no-anchors; python3 benchmarks/memory.py --model llama --no-long \
+    --fractions 0.5,0.25 --absolute ${BW_ABSOLUTE-0.75,0.6} --no-anchors; python3 benchmarks/memory.py --model llama --no-long \
     --paths inductor --fractions '' --absolute 0.65 --no-anchors"
 # one BLOOM step with its attention rewrites printed (causal? which bias?) and its kernel times
 step bloom_rewrites ${BLOOM_REWRITES_TIMEOUT:-120} python3 benchmarks/hf_default_attention.py --models bloom \
