@@ -163,10 +163,13 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     measured = None if peaks[0] is None else max(peaks[0], peaks[1] or 0)
     if measured is not None:
         old.measured_peak = measured
-    errors = _errors(old.modelled, peaks) if measured is not None and _carries_error(state, record, since) else (0, 0)
+    carries = measured is not None and _carries_error(state, record, since)
+    errors = _errors(old.modelled, peaks) if carries else (0, 0)
     error = _above(old, errors)
     slack = int(0.01 * old.target())
-    excess = errors if error > slack else (old.excess, old.head_excess)
+    # the errors are the model's, not the plan's: a loose plan hides the forward end's error under its
+    # backward peak (error 0), and the tighter plan made when the resident bytes grow meets it
+    excess = errors if carries else (old.excess, old.head_excess)
     grew = resident > old.resident + slack and parse_budget(state.memory_budget)[0] == "bytes"
     if not grew and error <= slack:
         old.predicted_peak += resident - old.resident   # a fraction's plan stays, its prediction follows
@@ -179,9 +182,9 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
               if resident != old.resident else f"call {record.calls}")
            + ("" if measured is None else f"; step 1 measured {measured / 2**20:.1f} MiB, {error / 2**20:.1f} MiB over "
               "the model" + (f", {errors[1] / 2**20:.1f} MiB more at the end of the forward alone" if errors[1] else "")
-              + (", taken off the budget" if error > slack else ", within 1% of the budget")))
+              + (", taken off the budget" if max(error, *errors) > slack else ", within 1% of the budget")))
     return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args,
-                       error > slack)
+                       max(error, *errors) > slack)
 
 
 def tighten(state, record, base, by_node, args, model, use_inductor, peak_before, since):
