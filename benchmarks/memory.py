@@ -103,6 +103,8 @@ def main():
     ap.add_argument("--fractions", default=None, help="fractional budgets of the sweep, comma-separated")
     ap.add_argument("--absolute", default=None, help="absolute budgets of the sweep as fractions of the "
                                                   "unconstrained peak, comma-separated")
+    ap.add_argument("--gib", default="", help="absolute budgets in GiB, comma-separated (after the others)")
+    ap.add_argument("--no-base", action="store_true", help="skip the unconstrained row (no overhead column)")
     ap.add_argument("--no-anchors", action="store_true", help="the sweep without its comparison rows")
     ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
     args = ap.parse_args()
@@ -176,7 +178,7 @@ def sweep(args, cfg, device, batch, row):
         tag = "opsmath" + (" + Inductor" if inductor else " op-by-op")
         ops = (lambda budget, i=inductor: opsmath.optimize(args.make("eager"), memory_budget=budget,
                                                            inductor=i))
-        base = row(f"{tag} (no budget)", lambda: ops(None))
+        base = dict(ms=None, peak=None) if args.no_base else row(f"{tag} (no budget)", lambda: ops(None))
         for f in args.fractions if args.fractions is not None else ((0.5, 0.25) if args.quick else (0.75, 0.5, 0.25)):
             row(f"{tag} budget {f}", lambda f=f: ops(f), f, base["ms"])
         if base["peak"] is not None:
@@ -186,6 +188,8 @@ def sweep(args, cfg, device, batch, row):
                 r = row(f"{tag} budget {b / 2**30:.2f} GiB", lambda b=b: ops(b), b, base["ms"])
                 if r["error"]:
                     break
+        for gib in [float(x) for x in args.gib.split(",") if x]:
+            row(f"{tag} budget {gib:.2f} GiB", lambda b=int(gib * 2**30): ops(b), int(gib * 2**30), base["ms"])
     if args.no_anchors:
         return
     row("per-block checkpoint", lambda: args.make("per_block_checkpoint"))
