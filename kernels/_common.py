@@ -36,6 +36,17 @@ from .autotune import cached, pick
 _M32 = 0xFFFFFFFF
 
 
+def first_order_only(family: str) -> None:
+    """Refuse a backward that records a graph of itself (grad mode on: ``backward(create_graph=True)`` or
+    ``autograd.grad(..., create_graph=True)``, as gradient penalties and meta-learning ask). A fused op's
+    gradient comes from kernels, or from results its forward saved, with no derivative of its own: a
+    second derivative through it would be missing or wrong. A first-order backward runs with grad mode off."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"opsmath: the fused {family} op's gradient has no derivative, and this backward asks "
+                           f"for one (create_graph=True: a gradient penalty, double backward). Leave the family to "
+                           f"eager: optimize(model, skip=[{family!r}]), or every family: patterns=[].")
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when the Triton kernel should run for a tensor on ``t``'s device."""
     if t.is_cuda:

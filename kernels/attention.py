@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from ._common import check_seed, dropout_keep, flat_offsets, new_seed, use_triton
+from ._common import check_seed, dropout_keep, first_order_only, flat_offsets, new_seed, use_triton
 from .attention_triton import attention_backward_triton, attention_forward_triton
 from ._spec import backward, leaf
 from .attention_configs import configs_for, forced_config
@@ -170,6 +170,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dstats):
+    first_order_only("attention")
     q, k, v, bias, mask, seed, out, stats = ctx.saved_tensors
     mask_fill, is_causal, scale, dropout_p, softcap, window = ctx.args
     bias_grad = bias is not None and ctx.needs_input_grad[3]

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_seed, dropout_keep, flat_offsets, forced_row_config, keep_mask, load_seed, new_seed,
-                      row_key, row_tile, seed_arg, tuned_config, use_triton)
+from ._common import (check_seed, dropout_keep, first_order_only, flat_offsets, forced_row_config, keep_mask,
+                      load_seed, new_seed, row_key, row_tile, seed_arg, tuned_config, use_triton)
 from ._spec import OpSpec, backward, leaf, register
 
 _SQRT1_2 = 1 / math.sqrt(2.0)
@@ -243,6 +243,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
+    first_order_only("bias_gelu")
     x, bias, seed = ctx.saved_tensors
     dx, db = bias_gelu_backward_op(dy, x, bias, *ctx.args, seed)
     return dx, db, None, None, None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .linear_cross_entropy import grad_scale, reduce, rows
+from ._common import first_order_only
 from ._spec import OpSpec, backward, leaf, register
 
 
@@ -72,6 +73,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dloss, _dlse):
+    first_order_only("cross_entropy")
     logits, target, lse = ctx.saved_tensors
     return cross_entropy_backward_op(logits, target, lse, dloss, *ctx.args), None, None, None, None
 

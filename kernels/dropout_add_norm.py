@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_seed, dropout_keep, flat_offsets, forced_row_config, keep_mask, load_seed, new_seed,
-                      next_pow2, resident_programs, row_key, row_tile, seed_arg, tuned_config, use_triton)
+from ._common import (check_seed, dropout_keep, first_order_only, flat_offsets, forced_row_config, keep_mask,
+                      load_seed, new_seed, next_pow2, resident_programs, row_key, row_tile, seed_arg, tuned_config, use_triton)
 from ._spec import OpSpec, backward, leaf, register
 
 # --------------------------------------------------------------------------------------------------
@@ -343,6 +343,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dh_out, dstats):
+    first_order_only("dropout_add_norm")
     h, stats, weight, bias, seed = ctx.saved_tensors
     is_rms, eps, dropout_p = ctx.args
     dx, dr, dw, db = dropout_add_norm_backward_op(dout, dh_out, h, stats, weight, bias, is_rms, eps,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ._common import first_order_only
 from ._spec import OpSpec, backward, leaf, register
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -74,6 +75,7 @@ class FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        first_order_only("fp8_linear")
         g = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.rowwise:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ._common import first_order_only
 from ._spec import OpSpec, backward, leaf, register
 
 
@@ -70,6 +71,7 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
+    first_order_only("experts")
     x, w, offs = ctx.saved_tensors
     dx = grouped_mm_loop(dy, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
     dw = weight_grad_loop(x, dy, offs) if ctx.needs_input_grad[1] else None

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, use_triton
+from ._common import first_order_only, next_pow2, use_triton
 from ._spec import OpSpec, backward, leaf, register
 
 CHUNK_BYTES = 512 * 2**20
@@ -289,6 +289,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dloss, _ddx, _ddw, _ddb, dlogits):
+    first_order_only("linear_cross_entropy")
     if not ctx.compute_grad:
         raise RuntimeError("opsmath::linear_cross_entropy was called with compute_grad=False; "
                            "it has no gradient to give")

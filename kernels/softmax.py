@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, use_triton
+from ._common import first_order_only, next_pow2, use_triton
 from ._spec import OpSpec, backward, leaf, register
 
 _MAX_BLOCK = 8192   # widest row kept in registers (16 fp32 per thread at 16 warps)
@@ -206,6 +206,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
+    first_order_only("scaled_softmax")
     (y,) = ctx.saved_tensors
     dx = scaled_softmax_backward_op(y, dy, ctx.scale)
     dbias = None

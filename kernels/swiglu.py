@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import use_triton
+from ._common import first_order_only, use_triton
 from ._spec import OpSpec, backward, leaf, register
 
 _BLOCK = 1024
@@ -132,6 +132,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
+    first_order_only("swiglu")
     a, b = ctx.saved_tensors
     return swiglu_backward_op(dy, a, b)
 
