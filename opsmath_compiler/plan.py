@@ -253,8 +253,12 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     kind, value = parse_budget(budget)
     # two cuts of opsmath's own: local minima of the crossing bytes within 6 positions (block-sized
     # segments), and within 2 (about half-blocks: a smaller largest recompute, so a lower floor)
-    options = [("opsmath", segments_of(gm, saved_by)), ("opsmath-fine", segments_of(gm, saved_by, window=2))]
-    user = user_segments(gm, saved_by)
+    # run op by op, a recompute would apply a state update (BatchNorm's statistics) again: pinned; under
+    # Inductor, AOTAutograd applies updates once, after the graph, whatever is recomputed
+    pin = how == "checkpoint"
+    options = [("opsmath", segments_of(gm, saved_by, pin=pin)),
+               ("opsmath-fine", segments_of(gm, saved_by, window=2, pin=pin))]
+    user = user_segments(gm, saved_by, pin=pin)
     if user is not None:
         options.insert(0, ("user", user))
     if how != "tag":

@@ -102,6 +102,7 @@ class Segment:
     saved: int                 # activation bytes its nodes save
     inputs: int                # activation bytes it would keep as checkpoint inputs
     cost: float                # modelled recompute seconds
+    fixed: bool = False        # only pinned nodes (``_pinned``: state updates, no-grad regions): never recomputed
 
     @property
     def saving(self) -> int:
@@ -177,6 +178,64 @@ def describe(order: list[fx.Node], seg: Segment) -> str:
             + ", ".join(f"{k} x{v}" if v > 1 else k for k, v in ops.most_common()))
 
 
+def _arg(n: fx.Node, i: int, name: str):
+    return n.args[i] if i < len(n.args) else n.kwargs.get(name)
+
+
+# norms that update running statistics in place when training, with no alias annotation in their schema:
+# target -> (the training flag's position, the statistics' positions)
+_STAT_UPDATES = {getattr(aten, name).default: (5, (3, 4)) for name in
+                 ("batch_norm", "instance_norm", "native_batch_norm", "cudnn_batch_norm") if hasattr(aten, name)}
+
+
+def _root(v: fx.Node) -> fx.Node:
+    """The node whose tensor ``v`` is, or views (followed through ops whose output aliases their input)."""
+    while v.op == "call_function" and isinstance(v.args[0] if v.args else None, fx.Node):
+        schema = getattr(v.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            break
+        v = v.args[0]
+    return v
+
+
+def mutates_state(n: fx.Node) -> bool:
+    """Whether ``n`` writes to a graph input (a buffer, a parameter, a user input) or a view of one: an
+    in-place or ``out=`` op on it, or a batch/instance norm updating its running statistics in training
+    (BatchNorm, an EMA, spectral norm's power iteration). Run again by a checkpoint's recompute, the
+    update would be applied twice (PyTorch stops it: a saved tensor's version changed)."""
+    if n.op != "call_function":
+        return False
+    if n.target in _STAT_UPDATES:
+        flag, stats = _STAT_UPDATES[n.target]
+        return bool(_arg(n, flag, "training")) and any(isinstance(_arg(n, i, ""), fx.Node) for i in stats)
+    schema = getattr(n.target, "_schema", None)
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = n.kwargs.get(a.name) if a.kwarg_only else _arg(n, i, a.name)
+            if isinstance(v, fx.Node) and _root(v).op in ("placeholder", "get_attr"):
+                return True
+    return False
+
+
+# calls that switch global state for the nodes after them: split by a cut, a recompute would run part
+# of a region in the wrong mode (under checkpoint's enable_grad instead of the model's no_grad)
+_MODE_SWITCHES = {torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
+                  torch.amp.autocast_mode._exit_autocast}
+
+
+def _pinned(order: list[fx.Node]) -> set[int]:
+    """Positions a plan run op by op must never recompute: state updates (``mutates_state``), mode
+    switches, and what runs with gradients off (it saves nothing; run again, it would run with them on)."""
+    out, grad = set(), True
+    for i, n in enumerate(order):
+        if n.target in _MODE_SWITCHES:
+            out.add(i)
+            grad = bool(n.args[0]) if n.target is torch._C._set_grad_enabled else grad
+        elif not grad or mutates_state(n):
+            out.add(i)
+    return out
+
+
 def forward_order(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function"]
 
@@ -203,7 +262,12 @@ def _crossing_cuts(order: list[fx.Node], window: int) -> list[int]:
     return cuts
 
 
-def _segments(order: list[fx.Node], cuts: list[int], saved_by: dict[str, int]) -> list[Segment]:
+def _segments(order: list[fx.Node], cuts: list[int], saved_by: dict[str, int], pin: bool = False) -> list[Segment]:
+    """Segments between ``cuts``; with ``pin``, each run of pinned nodes (``_pinned``) cut out as a segment
+    of its own, marked ``fixed``."""
+    pinned = _pinned(order) if pin else set()
+    edges = [i for i in pinned if i - 1 not in pinned] + [i + 1 for i in pinned if i + 1 not in pinned]
+    cuts = [*cuts, *(c - 1 for c in edges if 0 < c < len(order))]
     bounds = [-1] + sorted(set(cuts)) + [len(order) - 1]
     segs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -213,14 +277,16 @@ def _segments(order: list[fx.Node], cuts: list[int], saved_by: dict[str, int]) -
         inside = set(nodes)
         ext = {i for n in nodes for i in n.all_input_nodes if i not in inside and i.op == "call_function"}
         segs.append(Segment(a + 1, b, sum(saved_by.get(n.name, 0) for n in nodes),
-                            _input_bytes(ext), sum(node_cost(n) for n in nodes)))
+                            _input_bytes(ext), sum(node_cost(n) for n in nodes),
+                            fixed=all(i in pinned for i in range(a + 1, b + 1))))
     return segs
 
 
-def segments_of(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6) -> list[Segment]:
-    """Cut the forward order at local minima of the activation bytes crossing each position."""
+def segments_of(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6, pin: bool = False) -> list[Segment]:
+    """Cut the forward order at local minima of the activation bytes crossing each position; with ``pin``
+    (a plan run op by op) each state update is a fixed segment of its own."""
     order = forward_order(gm)
-    return _segments(order, _crossing_cuts(order, window), saved_by)
+    return _segments(order, _crossing_cuts(order, window), saved_by, pin)
 
 
 def user_regions(order: list[fx.Node]) -> list[tuple[int, int]]:
@@ -234,7 +300,8 @@ def user_regions(order: list[fx.Node]) -> list[tuple[int, int]]:
     return sorted(spans.values())
 
 
-def user_segments(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6) -> list[Segment] | None:
+def user_segments(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6,
+                  pin: bool = False) -> list[Segment] | None:
     """Segments whose candidates are the user's checkpoint regions (each exactly as cut), with the
     order between and around them cut at opsmath's points; None without (disjoint) regions."""
     order = forward_order(gm)
@@ -244,7 +311,7 @@ def user_segments(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6)
     cuts = [i for i in _crossing_cuts(order, window) if not any(lo - 1 <= i <= hi for lo, hi in spans)]
     for lo, hi in spans:
         cuts += [lo - 1, hi] if lo > 0 else [hi]
-    return _segments(order, [c for c in cuts if c < len(order) - 1], saved_by)
+    return _segments(order, [c for c in cuts if c < len(order) - 1], saved_by, pin)
 
 
 def runs_of(gm: fx.GraphModule, segs: list[Segment], max_len: int = 16) -> dict[tuple[int, int], Segment]:
@@ -259,6 +326,8 @@ def runs_of(gm: fx.GraphModule, segs: list[Segment], max_len: int = 16) -> dict[
         start, held, inputs, saved, cost = segs[i].start, set(), 0, 0, 0.0
         for j in range(i, min(len(segs), i + max_len)):
             s = segs[j]
+            if s.fixed:
+                break
             for n in order[s.start:s.end + 1]:
                 for x in n.all_input_nodes:
                     if x.op == "call_function" and pos.get(x, start) < start and _storage(x) not in held:

@@ -75,3 +75,50 @@ def test_a_graph_far_above_its_share_still_names_its_floor():
     ids = torch.randint(0, 128, (2, 64))
     with pytest.raises(opsmath.InfeasibleBudget, match="smallest feasible"):
         opt(input_ids=ids, labels=ids).loss.backward()
+
+
+class _ConvBN(torch.nn.Module):
+    """Blocks of conv -> GELU -> conv -> BatchNorm -> ReLU: BatchNorm updates its running statistics in
+    place in every training forward; the last block's first conv under spectral norm (a power-iteration
+    update of its vectors, under no_grad, every forward)."""
+
+    def __init__(self, blocks=6, c=8):
+        super().__init__()
+        first = [torch.nn.Conv2d(c if i else 3, c, 3, padding=1) for i in range(blocks)]
+        first[-1] = torch.nn.utils.parametrizations.spectral_norm(first[-1])
+        self.first = torch.nn.ModuleList(first)
+        self.second = torch.nn.ModuleList(torch.nn.Conv2d(c, c, 3, padding=1) for _ in range(blocks))
+        self.bns = torch.nn.ModuleList(torch.nn.BatchNorm2d(c) for _ in range(blocks))
+
+    def forward(self, x):
+        for a, b, bn in zip(self.first, self.second, self.bns):
+            x = torch.relu(bn(b(torch.nn.functional.gelu(a(x))))) + (x if x.shape[1] == 8 else 0)
+        return x.square().mean()
+
+
+def test_recompute_op_by_op_never_repeats_a_state_update():
+    """Run op by op, a recomputed segment runs again in backward. A BatchNorm's statistics update or a
+    spectral norm's power iteration inside it would be applied twice (PyTorch stops that with a version
+    error); the plan cuts such nodes, and the no-grad region around them, out as fixed segments and
+    recomputes around them: the step trains as eager, buffers included, for two steps."""
+    from opsmath.segments import _pinned, forward_order
+    torch.manual_seed(0)
+    model, x = _ConvBN(), [torch.randn(4, 3, 16, 16) for _ in range(2)]
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model, memory_budget=0.7, inductor=False)
+    for step in range(2):
+        loss, loss_e = opt(x[step]), eager(x[step])
+        loss.backward()
+        loss_e.backward()
+        assert rel_err(loss, loss_e) < 1e-5
+        for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
+            assert grads_close(p.grad, q.grad, 1e-5), name
+        for (name, b), b_e in zip(opt.named_buffers(), eager.buffers()):
+            torch.testing.assert_close(b, b_e, rtol=1e-5, atol=1e-6, msg=name)
+    rec = opsmath.report(opt).graphs[0]
+    plan = rec.plan
+    assert plan.chosen or plan.selective
+    assert any(s.fixed for s in plan.segments)
+    order = forward_order(rec.graph)
+    pinned = _pinned(order)
+    assert {order[i].target for i in pinned} >= {torch.ops.aten.batch_norm.default, torch._C._set_grad_enabled}
