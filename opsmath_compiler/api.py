@@ -75,10 +75,9 @@ def _no_state():
 
 def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=None, analyze=True,
              inductor=None, cuda_graphs=False, fp8=False, **options) -> torch.nn.Module:
-    """Rewrite ``model``'s fusable subgraphs (attention, dropout-add-norm, the LM-head loss, cross-entropy,
-    SwiGLU, bias-GELU, scaled softmax, loops over mixture-of-experts experts: ``opsmath.patterns.NAMES``)
-    into fused kernels, lazily, at the first call; on CUDA the families Inductor does better are left to
-    it (``INDUCTOR_FUSES_BETTER``).
+    """Rewrite ``model``'s fusable subgraphs (``opsmath.patterns.NAMES``: attention, dropout-add-norm, the
+    LM-head loss, cross-entropy, SwiGLU, bias-GELU, scaled softmax, experts loops) into fused kernels,
+    lazily, at the first call; on CUDA those Inductor does better are left to it (``INDUCTOR_FUSES_BETTER``).
 
     Args:
         model: any ``nn.Module``; it is compiled in place and returned (same object).
@@ -94,9 +93,8 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             ``torch.cuda`` peak memory statistics at the graph's first and second calls.
         patterns: names of pattern families to apply (default: all, see ``opsmath.patterns.NAMES``,
             less ``INDUCTOR_FUSES_BETTER`` when Inductor compiles the graph; given explicitly, exactly these).
-        skip: what to leave alone: families (``"attention"``), single occurrences (``"attention@softmax_3"``,
-            the node the report names), or a family's occurrences inside modules, by qualified name or
-            glob (``"fp8_linear@lm_head"``, ``"attention@layers.*.self_attn"``).
+        skip: families (``"attention"``), occurrences (``"attention@softmax_3"``, as the report names them)
+            or a family inside modules, by name or glob (``"fp8_linear@lm_head"``), left alone.
         analyze: predict saved activation bytes before/after for the report (one extra fake-tensor
             run of each captured graph at capture time).
         inductor: compile the rewritten graph with Inductor (fusing everything the patterns left
