@@ -33,7 +33,7 @@ from opsmath.patterns.fp8_linear import with_scaling
 
 from .backend import INDUCTOR_FUSES_BETTER, GraphRecord, make_backend  # noqa: F401  (re-exported)
 from .cudagraphs import CUDA_GRAPHS_NOTE, guard_for
-from .plan import InfeasibleBudget, parse_budget
+from .plan import InfeasibleBudget, check_step_share, parse_budget
 from .regions import EagerRegion, graph_breaks, note_graph_breaks
 
 
@@ -57,6 +57,7 @@ class OptimizeState:
     cuda_graphs: bool = False               # Inductor replays each compiled graph as a CUDA graph
     eager_regions: list[EagerRegion] = field(default_factory=list)   # left to eager (regions.py), why
     graph_runs: int = 0                     # calls of opsmath's graphs, all together
+    step_start: int = 0                     # graph_runs when the current model call began
     forward_peak: Optional[int] = None      # CUDA peak up to the current backward's start (replan.py)
     unoptimized_calls: int = 0              # model calls that ran none of them (e.g. past the recompile limit)
     notes: list[str] = field(default_factory=list)   # what rules changed on the module (Rule.prepare)
@@ -197,11 +198,15 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
             patches["optimize_ddp"] = False
         with _dynamo_settings(patches):
             breaks, runs = graph_breaks(), state.graph_runs
+            state.step_start = runs
             try:
                 if guard is None:
-                    return compiled(*args, **kwargs)
-                guard.before_call()    # CUDA-graph replay: what the loop reads later leaves the pool
-                return guard.after_call(compiled(*args, **kwargs))
+                    out = compiled(*args, **kwargs)
+                else:
+                    guard.before_call()    # CUDA-graph replay: what the loop reads later leaves the pool
+                    out = guard.after_call(compiled(*args, **kwargs))
+                check_step_share(state.memory_budget, [r for r in state.graphs if r.last_run > runs])
+                return out
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(getattr(e, "inner_exception", None), InfeasibleBudget):
                     raise e.inner_exception from None

@@ -239,7 +239,8 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             partitioned = partitioned_saved_bytes(ctx.gm, example_inputs) if use_inductor else None
             by_node = partitioned or by_node
             plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model),
-                                 how=how, earlier=[r.plan for r in state.graphs], link=offload.link_for(example_inputs, how),
+                                 how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
+                                 link=offload.link_for(example_inputs, how),
                                  grads=grad_bytes(ctx.gm, example_inputs))
             plan.estimated_by = "Inductor's partition" if partitioned else "eager autograd"
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs

@@ -239,9 +239,10 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
                   grads: dict[str, int] | None = None, timed: bool = True, head: int | None = None) -> Plan:
     """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes (``analysis``) and rewrite
     it in place: ``how="checkpoint"`` emits ``checkpoint`` calls (eager), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
-    of graphs captured before this one. A fraction is a share of the whole step's activations: a graph
-    that cannot keep its own share (a small loss graph after the model's) may use what the earlier
-    graphs left under theirs, and its plan's ``note`` says so. ``link``: host-link bytes/s when saved
+    of the step's graphs captured before this one. A fraction is a share of the whole step's activations:
+    a graph keeps what the graphs before it left under their share, or less for what they kept over it;
+    one that cannot reach that is planned at its floor, and the step's share is checked when the call
+    ends (``check_step_share``); the plan's ``note`` says so. ``link``: host-link bytes/s when saved
     tensors may go to the host (``offload.py``; only with ``how="tag"``). ``grads``: each parameter's
     gradient bytes (in ``resident``), which backward allocates as it frees activations. A byte budget
     (with ``timed``) is planned against that timeline: the peak it predicts is the timeline's maximum. A
@@ -268,11 +269,16 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     if head is None:
         ws = max((node_workspace(n) for n in forward_order(gm)), default=0)
         head = max(0, ws - (0 if timing else sum((grads or {}).values())))
-    best, error = _best_option(gm, options, resident, kind, value, link, pairs, timing, head)
-    note = ""
+    earlier = [p for p in earlier if p is not None]
+    total = sum(s.saved for s in options[-1][1])
+    ask = value
+    if kind == "fraction" and earlier and total:   # a share of the step: what the graphs before it left or took
+        ask = min(1.0, value + sum(value * p.unconstrained - p.kept for p in earlier) / total)
+    best, error = _best_option(gm, options, resident, kind, max(ask, 1.0 / 4096), link, pairs, timing, head)
+    note = "" if ask == value or best is None else \
+        (f"keeps up to {ask:.3f} of its activations, {value:g} of the step's with the graphs before it")
     if best is None and kind == "fraction":
-        best, note = _within_the_step(gm, options, resident, value, [p for p in earlier if p is not None], error,
-                                      link, pairs)
+        best, note = _at_floor(gm, options, resident, value, earlier, error, link, pairs)
     if best is None:
         raise error
     label, fine, (picked, kept, trans, cost), runs = best
@@ -308,28 +314,50 @@ SELECTIVE_RUNS = 4
 STEP_SLACK = 0.01
 
 
-def _within_the_step(gm, options, resident: int, value: float, earlier: list, error, link=None, pairs=None):
-    """(best option, note) for a graph that cannot keep ``value`` of its own activations: first with what
-    the earlier graphs left under their share, else at its own floor when the step as a whole then keeps
-    at most ``value + STEP_SLACK`` of its activations; (None, "") otherwise."""
+def _at_floor(gm, options, resident: int, value: float, earlier: list, error, link=None, pairs=None):
+    """(best option, note) for a graph that cannot keep its share of the step's activations: planned at
+    its own floor; the graphs after it keep less, and ``check_step_share`` holds the step's share at the
+    end of the call. (None, "") when the graph saves nothing."""
     total = sum(s.saved for s in options[-1][1])
     if total <= 0:
         return None, ""
-    spare = sum(max(0.0, value * p.unconstrained - p.kept - p.transient) for p in earlier)
-    if spare > 0:
-        best, _ = _best_option(gm, options, resident, "fraction", value + spare / total, link, pairs)
-        if best is not None:
-            return best, (f"this graph alone cannot keep {value:g} of its activations ({error}); it uses "
-                          f"{_size(spare)} the earlier graphs left under their share")
-    prior = sum(p.unconstrained for p in earlier)
     floor = error.floor - resident
-    step = (sum(p.kept + p.transient for p in earlier) + floor) / (prior + total)
-    if step > value + STEP_SLACK:
-        return None, ""
-    best, _ = _best_option(gm, options, resident, "fraction", min(1.0, floor / total + 1.0 / 4096), link,
-                           pairs)
-    return best, (f"this graph's floor is {floor / total:.3f} of its {_size(total)} of activations, above {value:g}: "
-                  f"planned at its floor, the step keeps {step:.3f} of its activations")
+    step = (sum(p.kept for p in earlier) + floor) / (sum(p.unconstrained for p in earlier) + total)
+    best, _ = _best_option(gm, options, resident, "fraction", min(1.0, floor / total + 1.0 / 4096), link, pairs)
+    return best, (f"this graph's floor is {floor / total:.3f} of its {_size(total)} of activations, above its "
+                  f"share: planned at its floor, the step so far keeps {step:.3f} of its activations"
+                  + (" (the graphs after it keep less)" if step > value + STEP_SLACK else ""))
+
+
+def step_peak(plans: list) -> int:
+    """The activation bytes a step of graphs (``plans`` in forward order) peaks at: everything kept at the
+    end of the forward, or, while graph k's backward runs (the later graphs' activations freed by then),
+    what graphs 0..k keep plus graph k's recompute transient."""
+    peak, kept = 0, 0
+    for p in plans:
+        peak, kept = max(peak, kept + p.kept + p.transient), kept + p.kept
+    return max(peak, kept)
+
+
+def check_step_share(budget, records: list) -> None:
+    """After a model call that captured graphs: a fraction is a share of the whole step's activations,
+    which graphs planned one by one (each keeping less for what the earlier ones kept over theirs, or at
+    its floor) may still exceed. Raises InfeasibleBudget naming the step's floor in the budget's unit."""
+    if budget is None or not any(r.calls == 1 for r in records):
+        return
+    kind, value = parse_budget(budget)
+    plans = [r.plan for r in sorted(records, key=lambda r: r.index) if r.plan is not None]
+    total = sum(p.unconstrained for p in plans)
+    if kind != "fraction" or not total:
+        return
+    share = step_peak(plans) / total
+    if share > value + STEP_SLACK:
+        floor = max(p.resident for p in plans) + step_peak(plans)
+        raise InfeasibleBudget(
+            f"memory budget {value:.4g} (fraction) cannot be met: the smallest feasible is about {_size(floor)} "
+            f"({floor} bytes, fraction {share:.3f})" + (f" over the step's {len(plans)} graphs (split by graph "
+                                                         "breaks), each at its floor" if len(plans) > 1 else ""),
+            floor)
 
 
 def _modelled(plan: Plan) -> tuple[int, int]:
