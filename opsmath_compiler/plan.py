@@ -75,12 +75,14 @@ class Plan:
     timed: bool = False         # planned against the gradients' timing: predicted_peak is the timeline's
     head_excess: int = 0        # measured bytes at the end of the forward alone, beyond ``excess`` (replan.py)
     modelled: tuple = (0, 0)    # the model's peak at the end of the forward and over the step, no error added
+    share: float | None = None  # a fraction's share for this graph, where the step's other graphs moved it
 
     def target(self, resident: int | None = None) -> int:
         """The budget in bytes of the whole step with ``resident`` bytes resident (default: the plan's):
         a fraction f stands for ``resident + f * unconstrained``."""
         kind, value = parse_budget(self.budget)
         resident = self.resident if resident is None else resident
+        value = self.share if kind == "fraction" and self.share is not None else value
         return int(resident + value * self.unconstrained) if kind == "fraction" else int(value)
 
     def budget_both_units(self) -> tuple[int, float]:
@@ -88,7 +90,8 @@ class Plan:
         two are one target, ``bytes = resident + share * unconstrained``."""
         kind, value = parse_budget(self.budget)
         as_bytes = self.target()
-        return as_bytes, value if kind == "fraction" else (value - self.resident) / max(1, self.unconstrained)
+        return as_bytes, (value if self.share is None else self.share) if kind == "fraction" else \
+            (value - self.resident) / max(1, self.unconstrained)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -277,8 +280,9 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     best, error = _best_option(gm, options, resident, kind, max(ask, 1.0 / 4096), link, pairs, timing, head)
     note = "" if ask == value or best is None else \
         (f"keeps up to {ask:.3f} of its activations, {value:g} of the step's with the graphs before it")
+    share = None if ask == value or best is None else ask
     if best is None and kind == "fraction":
-        best, note = _at_floor(gm, options, resident, value, earlier, error, link, pairs)
+        best, note, share = _at_floor(gm, options, resident, value, earlier, error, link, pairs)
     if best is None:
         raise error
     label, fine, (picked, kept, trans, cost), runs = best
@@ -290,7 +294,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
                 chosen, cost, segmentation=label, user_regions=len(user_regions(order)), note=note,
                 offloaded=offloaded, link=link, selective=selective, gemms_recomputed=gemms,
-                ops={i: describe(order, segs[i]) for i in {*chosen, *selective, *offloaded}})
+                ops={i: describe(order, segs[i]) for i in {*chosen, *selective, *offloaded}}, share=share)
     if grads:
         plan.grads = grads_by_segment(gm, segs, grads)
         plan.expected_peak = max(b for _, _, b in plan.timeline())
@@ -315,18 +319,19 @@ STEP_SLACK = 0.01
 
 
 def _at_floor(gm, options, resident: int, value: float, earlier: list, error, link=None, pairs=None):
-    """(best option, note) for a graph that cannot keep its share of the step's activations: planned at
-    its own floor; the graphs after it keep less, and ``check_step_share`` holds the step's share at the
-    end of the call. (None, "") when the graph saves nothing."""
+    """(best option, note, share) for a graph that cannot keep its share of the step's activations:
+    planned at its own floor (``share``); the graphs after it keep less, and ``check_step_share`` holds
+    the step's share at the end of the call. (None, "", None) when the graph saves nothing."""
     total = sum(s.saved for s in options[-1][1])
     if total <= 0:
-        return None, ""
+        return None, "", None
     floor = error.floor - resident
     step = (sum(p.kept for p in earlier) + floor) / (sum(p.unconstrained for p in earlier) + total)
-    best, _ = _best_option(gm, options, resident, "fraction", min(1.0, floor / total + 1.0 / 4096), link, pairs)
+    share = min(1.0, floor / total + 1.0 / 4096)
+    best, _ = _best_option(gm, options, resident, "fraction", share, link, pairs)
     return best, (f"this graph's floor is {floor / total:.3f} of its {_size(total)} of activations, above its "
                   f"share: planned at its floor, the step so far keeps {step:.3f} of its activations"
-                  + (" (the graphs after it keep less)" if step > value + STEP_SLACK else ""))
+                  + (" (the graphs after it keep less)" if step > value + STEP_SLACK else "")), share
 
 
 def step_peak(plans: list) -> int:

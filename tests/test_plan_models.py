@@ -173,6 +173,9 @@ def test_a_fraction_is_held_over_the_step_when_its_first_graph_cannot_keep_its_s
     plans = [g.plan for g in opsmath.report(opt).graphs]
     assert len(plans) > 2 and "planned at its floor" in plans[0].note, [p.note for p in plans]
     assert any("graphs before it" in p.note for p in plans[1:])
+    # each moved share is the plan's own target, so a re-plan after step 1 keeps to it
+    assert all(p.share is not None and p.target() == int(p.resident + p.share * p.unconstrained)
+               for p in plans if p.note)
     assert step_peak(plans) <= (0.5 + STEP_SLACK) * sum(p.unconstrained for p in plans)
     assert rel_err(loss, loss_e) < 1e-6
     for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
