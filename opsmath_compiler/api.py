@@ -197,7 +197,7 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
         if inductor is False or (inductor is None and not _on_cuda(model)):
             patches["optimize_ddp"] = False
         with _dynamo_settings(patches):
-            breaks, runs = graph_breaks(), state.graph_runs
+            breaks, runs, captured = graph_breaks(), state.graph_runs, len(state.graphs)
             state.step_start = runs
             try:
                 if guard is None:
@@ -205,7 +205,8 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
                 else:
                     guard.before_call()    # CUDA-graph replay: what the loop reads later leaves the pool
                     out = guard.after_call(compiled(*args, **kwargs))
-                check_step_share(state.memory_budget, [r for r in state.graphs if r.last_run > runs])
+                if len(state.graphs) > captured and state.memory_budget is not None:   # a step that planned
+                    check_step_share(state.memory_budget, [r for r in state.graphs if r.last_run > runs])
                 return out
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(getattr(e, "inner_exception", None), InfeasibleBudget):

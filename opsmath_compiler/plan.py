@@ -345,11 +345,10 @@ def step_peak(plans: list) -> int:
 
 
 def check_step_share(budget, records: list) -> None:
-    """After a model call that captured graphs: a fraction is a share of the whole step's activations,
-    which graphs planned one by one (each keeping less for what the earlier ones kept over theirs, or at
-    its floor) may still exceed. Raises InfeasibleBudget naming the step's floor in the budget's unit."""
-    if budget is None or not any(r.calls == 1 for r in records):
-        return
+    """After a model call that captured and planned graphs (``records``: those the call ran): a fraction
+    is a share of the whole step's activations, which graphs planned one by one (each keeping less for
+    what the earlier ones kept over theirs, or at its floor) may still exceed. Raises InfeasibleBudget
+    naming the step's floor in the budget's unit."""
     kind, value = parse_budget(budget)
     plans = [r.plan for r in sorted(records, key=lambda r: r.index) if r.plan is not None]
     total = sum(p.unconstrained for p in plans)
