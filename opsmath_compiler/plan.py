@@ -43,8 +43,8 @@ from . import offload, plan_chart
 from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
 from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, suffix
-from .segments import (KEEPS, Segment, describe, forward_order, node_workspace, runs_of, saved_index,
-                       segments_of, selective, user_regions, user_segments)
+from .segments import (KEEPS, Segment, describe, forward_order, node_workspace, pinned_positions, runs_of,
+                       saved_index, segments_of, selective, user_regions, user_segments)
 
 @dataclass
 class Plan:
@@ -259,10 +259,10 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     # segments), and within 2 (about half-blocks: a smaller largest recompute, so a lower floor)
     # run op by op, a recompute would apply a state update (BatchNorm's statistics) again: pinned; under
     # Inductor, AOTAutograd applies updates once, after the graph, whatever is recomputed
-    pin = how == "checkpoint"
-    options = [("opsmath", segments_of(gm, saved_by, pin=pin)),
-               ("opsmath-fine", segments_of(gm, saved_by, window=2, pin=pin))]
-    user = user_segments(gm, saved_by, pin=pin)
+    pinned = pinned_positions(forward_order(gm)) if how == "checkpoint" else frozenset()
+    options = [("opsmath", segments_of(gm, saved_by, pinned=pinned)),
+               ("opsmath-fine", segments_of(gm, saved_by, window=2, pinned=pinned))]
+    user = user_segments(gm, saved_by, pinned=pinned)
     if user is not None:
         options.insert(0, ("user", user))
     if how != "tag":
@@ -354,9 +354,10 @@ def check_step_share(budget, records: list) -> None:
     total = sum(p.unconstrained for p in plans)
     if kind != "fraction" or not total:
         return
-    share = step_peak(plans) / total
+    peak = step_peak(plans)
+    share = peak / total
     if share > value + STEP_SLACK:
-        floor = max(p.resident for p in plans) + step_peak(plans)
+        floor = max(p.resident for p in plans) + peak
         raise InfeasibleBudget(
             f"memory budget {value:.4g} (fraction) cannot be met: the smallest feasible is about {_size(floor)} "
             f"({floor} bytes, fraction {share:.3f})" + (f" over the step's {len(plans)} graphs (split by graph "

@@ -102,7 +102,7 @@ class Segment:
     saved: int                 # activation bytes its nodes save
     inputs: int                # activation bytes it would keep as checkpoint inputs
     cost: float                # modelled recompute seconds
-    fixed: bool = False        # only pinned nodes (``_pinned``: state updates, no-grad regions): never recomputed
+    fixed: bool = False        # only pinned nodes (``pinned_positions``): never recomputed
 
     @property
     def saving(self) -> int:
@@ -223,7 +223,7 @@ _MODE_SWITCHES = {torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_aut
                   torch.amp.autocast_mode._exit_autocast}
 
 
-def _pinned(order: list[fx.Node]) -> set[int]:
+def pinned_positions(order: list[fx.Node]) -> frozenset[int]:
     """Positions a plan run op by op must never recompute: state updates (``mutates_state``), mode
     switches, and what runs with gradients off (it saves nothing; run again, it would run with them on)."""
     out, grad = set(), True
@@ -233,7 +233,7 @@ def _pinned(order: list[fx.Node]) -> set[int]:
             grad = bool(n.args[0]) if n.target is torch._C._set_grad_enabled else grad
         elif not grad or mutates_state(n):
             out.add(i)
-    return out
+    return frozenset(out)
 
 
 def forward_order(gm: fx.GraphModule) -> list[fx.Node]:
@@ -262,10 +262,10 @@ def _crossing_cuts(order: list[fx.Node], window: int) -> list[int]:
     return cuts
 
 
-def _segments(order: list[fx.Node], cuts: list[int], saved_by: dict[str, int], pin: bool = False) -> list[Segment]:
-    """Segments between ``cuts``; with ``pin``, each run of pinned nodes (``_pinned``) cut out as a segment
-    of its own, marked ``fixed``."""
-    pinned = _pinned(order) if pin else set()
+def _segments(order: list[fx.Node], cuts: list[int], saved_by: dict[str, int],
+              pinned: frozenset = frozenset()) -> list[Segment]:
+    """Segments between ``cuts``; each run of ``pinned`` positions (``pinned_positions``) cut out as a
+    segment of its own, marked ``fixed``."""
     edges = [i for i in pinned if i - 1 not in pinned] + [i + 1 for i in pinned if i + 1 not in pinned]
     cuts = [*cuts, *(c - 1 for c in edges if 0 < c < len(order))]
     bounds = [-1] + sorted(set(cuts)) + [len(order) - 1]
@@ -282,11 +282,12 @@ def _segments(order: list[fx.Node], cuts: list[int], saved_by: dict[str, int], p
     return segs
 
 
-def segments_of(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6, pin: bool = False) -> list[Segment]:
-    """Cut the forward order at local minima of the activation bytes crossing each position; with ``pin``
-    (a plan run op by op) each state update is a fixed segment of its own."""
+def segments_of(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6,
+                pinned: frozenset = frozenset()) -> list[Segment]:
+    """Cut the forward order at local minima of the activation bytes crossing each position; ``pinned``
+    positions (a plan run op by op: ``pinned_positions``) are fixed segments of their own."""
     order = forward_order(gm)
-    return _segments(order, _crossing_cuts(order, window), saved_by, pin)
+    return _segments(order, _crossing_cuts(order, window), saved_by, pinned)
 
 
 def user_regions(order: list[fx.Node]) -> list[tuple[int, int]]:
@@ -301,7 +302,7 @@ def user_regions(order: list[fx.Node]) -> list[tuple[int, int]]:
 
 
 def user_segments(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6,
-                  pin: bool = False) -> list[Segment] | None:
+                  pinned: frozenset = frozenset()) -> list[Segment] | None:
     """Segments whose candidates are the user's checkpoint regions (each exactly as cut), with the
     order between and around them cut at opsmath's points; None without (disjoint) regions."""
     order = forward_order(gm)
@@ -311,7 +312,7 @@ def user_segments(gm: fx.GraphModule, saved_by: dict[str, int], window: int = 6,
     cuts = [i for i in _crossing_cuts(order, window) if not any(lo - 1 <= i <= hi for lo, hi in spans)]
     for lo, hi in spans:
         cuts += [lo - 1, hi] if lo > 0 else [hi]
-    return _segments(order, [c for c in cuts if c < len(order) - 1], saved_by, pin)
+    return _segments(order, [c for c in cuts if c < len(order) - 1], saved_by, pinned)
 
 
 def runs_of(gm: fx.GraphModule, segs: list[Segment], max_len: int = 16) -> dict[tuple[int, int], Segment]:

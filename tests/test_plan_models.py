@@ -101,7 +101,7 @@ def test_recompute_op_by_op_never_repeats_a_state_update():
     spectral norm's power iteration inside it would be applied twice (PyTorch stops that with a version
     error); the plan cuts such nodes, and the no-grad region around them, out as fixed segments and
     recomputes around them: the step trains as eager, buffers included, for two steps."""
-    from opsmath.segments import _pinned, forward_order
+    from opsmath.segments import forward_order, pinned_positions
     torch.manual_seed(0)
     model, x = _ConvBN(), [torch.randn(4, 3, 16, 16) for _ in range(2)]
     eager = copy.deepcopy(model)
@@ -120,7 +120,7 @@ def test_recompute_op_by_op_never_repeats_a_state_update():
     assert plan.chosen or plan.selective
     assert any(s.fixed for s in plan.segments)
     order = forward_order(rec.graph)
-    pinned = _pinned(order)
+    pinned = pinned_positions(order)
     assert {order[i].target for i in pinned} >= {torch.ops.aten.batch_norm.default, torch._C._set_grad_enabled}
 
 
