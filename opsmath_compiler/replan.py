@@ -177,14 +177,16 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
         old.resident = resident
         return None
     goal = old.target(resident)
+    held = max(error, *errors) > slack   # a measured error the re-plan holds, with the margin
     why = (f"{old.replanned + '; ' if old.replanned else ''}"
            + (f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB at call {record.calls}"
-              if resident != old.resident else f"call {record.calls}")
-           + ("" if measured is None else f"; step 1 measured {measured / 2**20:.1f} MiB, {abs(error) / 2**20:.1f} MiB "
-              f"{'over' if error >= 0 else 'under'} the model" + (f", {errors[1] / 2**20:.1f} MiB more at the end of the forward alone" if errors[1] else "")
-              + (", taken off the budget" if max(error, *errors) > slack else ", within 1% of the budget")))
-    return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args,
-                       max(error, *errors) > slack)
+              if resident != old.resident else f"call {record.calls}"))
+    if measured is not None:
+        why += (f"; step 1 measured {measured / 2**20:.1f} MiB, {abs(error) / 2**20:.1f} MiB "
+                f"{'over' if error >= 0 else 'under'} the model"
+                + (f", {errors[1] / 2**20:.1f} MiB more at the end of the forward alone" if errors[1] else "")
+                + (", taken off the budget" if held else ", within 1% of the budget"))
+    return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args, held)
 
 
 def tighten(state, record, base, by_node, args, model, use_inductor, peak_before, since):
