@@ -8,7 +8,9 @@ per-round median step time, GPU kernel time per step (torch.profiler, kernels on
 memory above what is resident before it (``max_memory_allocated``), and, for opsmath, what it rewrote.
 
     python benchmarks/hf_default_attention.py [--models llama,neox,gemma2] [--rounds 5] [--steps 5] [--variants ...]
-        [--gradient-checkpointing]
+        [--gradient-checkpointing] [--accumulate 1,4]
+
+``--accumulate``: micro-batches per optimizer step; with several, each round times every variant at each.
 """
 from __future__ import annotations
 
@@ -81,11 +83,13 @@ class Variant:
     def __init__(self, label, model, batch, device):
         self.label, self.model, self.batch, self.device = label, model, batch, device
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
-        self.times, self.round_ms = [], []
+        self.times, self.round_ms = [], {}
 
-    def step(self):
-        loss = self.model(**self.batch).loss
-        loss.backward()
+    def step(self, accumulate: int = 1):
+        """One optimizer step over ``accumulate`` micro-batches (the same batch each time)."""
+        for _ in range(accumulate):
+            loss = self.model(**self.batch).loss
+            loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss
@@ -107,24 +111,28 @@ class Variant:
             self.sync()
             self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
 
-    def timed_round(self, steps):
+    def timed_round(self, steps, accumulate: int = 1):
         ms = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            self.step()
+            self.step(accumulate)
             self.sync()
             ms.append((time.perf_counter() - t0) * 1e3)
-        self.round_ms.append(statistics.median(ms))
+        self.round_ms.setdefault(accumulate, []).append(statistics.median(ms))
 
-    def row(self):
-        r = dict(name=self.label, ms=statistics.median(self.round_ms), ms_min=min(self.round_ms),
-                 ms_max=max(self.round_ms), rounds=self.round_ms, first_step_s=self.first_s,
-                 first_loss=self.first_loss)
+    def row(self, accumulate: int = 1, tagged: bool = False):
+        rounds = self.round_ms[accumulate]
+        r = dict(name=self.label + (f" (accumulate {accumulate})" if tagged else ""), accumulate=accumulate,
+                 ms=statistics.median(rounds), ms_min=min(rounds), ms_max=max(rounds), rounds=rounds,
+                 first_step_s=self.first_s, first_loss=self.first_loss)
         if self.device == "cuda":
-            per = kernel_ms(self.step, calls=3)
+            per = kernel_ms(lambda: self.step(accumulate), calls=3)
             r["gpu_ms"], r["step_peak_gib"] = sum(per.values()), self.peak_gib
             r["top_kernels"] = sorted(per.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
         if hasattr(self.model, "_opsmath"):
+            casts = self.model._opsmath.weight_casts
+            r["fp8_copies_gib"], r["fp8_weight_casts"], r["fp8_copies_reused"] = \
+                casts.nbytes() / 2**30, casts.casts, casts.reused
             rep = opsmath.report(self.model)
             r["rewrites"] = dict(Counter(m.pattern for m in rep.matches))
             r["attention_backends"] = sorted({m.details.get("backend", "") for m in rep.matches
@@ -171,6 +179,8 @@ VARIANTS = {  # label: (wrap the built model, attn_implementation or None for th
     "opsmath.optimize + CUDA graphs": (lambda m: opsmath.optimize(m, cuda_graphs=True), None),
     "opsmath.optimize(fp8=True) + CUDA graphs": (lambda m: opsmath.optimize(m, fp8=True, cuda_graphs=True),
                                                      None),
+    "opsmath.optimize(fp8=True, weights cast every forward) + CUDA graphs": (
+        lambda m: opsmath.optimize(m, fp8=True, cuda_graphs=True, skip=["fp8_weight_cache"]), None),
     "opsmath.optimize(fp8=rowwise) + CUDA graphs": (
         lambda m: opsmath.optimize(m, fp8="rowwise", cuda_graphs=True), None),
     "torchao float8 + torch.compile": (torchao_float8, None),
@@ -202,7 +212,8 @@ def planned(label, name, device, first: Variant, batch) -> Variant:
                    device)
 
 
-def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile", "opsmath.optimize")):
+def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile", "opsmath.optimize"),
+        accumulate=(1,)):
     _, _, cfg, B, T = MODELS[name]
     torch.manual_seed(0)
     ids = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
@@ -228,12 +239,12 @@ def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile
             variants = [v for v in variants if v.label != label]
             torch.cuda.empty_cache()
     for _ in range(rounds):     # A B A B: host noise falls on both
-        for v in variants:
-            v.timed_round(steps)
-    rows = [v.row() for v in variants]
-    base = rows[0]["ms"]
-    for r in rows:
-        r["speedup_vs_compile"] = base / r["ms"]
+        for k in accumulate:
+            for v in variants:
+                v.timed_round(steps, k)
+    rows = [v.row(k, len(accumulate) > 1 or k > 1) for k in accumulate for v in variants]
+    for r in rows:   # against the first variant at the same accumulation
+        r["speedup_vs_compile"] = next(b for b in rows if b["accumulate"] == r["accumulate"])["ms"] / r["ms"]
         print(f"{name:8} {r['name']:30} {r['ms']:8.2f} ms [{r['ms_min']:.2f}-{r['ms_max']:.2f}] "
               f"gpu {r.get('gpu_ms', 0):8.2f} ms peak {r.get('step_peak_gib', 0):6.2f} GiB "
               f"x{r['speedup_vs_compile']:.3f} {r.get('rewrites', '')} {r.get('attention_backends', '')}",
@@ -254,6 +265,8 @@ def main():
                     help="model.gradient_checkpointing_enable() (non-reentrant) on both variants")
     ap.add_argument("--variants", default="torch.compile,opsmath.optimize",
                     help=", ".join([*VARIANTS, OWN_PLAN, USER_PLAN]))
+    ap.add_argument("--accumulate", default="1",
+                    help="micro-batches per optimizer step; a list (1,4) times each variant at each, interleaved")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -262,10 +275,12 @@ def main():
         args.rounds, args.steps = 2, 1
     out = {}
     for n in names:   # written after each model: a run cut short keeps what it measured
-        out[n] = run(n, args.rounds, args.steps, device, args.gradient_checkpointing, args.variants.split(","))
+        ks = tuple(int(k) for k in args.accumulate.split(","))
+        out[n] = run(n, args.rounds, args.steps, device, args.gradient_checkpointing, args.variants.split(","), ks)
         if not args.smoke:
             tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n in ("gemma2", "gpt_oss", "bloom") else "") \
-                + ("-fp8" if any("fp8" in v for v in args.variants.split(",")) else "")
+                + ("-fp8" if any("fp8" in v for v in args.variants.split(",")) else "") \
+                + ("-accumulate" if max(ks) > 1 else "")
             print("wrote", write("hf_default_attention" + tag, out), flush=True)
 
 

@@ -22,6 +22,9 @@ forward saves the FP8 copies of x and W (half of bf16) and the two scales. The c
 reductions are plain ATen ops: under Inductor (``opsmath.optimize`` on CUDA) AOTAutograd traces through
 this ``autograd.Function`` and fuses them into the kernels that produce x and dy.
 
+A tensorwise weight's cast can be made ahead, once per optimizer step for many weights (``fp8_cast``),
+and passed as ``wq, sw``: the op then reads ``w`` only to give it its gradient.
+
 Caveats: FP8 is not within docs/design.md's tolerance rule; its numerics are judged by loss curves
 (BENCHMARKS.md). A tensor whose amax is 0 gets scale 1 (all zeros stay zeros). Overflow cannot happen
 with dynamic scaling; values below the smallest subnormal flush to zero (counted by ``underflow``).
@@ -54,7 +57,7 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 class FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b, rowwise: bool = False):
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b, rowwise: bool = False, wq=None, sw=None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if rowwise:
@@ -65,12 +68,13 @@ class FP8Linear(torch.autograd.Function):
             ctx.save_for_backward(xq, sx, w)
         else:
             xq, sx = quantize(x2, E4M3)
-            wq, sw = quantize(w, E4M3)
+            if wq is None:
+                wq, sw = quantize(w, E4M3)
             y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
             ctx.save_for_backward(xq, sx, wq, sw)
         if b is not None:
             y = y + b
-        ctx.shape, ctx.has_bias, ctx.dtype, ctx.rowwise = shape, b is not None, x.dtype, rowwise
+        ctx.shape, ctx.has_bias, ctx.dtype, ctx.rowwise, ctx.w_dtype = shape, b is not None, x.dtype, rowwise, w.dtype
         return y.reshape(*shape[:-1], w.shape[0])
 
     @staticmethod
@@ -97,15 +101,21 @@ class FP8Linear(torch.autograd.Function):
                 dw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg, scale_b=sx, out_dtype=ctx.dtype)
         if dx is not None:
             dx = dx.reshape(ctx.shape)
+        if dw is not None:
+            dw = dw.to(ctx.w_dtype)      # an fp32 master weight whose FP8 copy was made ahead (``wq``)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, b=None, rowwise: bool = False) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, b=None, rowwise: bool = False, wq=None, sw=None) -> torch.Tensor:
     """``F.linear(x, w, b)`` with FP8 GEMMs forward and backward (module docstring); ``rowwise``: a scale
-    per row of each operand instead of one per tensor."""
-    return FP8Linear.apply(x, w, b, rowwise)
+    per row of each operand instead of one per tensor. ``wq, sw``: ``quantize(bf16(w), e4m3)`` made ahead
+    (tensorwise only; ``kernels.fp8_cast``): used instead of casting ``w``, which then only receives its
+    gradient (in its own dtype, an fp32 master weight's too)."""
+    if wq is not None and rowwise:
+        raise ValueError("fp8_linear: a weight cast made ahead (wq, sw) is tensorwise; rowwise casts in the op")
+    return FP8Linear.apply(x, w, b, rowwise, wq, sw)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b=None, rowwise: bool = False) -> torch.Tensor:

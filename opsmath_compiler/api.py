@@ -29,10 +29,11 @@ import torch
 
 import opsmath.kernels  # noqa: F401  (registers the opsmath:: custom ops)
 from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
-from opsmath.patterns.fp8_linear import with_scaling
+from opsmath.patterns.fp8_linear import WEIGHT_CACHE, with_scaling
 
 from .backend import INDUCTOR_FUSES_BETTER, GraphRecord, make_backend  # noqa: F401  (re-exported)
 from .cudagraphs import CUDA_GRAPHS_NOTE, guard_for
+from .fp8_weights import WeightCasts
 from .plan import InfeasibleBudget, check_step_share, parse_budget
 from .regions import EagerRegion, graph_breaks, note_graph_breaks
 
@@ -40,6 +41,7 @@ from .regions import EagerRegion, graph_breaks, note_graph_breaks
 # dynamo's recompile limit for opsmath's frames: each train/eval, grad-mode, autocast or static-size
 # variant is a recompile
 RECOMPILE_LIMIT = 64
+SKIP_ONLY = (WEIGHT_CACHE,)   # skip= names that are not pattern families
 
 
 @dataclass
@@ -62,6 +64,7 @@ class OptimizeState:
     unoptimized_calls: int = 0              # model calls that ran none of them (e.g. past the recompile limit)
     notes: list[str] = field(default_factory=list)   # what rules changed on the module (Rule.prepare)
     cuda_graph_skips: list[str] = field(default_factory=list)   # Inductor's reasons for not replaying
+    weight_casts: WeightCasts = field(default_factory=WeightCasts)   # FP8 weight copies (fp8_weights.py)
 
     def __reduce__(self):
         """Pickled or deep-copied with its module, the state becomes None: like ``Module.compile()``'s
@@ -127,7 +130,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
                          "path, not inductor=False")
     patterns, skip = _names(patterns, "patterns"), _names(skip, "skip") or []
     chosen = _chosen(patterns, fp8)
-    unknown = sorted({s.split("@")[0] for s in [*(patterns or []), *skip]} - set(PATTERN_NAMES))
+    unknown = sorted({s.split("@")[0] for s in [*(patterns or []), *skip]} - {*PATTERN_NAMES, *SKIP_ONLY})
     if unknown:
         raise ValueError(f"unknown pattern families {unknown}; known: {PATTERN_NAMES} (skip also takes one "
                          "occurrence as 'family@node', the node named in the report)")

@@ -27,7 +27,7 @@ from .analysis import kernel_launches, partitioned_saved_bytes, saved_bytes_by_n
 from .capture import lower_to_aten, static_inputs
 from .guards import after_change, guarded
 from .match import Decline, Match, run_patterns
-from . import offload
+from . import fp8_weights, offload
 from .budget import grad_bytes, resident_bytes
 from .plan import clone_graph_module, plan_and_emit
 from .replan import runner
@@ -216,7 +216,8 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
         patterns = [p for p in patterns if p.name not in left]
     static_only = sorted(p.name for p in patterns if not getattr(p, "dynamic_shapes", False)) \
         if captured.dynamic else []
-    ctx = run_patterns(captured, [p for p in patterns if p.name not in static_only], state.skip, use_inductor)
+    ctx = run_patterns(captured, [p for p in patterns if p.name not in static_only], state.skip, use_inductor,
+                       example_inputs)
     # one fake-tensor liveness run serves both the report and the planner
     by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
         if analyze or (state.memory_budget is not None and not captured.dynamic) else None
@@ -236,7 +237,8 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             # under Inductor the plan becomes recompute tags its partitioner must honor, and is made
             # for what that partitioner saves (less than eager's saved set)
             how = "tag" if use_inductor else "checkpoint"
-            partitioned = partitioned_saved_bytes(ctx.gm, example_inputs) if use_inductor else None
+            partitioned = partitioned_saved_bytes(ctx.gm, fp8_weights.example_inputs(
+                state.weight_casts, ctx.gm, example_inputs)) if use_inductor else None
             by_node = partitioned or by_node
             plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model),
                                  how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
@@ -264,18 +266,20 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
 
 
 def _finish(state, record, gm, example_inputs, use_inductor):
-    """The callable that runs ``gm``: Inductor's compiled graph, or ``gm`` itself (op by op)."""
+    """The callable that runs ``gm`` on the user's inputs: Inductor's compiled graph, or ``gm`` itself (op
+    by op), handed the FP8 weight copies ``gm`` takes (``fp8_weights``)."""
     if not use_inductor:
-        return gm
+        return fp8_weights.with_copies(state.weight_casts, gm, gm)
     try:
         t1 = time.perf_counter()
-        fn = compile_fx(gm, example_inputs, cuda_graphs=state.cuda_graphs)
+        fn = compile_fx(gm, fp8_weights.example_inputs(state.weight_casts, gm, example_inputs),
+                        cuda_graphs=state.cuda_graphs)
         record.inductor, record.inductor_seconds = True, record.inductor_seconds + time.perf_counter() - t1
         record.cuda_graphs = state.cuda_graphs
-        return fn
+        return fp8_weights.with_copies(state.weight_casts, gm, fn)
     except Exception as e:  # Inductor failure: the emitted graph still runs, op by op
         msg = f"graph {record.index}: Inductor failed ({type(e).__name__}: {str(e)[:300]}); " \
               "running the rewritten graph op by op"
         log.warning("opsmath: %s", msg)
         state.fallback_errors.append(msg)
-        return gm
+        return fp8_weights.with_copies(state.weight_casts, gm, gm)

@@ -81,7 +81,10 @@ def node_line(n: fx.Node) -> str:
 class RewriteContext:
     """What a pattern needs: the graph, known constants, and the record of what happened."""
 
-    def __init__(self, captured: Captured, skip: Optional[set[str]] = None, inductor: bool = False):
+    def __init__(self, captured: Captured, skip: Optional[set[str]] = None, inductor: bool = False,
+                 inputs: Optional[list] = None):
+        self.captured = captured
+        self.inputs = inputs         # the real example inputs, by placeholder (read only for what they are)
         self.gm = captured.gm
         self.inductor = inductor     # Inductor compiles the rewritten graph (else it runs op by op)
         self.graph = captured.gm.graph
@@ -168,6 +171,21 @@ class RewriteContext:
                 log.debug("opsmath: no fake value for %s: %s", node.name, e)
         return node
 
+    def add_input(self, name: str, fake: torch.Tensor, like: fx.Node, **meta) -> fx.Node:
+        """A new graph input after the others (``fake`` its value, ``meta`` added to its meta), static
+        like the placeholder ``like`` (dynamo's metadata copied, with a source of its own); whoever runs
+        the graph passes it (``fp8_weights.with_copies``)."""
+        from torch._dynamo.source import ConstantSource
+        last = list(self.graph.find_nodes(op="placeholder"))[-1]
+        with self.graph.inserting_after(last):
+            node = self.graph.placeholder(name)
+        node.meta.update(meta, val=fake)
+        if "dynamo_input" in like.meta:
+            _, static, compile_id = like.meta["dynamo_input"]
+            node.meta["dynamo_input"] = (ConstantSource(f"opsmath_{node.name}"), static, compile_id)
+        self.captured.requires_grad.append(False)
+        return node
+
     def size(self, node: fx.Node, dim: int):
         """``node``'s size along ``dim`` as a graph argument: an int, or (a symbolic size) a
         ``sym_size`` node computed from the tensor at run time."""
@@ -212,10 +230,11 @@ def inplace_on_private_temporary(n: fx.Node) -> bool:
 
 
 def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = None,
-                 inductor: bool = False) -> RewriteContext:
+                 inductor: bool = False, inputs: Optional[list] = None) -> RewriteContext:
     """Apply every rule (``opsmath.rules.Rule``) to the captured graph in order, lint, recompile and
-    refresh fake metadata. ``inductor``: whether Inductor compiles the result (rules may weigh it)."""
-    ctx = RewriteContext(captured, skip, inductor)
+    refresh fake metadata. ``inductor``: whether Inductor compiles the result (rules may weigh it);
+    ``inputs``: the real example inputs (None: rules that would add graph inputs do not)."""
+    ctx = RewriteContext(captured, skip, inductor, inputs)
     for pattern in patterns:
         pattern.apply(ctx)
         ctx.graph.lint()

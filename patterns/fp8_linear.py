@@ -11,7 +11,10 @@ size; a GEMM with K, N or the row count below ``MIN_DIM`` stays bf16, and the re
 Except a layer whose input another FP8 layer also reads (k and v beside q, gate beside up): the input's
 amax and cast are then computed once for all of them (AOTAutograd's CSE under Inductor), so such a
 layer pays only its weight's and gradient's casts, and runs FP8 from ``SHARED_MIN_DIM``.
-Opt-in: applied only when ``optimize(..., fp8=True)`` (FP8 changes numerics beyond the tolerance rule).
+Tensorwise, a weight that requires grad is not cast in the graph: its e4m3 copy and scale become two more
+graph inputs, made once per optimizer step (``opsmath.fp8_weights``; ``skip=["fp8_weight_cache"]``: cast
+in the graph, every forward). Opt-in: applied only when ``optimize(..., fp8=True)`` (FP8 changes numerics
+beyond the tolerance rule).
 """
 from __future__ import annotations
 
@@ -21,11 +24,13 @@ import torch
 import torch.fx as fx
 
 from opsmath.canonicalize import aten, dtype, shape, size_hint, val
-from opsmath.kernels.fp8_linear import fp8_linear
+from opsmath.fp8_weights import META
+from opsmath.kernels.fp8_linear import E4M3, fp8_linear
 from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
 
 MIN_DIM = 2048
+WEIGHT_CACHE = "fp8_weight_cache"   # ``skip=`` name: cast weights in every forward (opsmath.fp8_weights)
 SHARED_MIN_DIM = 1024
 
 
@@ -52,14 +57,34 @@ class FP8LinearRule(Rule):
     def emit(self, ctx: RewriteContext, n: fx.Node, plan) -> None:
         x, w, b, (M, K, N) = plan
         before = [node_line(n)]
+        copy = _weight_copy(ctx, w, n) if self.scaling == "tensorwise" else None
         with ctx.graph.inserting_before(n):
-            bf16 = [ctx.cast(t, torch.bfloat16, n) for t in (x, w, b)]
-            y = ctx.call(fp8_linear, (*bf16, self.scaling == "rowwise"), n)
+            x16, w16, b16 = [ctx.cast(t, torch.bfloat16, n) for t in (x, w if copy is None else None, b)]
+            args = (x16, w, b16, False, *copy) if copy else (x16, w16, b16, self.scaling == "rowwise")
+            y = ctx.call(fp8_linear, args, n)
         n.replace_all_uses_with(y)
         ctx.erase_dead([n])
         how = "e4m3, rowwise" if self.scaling == "rowwise" else "e4m3 fwd, e5m2 grads, tensorwise"
-        ctx.replaced(self.name, n, [n], f"FP8 linear ({M} x {K} -> {N}, {how})",
-                     before, M=M, K=K, N=N, weight=parameter_name(w))
+        ctx.replaced(self.name, n, [n], f"FP8 linear ({M} x {K} -> {N}, {how})", before, M=M, K=K, N=N,
+                     weight=parameter_name(w), weight_cast="once per optimizer step" if copy else "every forward")
+
+
+def _weight_copy(ctx: RewriteContext, w: fx.Node, n: fx.Node):
+    """The graph inputs ``(q, s)`` taking ``w``'s e4m3 copy and scale made ahead (``opsmath.fp8_weights``),
+    added once per weight; None where the copy is not kept: the weight needs no gradient (a frozen
+    weight has no optimizer step to tie the copy to), is not a plain tensor, or the user skipped it."""
+    placeholders = list(ctx.graph.find_nodes(op="placeholder"))
+    real = ctx.inputs[placeholders.index(w)] if ctx.inputs is not None else None
+    if type(real) not in (torch.Tensor, torch.nn.Parameter) or not (real.requires_grad and real.is_leaf) \
+            or not ctx.allowed(WEIGHT_CACHE, n) or ctx.fake_mode is None:
+        return None
+    made = {p.meta[META]: p for p in placeholders if META in p.meta}
+    if (w.name, "q") not in made:
+        with ctx.fake_mode:
+            q, s = torch.empty(val(w).shape, dtype=E4M3, device=val(w).device), torch.ones((), device=val(w).device)
+        made = {(w.name, k): ctx.add_input(f"{w.name}_fp8_{k}", fake, w, **{META: (w.name, k)})
+                for k, fake in (("q", q), ("s", s))}
+    return made[(w.name, "q")], made[(w.name, "s")]
 
 
 def with_scaling(rule: FP8LinearRule, scaling: str) -> FP8LinearRule:
