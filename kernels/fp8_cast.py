@@ -6,11 +6,11 @@ optimizer step rather than in every forward (``opsmath.fp8_weights`` decides whe
 Math, per weight ``W`` (fp32 master or bf16; cast to bf16 first, as the linear's input cast does)::
 
     a = amax |bf16(W)|                       (pass 1: per chunk, ``atomic_max`` into the tensor's slot)
-    s = a / 448, or 1 where a == 0            (e4m3's largest finite value: 448)
+    s = a * fp32(1 / 448), or 1 where a == 0  (e4m3's largest finite value: 448)
     Q = e4m3(clamp(bf16(W) / s, -448, 448))   (pass 2: round to nearest even, as ``Tensor.to``)
 
-bit for bit ``kernels.fp8_linear.quantize(bf16(W), e4m3)``: the divisions are IEEE (``div_rn``) and the
-rounding to e4m3's grid is done in fp32 arithmetic (exact; the conversion then only stores), so the
+bit for bit ``kernels.fp8_linear.quantize(bf16(W), e4m3)``: the division is IEEE (``div_rn``), the scale
+a product by the fp32 reciprocal (as PyTorch's CUDA kernels divide by a Python scalar), and the rounding to e4m3's grid is done in fp32 arithmetic (exact; the conversion then only stores), so the
 result does not depend on how a backend converts to FP8 (Triton's CPU interpreter does not round to
 nearest). Chunks and address tables are ``kernels.adamw``'s multi-tensor plumbing.
 
@@ -71,9 +71,9 @@ def _round_e4m3(v):
     subtracting 1.5 * 2^23 rounds a step count below 2^22 to an integer, ties to even."""
     bits = v.to(tl.int32, bitcast=True)
     a = tl.abs(v)
-    e = ((bits >> 23) & 0xFF) - 127
-    ulp = ((tl.maximum(e - 3, -9) + 127) << 23).to(tl.float32, bitcast=True)
-    n = a / ulp                        # exact: ulp is a power of two
+    k = tl.maximum(((bits >> 23) & 0xFF) - 127 - 3, -9)            # the grid step is 2^k
+    ulp = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    n = a * ((127 - k) << 23).to(tl.float32, bitcast=True)         # a / 2^k, exact (no division)
     n = (n + 12582912.0) - 12582912.0  # 1.5 * 2^23
     r = (n * ulp).to(tl.int32, bitcast=True) | (bits & -2147483648)   # the sign bit
     return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
@@ -84,7 +84,7 @@ def _cast_kernel(W_PTRS, Q_PTRS, S_PTRS, SIZES, CHUNK_TENSOR, CHUNK_START, AMAX,
                  ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     i, start, rem = chunk_of(CHUNK_TENSOR, CHUNK_START, SIZES, CHUNK_SIZE, BLOCK)
     amax = tl.load(AMAX + i)
-    scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+    scale = tl.where(amax > 0, amax * (1.0 / 448.0), 1.0)
     w_ptr = addr(W_PTRS, i, W_TY, ALIGNED) + start
     q_ptr = addr(Q_PTRS, i, tl.float8e4nv, ALIGNED) + start
     for off in range(0, rem, BLOCK):

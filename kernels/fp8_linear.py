@@ -46,7 +46,7 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim=None) -> tuple[torch.Tenso
     (``dim=None``) or one per slice reduced over ``dim`` (kept as a size-1 dim: ``dim=-1`` gives a scale per
     row, shape (rows, 1))."""
     amax = (t.abs().amax() if dim is None else t.abs().amax(dim, keepdim=True)).float()
-    scale = torch.where(amax > 0, amax / MAX[dtype], torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1.0 / MAX[dtype]), torch.ones_like(amax))   # as CUDA divides by a scalar
     return (t.float() / scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype), scale
 
 

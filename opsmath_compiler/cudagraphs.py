@@ -127,15 +127,17 @@ class StepGuard:
     @staticmethod
     def before_call() -> int:
         """Move pool-owned ``.grad`` tensors of every guarded model to ordinary memory; how many moved."""
-        grads = [p for m in list(_GUARDED.keys()) for p in _parameters(m)
-                 if p.grad is not None and p.grad.is_cuda]
+        grads = [(p, getattr(getattr(m, "_opsmath", None), "weight_casts", None))
+                 for m in list(_GUARDED.keys()) for p in _parameters(m) if p.grad is not None and p.grad.is_cuda]
         if not grads:
             return 0
         pools: dict = {}
         moved = 0
-        for p in grads:
+        for p, casts in grads:
             if _in_pool(p.grad, pools):
-                p.grad = p.grad.clone()
+                old, p.grad = p.grad, p.grad.clone()
+                if casts is not None:   # the FP8 weight copies follow the gradient's accumulation
+                    casts.grad_replaced(p, old, p.grad)
                 moved += 1
         return moved
 

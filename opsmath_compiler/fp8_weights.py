@@ -75,6 +75,14 @@ class WeightCasts:
         self.casts = 0              # weights cast (a count for tests and the report)
         self.reused = 0             # weights whose copy served a forward without a cast
 
+    def grad_replaced(self, p: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``p.grad`` was ``old`` and is now ``new``, a copy of it (``cudagraphs.StepGuard`` moves gradients
+        out of the replay pool): a record of ``old`` as a backward left it becomes one of ``new``."""
+        c = self._copies.get(id(p))
+        if c is not None and c.param() is p and c.grad is not None and c.grad[0]() is old \
+                and old._version == c.grad[1]:
+            c.grad = (weakref.ref(new), new._version)
+
     def nbytes(self) -> int:
         """Bytes the copies hold (resident between steps)."""
         return sum(c.q.numel() + 4 for c in self._copies.values())

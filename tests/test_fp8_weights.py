@@ -138,3 +138,37 @@ def test_two_forwards_before_one_backward_keep_their_gradients(monkeypatch):
             (m(a).float() - m(b).float()).pow(2).mean().backward()
     for p, q in zip(every.parameters(), cached.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_gradient_moved_out_of_the_replay_pool_keeps_the_copy_fresh():
+    """CUDA graphs (``cudagraphs.StepGuard``) replace a pool-owned ``.grad`` by its copy after the first
+    micro-step's backward: the record follows it, so micro-step 2 reuses the copy; any other new gradient
+    object does not."""
+    from opsmath.fp8_weights import WeightCasts
+    casts = WeightCasts()
+    w = nn.Parameter(torch.randn(32, 16))
+    q, _ = casts.inputs_for([w])
+    (q.float().sum() * 0 + (w * w).sum()).backward()   # a backward accumulating into w.grad
+    assert casts._copy(w).fresh(w)
+    old, w.grad = w.grad, w.grad.clone()
+    assert not casts._copy(w).fresh(w)
+    casts.grad_replaced(w, old, w.grad)
+    assert casts._copy(w).fresh(w)
+    w.grad.zero_()                                     # zero_grad(set_to_none=False)
+    assert not casts._copy(w).fresh(w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_accumulation_under_cuda_graphs_reuses_copies(monkeypatch):
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
+    torch.manual_seed(0)
+    model = MLP().to(DEVICE)
+    batches = [torch.randn(4, 16, 64, device=DEVICE) for _ in range(6)]
+    torch._dynamo.reset()
+    every = opsmath.optimize(copy.deepcopy(model), fp8=True, cuda_graphs=True)
+    cached = opsmath.optimize(copy.deepcopy(model), fp8=True, cuda_graphs=True)
+    with monkeypatch.context() as m:
+        m.setattr("opsmath.fp8_weights._Copy.fresh", lambda self, w: False)
+        l_every = _train(every, batches, 3)
+    assert torch.equal(l_every, _train(cached, batches, 3))
+    assert cached._opsmath.weight_casts.reused == 2 * 4
