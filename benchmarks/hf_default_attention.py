@@ -179,10 +179,8 @@ VARIANTS = {  # label: (wrap the built model, attn_implementation or None for th
     "opsmath.optimize + CUDA graphs": (lambda m: opsmath.optimize(m, cuda_graphs=True), None),
     "opsmath.optimize(fp8=True) + CUDA graphs": (lambda m: opsmath.optimize(m, fp8=True, cuda_graphs=True),
                                                      None),
-    "opsmath.optimize(fp8=True) + weights cast in every forward": (
-        lambda m: opsmath.optimize(m, fp8=True, skip=["fp8_weight_cache"]), None),
-    "opsmath.optimize(fp8=True) + CUDA graphs + weights cast in every forward": (
-        lambda m: opsmath.optimize(m, fp8=True, cuda_graphs=True, skip=["fp8_weight_cache"]), None),
+    "opsmath.optimize(fp8=cached)": (lambda m: opsmath.optimize(m, fp8="cached"), None),
+    "opsmath.optimize(fp8=cached) + CUDA graphs": (lambda m: opsmath.optimize(m, fp8="cached", cuda_graphs=True), None),
     "opsmath.optimize(fp8=rowwise) + CUDA graphs": (
         lambda m: opsmath.optimize(m, fp8="rowwise", cuda_graphs=True), None),
     "torchao float8 + torch.compile": (torchao_float8, None),

@@ -112,11 +112,11 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             but a large output (logits) kept past the next step's forward must be cloned, as under
             ``reduce-overhead``. CPU graphs run without. Needs the Inductor path; an outer
             ``torch.compile(..., mode="reduce-overhead")`` does not reach opsmath's graphs: ask here.
-        fp8: ``True`` or ``"tensorwise"``: bf16 linear layers whose GEMMs gain (``patterns/fp8_linear.py``)
-            run forward and backward on FP8 tensor cores, dynamic tensorwise scaling (e4m3 operands, e5m2
-            gradients); ``"rowwise"``: a scale per operand row, e4m3 throughout (torchao's rowwise recipe).
-            The report lists every linear as FP8 or not, with the reason. Numerics change beyond the
-            tolerance rule (judge by loss curves). Needs sm_89+ on CUDA; CPU runs PyTorch's FP8 reference.
+        fp8: ``True`` or ``"tensorwise"``: bf16 linear layers whose GEMMs gain (``patterns/fp8_linear.py``) run
+            forward and backward on FP8 tensor cores, dynamic tensorwise scaling (e4m3 operands, e5m2 gradients);
+            ``"cached"``: the same, each weight cast once per optimizer step (``fp8_weights.py``); ``"rowwise"``: a
+            scale per operand row, e4m3 throughout. The report lists every linear as FP8 or not, with the reason.
+            Numerics change beyond the tolerance rule (judge by loss curves). Needs sm_89+ on CUDA (CPU: reference).
 
     Returns:
         ``model``, whose next call captures and rewrites; ``opsmath.report(model)`` shows the result.
@@ -169,11 +169,13 @@ def _has_experts(model: torch.nn.Module) -> bool:
 
 def _chosen(patterns, fp8) -> list:
     """The rules ``optimize`` applies: all but the opt-in ones not asked for, or exactly ``patterns``."""
-    if fp8 not in (False, True, "tensorwise", "rowwise"):
-        raise ValueError(f"fp8={fp8!r}: use True or 'tensorwise' (a dynamic scale per tensor) or 'rowwise' "
-                         "(per row); delayed scaling is not implemented")
-    rules = ALL_PATTERNS if fp8 != "rowwise" else \
-        [with_scaling(p, "rowwise") if p.name == "fp8_linear" else p for p in ALL_PATTERNS]
+    if fp8 not in (False, True, "tensorwise", "rowwise", "cached"):
+        raise ValueError(f"fp8={fp8!r}: use True or 'tensorwise' (a dynamic scale per tensor), 'cached' (tensorwise, "
+                         "weights cast once per optimizer step) or 'rowwise' (per row); delayed scaling is not "
+                         "implemented")
+    rules = ALL_PATTERNS if fp8 not in ("rowwise", "cached") else \
+        [with_scaling(p, "rowwise" if fp8 == "rowwise" else "tensorwise", fp8 == "cached")
+         if p.name == "fp8_linear" else p for p in ALL_PATTERNS]
     if patterns is not None:
         return [p for p in rules if p.name in set(patterns)]
     enabled = {"fp8": bool(fp8)}

@@ -1,8 +1,9 @@
 """FP8 weight copies made once per optimizer step, not in every forward.
 
-A tensorwise FP8 linear (``kernels.fp8_linear``) casts its weight to e4m3 in every forward; under
-gradient accumulation each micro-step repeats the cast of unchanged weights. ``optimize(fp8=True)``
-instead hands each FP8 linear whose weight requires grad two more graph inputs, the weight's e4m3 copy
+A tensorwise FP8 linear (``kernels.fp8_linear``) casts its weight to e4m3 in every forward (and, under
+Inductor, again in backward); under gradient accumulation each micro-step repeats the casts of unchanged
+weights. ``optimize(fp8="cached")`` instead hands each FP8 linear whose weight requires grad two more graph
+inputs, the weight's e4m3 copy
 and its scale (``patterns/fp8_linear.py`` adds them), kept here per parameter. Before a graph runs, the
 copies of its weights that may be stale are made again, all in one fused cast (``kernels.fp8_cast``;
 PyTorch ops on the CPU), bit for bit what the in-graph cast computes.
@@ -20,7 +21,8 @@ so the first forward after each optimizer step casts anew, even after optimizers
 behind autograd's version counter (fused CUDA extensions, writes through ``.data``). A forward without a
 backward since (evaluation, two forwards before one backward) casts again. The case left: a weight
 written behind the version counter between two micro-steps with its gradient untouched; ``skip=
-["fp8_weight_cache"]`` casts in every forward instead. Cost: one e4m3 byte per weight element, resident.
+["fp8_weight_cache"]`` (or ``fp8=True``) casts in every forward instead. Cost: one e4m3 byte per weight
+element, resident (HF LLaMA 1.1B: 0.76 GiB), for 2% of step time (BENCHMARKS.md): hence opt-in.
 """
 from __future__ import annotations
 

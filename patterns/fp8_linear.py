@@ -11,9 +11,10 @@ size; a GEMM with K, N or the row count below ``MIN_DIM`` stays bf16, and the re
 Except a layer whose input another FP8 layer also reads (k and v beside q, gate beside up): the input's
 amax and cast are then computed once for all of them (AOTAutograd's CSE under Inductor), so such a
 layer pays only its weight's and gradient's casts, and runs FP8 from ``SHARED_MIN_DIM``.
-Tensorwise, a weight that requires grad is not cast in the graph: its e4m3 copy and scale become two more
-graph inputs, made once per optimizer step (``opsmath.fp8_weights``; ``skip=["fp8_weight_cache"]``: cast
-in the graph, every forward). Opt-in: applied only when ``optimize(..., fp8=True)`` (FP8 changes numerics
+With ``fp8="cached"``, a weight that requires grad is not cast in the graph: its e4m3 copy and scale become
+two more graph inputs, made once per optimizer step (``opsmath.fp8_weights``; ``skip=["fp8_weight_cache"]``
+keeps chosen layers casting in the graph). Default tensorwise casts in the graph: under Inductor the
+partition saves the bf16 weight and casts again in backward, holding no copy. Opt-in: applied only when ``optimize(..., fp8=True)`` (FP8 changes numerics
 beyond the tolerance rule).
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ class FP8LinearRule(Rule):
     anchors = (aten.linear.default,)
     opt_in = "fp8"
     scaling = "tensorwise"   # or "rowwise": ``with_scaling``
+    weight_cache = False     # tensorwise weights cast once per optimizer step (``fp8="cached"``)
     after = ("linear_cross_entropy", "experts")   # the LM head's loss and grouped experts keep theirs
 
     def match(self, ctx: RewriteContext, n: fx.Node):
@@ -57,7 +59,7 @@ class FP8LinearRule(Rule):
     def emit(self, ctx: RewriteContext, n: fx.Node, plan) -> None:
         x, w, b, (M, K, N) = plan
         before = [node_line(n)]
-        copy = _weight_copy(ctx, w, n) if self.scaling == "tensorwise" else None
+        copy = _weight_copy(ctx, w, n) if self.weight_cache and self.scaling == "tensorwise" else None
         with ctx.graph.inserting_before(n):
             x16, w16, b16 = [ctx.cast(t, torch.bfloat16, n) for t in (x, w if copy is None else None, b)]
             args = (x16, w, b16, False, *copy) if copy else (x16, w16, b16, self.scaling == "rowwise")
@@ -87,11 +89,12 @@ def _weight_copy(ctx: RewriteContext, w: fx.Node, n: fx.Node):
     return made[(w.name, "q")], made[(w.name, "s")]
 
 
-def with_scaling(rule: FP8LinearRule, scaling: str) -> FP8LinearRule:
-    """A copy of ``rule`` emitting ``scaling`` ("tensorwise" or "rowwise") FP8 GEMMs."""
+def with_scaling(rule: FP8LinearRule, scaling: str, weight_cache: bool = False) -> FP8LinearRule:
+    """A copy of ``rule`` emitting ``scaling`` ("tensorwise" or "rowwise") FP8 GEMMs; ``weight_cache``: a
+    tensorwise weight's copy made once per optimizer step (``opsmath.fp8_weights``)."""
     import copy
     out = copy.copy(rule)
-    out.scaling = scaling
+    out.scaling, out.weight_cache = scaling, weight_cache
     return out
 
 

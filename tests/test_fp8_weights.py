@@ -1,4 +1,4 @@
-"""FP8 weight copies made once per optimizer step (``opsmath.fp8_weights``, ``kernels.fp8_cast``): the
+"""FP8 weight copies made once per optimizer step (``fp8="cached"``: ``opsmath.fp8_weights``, ``kernels.fp8_cast``): the
 fused cast bit for bit against ``quantize``; under gradient accumulation the copies are reused by
 micro-steps 2..k and made again after every optimizer step, and training is bit for bit that of casting
 in every forward, whatever writes the weights."""
@@ -84,8 +84,8 @@ def test_accumulation_reuses_copies_and_trains_as_casting_every_forward(monkeypa
     model = MLP().to(DEVICE)
     batches = [torch.randn(4, 16, 64, device=DEVICE) for _ in range(6)]
     torch._dynamo.reset()
-    every = opsmath.optimize(copy.deepcopy(model), fp8=True, inductor=inductor)
-    cached = opsmath.optimize(copy.deepcopy(model), fp8=True, inductor=inductor)
+    every = opsmath.optimize(copy.deepcopy(model), fp8="cached", inductor=inductor)
+    cached = opsmath.optimize(copy.deepcopy(model), fp8="cached", inductor=inductor)
     with monkeypatch.context() as m:
         m.setattr("opsmath.fp8_weights._Copy.fresh", lambda self, w: False)
         l_every = _train(every, batches, 3)
@@ -98,10 +98,12 @@ def test_accumulation_reuses_copies_and_trains_as_casting_every_forward(monkeypa
     matches = [m for m in opsmath.report(cached).matches if m.pattern == "fp8_linear"]
     assert [m.details["weight_cast"] for m in matches] == ["once per optimizer step"] * 2
     assert casts.reused == 2 * 4, (casts.casts, casts.reused)     # 2 weights x micro-steps 2, 3 of 2 steps
-    in_graph = opsmath.optimize(copy.deepcopy(model), fp8=True, inductor=inductor, skip=["fp8_weight_cache"])
-    _train(in_graph, batches[:1], 1)
-    assert [m.details["weight_cast"] for m in opsmath.report(in_graph).matches
-            if m.pattern == "fp8_linear"] == ["every forward"] * 2
+    for options in (dict(fp8=True), dict(fp8="cached", skip=["fp8_weight_cache"])):   # the default; skipped
+        in_graph = opsmath.optimize(copy.deepcopy(model), inductor=inductor, **options)
+        _train(in_graph, batches[:1], 1)
+        assert [m.details["weight_cast"] for m in opsmath.report(in_graph).matches
+                if m.pattern == "fp8_linear"] == ["every forward"] * 2
+        assert in_graph._opsmath.weight_casts.casts == 0
 
 
 def test_weights_written_behind_the_version_counter_are_cast_again(monkeypatch):
@@ -116,8 +118,8 @@ def test_weights_written_behind_the_version_counter_are_cast_again(monkeypatch):
         for p in m.parameters():
             p.data.clamp_(-0.05, 0.05)
     torch._dynamo.reset()
-    every = opsmath.optimize(copy.deepcopy(model), fp8=True, inductor=False, skip=["fp8_weight_cache"])
-    cached = opsmath.optimize(copy.deepcopy(model), fp8=True, inductor=False)
+    every = opsmath.optimize(copy.deepcopy(model), fp8=True, inductor=False)
+    cached = opsmath.optimize(copy.deepcopy(model), fp8="cached", inductor=False)
     assert torch.equal(_train(every, batches, 2, clip), _train(cached, batches, 2, clip))
     for p, q in zip(every.parameters(), cached.parameters()):
         assert torch.equal(p, q)
@@ -131,8 +133,8 @@ def test_two_forwards_before_one_backward_keep_their_gradients(monkeypatch):
     model = MLP().to(DEVICE)
     a, b = torch.randn(4, 16, 64, device=DEVICE), torch.randn(4, 16, 64, device=DEVICE)
     torch._dynamo.reset()
-    every = opsmath.optimize(copy.deepcopy(model), fp8=True, inductor=False, skip=["fp8_weight_cache"])
-    cached = opsmath.optimize(copy.deepcopy(model), fp8=True, inductor=False)
+    every = opsmath.optimize(copy.deepcopy(model), fp8=True, inductor=False)
+    cached = opsmath.optimize(copy.deepcopy(model), fp8="cached", inductor=False)
     for m in (every, cached):
         with torch.autocast(DEVICE, torch.bfloat16):
             (m(a).float() - m(b).float()).pow(2).mean().backward()
@@ -165,8 +167,8 @@ def test_accumulation_under_cuda_graphs_reuses_copies(monkeypatch):
     model = MLP().to(DEVICE)
     batches = [torch.randn(4, 16, 64, device=DEVICE) for _ in range(6)]
     torch._dynamo.reset()
-    every = opsmath.optimize(copy.deepcopy(model), fp8=True, cuda_graphs=True)
-    cached = opsmath.optimize(copy.deepcopy(model), fp8=True, cuda_graphs=True)
+    every = opsmath.optimize(copy.deepcopy(model), fp8="cached", cuda_graphs=True)
+    cached = opsmath.optimize(copy.deepcopy(model), fp8="cached", cuda_graphs=True)
     with monkeypatch.context() as m:
         m.setattr("opsmath.fp8_weights._Copy.fresh", lambda self, w: False)
         l_every = _train(every, batches, 3)
