@@ -96,14 +96,16 @@ def _cast_kernel(W_PTRS, Q_PTRS, S_PTRS, SIZES, CHUNK_TENSOR, CHUNK_START, AMAX,
 
 
 class CastTables:
-    """Launch tables of one fixed list of (weight, FP8 copy, scale): the weights' storage must stay put
-    (``fp8_weights`` rebuilds the tables when an address changes)."""
+    """Launch tables of one fixed list of (weight, FP8 copy, scale). They hold addresses, not the tensors:
+    whoever launches them must know those addresses still are the tensors' (``fp8_weights`` keys its
+    tables by them)."""
 
     def __init__(self, weights: list[torch.Tensor], qs: list[torch.Tensor], scales: list[torch.Tensor]):
         assert len({w.dtype for w in weights}) == 1, "one weight dtype per table"
         self.dtype = weights[0].dtype
         self.tables = MultiTensor([w.numel() for w in weights], [weights, qs, scales], [0] * len(weights),
                                   weights[0].device)
+        self.tables.keep = None   # a weight passed for one call only (functional_call) must not live on
         self.aligned = aligned(weights) and aligned(qs)
         self.amax = torch.zeros(len(weights), dtype=torch.float32, device=weights[0].device)
 

@@ -35,6 +35,7 @@ import torch.fx as fx
 from opsmath.kernels.fp8_cast import CastTables, cast_weights_reference, cast_weights_triton
 from opsmath.kernels.fp8_linear import E4M3
 
+TABLES = 64                  # launch tables kept (``WeightCasts._tables_for``)
 META = "fp8_weight_cast"     # on an added placeholder: (the weight placeholder's name, "q" or "s")
 
 
@@ -98,7 +99,6 @@ class WeightCasts:
 
     def _forget(self, key: int) -> None:
         self._copies.pop(key, None)
-        self._tables = {k: t for k, t in self._tables.items() if key not in k[0]}
 
     def inputs_for(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """``[q0, s0, q1, s1, ...]`` for ``weights``, each copy made again first unless fresh."""
@@ -120,10 +120,17 @@ class WeightCasts:
         return [t for c in copies for t in (c.q, c.s)]
 
     def _tables_for(self, ws: list[torch.Tensor], copies: list[_Copy]) -> CastTables:
-        key = (tuple(id(c.param()) for c in copies), tuple(w.data_ptr() for w in ws))
-        t = self._tables.get(key)
+        """Launch tables for these weights and copies, kept by their addresses (what the tables hold):
+        equal addresses, equal tables. At most ``TABLES`` are kept (weights passed anew every call, as
+        through ``torch.func.functional_call``, would add one each call)."""
+        key = (ws[0].dtype, tuple((w.data_ptr(), w.numel(), c.q.data_ptr(), c.s.data_ptr())
+                                  for w, c in zip(ws, copies)))
+        t = self._tables.pop(key, None)
         if t is None:
-            t = self._tables[key] = CastTables(ws, [c.q for c in copies], [c.s for c in copies])
+            t = CastTables(ws, [c.q for c in copies], [c.s for c in copies])
+            if len(self._tables) >= TABLES:
+                self._tables.pop(next(iter(self._tables)))
+        self._tables[key] = t    # most recently used last
         return t
 
 

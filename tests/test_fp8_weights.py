@@ -174,3 +174,25 @@ def test_accumulation_under_cuda_graphs_reuses_copies(monkeypatch):
         l_every = _train(every, batches, 3)
     assert torch.equal(l_every, _train(cached, batches, 3))
     assert cached._opsmath.weight_casts.reused == 2 * 4
+
+
+def test_weights_passed_anew_each_call_are_not_kept_alive(monkeypatch):
+    """``torch.func.functional_call`` hands the graph new weight tensors every call: their copies (and
+    launch tables) must not keep them, nor grow without bound."""
+    import gc
+    import weakref
+    from torch.func import functional_call
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
+    torch.manual_seed(0)
+    model = opsmath.optimize(MLP().to(DEVICE), fp8="cached", inductor=False)
+    x = torch.randn(4, 16, 64, device=DEVICE)
+    refs = []
+    for _ in range(4):
+        params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+        with torch.autocast(DEVICE, torch.bfloat16):
+            functional_call(model, params, (x,)).float().sum().backward()
+        refs.append(weakref.ref(params["up.weight"]))
+        del params
+    gc.collect()
+    assert all(r() is None for r in refs[:-1])
+    assert len(model._opsmath.weight_casts._copies) <= 2 * 2   # this call's weights, at most the last two
