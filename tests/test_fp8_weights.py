@@ -196,3 +196,31 @@ def test_weights_passed_anew_each_call_are_not_kept_alive(monkeypatch):
     gc.collect()
     assert all(r() is None for r in refs[:-1])
     assert len(model._opsmath.weight_casts._copies) <= 2 * 2   # this call's weights, at most the last two
+
+
+def test_cached_copies_under_a_memory_budget_plan_and_train_as_casting_every_forward(monkeypatch):
+    """The recompute planner costs the FP8 op with its two extra inputs, and the copies do not change
+    what the plan keeps: losses equal those of casting in the graph, op by op."""
+    from opsmath import examples
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.SHARED_MIN_DIM", 32)
+    torch.manual_seed(0)
+    model, (x, y) = examples.llama(batch_size=2, seq_len=64)
+    losses = {}
+    for fp8 in (True, "cached"):
+        torch._dynamo.reset()
+        opt_model = opsmath.optimize(copy.deepcopy(model), fp8=fp8, memory_budget=0.6, inductor=False)
+        opt = torch.optim.AdamW(opt_model.parameters(), lr=1e-3)
+        losses[fp8] = []
+        for _ in range(2):
+            for _ in range(2):
+                with torch.autocast("cpu", torch.bfloat16):
+                    loss = opt_model(x, y)
+                loss.backward()
+                losses[fp8].append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        assert opsmath.report(opt_model).graphs[0].plan is not None
+    assert torch.equal(torch.stack(losses[True]), torch.stack(losses["cached"]))
+    casts = opt_model._opsmath.weight_casts
+    assert casts.casts == casts.reused > 0          # one cast and one reuse per weight and step
