@@ -66,7 +66,8 @@ class FP8LinearRule(Rule):
             y = ctx.call(fp8_linear, args, n)
         n.replace_all_uses_with(y)
         ctx.erase_dead([n])
-        how = "e4m3, rowwise" if self.scaling == "rowwise" else "e4m3 fwd, e5m2 grads, tensorwise"
+        how = "e4m3, rowwise" if self.scaling == "rowwise" else "e4m3 fwd, e5m2 grads, tensorwise" \
+            + (", weight cast once per optimizer step" if copy else "")
         ctx.replaced(self.name, n, [n], f"FP8 linear ({M} x {K} -> {N}, {how})", before, M=M, K=K, N=N,
                      weight=parameter_name(w), weight_cast="once per optimizer step" if copy else "every forward")
 
