@@ -67,10 +67,11 @@ def build(name: str, device: str, seq: int, seed: int = 0):
 
 
 class MoEVariant(Variant):
-    def step(self):
-        out = self.model(**self.batch) if isinstance(self.batch, dict) else self.model(*self.batch)
-        loss = out if isinstance(out, torch.Tensor) else out.loss
-        loss.backward()
+    def step(self, accumulate: int = 1):
+        for _ in range(accumulate):
+            out = self.model(**self.batch) if isinstance(self.batch, dict) else self.model(*self.batch)
+            loss = out if isinstance(out, torch.Tensor) else out.loss
+            loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss
