@@ -91,8 +91,10 @@ class WeightCasts:
         return sum(c.q.numel() + 4 for c in self._copies.values())
 
     def _copy(self, w: torch.Tensor) -> _Copy:
+        """``w``'s copy; a new one where ``w`` has none, or ``w.data`` was replaced by a tensor of another
+        shape or device (``module.to``)."""
         c = self._copies.get(id(w))
-        if c is None or c.param() is not w:
+        if c is None or c.param() is not w or c.q.shape != w.shape or c.q.device != w.device:
             key = id(w)
             c = self._copies[key] = _Copy(w, lambda _: self._forget(key))
         return c

@@ -224,3 +224,13 @@ def test_cached_copies_under_a_memory_budget_plan_and_train_as_casting_every_for
     assert torch.equal(torch.stack(losses[True]), torch.stack(losses["cached"]))
     casts = opt_model._opsmath.weight_casts
     assert casts.casts == casts.reused > 0          # one cast and one reuse per weight and step
+
+
+def test_a_weight_whose_data_changes_shape_gets_a_new_copy():
+    from opsmath.fp8_weights import WeightCasts
+    casts = WeightCasts()
+    w = nn.Parameter(torch.randn(32, 16))
+    assert casts.inputs_for([w])[0].shape == (32, 16)
+    w.data = torch.randn(48, 16)
+    q, s = casts.inputs_for([w])
+    assert q.shape == (48, 16) and torch.equal(_bits(q), _bits(quantize(w.detach().bfloat16(), E4M3)[0]))
