@@ -10,9 +10,9 @@ Math, per weight ``W`` (fp32 master or bf16; cast to bf16 first, as the linear's
     Q = e4m3(clamp(bf16(W) / s, -448, 448))   (pass 2: round to nearest even, as ``Tensor.to``)
 
 bit for bit ``kernels.fp8_linear.quantize(bf16(W), e4m3)``: the division is IEEE (``div_rn``), the scale
-a product by the fp32 reciprocal (as PyTorch's CUDA kernels divide by a Python scalar), and the rounding to e4m3's grid is done in fp32 arithmetic (exact; the conversion then only stores), so the
-result does not depend on how a backend converts to FP8 (Triton's CPU interpreter does not round to
-nearest). Chunks and address tables are ``kernels.adamw``'s multi-tensor plumbing.
+a product by the fp32 reciprocal (as PyTorch's CUDA kernels divide by a Python scalar), and the rounding
+to e4m3's grid is done in fp32 arithmetic (exact; the conversion then only stores), so the result does
+not depend on how a backend converts to FP8 (Triton's CPU interpreter does not round to nearest). Chunks and address tables are ``kernels.adamw``'s multi-tensor plumbing.
 
 Shapes: any contiguous weights, ``Q`` of the same shape in ``float8_e4m3fn``, ``s`` 0-d fp32. Caveat: a
 weight holding NaN gets a finite scale from the others (torch's amax would give NaN); its NaNs stay

@@ -14,8 +14,8 @@ layer pays only its weight's and gradient's casts, and runs FP8 from ``SHARED_MI
 With ``fp8="cached"``, a weight that requires grad is not cast in the graph: its e4m3 copy and scale become
 two more graph inputs, made once per optimizer step (``opsmath.fp8_weights``; ``skip=["fp8_weight_cache"]``
 keeps chosen layers casting in the graph). Default tensorwise casts in the graph: under Inductor the
-partition saves the bf16 weight and casts again in backward, holding no copy. Opt-in: applied only when ``optimize(..., fp8=True)`` (FP8 changes numerics
-beyond the tolerance rule).
+partition saves the bf16 weight and casts again in backward, holding no copy. Opt-in: applied only when
+``optimize(..., fp8=True)`` (FP8 changes numerics beyond the tolerance rule).
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ test checks to ``out_dir``: final full parameters, the report's rewrite count, p
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -134,4 +135,33 @@ def tune_agree(rank, world, port, out_dir, sync):
     cands = {"a": named("a"), "b": named("b")}
     got = [autotune.pick("op", key, cands, measure) for key in ("measured-by-all", "cached-on-rank-1")]
     torch.save(got, os.path.join(out_dir, f"tune{rank}.pt"))
+    _finish()
+
+
+def fp8_accumulate(rank, world, port, fp8, out_dir):
+    """DDP over FP8 linears (``fp8=True`` or ``"cached"``), 2 steps of 2 micro-batches, the first under
+    ``no_sync`` (the usual accumulation): writes the parameters and the copies' cast and reuse counts."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import opsmath
+    import opsmath.patterns.fp8_linear as rule
+    _setup(rank, world, port)
+    rule.MIN_DIM = 32
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    wrapped = DDP(opsmath.optimize(model, fp8=fp8, inductor=False))
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for step in range(2):
+        for micro in range(2):
+            x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(10 * step + 2 * micro + rank))
+            with wrapped.no_sync() if micro == 0 else contextlib.nullcontext(), torch.autocast("cpu", torch.bfloat16):
+                loss = wrapped(x).float().pow(2).mean()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if rank == 0:
+        casts = model._opsmath.weight_casts
+        torch.save(dict(params={k: v.detach().clone() for k, v in model.state_dict().items()},
+                        casts=casts.casts, reused=casts.reused), os.path.join(out_dir, f"fp8-{fp8}.pt"))
     _finish()

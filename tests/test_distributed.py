@@ -96,3 +96,18 @@ def test_tuning_choices_agree_across_ranks_when_asked(tmp_path, sync):
     rank0, rank1 = torch.load(tmp_path / "tune0.pt"), torch.load(tmp_path / "tune1.pt")
     assert rank0 == ["a", "a"]
     assert rank1 == (["a", "a"] if sync == "1" else ["b", "b"])   # unsynced: its own timing and cache
+
+
+def test_ddp_accumulation_reuses_fp8_weight_copies_under_no_sync(tmp_path):
+    """DDP with ``no_sync`` on the first of two micro-batches: the second reuses each weight's FP8 copy
+    (its gradient was accumulated locally, untouched since), DDP's all-reduce write after the second
+    backward ends the chain, and the parameters equal those of casting in the graph."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("torch without FP8 dtypes")
+    for fp8 in (True, "cached"):
+        mp.spawn(dist_worker.fp8_accumulate, args=(2, _port(), fp8, str(tmp_path)), nprocs=2, join=True)
+    ref, cached = torch.load(tmp_path / "fp8-True.pt"), torch.load(tmp_path / "fp8-cached.pt")
+    for k, v in ref["params"].items():
+        assert torch.equal(v, cached["params"][k]), k
+    assert ref["casts"] == ref["reused"] == 0
+    assert cached["reused"] == 2 * 2 and cached["casts"] == 2 * 2   # 2 weights: cast at micro 1, reused at 2
