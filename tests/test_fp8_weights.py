@@ -71,6 +71,25 @@ def _train(model, batches, accumulate: int, write=None):
     return torch.stack(losses)
 
 
+def _recast_against_reuse(monkeypatch, **options):
+    """The MLP trained twice with ``fp8="cached"`` and ``options``, 2 steps of 3 micro-batches: once with
+    every copy made again in every forward, once reusing them; asserts equal losses. Returns the model,
+    the batches and both optimized copies (recast first)."""
+    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
+    torch.manual_seed(0)
+    model = MLP().to(DEVICE)
+    batches = [torch.randn(4, 16, 64, device=DEVICE) for _ in range(6)]
+    torch._dynamo.reset()
+    every = opsmath.optimize(copy.deepcopy(model), fp8="cached", **options)
+    cached = opsmath.optimize(copy.deepcopy(model), fp8="cached", **options)
+    with monkeypatch.context() as m:
+        m.setattr("opsmath.fp8_weights._Copy.fresh", lambda self, w: False)
+        l_every = _train(every, batches, 3)
+    assert every._opsmath.weight_casts.reused == 0
+    assert torch.equal(l_every, _train(cached, batches, 3))
+    return model, batches, every, cached
+
+
 @pytest.mark.parametrize("inductor", [False, True])
 def test_accumulation_reuses_copies_and_trains_as_casting_every_forward(monkeypatch, inductor):
     """Three micro-steps per optimizer step: each weight is cast once per step (micro-steps 2 and 3
@@ -79,19 +98,7 @@ def test_accumulation_reuses_copies_and_trains_as_casting_every_forward(monkeypa
     bf16 rounding of an fp32 master weight there, within FP8's own error.)"""
     if inductor and DEVICE == "cpu" and __import__("shutil").which("g++") is None:
         pytest.skip("Inductor on CPU needs a C++ compiler")
-    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
-    torch.manual_seed(0)
-    model = MLP().to(DEVICE)
-    batches = [torch.randn(4, 16, 64, device=DEVICE) for _ in range(6)]
-    torch._dynamo.reset()
-    every = opsmath.optimize(copy.deepcopy(model), fp8="cached", inductor=inductor)
-    cached = opsmath.optimize(copy.deepcopy(model), fp8="cached", inductor=inductor)
-    with monkeypatch.context() as m:
-        m.setattr("opsmath.fp8_weights._Copy.fresh", lambda self, w: False)
-        l_every = _train(every, batches, 3)
-    assert every._opsmath.weight_casts.reused == 0
-    l_cached = _train(cached, batches, 3)
-    assert torch.equal(l_every, l_cached)
+    model, batches, every, cached = _recast_against_reuse(monkeypatch, inductor=inductor)
     for p, q in zip(every.parameters(), cached.parameters()):
         assert torch.equal(p, q)
     casts = cached._opsmath.weight_casts
@@ -162,17 +169,7 @@ def test_a_gradient_moved_out_of_the_replay_pool_keeps_the_copy_fresh():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_accumulation_under_cuda_graphs_reuses_copies(monkeypatch):
-    monkeypatch.setattr("opsmath.patterns.fp8_linear.MIN_DIM", 32)
-    torch.manual_seed(0)
-    model = MLP().to(DEVICE)
-    batches = [torch.randn(4, 16, 64, device=DEVICE) for _ in range(6)]
-    torch._dynamo.reset()
-    every = opsmath.optimize(copy.deepcopy(model), fp8="cached", cuda_graphs=True)
-    cached = opsmath.optimize(copy.deepcopy(model), fp8="cached", cuda_graphs=True)
-    with monkeypatch.context() as m:
-        m.setattr("opsmath.fp8_weights._Copy.fresh", lambda self, w: False)
-        l_every = _train(every, batches, 3)
-    assert torch.equal(l_every, _train(cached, batches, 3))
+    _, _, _, cached = _recast_against_reuse(monkeypatch, cuda_graphs=True)
     assert cached._opsmath.weight_casts.reused == 2 * 4
 
 
