@@ -97,8 +97,8 @@ def _cast_kernel(W_PTRS, Q_PTRS, S_PTRS, SIZES, CHUNK_TENSOR, CHUNK_START, AMAX,
 
 class CastTables:
     """Launch tables of one fixed list of (weight, FP8 copy, scale). They hold addresses, not the tensors:
-    whoever launches them must know those addresses still are the tensors' (``fp8_weights`` keys its
-    tables by them)."""
+    whoever launches them keeps the tensors alive through the launch and must know those addresses still
+    are the tensors' (``fp8_weights`` keys its tables by them)."""
 
     def __init__(self, weights: list[torch.Tensor], qs: list[torch.Tensor], scales: list[torch.Tensor]):
         assert len({w.dtype for w in weights}) == 1, "one weight dtype per table"
@@ -123,7 +123,8 @@ def cast_weights_triton(t: CastTables) -> None:
 def _exercise(dtype: torch.dtype) -> None:
     weights = [torch.randn(n, 48, dtype=dtype) for n in (16, 400)]
     qs = [torch.empty(w.shape, dtype=E4M3) for w in weights]
-    cast_weights_triton(CastTables(weights, qs, [torch.ones(()) for _ in weights]))
+    scales = [torch.ones(()) for _ in weights]     # alive through the launch: the tables hold addresses only
+    cast_weights_triton(CastTables(weights, qs, scales))
 
 
 # the FP8 weight copies of ``fp8_linear`` (``opsmath.fp8_weights``), not a rewrite family of its own
