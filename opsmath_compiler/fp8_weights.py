@@ -3,8 +3,8 @@
 A tensorwise FP8 linear (``kernels.fp8_linear``) casts its weight to e4m3 in every forward (and, under
 Inductor, again in backward); under gradient accumulation each micro-step repeats the casts of unchanged
 weights. ``optimize(fp8="cached")`` instead hands each FP8 linear whose weight requires grad two more graph
-inputs, the weight's e4m3 copy
-and its scale (``patterns/fp8_linear.py`` adds them), kept here per parameter. Before a graph runs, the
+inputs, the weight's e4m3 copy and its scale (``patterns/fp8_linear.py`` adds them), kept here per
+parameter. Before a graph runs, the
 copies of its weights that may be stale are made again, all in one fused cast (``kernels.fp8_cast``;
 PyTorch ops on the CPU), bit for bit what the in-graph cast computes.
 
@@ -60,10 +60,12 @@ class _Copy:
         if self.stamp == (p.data_ptr(), p._version) and p.grad is not None:
             self.grad = (weakref.ref(p.grad), p.grad._version)
 
+    def left_by_backward(self, g: Optional[torch.Tensor]) -> bool:
+        """Whether ``g`` is the gradient a backward since the cast left, at the version it left."""
+        return self.grad is not None and g is not None and self.grad[0]() is g and g._version == self.grad[1]
+
     def fresh(self, w: torch.Tensor) -> bool:
-        g = w.grad
-        return (self.stamp == (w.data_ptr(), w._version) and self.grad is not None and g is not None
-                and self.grad[0]() is g and g._version == self.grad[1])
+        return self.stamp == (w.data_ptr(), w._version) and self.left_by_backward(w.grad)
 
     def cast_done(self, w: torch.Tensor) -> None:
         self.stamp, self.grad = (w.data_ptr(), w._version), None
@@ -82,8 +84,7 @@ class WeightCasts:
         """``p.grad`` was ``old`` and is now ``new``, a copy of it (``cudagraphs.StepGuard`` moves gradients
         out of the replay pool): a record of ``old`` as a backward left it becomes one of ``new``."""
         c = self._copies.get(id(p))
-        if c is not None and c.param() is p and c.grad is not None and c.grad[0]() is old \
-                and old._version == c.grad[1]:
+        if c is not None and c.param() is p and c.left_by_backward(old):
             c.grad = (weakref.ref(new), new._version)
 
     def nbytes(self) -> int:
@@ -102,9 +103,12 @@ class WeightCasts:
     def _forget(self, key: int) -> None:
         self._copies.pop(key, None)
 
-    def inputs_for(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``[q0, s0, q1, s1, ...]`` for ``weights``, each copy made again first unless fresh."""
+    def inputs_for(self, weights: list[torch.Tensor], cast: bool = True) -> list[torch.Tensor]:
+        """``[q0, s0, q1, s1, ...]`` for ``weights``, each copy made again first unless fresh; ``cast=False``:
+        the buffers only, values unset (what compiling a graph needs; its first call casts)."""
         copies = [self._copy(w) for w in weights]
+        if not cast:
+            return [t for c in copies for t in (c.q, c.s)]
         stale = [(w, c) for w, c in zip(weights, copies) if not c.fresh(w)]
         self.reused += len(weights) - len(stale)
         by_kind: dict[tuple, list] = {}
@@ -157,6 +161,6 @@ def with_copies(casts: Optional[WeightCasts], gm: fx.GraphModule, fn):
 
 
 def example_inputs(casts: Optional[WeightCasts], gm: fx.GraphModule, args: list) -> list:
-    """``args`` and the FP8 copies ``gm`` takes after them (what compiling ``gm`` needs)."""
+    """``args`` and the FP8 copies ``gm`` takes after them, not cast (what compiling ``gm`` needs)."""
     positions = weight_positions(gm)
-    return list(args) + (casts.inputs_for([args[i] for i in positions]) if positions and casts else [])
+    return list(args) + (casts.inputs_for([args[i] for i in positions], cast=False) if positions and casts else [])
