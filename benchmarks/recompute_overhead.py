@@ -69,8 +69,10 @@ class Variant:
                     wall_max=max(self.wall), host_ms=statistics.median(self.host),
                     gpu_ms=sum(kernel_ms(self.step, calls=3).values()), peak_gib=self.peak_gib,
                     step_peak_gib=self.step_peak_gib, rounds=self.wall,
-                    plans=[{k: p.get(k) for k in ("budget", "kept", "predicted_peak", "expected_peak",
-                                                  "recompute_seconds", "chosen", "selective", "offloaded")}
+                    plans=[{k: p.get(k) for k in ("budget", "budget_bytes", "budget_share", "unconstrained", "kept",
+                                                  "predicted_peak", "expected_peak", "measured_peak", "excess",
+                                                  "head_excess", "recompute_seconds", "chosen", "selective",
+                                                  "offloaded")}
                            for p in plans])
 
 

@@ -90,10 +90,10 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
             optimizer state and inputs included), or a fraction in (0, 1] (``0.5``, ``"0.5"``,
             ``"50%"``) of the unconstrained activation memory. Recompute is planned per captured
             graph (``plan.py``); an infeasible budget raises ``InfeasibleBudget`` naming the smallest
-            feasible one. A fraction stands for ``resident + fraction * activations`` bytes, held as
-            a byte budget is: at a graph's second call the plan is checked against what step 1
-            measured (resident bytes, CUDA peak) and made again if needed, at its third call tightened
-            once more if still over (``replan.py``); to measure those steps, a budget resets
+            feasible one. A fraction keeps that share of the activations (``1.0``: no recompute).
+            A byte budget's plan is checked at a graph's second call against what step 1 measured
+            (resident bytes, CUDA peak) and made again if needed, at its third call tightened once
+            more if still over (``replan.py``); to measure those steps, a budget resets
             ``torch.cuda`` peak memory statistics at the graph's first and second calls.
         patterns: names of pattern families to apply (default: all, see ``opsmath.patterns.NAMES``,
             less ``INDUCTOR_FUSES_BETTER`` when Inductor compiles the graph; given explicitly, exactly these).

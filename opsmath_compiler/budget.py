@@ -1,5 +1,6 @@
 """Memory budgets: how a user's ``memory_budget`` is read (bytes, a size string, a fraction or a
-percentage of the unconstrained activation bytes), and the error for one the plan cannot reach."""
+percentage of the unconstrained activation bytes), the error for one the plan cannot reach, the bytes a
+step holds, and a fraction's share held across the graphs of one step."""
 from __future__ import annotations
 
 import re
@@ -92,3 +93,39 @@ def grad_bytes(gm, example_inputs: list) -> dict[str, int]:
     names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     return {name: t.numel() * t.element_size() for name, t in zip(names, example_inputs)
             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and t.grad is None}
+
+
+# a fractional budget may end up this far above its target (as a share of the step's activations) when a
+# graph's own floor is above its share: a small loss graph after the model's, which keeps all it saves
+STEP_SLACK = 0.01
+
+
+def step_peak(plans: list) -> int:
+    """The activation bytes a step of graphs (``plans`` in forward order) peaks at: everything kept at the
+    end of the forward, or, while graph k's backward runs (the later graphs' activations freed by then),
+    what graphs 0..k keep plus graph k's recompute transient."""
+    peak, kept = 0, 0
+    for p in plans:
+        peak, kept = max(peak, kept + p.kept + p.transient), kept + p.kept
+    return max(peak, kept)
+
+
+def check_step_share(budget, records: list) -> None:
+    """After a model call that captured and planned graphs (``records``: those the call ran): a fraction
+    is a share of the whole step's activations, which graphs planned one by one (each keeping less for
+    what the earlier ones kept over theirs, or at its floor) may still exceed. Raises InfeasibleBudget
+    naming the step's floor in the budget's unit."""
+    kind, value = parse_budget(budget)
+    plans = [r.plan for r in sorted(records, key=lambda r: r.index) if r.plan is not None]
+    total = sum(p.unconstrained for p in plans)
+    if kind != "fraction" or not total:
+        return
+    peak = step_peak(plans)
+    share = peak / total
+    if share > value + STEP_SLACK:
+        floor = max(p.resident for p in plans) + peak
+        raise InfeasibleBudget(
+            f"memory budget {value:.4g} (fraction) cannot be met: the smallest feasible is about {_size(floor)} "
+            f"({floor} bytes, fraction {share:.3f})" + (f" over the step's {len(plans)} graphs (split by graph "
+                                                         "breaks), each at its floor" if len(plans) > 1 else ""),
+            floor)

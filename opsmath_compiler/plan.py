@@ -26,7 +26,9 @@
 
 Predicted peak, for a fraction = resident (parameters, their gradients, optimizer state, inputs) + the
 activations' peak: all kept bytes (the start of backward), or, while a recomputed segment's backward
-runs, what the segments up to it keep plus its activations (``plan_solve._peak``). For a byte budget the
+runs, what the segments up to it keep plus its activations (``plan_solve._peak``); a fraction f bounds
+that peak by f of the activations, and the loss's workspace at the end of the forward (declared, then
+measured) comes beside it, at any fraction: fraction 1 recomputes nothing. For a byte budget the
 gradients are counted when backward allocates them, as the activations they follow are freed
 (``Plan.timeline``): the same points, each with the gradients allocated by then. On HF LLaMA 1.1B with
 fp32 master weights (3.5 GB of gradients, 11.5 GB of activations) counting them all from the start put
@@ -40,7 +42,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from . import offload, plan_chart
-from .budget import InfeasibleBudget, _size, parse_budget  # noqa: F401  (re-exported)
+from .budget import (STEP_SLACK, InfeasibleBudget, _size, check_step_share, parse_budget,  # noqa: F401
+                     step_peak)  # (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
 from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, suffix
 from .segments import (KEEPS, Segment, describe, forward_order, node_workspace, pinned_positions, runs_of,
@@ -79,19 +82,28 @@ class Plan:
 
     def target(self, resident: int | None = None) -> int:
         """The budget in bytes of the whole step with ``resident`` bytes resident (default: the plan's):
-        a fraction f stands for ``resident + f * unconstrained``."""
+        a fraction f keeps f of the activations, so it stands for ``resident + f * unconstrained`` plus
+        what the step holds beside them whatever the plan (``beside``: the loss's workspace, measured or
+        declared). Fraction 1 is the step without recompute."""
         kind, value = parse_budget(self.budget)
         resident = self.resident if resident is None else resident
         value = self.share if kind == "fraction" and self.share is not None else value
-        return int(resident + value * self.unconstrained) if kind == "fraction" else int(value)
+        return int(resident + value * self.unconstrained + self.beside) if kind == "fraction" else int(value)
+
+    @property
+    def beside(self) -> int:
+        """Bytes the step holds beside resident + activations whatever the plan: the forward end's
+        workspace less the gradients not allocated by then (a timed plan's ``head_excess`` is all of it),
+        and the error throughout."""
+        return self.excess + (max(0, self.head_excess - sum(self.grads)) if self.timed else self.head_excess)
 
     def budget_both_units(self) -> tuple[int, float]:
         """The budget as bytes of the whole step and as a share of the unconstrained activations: the
-        two are one target, ``bytes = resident + share * unconstrained``."""
+        two are one target, ``bytes = resident + share * unconstrained + beside``."""
         kind, value = parse_budget(self.budget)
         as_bytes = self.target()
         return as_bytes, (value if self.share is None else self.share) if kind == "fraction" else \
-            (value - self.resident) / max(1, self.unconstrained)
+            (value - self.resident - self.beside) / max(1, self.unconstrained)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -277,7 +289,9 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     ask = value
     if kind == "fraction" and earlier and total:   # a share of the step: what the graphs before it left or took
         ask = min(1.0, value + sum(value * p.unconstrained - p.kept for p in earlier) / total)
-    best, error = _best_option(gm, options, resident, kind, max(ask, 1.0 / 4096), link, pairs, timing, head)
+    # a fraction bounds the activations alone: the loss's workspace is beside them at any fraction
+    best, error = _best_option(gm, options, resident, kind, max(ask, 1.0 / 4096), link, pairs, timing,
+                               head if kind == "bytes" else 0)
     note = "" if ask == value or best is None else \
         (f"keeps up to {ask:.3f} of its activations, {value:g} of the step's with the graphs before it")
     share = None if ask == value or best is None else ask
@@ -313,11 +327,6 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
 # of the next segment: the run must hold both for the norm's recompute to free it)
 SELECTIVE_RUNS = 4
 
-# a fractional budget may end up this far above its target (as a share of the step's activations) when a
-# graph's own floor is above its share: a small loss graph after the model's, which keeps all it saves
-STEP_SLACK = 0.01
-
-
 def _at_floor(gm, options, resident: int, value: float, earlier: list, error, link=None, pairs=None):
     """(best option, note, share) for a graph that cannot keep its share of the step's activations:
     planned at its own floor (``share``); the graphs after it keep less, and ``check_step_share`` holds
@@ -332,37 +341,6 @@ def _at_floor(gm, options, resident: int, value: float, earlier: list, error, li
     return best, (f"this graph's floor is {floor / total:.3f} of its {_size(total)} of activations, above its "
                   f"share: planned at its floor, the step so far keeps {step:.3f} of its activations"
                   + (" (the graphs after it keep less)" if step > value + STEP_SLACK else "")), share
-
-
-def step_peak(plans: list) -> int:
-    """The activation bytes a step of graphs (``plans`` in forward order) peaks at: everything kept at the
-    end of the forward, or, while graph k's backward runs (the later graphs' activations freed by then),
-    what graphs 0..k keep plus graph k's recompute transient."""
-    peak, kept = 0, 0
-    for p in plans:
-        peak, kept = max(peak, kept + p.kept + p.transient), kept + p.kept
-    return max(peak, kept)
-
-
-def check_step_share(budget, records: list) -> None:
-    """After a model call that captured and planned graphs (``records``: those the call ran): a fraction
-    is a share of the whole step's activations, which graphs planned one by one (each keeping less for
-    what the earlier ones kept over theirs, or at its floor) may still exceed. Raises InfeasibleBudget
-    naming the step's floor in the budget's unit."""
-    kind, value = parse_budget(budget)
-    plans = [r.plan for r in sorted(records, key=lambda r: r.index) if r.plan is not None]
-    total = sum(p.unconstrained for p in plans)
-    if kind != "fraction" or not total:
-        return
-    peak = step_peak(plans)
-    share = peak / total
-    if share > value + STEP_SLACK:
-        floor = max(p.resident for p in plans) + peak
-        raise InfeasibleBudget(
-            f"memory budget {value:.4g} (fraction) cannot be met: the smallest feasible is about {_size(floor)} "
-            f"({floor} bytes, fraction {share:.3f})" + (f" over the step's {len(plans)} graphs (split by graph "
-                                                         "breaks), each at its floor" if len(plans) > 1 else ""),
-            floor)
 
 
 def _modelled(plan: Plan) -> tuple[int, int]:

@@ -21,9 +21,10 @@ While a graph is watched (its first ``WATCH_CALLS`` calls):
 * later calls: the resident bytes alone (optimizer state appears only after k micro-batches under
   gradient accumulation).
 
-A budget is one target in bytes whatever its unit: a fraction f of the activations stands for
-``resident + f * unconstrained`` (``Plan.target``), which moves with the resident bytes while the plan's kept
-bytes do not, and is held against the measured peak as a byte budget is. Of the graphs that ran in one
+A fraction f keeps f of the activations: it stands for ``resident + f * unconstrained`` plus the
+measured error (``Plan.target``), bytes that move with the resident bytes and the error while the plan's
+kept bytes do not, so its plan is never re-made for them (fraction 1 is the step without recompute, 0.5
+the same plan as the byte budget of its target). A byte budget is held against the measured peak. Of the graphs that ran in one
 step, the one with the most activations carries the error (the step peaks while its activations are live;
 a small loss graph beside the model's sees the same peak but does not hold it).
 """
@@ -152,7 +153,8 @@ def _carries_error(state, record, since: int) -> bool:
 def recheck(state, record, base, by_node, args, model, use_inductor, peak_before, since):
     """At the graph's second call (and, for the resident bytes alone, its later calls up to
     ``WATCH_CALLS``). A byte budget is re-planned when the resident bytes grew; a fraction's target grows
-    with them, so its plan stays and only its prediction counts them. Either is re-planned when step 1
+    with them and with the measured error, so its plan stays and only its prediction counts them
+    (``follow``). A byte budget is re-planned when step 1
     peaked above the model by more than 1% of the budget, for the budget less that error and the margin
     (measured on the H200, GPT-2-small under Inductor: 0.2-0.3 GiB, 6-9% of the activations; the step
     peaks at the end of its forward, where the loss's chunk of logits is live, which the model omits). Returns the re-planned graph or None; an infeasible budget
@@ -170,11 +172,10 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     # the errors are the model's, not the plan's: a loose plan hides the forward end's error under its
     # backward peak (error 0), and the tighter plan made when the resident bytes grow meets it
     excess = errors if carries else (old.excess, old.head_excess)
-    grew = resident > old.resident + slack and parse_budget(state.memory_budget)[0] == "bytes"
-    if not grew and error <= slack:
-        old.predicted_peak += resident - old.resident   # a fraction's plan stays, its prediction follows
-        old.expected_peak = old.expected_peak and old.expected_peak + resident - old.resident
-        old.resident = resident
+    fraction = parse_budget(state.memory_budget)[0] == "fraction"
+    grew = resident > old.resident + slack and not fraction
+    if fraction or (not grew and error <= slack):
+        follow(old, resident, errors if fraction and carries else None)
         return None
     goal = old.target(resident)
     held = max(error, *errors) > slack   # a measured error the re-plan holds, with the margin
@@ -189,6 +190,20 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args, held)
 
 
+def follow(plan, resident: int, errors: tuple | None = None) -> None:
+    """The plan stays; its prediction follows the resident bytes and, given, the measured ``errors``
+    (``_errors``): a fraction's, which keeps its share of the activations whatever else the step holds
+    (its target in bytes, ``Plan.target``, counts them too)."""
+    moved = resident - plan.resident
+    plan.resident, plan.modelled = resident, (plan.modelled[0] + moved, plan.modelled[1] + moved)
+    plan.expected_peak = plan.expected_peak and plan.expected_peak + moved - plan.excess
+    if errors is not None:
+        plan.excess, plan.head_excess = errors
+    plan.expected_peak = plan.expected_peak and plan.expected_peak + plan.excess
+    forward, step = plan.modelled
+    plan.predicted_peak = max(step, forward + plan.head_excess) + plan.excess
+
+
 def tighten(state, record, base, by_node, args, model, use_inductor, peak_before, since):
     """At the graph's third call: the step that just ran was the final plan's first. If its measured peak
     exceeded the budget, the plan is made once more for the budget less the model's error now and the
@@ -199,7 +214,8 @@ def tighten(state, record, base, by_node, args, model, use_inductor, peak_before
     old, measured = record.plan, max(peaks[0], peaks[1] or 0)
     old.measured_peak = measured
     goal = old.target()
-    if measured <= goal or not _carries_error(state, record, since):
+    if measured <= goal or not _carries_error(state, record, since) \
+            or parse_budget(state.memory_budget)[0] == "fraction":   # a share of the activations: kept
         return None
     why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
            f"{(measured - goal) / 2**20:.1f} MiB over the budget: tightened")

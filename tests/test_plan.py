@@ -352,13 +352,13 @@ def test_a_late_recompute_counts_what_earlier_segments_still_hold():
 
 def test_budget_is_one_target_in_two_units():
     """A fraction and the bytes it stands for are one target: the plan under 0.6 and the plan under its
-    byte equivalent (resident + 0.6 * activations) both predict a peak within it; the byte budget, planned
+    byte equivalent (resident + 0.6 * activations + the loss's workspace beside them) both predict a peak within it; the byte budget, planned
     against the gradients' timing, keeps at least what the fraction keeps (the fraction also promises a
     share of the activations); the report and the plan's JSON give both units."""
     _, _, rep = _run(0.6)
     by_frac = rep.graphs[0].plan
     as_bytes, share = by_frac.budget_both_units()
-    assert share == 0.6 and as_bytes == int(by_frac.resident + 0.6 * by_frac.unconstrained)
+    assert share == 0.6 and as_bytes == int(by_frac.resident + 0.6 * by_frac.unconstrained + by_frac.beside)
     torch._dynamo.reset()
     _, _, rep2 = _run(as_bytes)
     by_bytes = rep2.graphs[0].plan
