@@ -1,6 +1,7 @@
 """What a memory budget costs a training step, taken apart: wall time, host (enqueue) time and GPU kernel
-time per step, for GPT-2-small (nanoGPT, B8 T1024, bf16 autocast, fused AdamW) without a budget and under
-fractional budgets, each with and without CUDA-graph replay, interleaved in one process.
+time per step, for GPT-2-small (nanoGPT, B8 T1024, bf16 autocast, fused AdamW) or with ``--model llama``
+HF LLaMA 1.1B (``_models.llama_config``, SDPA, fp32 weights, bf16 autocast, B4 T2048), without a budget
+and under fractional budgets, each with and without CUDA-graph replay, interleaved in one process.
 
 * ``wall``: step start to ``synchronize`` (median over rounds of the median of ``--steps`` steps).
 * ``host``: step start until ``step()`` returns, before the sync: the CPU's own time to enqueue the step
@@ -24,14 +25,14 @@ import torch
 
 import opsmath
 from _harness import kernel_ms, write
-from _models import GPT2_SMALL, build, gpt2_batch
+from _models import GPT2_SMALL, build, build_llama, gpt2_batch
 
 
 class Variant:
-    def __init__(self, name, budget, cuda_graphs, batch):
+    def __init__(self, name, budget, cuda_graphs, batch, llama=False):
         self.name, self.batch, self.wall, self.host = name, batch, [], []
-        self.model = opsmath.optimize(build(GPT2_SMALL, "cuda", "eager"), memory_budget=budget,
-                                      cuda_graphs=cuda_graphs)
+        model = build_llama({}, "cuda", "eager") if llama else build(GPT2_SMALL, "cuda", "eager")
+        self.model = opsmath.optimize(model, memory_budget=budget, cuda_graphs=cuda_graphs)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         for _ in range(5):   # capture, plan, compile, CUDA-graph recording, optimizer state
             self.step()
@@ -84,8 +85,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cprofile", default="", help="variant name whose host time cProfile takes apart")
+    ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
     args = ap.parse_args()
-    batch = gpt2_batch()
+    llama = args.model == "llama"
+    batch = gpt2_batch(B=4, T=2048) if llama else gpt2_batch()
+    if llama:   # token ids of LLaMA's vocabulary
+        batch = tuple(t.remainder(32000) for t in batch)
     # one reset for all variants: a reset per variant dropped the earlier variants' compiled code, which
     # recompiled in the first timed round (the 2026-12-02 run's 96 ms round)
     torch._dynamo.reset()
@@ -97,7 +102,7 @@ def main():
             label = name + (" + CUDA graphs" if cg else "")
             try:
                 t0 = time.perf_counter()
-                variants.append(Variant(label, budget, cg, batch))
+                variants.append(Variant(label, budget, cg, batch, llama))
                 print(f"{label}: built and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
             except Exception as e:  # noqa: BLE001  (reported, the others still run)
                 print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -113,7 +118,8 @@ def main():
         print(f"{r['name']:28} wall {r['wall_ms']:7.2f} ms [{r['wall_min']:.2f}-{r['wall_max']:.2f}] "
               f"host {r['host_ms']:7.2f} gpu {r['gpu_ms']:7.2f} peak {r['peak_gib']:.2f} GiB"
               + (f"  overhead wall {r['wall_overhead']:+.1%} gpu {r['gpu_overhead']:+.1%}" if b else ""), flush=True)
-    out = dict(rows=rows, config=GPT2_SMALL, batch=[8, 1024])
+    out = dict(rows=rows, model=args.model, config="llama_config" if llama else GPT2_SMALL,
+               batch=[4, 2048] if llama else [8, 1024])
     for v in variants:
         if v.name == args.cprofile:
             pr = cProfile.Profile()
@@ -126,7 +132,7 @@ def main():
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
             out["cprofile"] = s.getvalue()
             print(out["cprofile"])
-    print("wrote", write("recompute_overhead", out))
+    print("wrote", write("recompute_overhead" + ("-llama" if llama else ""), out))
 
 
 if __name__ == "__main__":
