@@ -37,8 +37,8 @@ class AttentionRule(Rule):
     def match(self, ctx: RewriteContext, anchor: fx.Node) -> Union[None, str, Plan]:
         plan = analyze_chain(ctx, anchor) if is_op(anchor, SOFTMAXES) else self._analyze_sdpa(ctx, anchor)
         if isinstance(plan, Plan) and plan.softcap and ctx.inductor and shape(plan.q)[-1] > SOFTCAP_INDUCTOR_HEAD_DIM:
-            return (f"logit softcap at head dim {shape(plan.q)[-1]}: Inductor's compiled chain measured faster "
-                    f"than opsmath's kernel above head dim {SOFTCAP_INDUCTOR_HEAD_DIM}")
+            return (f"logit softcap at head dim {shape(plan.q)[-1]}: opsmath's kernel is measured faster than "
+                    f"Inductor's compiled chain up to head dim {SOFTCAP_INDUCTOR_HEAD_DIM} only")
         return plan
 
     def emit(self, ctx: RewriteContext, anchor: fx.Node, plan: Plan) -> None:
