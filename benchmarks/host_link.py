@@ -6,7 +6,8 @@ choice).
 2. Inductor's partitioner offload (``torch._functorch.config.enable_activation_offloading``): which of its
    switches this torch has, and on a stack of MLP blocks whose forward GEMM outputs are marked
    ``should_offload``: step time, peak memory and gradients against keeping everything and against
-   recomputing the blocks.
+   recomputing the blocks; ``offload-async`` with the side-stream switches (torch 2.11's
+   ``record_stream`` fake kernel replaced first: ``fix_stream_fakes``).
 
     python benchmarks/host_link.py            # on the GPU
 """
@@ -94,6 +95,21 @@ def offload_switches() -> dict:
     return have
 
 
+def fix_stream_fakes() -> None:
+    """torch 2.11 registers ``streams::record_stream``'s fake kernel with a third argument the op does not
+    take (its neighbour ``sync_dealloc``'s signature), so tracing the side-stream offload failed; replace
+    it by one of the op's own signature (a no-op where the op is absent or already right)."""
+    import inspect
+    try:
+        importlib.import_module("torch._dynamo.variables.streams")   # registers the streams ops
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:
+        return
+    op = OPDEFS.get("streams::record_stream")
+    if op is not None and op._abstract_fn is not None and len(inspect.signature(op._abstract_fn).parameters) != 2:
+        op.register_fake(lambda tensor, stream_index: None)
+
+
 def _mark(graph):
     """Joint-graph pass: forward nodes annotated ``custom={"offload": True}`` become ``should_offload``."""
     for n in graph.nodes:
@@ -124,6 +140,7 @@ def offload_step(mode: str, switches: dict, steps: int = 5) -> dict:
         if mode.startswith("offload"):
             fpatch["enable_activation_offloading"] = True
             if mode == "offload-async":
+                fix_stream_fakes()
                 fpatch.update({k: True for k in ("activation_offload_separate_stream", "activation_offload_sink_wait",
                                                   "activation_reload_prefetch") if switches.get(k)})
         with torch._functorch.config.patch(enable_autograd_cache=False, **fpatch):
