@@ -240,3 +240,19 @@ def test_softcap_reference_matches_autograd(case, cap):
     for f, r in zip(fused, ref):   # dbias is held in the bias's fp32
         tol = 1e-9 if f.dtype == torch.float64 else 1e-6
         torch.testing.assert_close(f.double(), r.double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[256][:2], ids=str)
+def test_wide_head_tiles_match_eager_with_a_softcap(cfg, triton_on_cpu, device):
+    """Head dim 200 (padded to 256) in the tuner's D256 tiles (the default, and the 128 x 64 tiles the H200
+    picks), causal with a softcap, GQA and odd lengths across several key blocks: forward and every
+    gradient by the tolerance rule."""
+    torch.manual_seed(5)
+    args = _inputs((1, 2, 1, 131, 131, 200, None, None, True, 0.0), torch.float32, device)
+    args = (*args[:7], 1.0, *args[8:])
+    with forced_config(cfg):
+        fused = _run(lambda *a: attention_op(*a[:9], torch.tensor(a[9]), 2.0)[0], args, torch.float32)
+    eager = _run(_softcapped_eager(2.0), args, torch.float32)
+    ref = _run(_softcapped_eager(2.0), args, torch.float64)
+    for name, f, e, r in zip(["out", "dq", "dk", "dv"], fused, eager, ref):
+        assert_rule(f, e, r, atol=1e-5, name=f"{name} {cfg}")
