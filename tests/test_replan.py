@@ -1,9 +1,10 @@
 """A plan checked against the steps it runs (``replan.py``), on CPU with the CUDA peak measurement
 stood in for: a byte budget whose measured step exceeds its model is re-planned for less, a fraction
-keeps its share of the activations; the prediction counts the measured error; the step's numbers do not change; and in a step of two
-graphs only the one with the most activations answers for the step's peak."""
+keeps its share of the activations; the prediction counts the measured error; the step's numbers do not
+change; and in a step of two graphs only the one with the most activations answers for the step's peak."""
 import copy
 
+import pytest
 import torch
 
 import opsmath
@@ -87,14 +88,15 @@ def test_fraction_measured_above_its_model_keeps_its_share(monkeypatch):
     assert opsmath.report(opt).graphs[0].plan is first
 
 
-def test_fraction_one_recomputes_nothing():
+@pytest.mark.parametrize("inductor", [False, True])
+def test_fraction_one_recomputes_nothing(inductor):
     """Fraction 1 is the step without recompute, although the loss declares a workspace beside the
     activations (which a byte budget of the same bytes holds)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = examples.GPT(vocab_size=4096, block_size=256, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
     idx, targets = torch.randint(0, 4096, (4, 256)), torch.randint(0, 4096, (4, 256))
-    opt = opsmath.optimize(model, memory_budget=1.0)
+    opt = opsmath.optimize(model, memory_budget=1.0, inductor=inductor)
     opt(idx, targets).backward()
     plan = opsmath.report(opt).graphs[0].plan
     assert plan.head_excess > 0 and plan.kept == plan.unconstrained
