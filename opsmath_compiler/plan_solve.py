@@ -71,13 +71,13 @@ def _max_saving(n: int, steps: dict, T: int) -> int:
 
 
 def _solve(n: int, steps: dict, unit: float, prefix: list, limit: float,
-           after: list | None = None, head: float = 0) -> list[Step] | None:
+           after: list | None = None, head: float = 0, kept: float | None = None) -> list[Step] | None:
     """Disjoint steps saving what ``limit`` needs at the least modelled cost, each taken only
     where the bytes live while its backward runs fit ``limit``: what segments up to its end keep, plus
     its own activations back (``prefix[j]``: bytes segments < j save unconstrained; the later segments'
     are freed by then), plus ``after[i]`` gradient bytes; and every segment boundary p where backward
     arrives (what segments 0..p keep, plus ``after[p]``; at the last one, the end of the forward, ``head``
-    where that is more) fits ``limit`` too. DP over positions and
+    where that is more) fits ``limit`` too, and the last one ``kept`` where given. DP over positions and
     saving units (``dp[p][u]``: least cost over segments < p saving >= u units; savings rounded down to
     units, so the bounds hold; a state below a boundary's least saving is dropped), then a backtrack.
     None when no choice saves enough. NumPy rows: one vector update per step, O(steps x units)."""
@@ -89,6 +89,8 @@ def _solve(n: int, steps: dict, unit: float, prefix: list, limit: float,
     # least saving (units) over segments 0..p for backward's arrival at p to fit: dp[p + 1]'s floor
     at = [*after[:max(0, n - 1)], max(after[n - 1], head)] if n else []   # the forward's end: no gradient yet
     edge = [max(0, int(math.ceil((prefix[p + 1] + at[p] - limit) / unit))) for p in range(n)]
+    if kept is not None and n:   # a tighter bound on the end of the forward alone
+        edge[-1] = max(edge[-1], int(math.ceil((prefix[n] + at[n - 1] - kept) / unit)))
     top = max([0, *floor_of.values(), *edge])
     dp = np.full((n + 1, top + 1), np.inf)
     dp[0, 0] = 0.0
