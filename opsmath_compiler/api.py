@@ -35,6 +35,7 @@ from .backend import INDUCTOR_FUSES_BETTER, GraphRecord, make_backend  # noqa: F
 from .cudagraphs import CUDA_GRAPHS_NOTE, guard_for
 from .fp8_weights import WeightCasts
 from .plan import InfeasibleBudget, check_step_share, parse_budget
+from .replan import rebalance
 from .regions import EagerRegion, graph_breaks, note_graph_breaks
 
 
@@ -60,6 +61,7 @@ class OptimizeState:
     eager_regions: list[EagerRegion] = field(default_factory=list)   # left to eager (regions.py), why
     graph_runs: int = 0                     # calls of opsmath's graphs, all together
     step_start: int = 0                     # graph_runs when the current model call began
+    rebalanced: bool = False                # the step's graphs are planned again at their next call
     forward_peak: Optional[int] = None      # CUDA peak up to the current backward's start (replan.py)
     unoptimized_calls: int = 0              # model calls that ran none of them (e.g. past the recompile limit)
     notes: list[str] = field(default_factory=list)   # what rules changed on the module (Rule.prepare)
@@ -210,8 +212,10 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
                 else:
                     guard.before_call()    # CUDA-graph replay: what the loop reads later leaves the pool
                     out = guard.after_call(compiled(*args, **kwargs))
-                if len(state.graphs) > captured and state.memory_budget is not None:   # a step that planned
-                    check_step_share(state.memory_budget, [r for r in state.graphs if r.last_run > runs])
+                ran = [r for r in state.graphs if r.last_run > runs]
+                if state.memory_budget is not None and (len(state.graphs) > captured or state.rebalanced):
+                    state.rebalanced = len(state.graphs) > captured and rebalance(state, ran)   # a step that planned
+                    state.rebalanced or check_step_share(state.memory_budget, ran)
                 return out
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(getattr(e, "inner_exception", None), InfeasibleBudget):

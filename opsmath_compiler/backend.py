@@ -83,6 +83,9 @@ class GraphRecord:
     last_run: int = 0                       # ``graph_runs`` at its latest call: which graphs ran in one step
     step_peak: Optional[int] = None         # CUDA peak through the measured step's backward (replan.py)
     plan: object = None                     # the recompute Plan under memory_budget (plan.py), if any
+    base: object = field(default=None, repr=False)       # the rewritten graph before planning (replan.py)
+    saved_by: object = field(default=None, repr=False)   # its saved bytes by node (analysis)
+    pending: object = field(default=None, repr=False)    # (plan, graph) to install at its next call
     inductor: bool = False                  # whether the emitted graph was compiled by Inductor
     inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
     left_to_inductor: list = field(default_factory=list)   # families not applied: Inductor does them better

@@ -45,9 +45,9 @@ from . import offload, plan_chart
 from .budget import (STEP_SLACK, InfeasibleBudget, _size, check_step_share, parse_budget,  # noqa: F401
                      step_peak)  # (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
-from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, suffix
-from .segments import (KEEPS, Segment, describe, forward_order, node_workspace, pinned_positions, runs_of,
-                       saved_index, segments_of, selective, user_regions, user_segments)
+from .plan_choice import SELECTIVE_RUNS, best_option, choose, grads_by_segment, merged  # noqa: F401
+from .segments import (Segment, describe, forward_order, node_workspace, pinned_positions, segments_of,
+                       user_regions, user_segments)
 
 @dataclass
 class Plan:
@@ -166,94 +166,10 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, g)
 
 
-def _rank(choice) -> tuple:
-    """How ``choose``'s results compare: modelled cost, then predicted kept + transient bytes."""
-    picked, kept, trans, cost = choice
-    return cost, kept + trans
-
-
-def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, budget: float,
-           units: int = 4096, link: float | None = None, sel: dict | None = None, grads: list | None = None,
-           head: int = 0, kept_cap: float | None = None) -> tuple[list[Step], int, int, float]:
-    """(chosen steps, kept bytes, transient bytes, cost) at the least modelled cost subject to the budget:
-    one exact DP (``plan_solve._solve``) in which every step's own backward must fit, so no candidate
-    "largest transient" needs enumerating. ``runs`` maps (i, j) to segments i..j recomputed as one unit
-    (``segments.runs_of``); ``link``: host-link bytes/s when offload is a choice (``offload.py``); ``sel``:
-    the selective candidates by segment (``segments.selective``). ``grads``: per segment, the gradient
-    bytes its backward allocates (``grads_by_segment``; in ``resident``): given, a byte budget is held
-    at every point of backward with the gradients allocated by then (``plan_solve.suffix``) instead of
-    all of them from the start. ``head``: bytes live at the end of the forward alone (the loss's
-    measured workspace). ``kept_cap``: a bound on the activation bytes kept at the end of the forward
-    alone, tighter than the budget (``_at_floor``). Raises InfeasibleBudget naming the smallest feasible
-    budget."""
-    total, n = sum(s.saved for s in segs), len(segs)
-    after = suffix(grads, n)
-    base = resident - after[0]   # resident without the gradients backward allocates
-    limit = budget * total if budget_kind == "fraction" else budget - base  # on activations + gradients
-    prefix = [0]
-    for sg in segs:
-        prefix.append(prefix[-1] + sg.saved)
-    steps = _steps(segs, runs, link, sel)
-    unit = max(1.0, total / units)
-    fits = _peak(segs, [], after, head) <= limit and (kept_cap is None or total <= kept_cap)
-    picked = [] if fits else _solve(n, steps, unit, prefix, limit, after, head, kept_cap)
-    if picked is None:
-        sizes = sorted({st.size for sts in steps.values() for st in sts})
-        # a reachable peak to bisect from: kept + the largest transient, at a few transient caps
-        reach = min(total - _max_saving(n, steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]}) + after[0] + head
-        smallest = _lowest_peak(segs, steps, prefix, unit, reach, after, head)
-        floor = base + int(smallest)
-        asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
-        raise InfeasibleBudget(
-            f"memory budget {asked} cannot be met: the smallest feasible is about {_size(floor)} ({floor} bytes"
-            + (f", fraction {max(0.0, smallest - after[0]) / total:.3f}" if total else "") + ")", floor)
-    kept = total - sum(st.saving for st in picked)
-    return picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked)
-
-
-def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:
-    """The segment list with each picked run i..j as one segment, the indices of the recomputed ones, and
-    the other choices as ``{index: "selective" | "selective-gemms" | "kept" | "inputs"}`` (the last two
-    offloaded: the segment's saved tensors, or a recomputed run's inputs; ``offload.mark_offloaded``)."""
-    out, chosen, kinds, at, i = [], [], {}, {st.i: st for st in picked}, 0
-    while i < len(segs):
-        st = at.get(i)
-        if st is None:
-            out.append(segs[i])
-            i += 1
-            continue
-        if st.kind.startswith("selective"):   # kept on the device: what its cheap ops did not free
-            kinds[len(out)] = st.kind
-            run = runs[(st.i, st.j)]
-            out.append(Segment(run.start, run.end, run.saved, run.saved - st.saving, st.cost))
-            i = st.j + 1
-            continue
-        if st.kind != "offload":
-            chosen.append(len(out))
-        if st.kind != "recompute":
-            kinds[len(out)] = "kept" if st.kind == "offload" else "inputs"
-        out.append(runs[(st.i, st.j)])
-        i = st.j + 1
-    return out, chosen, kinds
-
-
-def grads_by_segment(gm: fx.GraphModule, segs: list[Segment], grads: dict[str, int]) -> list[int]:
-    """Per segment, the gradient bytes backward allocates on reaching it: a parameter's gradient
-    (``grads``: bytes by placeholder name) appears at its last use in forward order (a tied embedding's
-    at the LM head), the first that backward meets."""
-    pos = {n: i for i, n in enumerate(forward_order(gm))}
-    out = [0] * len(segs)
-    for n in gm.graph.find_nodes(op="placeholder"):
-        last = max((pos[u] for u in n.users if u in pos), default=None)
-        if n.name in grads and last is not None and segs:
-            i = next((k for k, sg in enumerate(segs) if sg.start <= last <= sg.end), len(segs) - 1)
-            out[i] += grads[n.name]
-    return out
-
-
 def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
                   how: str = "checkpoint", earlier: tuple = (), link: float | None = None,
-                  grads: dict[str, int] | None = None, timed: bool = True, head: int | None = None) -> Plan:
+                  grads: dict[str, int] | None = None, timed: bool = True, head: int | None = None,
+                  step: tuple | None = None) -> Plan:
     """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes (``analysis``) and rewrite
     it in place: ``how="checkpoint"`` emits ``checkpoint`` calls (eager), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
     of the step's graphs captured before this one. A fraction is a share of the whole step's activations:
@@ -266,7 +182,10 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     fraction keeps its meaning, a share of the activations, every gradient counted from the start.
     ``head``: bytes live at the end of the forward alone, held there only: measured (``replan.py``), or
     by default the largest workspace an op of the graph declares (the chunked loss's logits), less the
-    gradients a plan that counts them all from the start already holds there."""
+    gradients a plan that counts them all from the start already holds there. ``step``: for a fraction
+    re-planned with its whole step known (``replan.rebalance``), ``(limit, kept)`` in bytes of this
+    graph's activations: its backward's peak under ``limit``, what it keeps under ``kept`` (or as little
+    as its limit allows)."""
     t0 = time.perf_counter()
     kind, value = parse_budget(budget)
     # two cuts of opsmath's own: local minima of the crossing bytes within 6 positions (block-sized
@@ -287,20 +206,10 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         ws = max((node_workspace(n) for n in forward_order(gm)), default=0)
         head = max(0, ws - (0 if timing else sum((grads or {}).values())))
     earlier = [p for p in earlier if p is not None]
-    total = sum(s.saved for s in options[-1][1])
-    ask = value
-    if kind == "fraction" and earlier and total:   # a share of the step: what the graphs before it left or took
-        ask = min(1.0, value + sum(value * p.unconstrained - p.kept for p in earlier) / total)
-    # a fraction bounds the activations alone: the loss's workspace is beside them at any fraction
-    best, error = _best_option(gm, options, resident, kind, max(ask, 1.0 / 4096), link, pairs, timing,
-                               head if kind == "bytes" else 0)
-    note = "" if ask == value or best is None else \
-        (f"keeps up to {ask:.3f} of its activations, {value:g} of the step's with the graphs before it")
-    share = None if ask == value or best is None else ask
-    if best is None and kind == "fraction":
-        best, note, share = _at_floor(gm, options, resident, value, earlier, error, link, pairs)
-    if best is None:
-        raise error
+    if step is not None:
+        best, note, share = _for_step(gm, options, resident, step, link, pairs)
+    else:
+        best, note, share = _choice(gm, options, resident, kind, value, earlier, link, pairs, timing, head)
     label, fine, (picked, kept, trans, cost), runs = best
     segs, chosen, kinds = merged(fine, runs, picked)
     selective = sorted(i for i, k in kinds.items() if k.startswith("selective"))
@@ -325,9 +234,55 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     return plan
 
 
-# selective candidates span runs of up to this many segments (a norm's output is often saved by the GEMM
-# of the next segment: the run must hold both for the norm's recompute to free it)
-SELECTIVE_RUNS = 4
+def _choice(gm, options, resident: int, kind: str, value: float, earlier: list, link, pairs, timing, head):
+    """(best option, note, share) for a budget of ``kind``: a fraction as a share of the step (what the
+    graphs before it left or took), at the graph's floor where it cannot keep that. Raises the
+    InfeasibleBudget of the lowest floor when nothing fits."""
+    total = sum(s.saved for s in options[-1][1])
+    ask = value
+    if kind == "fraction" and earlier and total:   # a share of the step: what the graphs before it left or took
+        ask = min(1.0, value + sum(value * p.unconstrained - p.kept for p in earlier) / total)
+    # a fraction bounds the activations alone: the loss's workspace is beside them at any fraction
+    best, error = best_option(gm, options, resident, kind, max(ask, 1.0 / 4096), link, pairs, timing,
+                               head if kind == "bytes" else 0)
+    note = "" if ask == value or best is None else \
+        (f"keeps up to {ask:.3f} of its activations, {value:g} of the step's with the graphs before it")
+    share = None if ask == value or best is None else ask
+    if best is None and kind == "fraction":
+        best, note, share = _at_floor(gm, options, resident, value, earlier, error, link, pairs)
+    if best is None:
+        raise error
+    return best, note, share
+
+
+def _least_kept(gm, options, resident: int, share: float, link, pairs, best=None):
+    """Of the plans whose backward peaks under ``share`` of the graph's activations, the one keeping
+    least (bisection on a bound on the kept bytes, to 1/256 of the activations); None if none fits."""
+    total = sum(s.saved for s in options[-1][1])
+    if best is None:
+        best, _ = best_option(gm, options, resident, "fraction", share, link, pairs)
+    lo, hi = 0.0, float(best[2][1]) if best is not None else 0.0
+    while hi - lo > total / 256:
+        mid = (lo + hi) / 2
+        got, _ = best_option(gm, options, resident, "fraction", share, link, pairs, kept_cap=mid)
+        lo, hi, best = (lo, mid, got) if got is not None else (mid, hi, best)
+    return best
+
+
+def _for_step(gm, options, resident: int, step: tuple, link, pairs):
+    """(best option, note, share) for ``plan_and_emit``'s ``step``: the cheapest plan under both
+    bounds, else the one keeping least under the limit; InfeasibleBudget if not even that fits."""
+    total = max(1, sum(s.saved for s in options[-1][1]))
+    limit, kept = step
+    share = max(limit / total, 1.0 / 4096)
+    best, _ = best_option(gm, options, resident, "fraction", share, link, pairs, kept_cap=max(0.0, kept))
+    if best is None:
+        best = _least_kept(gm, options, resident, share, link, pairs)
+    if best is None:
+        raise InfeasibleBudget(f"no plan of this graph peaks under {_size(limit)} in its backward", resident + limit)
+    return best, (f"re-planned with the whole step known: its backward under {limit / total:.3f} of its "
+                  f"activations, keeping {best[2][1] / total:.3f}"), share
+
 
 def _at_floor(gm, options, resident: int, value: float, earlier: list, error, link=None, pairs=None):
     """(best option, note, share) for a graph that cannot keep its share of the step's activations:
@@ -342,12 +297,7 @@ def _at_floor(gm, options, resident: int, value: float, earlier: list, error, li
         return None, "", None
     floor = error.floor - resident
     share = min(1.0, floor / total + 1.0 / 4096)
-    best, _ = _best_option(gm, options, resident, "fraction", share, link, pairs)
-    lo, hi = 0.0, float(best[2][1]) if best is not None else 0.0
-    while hi - lo > total / 256:
-        mid = (lo + hi) / 2
-        got, _ = _best_option(gm, options, resident, "fraction", share, link, pairs, kept_cap=mid)
-        lo, hi, best = (lo, mid, got) if got is not None else (mid, hi, best)
+    best = _least_kept(gm, options, resident, share, link, pairs)
     kept = best[2][1] if best is not None else floor
     step = (sum(p.kept for p in earlier) + kept) / (sum(p.unconstrained for p in earlier) + total)
     return best, (f"this graph's floor is {floor / total:.3f} of its {_size(total)} of activations, above its "
@@ -362,25 +312,3 @@ def _modelled(plan: Plan) -> tuple[int, int]:
         pts = plan.timeline()
         return max(b for ph, _, b in pts if ph == "forward"), max(b for _, _, b in pts)
     return plan.resident + plan.kept, plan.resident + plan.kept + plan.transient
-
-
-def _best_option(gm, options, resident: int, kind: str, value: float, link=None, pairs=None, grads=None,
-                 head: int = 0, kept_cap: float | None = None):
-    """The cheapest feasible (label, segments, choice, runs) over the segmentations, and the error with
-    the lowest floor when none is feasible. ``grads``: gradient bytes by placeholder, to plan against
-    their timing (``choose``)."""
-    best, errors = None, []
-    order, index = forward_order(gm), saved_index(pairs) if pairs is not None else None
-    for label, sg in options:
-        runs = runs_of(gm, sg)
-        sel = {(*ij, k): c for ij, run in runs.items() for k in KEEPS if index is not None
-               and ij[1] - ij[0] < SELECTIVE_RUNS and (c := selective(order, run, index, k)) is not None}
-        try:
-            got = choose(sg, runs, resident, kind, value, link=link, sel=sel,
-                         grads=grads_by_segment(gm, sg, grads) if grads else None, head=head, kept_cap=kept_cap)
-        except InfeasibleBudget as e:
-            errors.append(e)
-            continue
-        if best is None or _rank(got) < _rank(best[2]):
-            best = (label, sg, got, runs)
-    return best, (min(errors, key=lambda e: e.floor) if errors else None)

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .budget import grad_bytes, resident_bytes
+from .budget import STEP_SLACK, grad_bytes, resident_bytes, step_peak
 from .plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
 
 log = logging.getLogger("opsmath")
@@ -51,6 +51,7 @@ def runner(state, record, fn, base, by_node, model, use_inductor, finish):
     measures the steps and swaps in a re-planned graph (``finish(state, record, gm, args, use_inductor)``
     compiles one). ``base``: an unplanned copy of the rewritten graph, or None when nothing is planned."""
     start = [None]   # where the current step's peak measurement began (CUDA)
+    record.base, record.saved_by = base, by_node
 
     def run(*args):
         nonlocal fn
@@ -173,6 +174,11 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     # backward peak (error 0), and the tighter plan made when the resident bytes grow meets it
     excess = errors if carries else (old.excess, old.head_excess)
     fraction = parse_budget(state.memory_budget)[0] == "fraction"
+    if fraction and record.pending is not None:   # planned again with its whole step known (``rebalance``)
+        (plan, g), record.pending = record.pending, None
+        plan.measured_peak, plan.replanned, record.plan = old.measured_peak, plan.note, plan
+        follow(plan, resident, errors if carries else (old.excess, old.head_excess))
+        return g
     grew = resident > old.resident + slack and not fraction
     if fraction or (not grew and error <= slack):
         follow(old, resident, errors if fraction and carries else None)
@@ -267,3 +273,61 @@ def _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor
     plan.expected_peak = plan.expected_peak and plan.expected_peak + every
     plan.replanned = why
     return plan, g
+
+
+def rebalance(state, records: list) -> bool:
+    """After a step's first call, where its graphs (split by graph breaks, each planned as it was
+    captured) keep more than the fraction of the step's activations: plan them again, the whole step
+    known. With ``B`` = fraction x the step's activations, graph k is planned with its backward's peak
+    under ``B`` less what the graphs before it now keep, keeping at most ``a`` x its activations (else
+    as little as its backward allows: ``plan_and_emit``'s ``step``); ``a`` is the largest (the least
+    recompute) at which the step fits, by bisection. Each new plan is installed at its graph's next call
+    (``recheck``): the first step ran above the fraction, and a warning says so. Returns False where it
+    does not apply (``check_step_share`` then holds the step); raises InfeasibleBudget naming the floor of
+    the step planned as a whole where even keeping least does not fit. Not for a graph that ran twice
+    in the step (one graph serving several modules)."""
+    kind, value = parse_budget(state.memory_budget)
+    recs = sorted((r for r in records if r.plan is not None), key=lambda r: r.index)
+    if kind != "fraction" or len(recs) < 2 or any(r.calls != 1 or r.base is None for r in recs):
+        return False
+    first = [r.plan for r in recs]
+    total = sum(p.unconstrained for p in first)
+    if step_peak(first) <= (value + STEP_SLACK) * total:
+        return False
+    best, lo, hi = _step_plans(state, recs, 0.0, value * total), 0.0, 1.0
+    if best is None:
+        floor = _step_plans(state, recs, 0.0, total)
+        share = step_peak([p for _, p, _ in floor]) / total if floor else 1.0
+        raise InfeasibleBudget(
+            f"memory budget {value:.4g} (fraction) cannot be met: the smallest feasible is about fraction "
+            f"{share:.3f} over the step's {len(recs)} graphs (split by graph breaks), planned together",
+            int(max(p.resident for p in first) + share * total))
+    while hi - lo > 1 / 64:
+        mid = (lo + hi) / 2
+        got = _step_plans(state, recs, mid, value * total)
+        lo, hi, best = (mid, hi, got) if got is not None else (lo, mid, best)
+    for r, p, g in best:
+        r.pending = (p, g)
+    log.warning("opsmath: memory_budget=%r: the step's %d graphs, planned one by one, kept %.3f of its "
+                "activations; planned again with the whole step known (%.3f), from the next step on",
+                state.memory_budget, len(recs), step_peak(first) / total, step_peak([p for _, p, _ in best]) / total)
+    return True
+
+
+def _step_plans(state, recs: list, share: float, budget: float):
+    """``[(record, plan, graph)]``: each graph planned in order with its backward under ``budget`` less
+    what the graphs before it keep and at most ``share`` of its activations kept; None where a graph has
+    no plan or the step's peak (``step_peak``) goes over ``budget``."""
+    before, out = 0, []
+    for r in recs:
+        g = clone_graph_module(r.base)
+        try:
+            p = plan_and_emit(g, r.saved_by, state.memory_budget, r.plan.resident,
+                              how="tag" if r.inductor else "checkpoint", link=r.plan.link,
+                              head=r.plan.head_excess, step=(budget - before, share * r.plan.unconstrained))
+        except InfeasibleBudget:
+            return None
+        p.estimated_by = r.plan.estimated_by
+        out.append((r, p, g))
+        before += p.kept
+    return out if step_peak([p for _, p, _ in out]) <= budget * (1 + 1e-9) else None

@@ -144,7 +144,7 @@ def test_gemms_candidate_frees_more_than_keeping_gemms():
 def test_gemms_selective_plan_is_chosen_and_exact(inductor, monkeypatch):
     """Only the GEMM-recomputing selective kind offered, attention made dear in the cost model: the plan
     at 0.5 takes it (whole recompute redoes attention), and training equals no plan, dropout on."""
-    from opsmath import plan as plan_mod
+    from opsmath import plan_choice as plan_mod
     from opsmath import segments
     cost = segments.node_cost
     monkeypatch.setattr(segments, "node_cost", lambda n: cost(n) * (

@@ -1,0 +1,121 @@
+"""The choice of a recompute plan among a graph's candidate segmentations (``plan.py``): the exact
+solve of one segmentation under a budget (``choose``, over ``plan_solve``'s DP), the merged segment list
+of a choice, each gradient's segment, and the cheapest feasible segmentation (``best_option``)."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .budget import InfeasibleBudget, _size
+from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, suffix
+from .segments import KEEPS, Segment, forward_order, runs_of, saved_index, selective
+
+# selective candidates span runs of up to this many segments (a norm's output is often saved by the GEMM
+# of the next segment: the run must hold both for the norm's recompute to free it)
+SELECTIVE_RUNS = 4
+
+
+def _rank(choice) -> tuple:
+    """How ``choose``'s results compare: modelled cost, then predicted kept + transient bytes."""
+    picked, kept, trans, cost = choice
+    return cost, kept + trans
+
+
+def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, budget: float,
+           units: int = 4096, link: float | None = None, sel: dict | None = None, grads: list | None = None,
+           head: int = 0, kept_cap: float | None = None) -> tuple[list[Step], int, int, float]:
+    """(chosen steps, kept bytes, transient bytes, cost) at the least modelled cost subject to the budget:
+    one exact DP (``plan_solve._solve``) in which every step's own backward must fit, so no candidate
+    "largest transient" needs enumerating. ``runs`` maps (i, j) to segments i..j recomputed as one unit
+    (``segments.runs_of``); ``link``: host-link bytes/s when offload is a choice (``offload.py``); ``sel``:
+    the selective candidates by segment (``segments.selective``). ``grads``: per segment, the gradient
+    bytes its backward allocates (``grads_by_segment``; in ``resident``): given, a byte budget is held
+    at every point of backward with the gradients allocated by then (``plan_solve.suffix``) instead of
+    all of them from the start. ``head``: bytes live at the end of the forward alone (the loss's
+    measured workspace). ``kept_cap``: a bound on the activation bytes kept at the end of the forward
+    alone, tighter than the budget (``_at_floor``). Raises InfeasibleBudget naming the smallest feasible
+    budget."""
+    total, n = sum(s.saved for s in segs), len(segs)
+    after = suffix(grads, n)
+    base = resident - after[0]   # resident without the gradients backward allocates
+    limit = budget * total if budget_kind == "fraction" else budget - base  # on activations + gradients
+    prefix = [0]
+    for sg in segs:
+        prefix.append(prefix[-1] + sg.saved)
+    steps = _steps(segs, runs, link, sel)
+    unit = max(1.0, total / units)
+    fits = _peak(segs, [], after, head) <= limit and (kept_cap is None or total <= kept_cap)
+    picked = [] if fits else _solve(n, steps, unit, prefix, limit, after, head, kept_cap)
+    if picked is None:
+        sizes = sorted({st.size for sts in steps.values() for st in sts})
+        # a reachable peak to bisect from: kept + the largest transient, at a few transient caps
+        reach = min(total - _max_saving(n, steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]}) + after[0] + head
+        smallest = _lowest_peak(segs, steps, prefix, unit, reach, after, head)
+        floor = base + int(smallest)
+        asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
+        raise InfeasibleBudget(
+            f"memory budget {asked} cannot be met: the smallest feasible is about {_size(floor)} ({floor} bytes"
+            + (f", fraction {max(0.0, smallest - after[0]) / total:.3f}" if total else "") + ")", floor)
+    kept = total - sum(st.saving for st in picked)
+    return picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked)
+
+
+def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:
+    """The segment list with each picked run i..j as one segment, the indices of the recomputed ones, and
+    the other choices as ``{index: "selective" | "selective-gemms" | "kept" | "inputs"}`` (the last two
+    offloaded: the segment's saved tensors, or a recomputed run's inputs; ``offload.mark_offloaded``)."""
+    out, chosen, kinds, at, i = [], [], {}, {st.i: st for st in picked}, 0
+    while i < len(segs):
+        st = at.get(i)
+        if st is None:
+            out.append(segs[i])
+            i += 1
+            continue
+        if st.kind.startswith("selective"):   # kept on the device: what its cheap ops did not free
+            kinds[len(out)] = st.kind
+            run = runs[(st.i, st.j)]
+            out.append(Segment(run.start, run.end, run.saved, run.saved - st.saving, st.cost))
+            i = st.j + 1
+            continue
+        if st.kind != "offload":
+            chosen.append(len(out))
+        if st.kind != "recompute":
+            kinds[len(out)] = "kept" if st.kind == "offload" else "inputs"
+        out.append(runs[(st.i, st.j)])
+        i = st.j + 1
+    return out, chosen, kinds
+
+
+def grads_by_segment(gm: fx.GraphModule, segs: list[Segment], grads: dict[str, int]) -> list[int]:
+    """Per segment, the gradient bytes backward allocates on reaching it: a parameter's gradient
+    (``grads``: bytes by placeholder name) appears at its last use in forward order (a tied embedding's
+    at the LM head), the first that backward meets."""
+    pos = {n: i for i, n in enumerate(forward_order(gm))}
+    out = [0] * len(segs)
+    for n in gm.graph.find_nodes(op="placeholder"):
+        last = max((pos[u] for u in n.users if u in pos), default=None)
+        if n.name in grads and last is not None and segs:
+            i = next((k for k, sg in enumerate(segs) if sg.start <= last <= sg.end), len(segs) - 1)
+            out[i] += grads[n.name]
+    return out
+
+
+def best_option(gm, options, resident: int, kind: str, value: float, link=None, pairs=None, grads=None,
+                 head: int = 0, kept_cap: float | None = None):
+    """The cheapest feasible (label, segments, choice, runs) over the segmentations, and the error with
+    the lowest floor when none is feasible. ``grads``: gradient bytes by placeholder, to plan against
+    their timing (``choose``)."""
+    best, errors = None, []
+    order, index = forward_order(gm), saved_index(pairs) if pairs is not None else None
+    for label, sg in options:
+        runs = runs_of(gm, sg)
+        sel = {(*ij, k): c for ij, run in runs.items() for k in KEEPS if index is not None
+               and ij[1] - ij[0] < SELECTIVE_RUNS and (c := selective(order, run, index, k)) is not None}
+        try:
+            got = choose(sg, runs, resident, kind, value, link=link, sel=sel,
+                         grads=grads_by_segment(gm, sg, grads) if grads else None, head=head, kept_cap=kept_cap)
+        except InfeasibleBudget as e:
+            errors.append(e)
+            continue
+        if best is None or _rank(got) < _rank(best[2]):
+            best = (label, sg, got, runs)
+    return best, (min(errors, key=lambda e: e.floor) if errors else None)
