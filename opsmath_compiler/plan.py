@@ -280,8 +280,8 @@ def _for_step(gm, options, resident: int, step: tuple, link, pairs):
         best = _least_kept(gm, options, resident, share, link, pairs)
     if best is None:
         raise InfeasibleBudget(f"no plan of this graph peaks under {_size(limit)} in its backward", resident + limit)
-    return best, (f"re-planned with the whole step known: its backward under {limit / total:.3f} of its "
-                  f"activations, keeping {best[2][1] / total:.3f}"), share
+    return best, (f"planned with the whole step: its backward under {limit / total:.3f} of its activations "
+                  f"(the step's share less what the graphs before it keep), keeping {best[2][1] / total:.3f}"), share
 
 
 def _at_floor(gm, options, resident: int, value: float, earlier: list, error, link=None, pairs=None):

@@ -176,7 +176,8 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     fraction = parse_budget(state.memory_budget)[0] == "fraction"
     if fraction and record.pending is not None:   # planned again with its whole step known (``rebalance``)
         (plan, g), record.pending = record.pending, None
-        plan.measured_peak, plan.replanned, record.plan = old.measured_peak, plan.note, plan
+        plan.measured_peak, record.plan = old.measured_peak, plan
+        plan.replanned = "the whole step planned again after its first call"
         follow(plan, resident, errors if carries else (old.excess, old.head_excess))
         return g
     grew = resident > old.resident + slack and not fraction
