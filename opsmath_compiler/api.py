@@ -214,8 +214,10 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
                     out = guard.after_call(compiled(*args, **kwargs))
                 ran = [r for r in state.graphs if r.last_run > runs]
                 if state.memory_budget is not None and (len(state.graphs) > captured or state.rebalanced):
-                    state.rebalanced = len(state.graphs) > captured and rebalance(state, ran)   # a step that planned
-                    state.rebalanced or check_step_share(state.memory_budget, ran)
+                    # a step that planned, or the next one, whose graphs took their plans for the whole step
+                    state.rebalanced = len(state.graphs) > captured and rebalance(state, ran)
+                    if not state.rebalanced:
+                        check_step_share(state.memory_budget, ran)
                 return out
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(getattr(e, "inner_exception", None), InfeasibleBudget):

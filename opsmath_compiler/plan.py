@@ -255,12 +255,11 @@ def _choice(gm, options, resident: int, kind: str, value: float, earlier: list, 
     return best, note, share
 
 
-def _least_kept(gm, options, resident: int, share: float, link, pairs, best=None):
+def _least_kept(gm, options, resident: int, share: float, link, pairs):
     """Of the plans whose backward peaks under ``share`` of the graph's activations, the one keeping
     least (bisection on a bound on the kept bytes, to 1/256 of the activations); None if none fits."""
     total = sum(s.saved for s in options[-1][1])
-    if best is None:
-        best, _ = best_option(gm, options, resident, "fraction", share, link, pairs)
+    best, _ = best_option(gm, options, resident, "fraction", share, link, pairs)
     lo, hi = 0.0, float(best[2][1]) if best is not None else 0.0
     while hi - lo > total / 256:
         mid = (lo + hi) / 2
