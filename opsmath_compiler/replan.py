@@ -178,7 +178,7 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
         (plan, g), record.pending = record.pending, None
         plan.measured_peak, record.plan = old.measured_peak, plan
         plan.replanned = "the whole step planned again after its first call"
-        follow(plan, resident, errors if carries else (old.excess, old.head_excess))
+        follow(plan, resident, excess)
         return g
     grew = resident > old.resident + slack and not fraction
     if fraction or (not grew and error <= slack):
@@ -201,12 +201,11 @@ def follow(plan, resident: int, errors: tuple | None = None) -> None:
     """The plan stays; its prediction follows the resident bytes and, given, the measured ``errors``
     (``_errors``): a fraction's, which keeps its share of the activations whatever else the step holds
     (its target in bytes, ``Plan.target``, counts them too)."""
-    moved = resident - plan.resident
+    moved, before = resident - plan.resident, plan.excess
     plan.resident, plan.modelled = resident, (plan.modelled[0] + moved, plan.modelled[1] + moved)
-    plan.expected_peak = plan.expected_peak and plan.expected_peak + moved - plan.excess
     if errors is not None:
         plan.excess, plan.head_excess = errors
-    plan.expected_peak = plan.expected_peak and plan.expected_peak + plan.excess
+    plan.expected_peak = plan.expected_peak and plan.expected_peak + moved + plan.excess - before
     forward, step = plan.modelled
     plan.predicted_peak = max(step, forward + plan.head_excess) + plan.excess
 
