@@ -53,6 +53,12 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
         intermediate_size=14336, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
         attn_implementation="eager"), 4, 2048),
+    # the same at Gemma-2's native context (B1 T8192): layers 0 and 2 slide a window of 4096 keys
+    "gemma2_9b_8k": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        hidden_size=3584, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        intermediate_size=14336, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+        attn_implementation="eager"), 1, 8192),
     # Llama-3-8B's layer shape (hidden 4096, MLP 14336, GQA 32/8), 4 layers, sequence 4096: GEMM-bound
     "llama8b4": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
@@ -284,7 +290,7 @@ def main():
         ks = tuple(int(k) for k in args.accumulate.split(","))
         out[n] = run(n, args.rounds, args.steps, device, args.gradient_checkpointing, args.variants.split(","), ks)
         if not args.smoke:
-            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n in ("gemma2", "gemma2_9b", "gpt_oss", "bloom") else "") \
+            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n in ("gemma2", "gemma2_9b", "gemma2_9b_8k", "gpt_oss", "bloom") else "") \
                 + ("-fp8" if any("fp8" in v for v in args.variants.split(",")) else "") \
                 + ("-accumulate" if max(ks) > 1 else "")
             print("wrote", write("hf_default_attention" + tag, out), flush=True)

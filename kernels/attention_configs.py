@@ -3,6 +3,12 @@ per head dim, the shape bucket a choice is stored under, and the configuration a
 while the tuner measures one, else the bucket's stored choice, else the head dim's default).
 
 A configuration is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; its cache name ``opsmath:BMxBNwWsS``.
+The three kernels (forward, dQ, dK/dV: ``KERNELS``) are separate launches, so each may run its own
+configuration: the tuner stores, beside its choice, the fastest configuration of each kernel as it
+measured them (op ``"attention_tiles"``, name ``tiles_name``), and a launch reads its kernel's. On the
+H200 at D256 with a softcap the three best differ (``benchmarks/attention_config_sweep.py``): forward
+64x32 w4 s2, dQ 64x32 w4 s1 / 64x64 w4 s2, dK/dV 128x64 w8 s1, 7.7% (B1 H16 S8192) and 8.1% (B4 H8
+S2048) less kernel time than the best single configuration.
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import torch
 from .autotune import cached
 
 OWN_ONLY = " own-only"   # key suffix of choices made without the vendor kernels (attention_tuning.choose)
+KERNELS = {"fwd": "_attn_fwd", "dq": "_attn_bwd_dq", "dkdv": "_attn_bwd_dkdv"}   # launch: Triton kernel name
+TILES = "attention_tiles"   # the autotune op under which each bucket's per-kernel configurations are stored
 
 
 # Block configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) the tuner measures, by padded head dim;
@@ -44,8 +52,35 @@ def parse_config(name: Optional[str]) -> Optional[tuple[int, int, int, int]]:
     return tuple(int(g) for g in m.groups()) if m else None
 
 
+def tiles_name(tiles: dict) -> str:
+    """``{"fwd": cfg, "dq": cfg, "dkdv": cfg}`` as stored: ``opsmath:fwd=BMxBNwWsS,dq=...,dkdv=...``."""
+    return "opsmath:" + ",".join(f"{k}=" + config_name(tiles[k])[len("opsmath:"):] for k in KERNELS)
+
+
+def parse_tiles(name: Optional[str]) -> Optional[dict]:
+    """``tiles_name``'s inverse; None for anything else."""
+    if not (name or "").startswith("opsmath:"):
+        return None
+    parts = dict(p.split("=", 1) for p in name[len("opsmath:"):].split(",") if "=" in p)
+    tiles = {k: parse_config("opsmath:" + parts.get(k, "")) for k in KERNELS}
+    return tiles if all(tiles.values()) else None
+
+
+def fastest_tiles(per_config: dict) -> Optional[dict]:
+    """From ``{cfg: {kernel name: ms per call}}`` (each configuration's profiled kernels), each launch's
+    fastest configuration among those that ran all three kernels; None when none did."""
+    full = {c: t for c, t in per_config.items() if all(any(n in name for name in t) for n in KERNELS.values())}
+    if not full:
+        return None
+
+    def ms(c, kernel):
+        return sum(v for name, v in full[c].items() if KERNELS[kernel] in name)
+    return {k: min(full, key=lambda c: ms(c, k)) for k in KERNELS}
+
+
 class forced_config:
-    """``with forced_config((BM, BN, warps, stages)):`` launches use that configuration."""
+    """``with forced_config((BM, BN, warps, stages)):`` launches use that configuration; a dict
+    ``{"fwd": cfg, "dq": cfg, "dkdv": cfg}`` gives each kernel its own."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -68,15 +103,19 @@ def bucket_key(q, k, has_bias: bool, has_mask: bool, is_causal: bool, dropout_p:
             + (f" window={window}" if window else ""))
 
 
-def launch_cfg(q: torch.Tensor, D: int, key: Optional[str] = None):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, warps, stages): forced by the tuner, else the configuration the tuner
-    chose for this shape bucket (``autotune`` cache, op "attention", choice ``opsmath:BMxBNwWsS``),
-    else the default for the head dim."""
+def launch_cfg(q: torch.Tensor, D: int, key: Optional[str] = None, kernel: str = "fwd"):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, warps, stages) of ``kernel`` (``KERNELS``): forced by the tuner, else
+    the tuner's per-kernel configuration for this shape bucket (op ``TILES``), else its choice
+    (``autotune`` cache, op "attention", choice ``opsmath:BMxBNwWsS``), else the head dim's default."""
     block_d = max(16, 1 << max(0, math.ceil(math.log2(max(D, 1)))))
     cfg = _FORCED[0]
+    if isinstance(cfg, dict):
+        cfg = cfg[kernel]
     if cfg is None and key is not None:
-        for choice in (cached("attention", key), cached("attention", key + OWN_ONLY)):
-            cfg = parse_config(choice)
+        for k in (key, key + OWN_ONLY):
+            choice = cached("attention", k)
+            tiles = parse_tiles(cached(TILES, k)) if parse_config(choice) or choice == "opsmath" else None
+            cfg = tiles[kernel] if tiles else parse_config(choice)
             if cfg is not None:
                 break
     if cfg is None and not q.is_cuda:  # interpreter: small blocks keep CPU tests fast
@@ -89,3 +128,22 @@ def bucket(q, k, bias, mask, is_causal, dropout_p, softcap=0.0, window=0) -> Opt
     if not q.is_cuda:
         return None
     return bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p, softcap, window)
+
+
+def launch_precision(q: torch.Tensor):
+    """fp32 inputs: exact ("ieee") unless the user allowed tf32 matmuls, as eager would; 16-bit
+    inputs: Triton's default (the option only concerns fp32)."""
+    if q.dtype != torch.float32:
+        return None
+    return "tf32" if q.is_cuda and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def bias_mask_args(q, k, bias, mask):
+    """bias/mask as (B, H, Sq, Sk) stride-0 views (dummies when absent), and HAS_BIAS: 0 none, 2 per-key, 1 other."""
+    B, H, Sq, _ = q.shape
+    full = (B, H, Sq, k.shape[2])
+    b = bias.expand(full) if bias is not None else q.new_empty(1)
+    m = mask.expand(full).view(torch.uint8) if mask is not None else q.new_empty(1, dtype=torch.uint8)
+    bs = b.stride() if bias is not None else (0, 0, 0, 0)
+    ms = m.stride() if mask is not None else (0, 0, 0, 0)
+    return b, m, bs, ms, 0 if bias is None else 2 if bs[2] == 0 and Sq > 1 else 1

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ._common import keep_mask, load_seed, seed_arg
-from .attention_configs import bucket, launch_cfg
+from .attention_configs import bias_mask_args, bucket, launch_cfg, launch_precision
 
 
 @triton.jit
@@ -335,39 +335,20 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Out, Stats, Delta, DQ, DBias, Seed,
              (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
 
-def _precision(q: torch.Tensor):
-    """fp32 inputs: exact ("ieee") unless the user allowed tf32 matmuls, as eager would; 16-bit
-    inputs: Triton's default (the option only concerns fp32)."""
-    if q.dtype != torch.float32:
-        return None
-    return "tf32" if q.is_cuda and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-
-
-def _aux(q, k, bias, mask):
-    """bias/mask as (B, H, Sq, Sk) stride-0 views (dummies when absent), and HAS_BIAS: 0 none, 2 per-key, 1 other."""
-    B, H, Sq, _ = q.shape
-    full = (B, H, Sq, k.shape[2])
-    b = bias.expand(full) if bias is not None else q.new_empty(1)
-    m = mask.expand(full).view(torch.uint8) if mask is not None else q.new_empty(1, dtype=torch.uint8)
-    bs = b.stride() if bias is not None else (0, 0, 0, 0)
-    ms = m.stride() if mask is not None else (0, 0, 0, 0)
-    return b, m, bs, ms, 0 if bias is None else 2 if bs[2] == 0 and Sq > 1 else 1
-
-
 def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0,
                              window=0):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
     stats = torch.empty((B, H, Sq, 2), device=q.device, dtype=torch.float32)
-    b, m, bs, ms, has_bias = _aux(q, k, bias, mask)
-    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap, window))
+    b, m, bs, ms, has_bias = bias_mask_args(q, k, bias, mask)
+    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap, window), "fwd")
     grid = (triton.cdiv(Sq, BM), B * H)
     _attn_fwd[grid](q, k, v, b, m, out, stats, seed_arg(seed, q, dropout_p),
                     *q.stride(), *k.stride(), *v.stride(), *bs, *ms, *out.stride(),
                     H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p),
                     int(window), HAS_BIAS=has_bias, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
-                    WINDOW=window > 0, HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=_precision(q),
+                    WINDOW=window > 0, HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=launch_precision(q),
                     BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     return out, stats
 
@@ -382,19 +363,24 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
     dk = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
     dbias = torch.empty((B, H, Sq, Sk), device=q.device, dtype=torch.float32) if bias_grad else q.new_empty(1)
-    b, m, bs, ms, has_bias = _aux(q, k, bias, mask)
-    BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap, window))
+    b, m, bs, ms, has_bias = bias_mask_args(q, k, bias, mask)
+    key = bucket(q, k, bias, mask, is_causal, dropout_p, softcap, window)
     common = dict(HAS_BIAS=has_bias, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal), WINDOW=window > 0,
-                  HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=_precision(q),
-                  BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
+                  HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=launch_precision(q))
+
+    def tiles(kernel):   # each kernel its own configuration (attention_configs.launch_cfg)
+        BM, BN, BD, warps, stages = launch_cfg(q, D, key, kernel)
+        return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)
     seed_t = seed_arg(seed, q, dropout_p)
-    _attn_bwd_dq[(triton.cdiv(Sq, BM), B * H)](   # first: it writes delta, which the dK/dV kernel reads
+    t = tiles("dq")
+    _attn_bwd_dq[(triton.cdiv(Sq, t["BLOCK_M"]), B * H)](   # first: it writes delta, which the dK/dV kernel reads
         q, k, v, b, m, dout, out, stats, delta, dq, dbias, seed_t, *strides,
         H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
-        BIAS_GRAD=bias_grad, **common)
-    _attn_bwd_dkdv[(triton.cdiv(Sk, BN), B * Hkv)](
+        BIAS_GRAD=bias_grad, **common, **t)
+    t = tiles("dkdv")
+    _attn_bwd_dkdv[(triton.cdiv(Sk, t["BLOCK_N"]), B * Hkv)](
         q, k, v, b, m, dout, stats, delta, dk, dv, seed_t, *strides,
         Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
-        **common)
+        **common, **t)
     return dq, dk, dv, (dbias if bias_grad else None)

@@ -18,7 +18,8 @@ the inputs and passes ``accurate_backends`` (docs/design.md's rule against an fp
 gradients). The winner is stored by ``kernels/autotune.py`` (per GPU, versions, dtype and shape
 bucket; persisted) and returned as ``"opsmath"`` or ``"sdpa_flash"`` / ``"sdpa_cudnn"`` /
 ``"sdpa_efficient"``; when opsmath's kernel wins in a configuration ``opsmath:BMxBNwWsS``, its launches
-read that configuration back from the cache (``attention_configs.launch_cfg``). ``sdpa(...)`` is what the
+read that configuration back from the cache (``attention_configs.launch_cfg``), and where its three
+kernels measured fastest in different configurations, each kernel's own (op ``attention_tiles``). ``sdpa(...)`` is what the
 emitted graph calls for a vendor choice.
 """
 from __future__ import annotations
@@ -34,8 +35,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ._common import dropout_keep, flat_offsets
 from ._spec import OpSpec, register
 from .attention import attention_flops, attention_op, attention_reference, exercise
-from .attention_configs import OWN_ONLY, bucket_key, config_name, configs_for, forced_config
-from .autotune import pick
+from .attention_configs import (KERNELS, OWN_ONLY, TILES, bucket_key, config_name, configs_for, fastest_tiles,
+                                forced_config, tiles_name)
+from .autotune import measure_kernels, pick, store, wall_ms
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
             "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -126,10 +128,22 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
         for name in accurate_backends(run, q, k, v, bias, mask, vbias, dout):
             candidates[name] = fwd_bwd(name)
     configs = configs_for(q.shape[-1])
-    candidates["opsmath"] = fwd_bwd("opsmath", configs[0])
-    candidates.update({config_name(c): fwd_bwd("opsmath", c) for c in configs[1:]})
-    choice = pick("attention", key, candidates, skip=own_configs_cannot_win)
-    return "opsmath" if choice.startswith("opsmath") else choice   # its block configuration: see _launch_cfg
+    own = {fwd_bwd("opsmath", c): c for c in configs}
+    candidates.update({("opsmath" if c == configs[0] else config_name(c)): fn for fn, c in own.items()})
+    per_config = {}   # each own configuration's kernels as measured: the per-kernel choice below
+
+    def timed(fn):
+        per = measure_kernels(fn)
+        if fn in own and per:
+            per_config[own[fn]] = per
+        return sum(per.values()) or wall_ms(fn)
+    choice = pick("attention", key, candidates, timed, skip=own_configs_cannot_win)
+    tiles = fastest_tiles(per_config)
+    if tiles and choice.startswith("opsmath"):   # measured now: each kernel launches in its fastest
+        store(TILES, key, dict(choice=tiles_name(tiles), ms={config_name(c): {
+            k: round(sum(v for n, v in per_config[c].items() if name in n), 5) for k, name in KERNELS.items()}
+            for c in per_config}))
+    return "opsmath" if choice.startswith("opsmath") else choice   # its configurations: see launch_cfg
 
 
 # The most any block configuration of opsmath's kernel has gained over its default (H200, 2026-11-29:

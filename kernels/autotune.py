@@ -87,8 +87,10 @@ def lookup(op: str, key: str, machine: Optional[str] = None) -> Optional[dict]:
 
 
 def store(op: str, key: str, entry: dict, machine: Optional[str] = None) -> None:
+    """Persist ``entry`` (its ``choice`` a string) for ``(op, key)``; this process's ``cached`` sees it."""
     machine = machine or machine_key()
     path = cache_path()
+    _MEMORY[(machine, op, key)] = entry["choice"]
     with _LOCK:
         data = load()
         data.setdefault(machine, {}).setdefault(op, {})[key] = entry
@@ -126,26 +128,31 @@ def kernel_ms(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
     return dict(per)
 
 
-def measure(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40) -> float:
-    """Milliseconds of GPU kernel time per call of ``fn()``: what a candidate costs a training step that
-    keeps the GPU busy, where its launch (host) time overlaps earlier kernels. Wall time would rank
-    candidates by their Python launch paths at small shapes: on the H200, SDPA's flash and cuDNN took
-    the same 0.54 ms of wall time for (8, 16, 1024, 64) attention while cuDNN's kernels ran 1.6x faster
-    (2026-11-29). Falls back to wall time (``wall_ms``) when a profiler is already running (the user's own)
-    or the profiler reports no kernels."""
+def measure_kernels(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40) -> dict[str, float]:
+    """``kernel_ms`` over about ``rep_ms`` of calls after a warm-up; ``{}`` when a profiler is already
+    running (the user's own) or CUPTI is unavailable."""
     import warnings
 
     if torch.autograd._profiler_enabled():
-        return wall_ms(fn, warmup_ms, rep_ms)
+        return {}
     first = wall_ms(fn, warmup_ms=warmup_ms, rep_ms=min(rep_ms, 10))
     calls = int(max(3, min(100, rep_ms / max(first, 1e-3))))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            total = sum(kernel_ms(fn, calls).values())
+            return kernel_ms(fn, calls)
     except RuntimeError as e:   # CUPTI unavailable or busy: rank by wall time rather than fail
         log.info("opsmath: profiler unavailable for tuning (%s); using wall time", e)
-        total = 0.0
+        return {}
+
+
+def measure(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40) -> float:
+    """Milliseconds of GPU kernel time per call of ``fn()``: what a candidate costs a training step that
+    keeps the GPU busy, where its launch (host) time overlaps earlier kernels. Wall time would rank
+    candidates by their Python launch paths at small shapes: on the H200, SDPA's flash and cuDNN took
+    the same 0.54 ms of wall time for (8, 16, 1024, 64) attention while cuDNN's kernels ran 1.6x faster
+    (2026-11-29). Falls back to wall time (``wall_ms``) when ``measure_kernels`` has no kernels."""
+    total = sum(measure_kernels(fn, warmup_ms, rep_ms).values())
     return total if total > 0 else wall_ms(fn, warmup_ms, rep_ms)
 
 

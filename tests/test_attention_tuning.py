@@ -134,3 +134,30 @@ def test_accuracy_check_admits_exact_backends_and_rejects_wrong_ones(monkeypatch
         return out * 1.01 if name == "noisy" else out
     dout = torch.randn_like(q)
     assert vendor.accurate_backends(run, q, k, v, bias, mask, None, dout) == ["exact"]
+
+
+def test_choose_stores_each_kernels_fastest_configuration(tmp_path, monkeypatch, triton_on_cpu):
+    """The tuner times each block configuration's three kernels (stand-in profiles here; every candidate
+    still runs) and stores, beside its choice, each kernel's fastest configuration; launches read them."""
+    from opsmath.kernels import attention_configs as ac
+    from opsmath.kernels import autotune
+    monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path))
+    autotune._MEMORY.clear()
+    a, b, c, d = ac.CONFIGS[64]
+    times = {a: (1.0, 2.0, 3.0), b: (0.9, 1.5, 3.1), c: (1.2, 2.5, 2.0), d: (0.5, 3.0, 3.5)}   # fwd, dq, dkdv
+    seen = []
+    enter = ac.forced_config.__enter__
+    monkeypatch.setattr(ac.forced_config, "__enter__", lambda self: (seen.append(self.cfg), enter(self))[1])
+
+    def profile(fn):
+        fn()   # the candidate runs (Triton's interpreter): a configuration that fails would fail here
+        return dict(zip(ac.KERNELS.values(), times[seen[-1]]))
+    monkeypatch.setattr(vendor, "measure_kernels", profile)
+    q, k = torch.empty(1, 2, 40, 16), torch.empty(1, 2, 40, 16)
+    assert vendor.choose(q.shape, k.shape, torch.float32, torch.device("cpu"), None, None, float("-inf"), True,
+                         0.25, 0.0, vendors=False) == "opsmath"
+    key = vendor.bucket_key(q, k, False, False, True, 0.0)
+    assert autotune.lookup("attention", key + ac.OWN_ONLY)["choice"] == ac.config_name(b)   # best in sum: 5.5
+    tiles = {"fwd": d, "dq": b, "dkdv": c}
+    assert autotune.lookup(ac.TILES, key + ac.OWN_ONLY)["choice"] == ac.tiles_name(tiles)
+    assert [ac.launch_cfg(q, 16, key, n) for n in ac.KERNELS] == [(*t[:2], 16, *t[2:]) for t in tiles.values()]

@@ -111,6 +111,31 @@ def test_attention_launch_uses_the_tuned_block_configuration(cache):
         assert _launch_cfg(q, 64, "k") == (64, 32, 64, 4, 3)   # the tuner measuring a candidate
 
 
+def test_attention_launch_uses_each_kernels_tuned_tiles(cache):
+    """Per-kernel tiles (op ``attention_tiles``) stored beside an opsmath choice: each launch reads its own
+    kernel's; beside a vendor choice they are not read; a forced dict gives each kernel its own."""
+    import torch
+    from opsmath.kernels.attention_configs import (TILES, config_name, fastest_tiles, forced_config, launch_cfg,
+                                                   parse_tiles, tiles_name)
+    tiles = {"fwd": (64, 32, 4, 2), "dq": (64, 64, 4, 1), "dkdv": (128, 64, 8, 1)}
+    assert parse_tiles(tiles_name(tiles)) == tiles
+    assert parse_tiles(config_name((64, 32, 4, 2))) is None and parse_tiles("sdpa_cudnn") is None
+    q = torch.empty(1, 2, 50, 256)
+    autotune.store("attention", "k own-only", dict(choice="opsmath"))
+    autotune.store(TILES, "k own-only", dict(choice=tiles_name(tiles)))
+    assert [launch_cfg(q, 256, "k", n) for n in tiles] == [(*c[:2], 256, *c[2:]) for c in tiles.values()]
+    autotune.store("attention", "v", dict(choice="sdpa_cudnn"))
+    autotune.store(TILES, "v", dict(choice=tiles_name(tiles)))
+    assert launch_cfg(q, 256, "v", "dkdv") == (16, 16, 256, 4, 1)   # the vendor runs: the CPU default
+    with forced_config({"fwd": (32, 16, 4, 1), "dq": (16, 32, 4, 1), "dkdv": (16, 16, 4, 1)}):
+        assert launch_cfg(q, 256, "k", "dq") == (16, 32, 256, 4, 1)
+    a, b = (64, 32, 4, 2), (128, 64, 8, 1)   # each kernel's fastest configuration, by its own time
+    per = {a: {"_attn_fwd": 1.0, "_attn_bwd_dq": 2.0, "_attn_bwd_dkdv": 4.0},
+           b: {"_attn_fwd": 1.5, "_attn_bwd_dq": 1.9, "_attn_bwd_dkdv": 3.0}, (16, 16, 4, 1): {"_attn_fwd": 0.1}}
+    assert fastest_tiles(per) == {"fwd": a, "dq": b, "dkdv": b}
+    assert fastest_tiles({(16, 16, 4, 1): {"_attn_fwd": 0.1}}) is None
+
+
 def test_row_kernel_configuration_is_measured_once_per_shape_bucket(cache, monkeypatch):
     """``kernels._common.tuned_config``: every candidate launched and timed on a GPU, the winner cached;
     the default on CPU, and the cached choice (never a measurement) during CUDA graph capture."""

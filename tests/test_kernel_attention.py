@@ -89,6 +89,9 @@ def test_triton_matches_eager(case, dtype, triton_on_cpu, device):
 
 
 TUNED = [(32, 16, 4, 1), (16, 32, 4, 1)] if DEVICE != "cuda" else sorted({c for cs in CONFIGS.values() for c in cs})
+# each kernel its own configuration (the tuner's per-kernel tiles): the dK/dV blocks then differ from dQ's
+TUNED += [{"fwd": (16, 32, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1)}] if DEVICE != "cuda" else \
+    [{"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 1), "dkdv": (128, 64, 8, 1)}]
 
 
 @pytest.mark.parametrize("cfg", TUNED, ids=str)
@@ -242,11 +245,12 @@ def test_softcap_reference_matches_autograd(case, cap):
         torch.testing.assert_close(f.double(), r.double(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[256][:2], ids=str)
+@pytest.mark.parametrize("cfg", [*CONFIGS[256][:2], {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 1),
+                                                     "dkdv": (128, 64, 8, 1)}], ids=str)
 def test_wide_head_tiles_match_eager_with_a_softcap(cfg, triton_on_cpu, device):
-    """Head dim 200 (padded to 256) in the tuner's D256 tiles (the default, and the 128 x 64 tiles the H200
-    picks), causal with a softcap, GQA and odd lengths across several key blocks: forward and every
-    gradient by the tolerance rule."""
+    """Head dim 200 (padded to 256) in the tuner's D256 tiles (the default, the 128 x 64 tiles the H200
+    picks, and the per-kernel tiles it measured fastest), causal with a softcap, GQA and odd lengths
+    across several key blocks: forward and every gradient by the tolerance rule."""
     torch.manual_seed(5)
     args = _inputs((1, 2, 1, 131, 131, 200, None, None, True, 0.0), torch.float32, device)
     args = (*args[:7], 1.0, *args[8:])
