@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import time
@@ -29,13 +30,17 @@ from _models import GPT2_SMALL, build, build_llama, gpt2_batch
 
 
 class Variant:
-    def __init__(self, name, budget, cuda_graphs, batch, llama=False):
+    def __init__(self, name, budget, cuda_graphs, batch, llama=False, modelled=False):
         self.name, self.batch, self.wall, self.host = name, batch, [], []
         model = build_llama({}, "cuda", "eager") if llama else build(GPT2_SMALL, "cuda", "eager")
-        self.model = opsmath.optimize(model, memory_budget=budget, cuda_graphs=cuda_graphs)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
-        for _ in range(5):   # capture, plan, compile, CUDA-graph recording, optimizer state
-            self.step()
+        os.environ["OPSMATH_MEASURED_COSTS"] = "0" if modelled else "1"   # read when a graph is planned
+        try:
+            self.model = opsmath.optimize(model, memory_budget=budget, cuda_graphs=cuda_graphs)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+            for _ in range(5):   # capture, plan, compile, CUDA-graph recording, optimizer state
+                self.step()
+        finally:
+            os.environ.pop("OPSMATH_MEASURED_COSTS")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -72,7 +77,7 @@ class Variant:
                     step_peak_gib=self.step_peak_gib, rounds=self.wall,
                     plans=[{k: p.get(k) for k in ("budget", "budget_bytes", "budget_share", "unconstrained", "kept",
                                                   "predicted_peak", "expected_peak", "measured_peak", "excess",
-                                                  "head_excess", "recompute_seconds", "chosen", "selective",
+                                                  "head_excess", "recompute_seconds", "measured_ops", "chosen", "selective",
                                                   "offloaded")}
                            for p in plans])
 
@@ -86,6 +91,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cprofile", default="", help="variant name whose host time cProfile takes apart")
     ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
+    ap.add_argument("--modelled-costs", action="store_true",
+                    help="each budget also planned with OPSMATH_MEASURED_COSTS=0 (costs from the model alone)")
     args = ap.parse_args()
     llama = args.model == "llama"
     batch = gpt2_batch(B=4, T=2048) if llama else gpt2_batch()
@@ -94,15 +101,17 @@ def main():
     # one reset for all variants: a reset per variant dropped the earlier variants' compiled code, which
     # recompiled in the first timed round (the 2026-12-02 run's 96 ms round)
     torch._dynamo.reset()
-    specs = [("no budget", None)] + [(f"budget {b}", float(b)) for b in args.budgets.split(",") if b]
+    specs = [("no budget", None, False)] + [(f"budget {b}", float(b), False) for b in args.budgets.split(",") if b]
+    if args.modelled_costs:   # the same budgets planned from the cost model alone (no op measured)
+        specs += [(f"budget {b} (modelled costs)", float(b), True) for b in args.budgets.split(",") if b]
     graphs = (False,) if args.no_cuda_graphs else (True,) if args.cuda_graphs_only else (False, True)
     variants = []
     for cg in graphs:
-        for name, budget in specs:
+        for name, budget, modelled in specs:
             label = name + (" + CUDA graphs" if cg else "")
             try:
                 t0 = time.perf_counter()
-                variants.append(Variant(label, budget, cg, batch, llama))
+                variants.append(Variant(label, budget, cg, batch, llama, modelled))
                 print(f"{label}: built and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
             except Exception as e:  # noqa: BLE001  (reported, the others still run)
                 print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -115,7 +124,7 @@ def main():
         b = base[" + CUDA graphs" if r["name"].endswith("CUDA graphs") else ""]
         if b is not None:
             r["wall_overhead"], r["gpu_overhead"] = r["wall_ms"] / b["wall_ms"] - 1, r["gpu_ms"] / b["gpu_ms"] - 1
-        print(f"{r['name']:28} wall {r['wall_ms']:7.2f} ms [{r['wall_min']:.2f}-{r['wall_max']:.2f}] "
+        print(f"{r['name']:44} wall {r['wall_ms']:7.2f} ms [{r['wall_min']:.2f}-{r['wall_max']:.2f}] "
               f"host {r['host_ms']:7.2f} gpu {r['gpu_ms']:7.2f} peak {r['peak_gib']:.2f} GiB"
               + (f"  overhead wall {r['wall_overhead']:+.1%} gpu {r['gpu_overhead']:+.1%}" if b else ""), flush=True)
     out = dict(rows=rows, model=args.model, config="llama_config" if llama else GPT2_SMALL,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from . import offload, plan_chart
+from . import offload, op_times, plan_chart
 from .budget import (STEP_SLACK, InfeasibleBudget, _size, check_step_share, parse_budget,  # noqa: F401
                      step_peak)  # (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
@@ -79,6 +79,7 @@ class Plan:
     head_excess: int = 0        # measured bytes at the end of the forward alone, beyond ``excess`` (replan.py)
     modelled: tuple = (0, 0)    # the model's peak at the end of the forward and over the step, no error added
     share: float | None = None  # a fraction's share for this graph, where the step's other graphs moved it
+    measured_ops: int = 0       # forward ops whose recompute cost is their time measured on the GPU
 
     def target(self, resident: int | None = None) -> int:
         """The budget in bytes of the whole step with ``resident`` bytes resident (default: the plan's):
@@ -154,7 +155,7 @@ class Plan:
                     offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
                     offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by, grads=self.grads,
                     expected_peak=self.expected_peak, excess=self.excess, timed=self.timed,
-                    head_excess=self.head_excess, modelled=list(self.modelled),
+                    head_excess=self.head_excess, modelled=list(self.modelled), measured_ops=self.measured_ops,
                     timeline=[list(t) for t in self.timeline()])
 
 
@@ -193,6 +194,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     # run op by op, a recompute would apply a state update (BatchNorm's statistics) again: pinned; under
     # Inductor, AOTAutograd applies updates once, after the graph, whatever is recomputed
     pinned = pinned_positions(forward_order(gm)) if how == "checkpoint" else frozenset()
+    measured = op_times.annotate(forward_order(gm))   # on a GPU: each op's time there, for the costs
     options = [("opsmath", segments_of(gm, saved_by, pinned=pinned)),
                ("opsmath-fine", segments_of(gm, saved_by, window=2, pinned=pinned))]
     user = user_segments(gm, saved_by, pinned=pinned)
@@ -224,6 +226,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         plan.grads = grads_by_segment(gm, segs, grads)
         plan.expected_peak = max(b for _, _, b in plan.timeline())
     plan.timed = bool(timing)
+    plan.measured_ops = measured
     plan.modelled = _modelled(plan)
     plan.predicted_peak = max(plan.modelled[1], plan.modelled[0] + head)
     plan.head_excess = head

@@ -290,7 +290,8 @@ class Report(Rendered):
         t.append(f"memory plan: budget {p.budget} (= {_mib(as_bytes)}, {share:.2f} of activations) | predicted "
                  f"peak {_mib(p.predicted_peak)}{how}\n", style="bold")
         t.append(f"activations (as {p.estimated_by} saves them) {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
-                 f"segments recomputed (modelled +{p.recompute_seconds * 1e3:.2f} ms"
+                 f"segments recomputed ({'measured' if p.measured_ops else 'modelled'} "
+                 f"+{p.recompute_seconds * 1e3:.2f} ms"
                  f"{' with the host copies' if p.offloaded else ''}); planned in "
                  f"{p.planning_seconds:.2f}s", style="magenta")
         if p.selective:

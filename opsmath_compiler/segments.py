@@ -4,7 +4,8 @@ the two ways of cutting the forward order into candidate segments.
 * **Cost**: a modelled recompute time per node: matmul FLOPs at 400 TFLOP/s, a fused op's FLOPs at its
   op spec's measured share of that (attention, vendor SDPA included: a third), every other op's bytes at
   3 TB/s (about 55% and 75% of the H200 ceilings in docs/design.md), plus 5 us per launch; views cost
-  nothing.
+  nothing. Where the graph is on a GPU, each op's time measured there replaces the model
+  (``op_times.annotate``).
 * **opsmath's cut points** (``segments_of``): the places in the forward order where the activations
   crossing the cut are fewest (local minima of the crossing bytes, e.g. the residual stream between
   blocks). Checkpointing a segment keeps only its external activation inputs and recomputes the rest in
@@ -26,6 +27,7 @@ import torch.fx as fx
 from opsmath.kernels import spec_of
 
 from .canonicalize import aten, size_hint
+from .op_times import MEASURED
 
 _FLOP_RATE, _BYTE_RATE, _LAUNCH_S = 400e12, 3e12, 5e-6
 USER_REGION = "opsmath_checkpoint_region"   # meta["custom"] key of an inlined checkpoint body's nodes
@@ -65,6 +67,8 @@ def node_cost(n: fx.Node) -> float:
     """Modelled seconds to recompute ``n`` (see module docstring)."""
     if n.op != "call_function" or n.target is operator.getitem or getattr(n.target, "is_view", False):
         return 0.0   # a view launches nothing and moves nothing
+    if MEASURED in n.meta:   # its GPU time, measured on its device (op_times.annotate)
+        return n.meta[MEASURED]
     out = n.meta.get("val")
     t = _LAUNCH_S
     if n.target in GEMMS[:5] and isinstance(out, torch.Tensor):
