@@ -46,8 +46,8 @@ from .budget import (STEP_SLACK, InfeasibleBudget, _size, check_step_share, pars
                      step_peak)  # (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
 from .plan_choice import SELECTIVE_RUNS, best_option, choose, grads_by_segment, merged  # noqa: F401
-from .segments import (Segment, describe, forward_order, node_workspace, pinned_positions, segments_of,
-                       user_regions, user_segments)
+from .segments import (Segment, describe, forward_order, is_compute, node_workspace, pinned_positions,
+                       segments_of, user_regions, user_segments)
 
 @dataclass
 class Plan:
@@ -194,7 +194,9 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     # run op by op, a recompute would apply a state update (BatchNorm's statistics) again: pinned; under
     # Inductor, AOTAutograd applies updates once, after the graph, whatever is recomputed
     pinned = pinned_positions(forward_order(gm)) if how == "checkpoint" else frozenset()
-    measured = op_times.annotate(forward_order(gm))   # on a GPU: each op's time there, for the costs
+    # on a GPU: each op's time there prices its recompute; under Inductor, what it fuses at a share
+    fused = (lambda n: 1.0 if is_compute(n.target) else op_times.FUSED_SHARE) if how == "tag" else None
+    measured = op_times.annotate(forward_order(gm), scale=fused)
     options = [("opsmath", segments_of(gm, saved_by, pinned=pinned)),
                ("opsmath-fine", segments_of(gm, saved_by, window=2, pinned=pinned))]
     user = user_segments(gm, saved_by, pinned=pinned)

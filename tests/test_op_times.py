@@ -66,6 +66,8 @@ def test_host_timer_measures_real_calls():
     assert op_times.annotate(forward_order(gm), op_times.cpu_seconds) == 1
     (mm,) = [n for n in gm.graph.nodes if op_times.MEASURED in n.meta]
     assert 0 < mm.meta[op_times.MEASURED] < 1
+    op_times.annotate(forward_order(gm), op_times.cpu_seconds, scale=lambda n: 0.25)   # the remembered time, scaled
+    assert mm.meta[op_times.MEASURED] == 0.25 * op_times._TIMES[op_times.signature(mm)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
