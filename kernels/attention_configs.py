@@ -27,13 +27,15 @@ TILES = "attention_tiles"   # the autotune op under which each bucket's per-kern
 
 # Block configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) the tuner measures, by padded head dim;
 # the first is the default. Pruned by hand to shapes that fit Hopper's shared memory at that head dim.
-# D256 from a sweep of 14 (``benchmarks/attention_config_sweep.py``, H200, B4 H8 S2048, causal, softcap 50,
-# fwd+bwd): 128x64 w8 s1 1.45 ms, 64x32 w4 s2 1.61, 128x32 w8 s2 1.74, 64x64 w8 s2 2.12, 64x32 w8 s1 (the
-# earlier default) 3.20; 128x64 s2, 128x32 s1 and 128x128 s1 do not fit in 227 KiB. The default is the
-# second fastest, the smaller tile; the last, the earlier default, stays for GPUs with less shared memory.
+# D256 from sweeps of 20 (``benchmarks/attention_config_sweep.py``, H200, causal, softcap 50, each kernel's
+# GPU time): at B1 H16 S8192 the forward runs fastest in 64x32 w4 s2 (2.01 ms; 128x64 w8 s1 2.48), dQ in
+# 64x32 w4 s1 (2.50) and 64x64 w4 s2 (2.66; the fastest at B4 H8 S2048), dK/dV in 128x64 w8 s1 (3.60; 64x32
+# w4 s2 4.77); 128x32 w8 s2 stays (the third fwd+bwd at B4 H8 S2048, 1.74 ms); 128x64 s2, 128x32 s1 and
+# 128x128 s1 do not fit in 227 KiB. The default is fast in every kernel, 64x32 w4 s2; 64x32 w4 s1 also
+# fits GPUs with less shared memory.
 CONFIGS = {64: [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
            128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 8, 3)],
-           256: [(64, 32, 4, 2), (128, 64, 8, 1), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 8, 1)]}
+           256: [(64, 32, 4, 2), (128, 64, 8, 1), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 1)]}
 _FORCED: list = [None]   # a configuration the tuner is measuring (``forced_config``)
 
 
