@@ -30,10 +30,10 @@ from _models import GPT2_SMALL, build, build_llama, gpt2_batch
 
 
 class Variant:
-    def __init__(self, name, budget, cuda_graphs, batch, llama=False, modelled=False):
+    def __init__(self, name, budget, cuda_graphs, batch, llama=False, measured=False):
         self.name, self.batch, self.wall, self.host = name, batch, [], []
         model = build_llama({}, "cuda", "eager") if llama else build(GPT2_SMALL, "cuda", "eager")
-        os.environ["OPSMATH_MEASURED_COSTS"] = "0" if modelled else "1"   # read when a graph is planned
+        os.environ["OPSMATH_MEASURED_COSTS"] = "1" if measured else "0"   # read when a graph is planned
         try:
             self.model = opsmath.optimize(model, memory_budget=budget, cuda_graphs=cuda_graphs)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
@@ -91,8 +91,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cprofile", default="", help="variant name whose host time cProfile takes apart")
     ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
-    ap.add_argument("--modelled-costs", action="store_true",
-                    help="each budget also planned with OPSMATH_MEASURED_COSTS=0 (costs from the model alone)")
+    ap.add_argument("--measured-costs", action="store_true",
+                    help="each budget also planned with OPSMATH_MEASURED_COSTS=1 (op times measured on the GPU)")
     args = ap.parse_args()
     llama = args.model == "llama"
     batch = gpt2_batch(B=4, T=2048) if llama else gpt2_batch()
@@ -102,16 +102,16 @@ def main():
     # recompiled in the first timed round (the 2026-12-02 run's 96 ms round)
     torch._dynamo.reset()
     specs = [("no budget", None, False)] + [(f"budget {b}", float(b), False) for b in args.budgets.split(",") if b]
-    if args.modelled_costs:   # the same budgets planned from the cost model alone (no op measured)
-        specs += [(f"budget {b} (modelled costs)", float(b), True) for b in args.budgets.split(",") if b]
+    if args.measured_costs:   # the same budgets planned from each op's time measured on the GPU (op_times)
+        specs += [(f"budget {b} (measured costs)", float(b), True) for b in args.budgets.split(",") if b]
     graphs = (False,) if args.no_cuda_graphs else (True,) if args.cuda_graphs_only else (False, True)
     variants = []
     for cg in graphs:
-        for name, budget, modelled in specs:
+        for name, budget, measured in specs:
             label = name + (" + CUDA graphs" if cg else "")
             try:
                 t0 = time.perf_counter()
-                variants.append(Variant(label, budget, cg, batch, llama, modelled))
+                variants.append(Variant(label, budget, cg, batch, llama, measured))
                 print(f"{label}: built and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
             except Exception as e:  # noqa: BLE001  (reported, the others still run)
                 print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)

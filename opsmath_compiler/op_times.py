@@ -1,28 +1,29 @@
 """Measured op times for the recompute plan's costs (``segments.node_cost``), on the GPU the graph runs on.
+Opt-in: ``OPSMATH_MEASURED_COSTS=1``; by default the plan prices ops by ``segments``' model.
 
 The model in ``segments`` prices a recomputed op by its FLOPs or bytes at fixed rates plus 5 us a launch.
-On the H200 that priced GPT-2-small's recompute at 1.3-1.8x the step time it cost: a cuBLAS GEMM runs
-above the modelled 400 TFLOP/s, and a small elementwise op's launch overlaps the kernels before it. So
-where the graph's fake values are on a CUDA device, each forward op is run once more on random inputs of
-its recorded shapes, strides and dtypes, and its GPU time stands in for the model's
-(``node.meta[MEASURED]``, seconds):
+On the H200 that priced GPT-2-small's recompute at 1.9x the GPU time it cost. With measured costs, where
+the graph's fake values are on a CUDA device, each forward op is run once more on random inputs of its
+recorded shapes, strides and dtypes, and its GPU time stands in for the model's (``node.meta[MEASURED]``,
+seconds):
 
 * one measurement per distinct call (target, argument shapes, strides, dtypes, other arguments), kept
   for the process: a 22-block model measures each block's ops once;
 * GPU time only: ``torch.cuda._sleep`` holds the stream while the host queues ``REPS`` calls between
   two events, so the host's dispatch (which a training step hides) is not counted;
-* ``OPSMATH_MEASURED_COSTS=0`` keeps the model (a plan that measurement noise cannot change);
 * floats are random normal, integers 0 and booleans False (indices stay in range); the inputs are
   fresh tensors, never the model's; collectives, ops on symbolic sizes without a hint and ops that raise
-  keep the model's cost.
+  keep the model's cost. Measurement noise can change a plan between runs; the model cannot.
 
-Under Inductor a recomputed elementwise op or reduction costs less than alone: it is fused into the
-backward's kernels, which read its inputs where they would have read its output. ``annotate``'s
-``scale`` prices it at ``FUSED_SHARE`` of its measured time there (GEMMs and fused ops, which Inductor
-does not fuse, at all of theirs). Measured on the H200 (GPT-2-small, ``memory_budget=0.5``, a plan that
-recomputes only such ops): the step's GPU time grew by 1.55 ms where those ops measured 2.73 ms alone.
-Unscaled, the measured times made the GEMMs look cheaper than the fused ops really are, and at 0.25 the
-plan recomputed whole blocks: +15.7% GPU time against +13.3% for the FLOP model's selective plan.
+Why opt-in (H200, GPT-2-small, CUDA graphs, ``benchmarks/recompute_overhead.py --measured-costs``): the
+measured prediction is closer (1.40x the GPU time it added, the model's 1.93x), but the plans are not
+better. Under Inductor a recomputed elementwise op or reduction costs less than alone: it is fused into
+the backward's kernels, which read its inputs where they would have read its output; measured alone it
+looked dearer next to the GEMMs than it is, and at ``memory_budget=0.25`` the plan recomputed two whole
+blocks, +15.7% GPU time against +13.3% for the model's all-selective plan (+8.1% and +7.5% at 0.5, both
+selective). ``annotate``'s ``scale`` now prices what Inductor fuses at ``FUSED_SHARE`` of its measured
+time (the 0.5 plan's cheap ops measured 2.73 ms alone and added 1.55 ms fused), GEMMs and fused ops at
+all of theirs; that version is not measured in a step yet.
 """
 from __future__ import annotations
 
@@ -123,11 +124,12 @@ def annotate(order: list[fx.Node], timer: Optional[Callable] = None,
              scale: Optional[Callable[[fx.Node], float]] = None) -> int:
     """Measure the ops of ``order`` (the forward) on their fake values' device and record each one's time
     in ``node.meta[MEASURED]``; returns how many nodes got a time. Does nothing (0) unless the graph is on
-    CUDA (or ``timer`` is given), while a CUDA graph is being captured, or with ``OPSMATH_MEASURED_COSTS=0``
-    (plans from the model alone: the same plan on every run and machine). ``scale(node)``: the share of
+    CUDA (or ``timer`` is given), while a CUDA graph is being captured, or unless ``OPSMATH_MEASURED_COSTS=1``
+    (module docstring; with a ``timer`` the variable is not read). ``scale(node)``: the share of
     its measured time a recompute costs (``FUSED_SHARE`` for what Inductor fuses)."""
     device = next((n.meta["val"].device for n in order if isinstance(n.meta.get("val"), torch.Tensor)), None)
-    if os.environ.get("OPSMATH_MEASURED_COSTS", "1") == "0" or device is None or (timer is None and (device.type != "cuda" or torch.cuda.is_current_stream_capturing())):
+    if device is None or (timer is None and (os.environ.get("OPSMATH_MEASURED_COSTS", "0") != "1"
+                                             or device.type != "cuda" or torch.cuda.is_current_stream_capturing())):
         return 0
     timer = timer or gpu_seconds
     done = 0

@@ -194,7 +194,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     # run op by op, a recompute would apply a state update (BatchNorm's statistics) again: pinned; under
     # Inductor, AOTAutograd applies updates once, after the graph, whatever is recomputed
     pinned = pinned_positions(forward_order(gm)) if how == "checkpoint" else frozenset()
-    # on a GPU: each op's time there prices its recompute; under Inductor, what it fuses at a share
+    # opt-in, on a GPU: each op's time there prices its recompute; under Inductor, what it fuses at a share
     fused = (lambda n: 1.0 if is_compute(n.target) else op_times.FUSED_SHARE) if how == "tag" else None
     measured = op_times.annotate(forward_order(gm), scale=fused)
     options = [("opsmath", segments_of(gm, saved_by, pinned=pinned)),

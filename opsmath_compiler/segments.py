@@ -4,8 +4,8 @@ the two ways of cutting the forward order into candidate segments.
 * **Cost**: a modelled recompute time per node: matmul FLOPs at 400 TFLOP/s, a fused op's FLOPs at its
   op spec's measured share of that (attention, vendor SDPA included: a third), every other op's bytes at
   3 TB/s (about 55% and 75% of the H200 ceilings in docs/design.md), plus 5 us per launch; views cost
-  nothing. Where the graph is on a GPU, each op's time measured there replaces the model
-  (``op_times.annotate``).
+  nothing. With ``OPSMATH_MEASURED_COSTS=1`` and the graph on a GPU, each op's time measured there
+  replaces the model (``op_times.annotate``).
 * **opsmath's cut points** (``segments_of``): the places in the forward order where the activations
   crossing the cut are fewest (local minima of the crossing bytes, e.g. the residual stream between
   blocks). Checkpointing a segment keeps only its external activation inputs and recomputes the rest in

@@ -1,6 +1,7 @@
 """Measured op times for the recompute costs (``opsmath_compiler/op_times.py``): each distinct call measured
 once on fresh inputs of its recorded layout, views and unmeasurable ops left to the model. On CPU with a
-host timer (the GPU's is ``gpu_seconds``); ``annotate`` alone measures nothing off CUDA."""
+host timer (the GPU's is ``gpu_seconds``); ``annotate`` alone measures nothing off CUDA, nor on CUDA unless
+``OPSMATH_MEASURED_COSTS=1``."""
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -71,7 +72,7 @@ def test_host_timer_measures_real_calls():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_seconds_is_the_kernels_time_and_annotate_runs_on_cuda_graphs():
+def test_gpu_seconds_is_the_kernels_time_and_annotate_runs_on_cuda_graphs(monkeypatch):
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     s = op_times.gpu_seconds(lambda: a @ a)
     assert 2 * 4096 ** 3 / s / 1e12 < 2000        # under any GPU's bf16 peak: the kernel's time, not less
@@ -79,4 +80,6 @@ def test_gpu_seconds_is_the_kernels_time_and_annotate_runs_on_cuda_graphs():
     assert op_times.gpu_seconds(lambda: small + 1) < 20e-6   # no host dispatch in it
     gm = _graph(lambda x, w: torch.nn.functional.linear(x, w).relu(), torch.randn(256, 512, device="cuda"),
                 torch.randn(512, 512, device="cuda"))
+    assert op_times.annotate(forward_order(gm)) == 0          # opt-in
+    monkeypatch.setenv("OPSMATH_MEASURED_COSTS", "1")
     assert op_times.annotate(forward_order(gm)) == 2
