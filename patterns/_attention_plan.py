@@ -65,17 +65,16 @@ def line_up(plan: Plan) -> Optional[str]:
     q, k, v = plan.q, plan.k, plan.v
     D = shape(q)[-1]
     kshape = shape(k)[:-2] + (shape(k)[-1], shape(k)[-2]) if plan.k_needs_transpose else shape(k)
+    if nd == 4 and plan.rep == 1 and not plan.k_needs_transpose:   # K/V repeated to every query head
+        kv = repeat_kv_source(k, lead[1]), repeat_kv_source(v, lead[1])
+        if kv[0] is not None and kv[1] is not None and kv[0][1] == kv[1][1] > 1:
+            (plan.k, plan.rep), (plan.v, _) = kv   # read per kv head: the kernel maps head h to h // rep
+            kshape, v = shape(plan.k), plan.v
     if nd == 4 and plan.rep > 1:
         if kshape[0] != lead[0] or kshape[1] * plan.rep != lead[1] or shape(v)[:-2] != kshape[:-2]:
             return "K/V heads do not divide the query heads"
     elif nd == 4 and kshape[:-2] != lead:
-        kv = repeat_kv_source(k, lead[1]), repeat_kv_source(v, lead[1])
-        if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1] or plan.k_needs_transpose:
-            return f"K/V batch dims {kshape[:-2]} differ from the scores' {lead} in a way not understood"
-        (plan.k, plan.rep), (plan.v, _) = kv
-        kshape = shape(plan.k)
-        if kshape[0] != lead[0] or kshape[1] * plan.rep != lead[1]:
-            return "K/V heads do not divide the query heads"
+        return f"K/V batch dims {kshape[:-2]} differ from the scores' {lead} in a way not understood"
     elif nd == 4 and shape(v)[:-2] != lead:
         return "V batch dims differ from the scores' (K and V repeated differently?)"
     if shape(q)[:-2] != lead or kshape[-2:] != (Sk, D) or shape(plan.v)[-2] != Sk:

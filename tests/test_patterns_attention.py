@@ -312,6 +312,9 @@ def test_spelling_is_rewritten_and_exact(name):
     assert rep.count("attention") == 1, rep.render(width=120)
     d = rep.matches[0].details
     assert (d["causal"], d["has_bias"], d["has_mask"]) == (causal, bias, mask), d
+    # K/V repeated to every query head (repeat_kv, repeat_interleave, an MQA expand) are read per kv head
+    assert d["gqa_rep"] == {"gqa_repeat_kv": 2, "gqa_repeat_interleave": H, "mqa_expand": H,
+                            "sdpa_enable_gqa": 2, "sdpa_repeat_kv": 2}.get(name, 1), d
 
 
 def test_escaping_weights_are_declined_and_exact():
