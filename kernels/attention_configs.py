@@ -80,6 +80,17 @@ def fastest_tiles(per_config: dict) -> Optional[dict]:
     return {k: min(full, key=lambda c: ms(c, k)) for k in KERNELS}
 
 
+def tiles_entry(per_config: dict) -> Optional[dict]:
+    """The tuning cache entry for ``fastest_tiles(per_config)``: the choice and each configuration's
+    milliseconds per kernel; None when no configuration ran all three kernels."""
+    tiles = fastest_tiles(per_config)
+    if tiles is None:
+        return None
+    ms = {config_name(c): {kernel: round(sum(t for n, t in times.items() if name in n), 5)
+                           for kernel, name in KERNELS.items()} for c, times in per_config.items()}
+    return dict(choice=tiles_name(tiles), ms=ms)
+
+
 class forced_config:
     """``with forced_config((BM, BN, warps, stages)):`` launches use that configuration; a dict
     ``{"fwd": cfg, "dq": cfg, "dkdv": cfg}`` gives each kernel its own."""

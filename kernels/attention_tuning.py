@@ -35,8 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ._common import dropout_keep, flat_offsets
 from ._spec import OpSpec, register
 from .attention import attention_flops, attention_op, attention_reference, exercise
-from .attention_configs import (KERNELS, OWN_ONLY, TILES, bucket_key, config_name, configs_for, fastest_tiles,
-                                forced_config, tiles_name)
+from .attention_configs import OWN_ONLY, TILES, bucket_key, config_name, configs_for, forced_config, tiles_entry
 from .autotune import measure_kernels, pick, store, wall_ms
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -138,11 +137,9 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
             per_config[own[fn]] = per
         return sum(per.values()) or wall_ms(fn)
     choice = pick("attention", key, candidates, timed, skip=own_configs_cannot_win)
-    tiles = fastest_tiles(per_config)
+    tiles = tiles_entry(per_config)
     if tiles and choice.startswith("opsmath"):   # measured now: each kernel launches in its fastest
-        store(TILES, key, dict(choice=tiles_name(tiles), ms={config_name(c): {
-            k: round(sum(v for n, v in per_config[c].items() if name in n), 5) for k, name in KERNELS.items()}
-            for c in per_config}))
+        store(TILES, key, tiles)
     return "opsmath" if choice.startswith("opsmath") else choice   # its configurations: see launch_cfg
 
 
