@@ -12,8 +12,10 @@ S2048) less kernel time than the best single configuration.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
+from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -48,6 +50,7 @@ def config_name(cfg) -> str:
     return "opsmath:{}x{}w{}s{}".format(*cfg)
 
 
+@functools.lru_cache(maxsize=256)   # read at every launch (``launch_cfg``)
 def parse_config(name: Optional[str]) -> Optional[tuple[int, int, int, int]]:
     """``config_name``'s inverse; None for anything else (a vendor choice, no choice)."""
     m = re.fullmatch(r"opsmath:(\d+)x(\d+)w(\d+)s(\d+)", name or "")
@@ -59,13 +62,14 @@ def tiles_name(tiles: dict) -> str:
     return "opsmath:" + ",".join(f"{k}=" + config_name(tiles[k])[len("opsmath:"):] for k in KERNELS)
 
 
-def parse_tiles(name: Optional[str]) -> Optional[dict]:
-    """``tiles_name``'s inverse; None for anything else."""
+@functools.lru_cache(maxsize=256)   # read at every launch (``launch_cfg``)
+def parse_tiles(name: Optional[str]) -> Optional[MappingProxyType]:
+    """``tiles_name``'s inverse (read-only: it is shared between launches); None for anything else."""
     if not (name or "").startswith("opsmath:"):
         return None
     parts = dict(p.split("=", 1) for p in name[len("opsmath:"):].split(",") if "=" in p)
     tiles = {k: parse_config("opsmath:" + parts.get(k, "")) for k in KERNELS}
-    return tiles if all(tiles.values()) else None
+    return MappingProxyType(tiles) if all(tiles.values()) else None
 
 
 def fastest_tiles(per_config: dict) -> Optional[dict]:

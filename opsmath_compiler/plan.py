@@ -193,10 +193,11 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     # segments), and within 2 (about half-blocks: a smaller largest recompute, so a lower floor)
     # run op by op, a recompute would apply a state update (BatchNorm's statistics) again: pinned; under
     # Inductor, AOTAutograd applies updates once, after the graph, whatever is recomputed
-    pinned = pinned_positions(forward_order(gm)) if how == "checkpoint" else frozenset()
+    order = forward_order(gm)
+    pinned = pinned_positions(order) if how == "checkpoint" else frozenset()
     # opt-in, on a GPU: each op's time there prices its recompute; under Inductor, what it fuses at a share
     fused = (lambda n: 1.0 if is_compute(n.target) else op_times.FUSED_SHARE) if how == "tag" else None
-    measured = op_times.annotate(forward_order(gm), scale=fused)
+    measured = op_times.annotate(order, scale=fused)
     options = [("opsmath", segments_of(gm, saved_by, pinned=pinned)),
                ("opsmath-fine", segments_of(gm, saved_by, window=2, pinned=pinned))]
     user = user_segments(gm, saved_by, pinned=pinned)
@@ -207,7 +208,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     pairs = getattr(saved_by, "pairs", None)   # (saver, producer, bytes): the selective candidates need it
     timing = grads if timed and grads and kind == "bytes" else None
     if head is None:
-        ws = max((node_workspace(n) for n in forward_order(gm)), default=0)
+        ws = max((node_workspace(n) for n in order), default=0)
         head = max(0, ws - (0 if timing else sum((grads or {}).values())))
     earlier = [p for p in earlier if p is not None]
     if step is not None:
@@ -219,7 +220,6 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     selective = sorted(i for i, k in kinds.items() if k.startswith("selective"))
     gemms = [i for i in selective if kinds[i] == "selective-gemms"]
     offloaded = {i: k for i, k in kinds.items() if not k.startswith("selective")}
-    order = forward_order(gm)
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
                 chosen, cost, segmentation=label, user_regions=len(user_regions(order)), note=note,
                 offloaded=offloaded, link=link, selective=selective, gemms_recomputed=gemms,
