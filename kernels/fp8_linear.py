@@ -50,6 +50,15 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim=None) -> tuple[torch.Tenso
     return (t.float() / scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype), scale
 
 
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
+    """``torch._scaled_mm`` outside autocast: PyTorch's CPU kernel multiplies the dequantized operands with
+    an ATen matmul that an enclosing autocast would run in bf16 (measured: max error 0.107 against the
+    fp32 product where it is 0.062 outside autocast), and a selective checkpoint region, which runs its
+    ops below autocast, then gave another forward than the same graph without one."""
+    with torch.autocast(a.device.type, enabled=False):
+        return torch._scaled_mm(a, b, **kw)
+
+
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """The same matrix laid out column-major (what ``_scaled_mm`` wants for its second operand)."""
     return t.t().contiguous().t()
@@ -63,14 +72,14 @@ class FP8Linear(torch.autograd.Function):
         if rowwise:
             xq, sx = quantize(x2, E4M3, -1)
             wq, sw = quantize(w, E4M3, -1)
-            y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.reshape(1, -1), out_dtype=x.dtype)
+            y = _scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.reshape(1, -1), out_dtype=x.dtype)
             xq, sx = quantize(x2, E4M3, 0)          # what dW needs: a scale per column of x
             ctx.save_for_backward(xq, sx, w)
         else:
             xq, sx = quantize(x2, E4M3)
             if wq is None:
                 wq, sw = quantize(w, E4M3)
-            y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+            y = _scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
             ctx.save_for_backward(xq, sx, wq, sw)
         if b is not None:
             y = y + b
@@ -87,18 +96,18 @@ class FP8Linear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 gq, sg = quantize(g, E4M3, -1)
                 wq, sw = quantize(w, E4M3, 0)
-                dx = torch._scaled_mm(gq, _col_major(wq), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
+                dx = _scaled_mm(gq, _col_major(wq), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
             if ctx.needs_input_grad[1]:
                 gq, sg = quantize(g, E4M3, 0)
-                dw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg.reshape(-1).unsqueeze(1), scale_b=sx,
+                dw = _scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg.reshape(-1).unsqueeze(1), scale_b=sx,
                                       out_dtype=ctx.dtype)
         else:
             xq, sx, wq, sw = ctx.saved_tensors
             gq, sg = quantize(g, E5M2)
             if ctx.needs_input_grad[0]:
-                dx = torch._scaled_mm(gq, _col_major(wq), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
+                dx = _scaled_mm(gq, _col_major(wq), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
             if ctx.needs_input_grad[1]:
-                dw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg, scale_b=sx, out_dtype=ctx.dtype)
+                dw = _scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg, scale_b=sx, out_dtype=ctx.dtype)
         if dx is not None:
             dx = dx.reshape(ctx.shape)
         if dw is not None:

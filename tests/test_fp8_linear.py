@@ -223,3 +223,17 @@ def test_report_counts_activation_and_gradient_underflow_without_changing_the_mo
     assert rows["down.weight"]["activation"] < 0.01 and rows["down.weight"]["gradient"] < 0.01, rows
     assert rows["up.weight"]["gradient"] is not None
     assert opt._compiled_call_impl is not None   # later calls still take the optimized path
+
+
+def test_the_op_is_the_same_inside_a_selective_checkpoint_under_autocast():
+    """PyTorch's CPU ``_scaled_mm`` multiplies with an ATen matmul that an enclosing autocast would run in
+    bf16, and a selective checkpoint region runs its ops below autocast: the op's forward must not
+    depend on which (a memory plan's region gave another loss than the same model without a plan)."""
+    from opsmath.plan_emit import selective_checkpoint
+    torch.manual_seed(0)
+    x = torch.randn(128, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        plain = fp8_linear(x, w)
+        region = selective_checkpoint(fp8_linear, x, w, use_reentrant=False)
+    assert torch.equal(plain, region)
