@@ -72,16 +72,18 @@ def parse_tiles(name: Optional[str]) -> Optional[MappingProxyType]:
     return MappingProxyType(tiles) if all(tiles.values()) else None
 
 
+def _kernel_ms(times: dict, kernel: str) -> float:
+    """Milliseconds of launch ``kernel`` (``KERNELS``) in profiled ``{kernel name: ms per call}``."""
+    return sum(t for name, t in times.items() if KERNELS[kernel] in name)
+
+
 def fastest_tiles(per_config: dict) -> Optional[dict]:
     """From ``{cfg: {kernel name: ms per call}}`` (each configuration's profiled kernels), each launch's
     fastest configuration among those that ran all three kernels; None when none did."""
     full = {c: t for c, t in per_config.items() if all(any(n in name for name in t) for n in KERNELS.values())}
     if not full:
         return None
-
-    def ms(c, kernel):
-        return sum(v for name, v in full[c].items() if KERNELS[kernel] in name)
-    return {k: min(full, key=lambda c: ms(c, k)) for k in KERNELS}
+    return {k: min(full, key=lambda c: _kernel_ms(full[c], k)) for k in KERNELS}
 
 
 def tiles_entry(per_config: dict) -> Optional[dict]:
@@ -90,8 +92,7 @@ def tiles_entry(per_config: dict) -> Optional[dict]:
     tiles = fastest_tiles(per_config)
     if tiles is None:
         return None
-    ms = {config_name(c): {kernel: round(sum(t for n, t in times.items() if name in n), 5)
-                           for kernel, name in KERNELS.items()} for c, times in per_config.items()}
+    ms = {config_name(c): {k: round(_kernel_ms(times, k), 5) for k in KERNELS} for c, times in per_config.items()}
     return dict(choice=tiles_name(tiles), ms=ms)
 
 

@@ -19,8 +19,8 @@ gradients). The winner is stored by ``kernels/autotune.py`` (per GPU, versions, 
 bucket; persisted) and returned as ``"opsmath"`` or ``"sdpa_flash"`` / ``"sdpa_cudnn"`` /
 ``"sdpa_efficient"``; when opsmath's kernel wins in a configuration ``opsmath:BMxBNwWsS``, its launches
 read that configuration back from the cache (``attention_configs.launch_cfg``), and where its three
-kernels measured fastest in different configurations, each kernel's own (op ``attention_tiles``). ``sdpa(...)`` is what the
-emitted graph calls for a vendor choice.
+kernels measured fastest in different configurations, each kernel's own (op ``attention_tiles``).
+``sdpa(...)`` is what the emitted graph calls for a vendor choice.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from ._common import dropout_keep, flat_offsets
 from ._spec import OpSpec, register
 from .attention import attention_flops, attention_op, attention_reference, exercise
 from .attention_configs import OWN_ONLY, TILES, bucket_key, config_name, configs_for, forced_config, tiles_entry
-from .autotune import measure_kernels, pick, store, wall_ms
+from .autotune import measure, pick, store
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
             "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -131,11 +131,8 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
     candidates.update({("opsmath" if c == configs[0] else config_name(c)): fn for fn, c in own.items()})
     per_config = {}   # each own configuration's kernels as measured: the per-kernel choice below
 
-    def timed(fn):
-        per = measure_kernels(fn)
-        if fn in own and per:
-            per_config[own[fn]] = per
-        return sum(per.values()) or wall_ms(fn)
+    def timed(fn):   # ``measure``, keeping each own configuration's kernel times
+        return measure(fn, on_kernels=(lambda per: per_config.update({own[fn]: per})) if fn in own else None)
     choice = pick("attention", key, candidates, timed, skip=own_configs_cannot_win)
     tiles = tiles_entry(per_config)
     if tiles and choice.startswith("opsmath"):   # measured now: each kernel launches in its fastest

@@ -146,13 +146,18 @@ def measure_kernels(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: flo
         return {}
 
 
-def measure(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40) -> float:
+def measure(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40,
+            on_kernels: Optional[Callable[[dict], None]] = None) -> float:
     """Milliseconds of GPU kernel time per call of ``fn()``: what a candidate costs a training step that
     keeps the GPU busy, where its launch (host) time overlaps earlier kernels. Wall time would rank
     candidates by their Python launch paths at small shapes: on the H200, SDPA's flash and cuDNN took
     the same 0.54 ms of wall time for (8, 16, 1024, 64) attention while cuDNN's kernels ran 1.6x faster
-    (2026-11-29). Falls back to wall time (``wall_ms``) when ``measure_kernels`` has no kernels."""
-    total = sum(measure_kernels(fn, warmup_ms, rep_ms).values())
+    (2026-11-29). Falls back to wall time (``wall_ms``) when ``measure_kernels`` has no kernels.
+    ``on_kernels`` receives the per-kernel times when there are any (a caller choosing per kernel)."""
+    per = measure_kernels(fn, warmup_ms, rep_ms)
+    if per and on_kernels is not None:
+        on_kernels(per)
+    total = sum(per.values())
     return total if total > 0 else wall_ms(fn, warmup_ms, rep_ms)
 
 

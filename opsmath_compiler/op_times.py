@@ -74,18 +74,16 @@ def signature(n: fx.Node) -> Optional[tuple]:
         return None
 
 
-def _fresh(d, device) -> object:
-    """A tensor matching description ``d`` (``_desc``) with fresh contents; other arguments as they are."""
-    if isinstance(d, tuple) and d and d[0] == "T":
-        _, shape, stride, offset, dtype = d
-        extent = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
-        flat = torch.empty(max(extent, 1), dtype=dtype, device=device)
-        if dtype.is_floating_point or dtype.is_complex:
-            flat.normal_()
-        else:
-            flat.zero_()
-        return flat.as_strided(shape, stride, offset)
-    return d
+def _fresh(d, device) -> torch.Tensor:
+    """A tensor matching a tensor's description ``d`` (``_desc``) with fresh contents."""
+    _, shape, stride, offset, dtype = d
+    extent = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
+    flat = torch.empty(max(extent, 1), dtype=dtype, device=device)
+    if dtype.is_floating_point or dtype.is_complex:
+        flat.normal_()
+    else:
+        flat.zero_()
+    return flat.as_strided(shape, stride, offset)
 
 
 def _rebuild(arg, device):
