@@ -22,6 +22,8 @@ from collections import Counter
 import torch
 
 import opsmath
+import opsmath.patterns
+from opsmath.api import INDUCTOR_FUSES_BETTER
 from _harness import kernel_ms, write
 
 MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
@@ -59,6 +61,13 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
         intermediate_size=14336, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
         attn_implementation="eager"), 1, 8192),
+    # the same layers with Gemma-2's own vocabulary (256000): the LM head and its softcapped loss weigh
+    # like a model of about 10 layers (4 layers here; Gemma-2-9B has 42)
+    "gemma2_9b_v256k": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        hidden_size=3584, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        intermediate_size=14336, vocab_size=256000, max_position_embeddings=8192, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+        attn_implementation="eager"), 4, 2048),
     # Llama-3-8B's layer shape (hidden 4096, MLP 14336, GQA 32/8), 4 layers, sequence 4096: GEMM-bound
     "llama8b4": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
@@ -181,11 +190,14 @@ class SharedInputThresholdOff(torch.nn.Module):
             rule.SHARED_MIN_DIM = old
 
 
+WITH_LOSS = sorted(set(opsmath.patterns.NAMES) - INDUCTOR_FUSES_BETTER - {"fp8_linear"} | {"linear_cross_entropy"})
 TOP_KERNELS = 15   # the row keeps its step's most expensive kernels (name, GPU ms per step)
 FP8_ALONE = "opsmath.optimize(fp8=True) + CUDA graphs (shared-input rule off)"
 VARIANTS = {  # label: (wrap the built model, attn_implementation or None for the model's default)
     "torch.compile": (torch.compile, None),
     "opsmath.optimize": (opsmath.optimize, None),
+    # the LM head's loss fused too (left to Inductor by default: INDUCTOR_FUSES_BETTER)
+    "opsmath.optimize + fused loss": (lambda m: opsmath.optimize(m, patterns=WITH_LOSS), None),
     "torch.compile (flex_attention)": (torch.compile, "flex_attention"),
     "opsmath.optimize(fp8=True)": (lambda m: opsmath.optimize(m, fp8=True), None),
     "opsmath.optimize + CUDA graphs": (lambda m: opsmath.optimize(m, cuda_graphs=True), None),
@@ -290,7 +302,7 @@ def main():
         ks = tuple(int(k) for k in args.accumulate.split(","))
         out[n] = run(n, args.rounds, args.steps, device, args.gradient_checkpointing, args.variants.split(","), ks)
         if not args.smoke:
-            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n in ("gemma2", "gemma2_9b", "gemma2_9b_8k", "gpt_oss", "bloom") else "") \
+            tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n in ("gemma2", "gemma2_9b", "gemma2_9b_8k", "gemma2_9b_v256k", "gpt_oss", "bloom") else "") \
                 + ("-fp8" if any("fp8" in v for v in args.variants.split(",")) else "") \
                 + ("-accumulate" if max(ks) > 1 else "")
             print("wrote", write("hf_default_attention" + tag, out), flush=True)

@@ -9,6 +9,9 @@ Math, for rows n (tokens), classes j < V, smoothing e, z = x_n W^T + b (N x V, n
     G_nj   = s (softmax(z_n)_j - (1 - e) [j == t_n] - e / V)           s = 1/#valid or 1; 0 if ignored
     dx = G W        dW = G^T x        db = sum_n G_n
 
+With a final-logit softcap c > 0 (Gemma-2's ``c * tanh(logits / c)``) the softmax, loss and ``G`` above
+read y = c tanh(z / c) in place of z, and the gradient reaching z is ``G * (1 - (y / c)^2)``.
+
 Shapes: x (N, C), W (V, C), b (V,) or None, target (N,) int64 -> loss (), dx (N, C), dW (V, C), db (V,).
 
 The rows go through in chunks of ``chunk`` tokens (about 512 MiB of logits each): a cuBLAS GEMM writes
@@ -98,10 +101,13 @@ def _dw_blocks(V: int, C: int) -> list[tuple[int, int]]:
 
 
 def _rows_reference(z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: float,
-                    scale: torch.Tensor, compute_grad: bool, out=None, lse_out=None, lse=None) -> torch.Tensor:
+                    scale: torch.Tensor, compute_grad: bool, out=None, lse_out=None, lse=None,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Loss per row (fp32) of the logits chunk ``z`` (rows, V); writes G into ``out`` (default: over
     ``z``) when asked; ``lse_out`` receives each row's log-sum-exp; a given ``lse`` skips computing it."""
     zf = z.float()
+    if softcap:
+        zf = softcap * torch.tanh(zf / softcap)
     V = z.shape[1]
     valid = t != ignore_index
     tt = torch.where(valid, t, 0)
@@ -118,14 +124,22 @@ def _rows_reference(z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothi
         g = torch.exp(zf - lse[:, None])
         g.scatter_add_(1, tt[:, None], torch.full_like(zt[:, None], -(1 - smoothing)))
         g = (g - smoothing / V) * torch.where(valid, scale, 0.0)[:, None]
+        if softcap:
+            g = g * (1 - (zf / softcap) ** 2)
         (z if out is None else out).copy_(g)
     return loss
 
 
 @triton.jit
-def _ce_rows_kernel(Z, T, Loss, Scale, G, Lse, stride_z, stride_g, V, ignore_index, smoothing,
+def _softcap(z, c):
+    """c tanh(z / c), as 2 sigmoid(2 z / c) - 1 (Triton has no portable tanh)."""
+    return c * (2.0 * tl.sigmoid(z * (2.0 / c)) - 1.0)
+
+
+@triton.jit
+def _ce_rows_kernel(Z, T, Loss, Scale, G, Lse, stride_z, stride_g, V, ignore_index, smoothing, softcap,
                     COMPUTE_GRAD: tl.constexpr, WRITE_LSE: tl.constexpr, LSE_GIVEN: tl.constexpr,
-                    HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row. A target outside [0, V) that is not ``ignore_index`` gives a NaN loss and a
     NaN gradient row (eager raises; checking on the host would cost a sync every step)."""
     row = tl.program_id(0).to(tl.int64)
@@ -148,6 +162,8 @@ def _ce_rows_kernel(Z, T, Loss, Scale, G, Lse, stride_z, stride_g, V, ignore_ind
             cols = start + tl.arange(0, BLOCK)
             inb = cols < V
             z = tl.load(z_row + cols, mask=inb, other=float("-inf")).to(tl.float32)
+            if SOFTCAP:   # c tanh(z / c); lanes past V stay -inf
+                z = tl.where(inb, _softcap(z, softcap), float("-inf"))
             m_new = tl.maximum(m, tl.max(z, 0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)   # lanes past V: exp(-inf) = 0
             m = m_new
@@ -155,6 +171,8 @@ def _ce_rows_kernel(Z, T, Loss, Scale, G, Lse, stride_z, stride_g, V, ignore_ind
                 zsum += tl.where(inb, z, 0.0)
         lse = m + tl.log(s)
         zt = tl.load(z_row + t, mask=valid & in_range, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            zt = _softcap(zt, softcap)
         loss = (1 - smoothing) * (lse - zt)
         if HAS_SMOOTHING:   # only then: with a -inf logit (a vocabulary mask) the mean is -inf
             loss += smoothing * (lse - tl.sum(zsum, 0) / V)
@@ -169,7 +187,11 @@ def _ce_rows_kernel(Z, T, Loss, Scale, G, Lse, stride_z, stride_g, V, ignore_ind
             cols = start + tl.arange(0, BLOCK)
             inb = cols < V
             z = tl.load(z_row + cols, mask=inb, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                z = _softcap(z, softcap)
             g = tl.exp(z - lse) - tl.where(cols == t, 1 - smoothing, 0.0) - smoothing / V
+            if SOFTCAP:   # d(c tanh(z / c)) / dz = 1 - tanh^2
+                g = g * (1 - (z / softcap) * (z / softcap))
             tl.store(g_row + cols, (g * scale).to(G.dtype.element_ty), mask=inb)
 
 
@@ -187,21 +209,23 @@ def reduce(losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.T
     return loss / valid if reduction == "mean" else loss
 
 
-def rows(z, t, ignore_index, smoothing, scale, compute_grad, out=None, lse_out=None, lse=None):
+def rows(z, t, ignore_index, smoothing, scale, compute_grad, out=None, lse_out=None, lse=None, softcap=0.0):
     """Per-row loss of the logits rows ``z`` (rows, V), contiguous along V. With ``compute_grad`` G
     (module doc) is written into ``out``, by default over ``z`` itself. ``lse_out`` (rows,) fp32 receives
     each row's log-sum-exp; a given ``lse`` makes it a gradient-only pass (the returned losses are then
-    not computed). Triton on CUDA, the PyTorch reference on CPU."""
+    not computed). ``softcap`` c > 0 reads c tanh(z / c) for z (module doc). Triton on CUDA, the PyTorch
+    reference on CPU."""
     if not use_triton(z):
-        return _rows_reference(z, t, ignore_index, smoothing, scale, compute_grad, out, lse_out, lse)
+        return _rows_reference(z, t, ignore_index, smoothing, scale, compute_grad, out, lse_out, lse, softcap)
     loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
     g = z if out is None else out
     lse_buf = lse if lse is not None else lse_out
     block = min(4096, next_pow2(z.shape[1]))
     _ce_rows_kernel[(z.shape[0],)](z, t, loss, scale, g, lse_buf if lse_buf is not None else loss,
                                    z.stride(0), g.stride(0), z.shape[1], ignore_index, float(smoothing),
-                                   COMPUTE_GRAD=compute_grad, WRITE_LSE=lse_out is not None and lse is None,
-                                   LSE_GIVEN=lse is not None, HAS_SMOOTHING=smoothing > 0, BLOCK=block,
+                                   float(softcap or 1.0), COMPUTE_GRAD=compute_grad,
+                                   WRITE_LSE=lse_out is not None and lse is None, LSE_GIVEN=lse is not None,
+                                   HAS_SMOOTHING=smoothing > 0, SOFTCAP=softcap > 0, BLOCK=block,
                                    num_warps=8 if block >= 2048 else 4)
     return loss
 
@@ -211,11 +235,18 @@ def rows(z, t, ignore_index, smoothing, scale, compute_grad, out=None, lse_out=N
 # --------------------------------------------------------------------------------------------------
 
 
+def capped(z: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(z / softcap)`` computed in fp32 and rounded once to z's dtype; z itself when 0."""
+    return (softcap * torch.tanh(z.float() / softcap)).to(z.dtype) if softcap else z
+
+
 def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: float, reduction: str,
-                                 compute_grad: bool, return_logits: bool = False, chunk: Optional[int] = None):
+                                 compute_grad: bool, return_logits: bool = False, softcap: float = 0.0,
+                                 chunk: Optional[int] = None):
     """(loss, dx, dW, db, logits) as in the module doc; the gradients are empty tensors without
     ``compute_grad``, ``logits`` (N, V) in the compute dtype only with ``return_logits`` (when the model
-    also returns them: the fp32 copy, log-softmax and gradient still never exist whole)."""
+    also returns them: the fp32 copy, log-softmax and gradient still never exist whole; softcapped where
+    ``softcap`` is given)."""
     N, C = x.shape
     V = w.shape[0]
     chunk = chunk or chunk_rows(V, N)
@@ -235,8 +266,9 @@ def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: 
         else:
             torch.mm(xc, w.t(), out=z)
         if return_logits:
-            logits[s:s + chunk] = z
-        losses[s:s + chunk] = rows(z, target[s:s + chunk], ignore_index, smoothing, scale, compute_grad)
+            logits[s:s + chunk] = capped(z, softcap)
+        losses[s:s + chunk] = rows(z, target[s:s + chunk], ignore_index, smoothing, scale, compute_grad,
+                                   softcap=softcap)
         if compute_grad:                                                      # z now holds G
             torch.mm(z, w, out=dx[s:s + chunk])
             for (v0, v1), acc in zip(blocks, dws):
@@ -258,16 +290,18 @@ def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: 
 @torch.library.custom_op("opsmath::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], target: torch.Tensor,
                             ignore_index: int, label_smoothing: float, reduction: str, compute_grad: bool,
-                            return_logits: bool = False
+                            return_logits: bool = False, softcap: float = 0.0
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if reduction not in ("mean", "sum"):
         raise ValueError(f"opsmath::linear_cross_entropy takes reduction 'mean' or 'sum', got {reduction!r}")
+    if softcap < 0:
+        raise ValueError(f"opsmath::linear_cross_entropy takes a softcap >= 0 (0: none), got {softcap}")
     return linear_cross_entropy_forward(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad,
-                                        return_logits)
+                                        return_logits, softcap)
 
 
 @linear_cross_entropy_op.register_fake
-def _(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad, return_logits=False):
+def _(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad, return_logits=False, softcap=0.0):
     loss = x.new_empty((), dtype=torch.float32)
     logits = x.new_empty(x.shape[0], w.shape[0]) if return_logits else x.new_empty(0)
     if not compute_grad:
@@ -278,11 +312,13 @@ def _(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad, r
 
 def _setup_context(ctx, inputs, output):
     x, w = inputs[0], inputs[1]
-    _, dx, dw, db, _ = output
+    _, dx, dw, db, logits = output
     ctx.return_logits = inputs[8] if len(inputs) > 8 else False
+    ctx.softcap = inputs[9] if len(inputs) > 9 else 0.0
     # the returned logits can carry a gradient of their own (a z-loss, a distillation term): then
-    # dx += G_l W and dW += G_l^T x, so x and W are kept too
-    ctx.save_for_backward(dx, dw, db, *((x, w) if ctx.return_logits else ()))
+    # dx += G_l W and dW += G_l^T x, so x and W are kept too (and the capped logits, for tanh's derivative)
+    kept = ((x, w, logits) if ctx.softcap else (x, w)) if ctx.return_logits else ()
+    ctx.save_for_backward(dx, dw, db, *kept)
     ctx.has_bias = inputs[2] is not None
     ctx.compute_grad = inputs[7]
     ctx.set_materialize_grads(False)
@@ -298,22 +334,27 @@ def _backward(ctx, dloss, _ddx, _ddw, _ddb, dlogits):
     gx, gw = (dx * g).to(dx.dtype), (dw * g).to(dw.dtype)
     gb = (db * g).to(db.dtype) if ctx.has_bias else None
     if ctx.return_logits and dlogits is not None:   # (tracing may hand a zero gradient: still correct)
-        x, w = xw
+        x, w, *y = xw
         gl = dlogits.to(dx.dtype)
+        if ctx.softcap:   # through y = c tanh(z / c): dz = dy (1 - (y / c)^2)
+            gl = (dlogits.float() * (1 - (y[0].float() / ctx.softcap) ** 2)).to(dx.dtype)
         gx = gx + gl @ w
         gw = gw + (gl.t() @ x).to(gw.dtype)
         if ctx.has_bias:
             gb = gb + gl.sum(0, dtype=torch.float32).to(gb.dtype)
-    return gx, gw, gb, None, None, None, None, None, None
+    return gx, gw, gb, None, None, None, None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def linear_cross_entropy(x, w, b=None, target=None, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
-    """``F.cross_entropy(F.linear(x, w, b), target, ...)`` for 2-D ``x`` without the logits tensor."""
+def linear_cross_entropy(x, w, b=None, target=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+                         softcap=0.0):
+    """``F.cross_entropy(F.linear(x, w, b), target, ...)`` for 2-D ``x`` without the logits tensor; with
+    ``softcap`` c > 0, of ``c * tanh(F.linear(x, w, b) / c)``."""
     need = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
-    return linear_cross_entropy_op(x, w, b, target, ignore_index, label_smoothing, reduction, need)[0]
+    return linear_cross_entropy_op(x, w, b, target, ignore_index, label_smoothing, reduction, need, False,
+                                   softcap)[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -326,7 +367,8 @@ def _flops(x, w, *_):
     return 6 * x.shape[0] * x.shape[1] * w.shape[0]
 
 
-def _workspace(x, w, b, target, ignore_index, smoothing, reduction, compute_grad, return_logits=False) -> int:
+def _workspace(x, w, b, target, ignore_index, smoothing, reduction, compute_grad, return_logits=False,
+               softcap=0.0) -> int:
     """Bytes the op's peak holds beyond its outputs' size: one chunk of logits in the compute dtype and,
     where the weight is not fp32, dW's fp32 accumulator blocks less the rounded dW it returns (allocated
     after the chunks; an fp32 weight's blocks are the returned dW)."""
@@ -338,9 +380,9 @@ def _workspace(x, w, b, target, ignore_index, smoothing, reduction, compute_grad
 
 def _exercise(dtype: torch.dtype) -> None:
     t = torch.randint(0, 300, (8,))
-    for smoothing in (0.0, 0.1):
+    for smoothing, softcap in ((0.0, 0.0), (0.1, 0.0), (0.0, 30.0)):
         backward(linear_cross_entropy(leaf(8, 16, dtype=dtype), leaf(300, 16, dtype=dtype), leaf(300, dtype=dtype),
-                                      t, -100, smoothing, "mean"))
+                                      t, -100, smoothing, "mean", softcap))
     with torch.no_grad():
         linear_cross_entropy(leaf(8, 16, dtype=dtype), leaf(300, 16, dtype=dtype), None, t, -100, 0.0, "sum")
 

@@ -5,8 +5,11 @@
 Anchor: ``aten.cross_entropy_loss`` on 2-D (N, V) input. Walking up from it through views that keep
 the class dim last, row slices (HF's ``logits[:, :-1]`` shift), ``contiguous`` and dtype casts, each
 with no other user, must reach an ``aten.linear`` whose only user is that chain. The views and slices
-are replayed on the linear's input x, so only the rows the loss reads are computed. Declined (left alone, with the reason in the report): class weights,
-``reduction='none'``, (N, V, ...) inputs, a cast or view of the logits that something else reads.
+are replayed on the linear's input x, so only the rows the loss reads are computed. A final-logit
+softcap between the linear and those views (Gemma-2's ``c * tanh(logits / c)``, casts allowed under it)
+goes into the op as its ``softcap``. Declined (left alone, with the reason in the report): class
+weights, ``reduction='none'``, (N, V, ...) inputs, a cast or view of the logits that something else
+reads, the logits under a softcap read by anything else.
 When the model also returns the logits themselves (Hugging Face's ``CausalLMOutput.logits``), the op
 returns them too, in the compute dtype: the fp32 copy, log-softmax and gradient still never exist
 whole (declined if the loss reads a slice of them or something reads them before the loss).
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from opsmath.canonicalize import VIEWS, aten, dtype, is_cast, is_op, shape
+from opsmath.canonicalize import VIEWS, aten, dtype, is_cast, is_op, shape, strip_scales
 from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
 
@@ -74,31 +77,79 @@ def loss_args(ce: fx.Node):
                     float(_arg(ce, 5, "label_smoothing", 0.0)))
 
 
+def _walk_rows(node: fx.Node, below: fx.Node):
+    """From the loss's logits up through views that keep the classes last, row slices, copies and casts
+    (each read only by the node below it, ``below`` for the first): (the nodes passed, loss side first;
+    the node reached; readers of an identity cast on it, as (reader, cast)), or (a reason, None, None)."""
+    chain, readers = [], []
+    while is_op(node, VIEWS | _ROW_OPS) or is_cast(node):
+        if len(node.users) != 1:
+            if not (is_cast(node) and dtype(node) == dtype(node.args[0])
+                    and (is_op(node.args[0], {aten.linear.default}) or softcap_of(node.args[0]))):
+                return "a cast or view of the logits is used elsewhere, so it must exist whole", None, None
+            # an identity cast (``.float()`` of fp32 logits) is the logits: its readers are theirs
+            readers += [(u, node) for u in node.users if u is not (chain[-1] if chain else below)]
+        if is_op(node, {aten.slice.Tensor}) and \
+                (node.args[1] if len(node.args) > 1 else 0) % len(shape(node)) == len(shape(node)) - 1:
+            return "the logits are sliced along the classes", None, None
+        if is_op(node, VIEWS) and (not shape(node) or shape(node)[-1] != shape(node.args[0])[-1]):
+            return "a view mixes the class dim with the rows", None, None
+        chain.append(node)
+        node = node.args[0]
+    return chain, node, readers
+
+
+def _next_on_path(src: fx.Node, chain: list, ce: fx.Node) -> fx.Node:
+    """The node that reads ``src`` on the way to the loss: the chain's node right below it, or the loss."""
+    for n in chain:
+        if n.args and n.args[0] is src:
+            return n
+    return ce
+
+
+def softcap_of(node):
+    """(c, z, [nodes, output first]) if ``node`` computes ``c * tanh(z / c)`` (Gemma-2's final logit
+    softcapping, in any order of its scalar scales, ``z * (1 / c)`` too), else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    outer, m = strip_scales(node)
+    if not is_op(outer, {aten.tanh.default}) or outer is node:
+        return None
+    z, a = strip_scales(outer.args[0])
+    if z is outer.args[0] or m <= 0 or abs(a * m - 1) > 1e-6:
+        return None
+    nodes, n = [], node
+    while n is not z:   # the scale nodes and the tanh, output first
+        nodes.append(n)
+        n = n.args[0] if isinstance(n.args[0], fx.Node) else n.args[1]
+    return m, z, nodes
+
+
 class LinearCrossEntropyPattern(CrossEntropyAnchored):
     name = "linear_cross_entropy"
 
     def _match(self, ce: fx.Node, args: LossArgs):
-        logits = args.logits
-        chain, node, readers = [], logits, []
-        while is_op(node, VIEWS | _ROW_OPS) or is_cast(node):
-            if len(node.users) != 1:
-                if not (is_cast(node) and dtype(node) == dtype(node.args[0])
-                        and is_op(node.args[0], {aten.linear.default})):
-                    return "a cast or view of the logits is used elsewhere, so it must exist whole"
-                # an identity cast (``.float()`` of fp32 logits) is the logits: its readers are theirs
-                readers += [(u, node) for u in node.users if u is not (chain[-1] if chain else ce)]
-            if is_op(node, {aten.slice.Tensor}) and \
-                    (node.args[1] if len(node.args) > 1 else 0) % len(shape(node)) == len(shape(node)) - 1:
-                return "the logits are sliced along the classes"
-            if is_op(node, VIEWS) and (not shape(node) or shape(node)[-1] != shape(node.args[0])[-1]):
-                return "a view mixes the class dim with the rows"
-            chain.append(node)
-            node = node.args[0]
+        chain, node, readers = _walk_rows(args.logits, ce)
+        if isinstance(chain, str):
+            return chain
+        cap, src = 0.0, node   # src: the logits the model sees (softcapped ones where capped)
+        if (found := softcap_of(node)) is not None:
+            cap, node, capping = found
+            if any(len(n.users) != 1 for n in capping[1:]):
+                return "an intermediate of the logits' softcap is used elsewhere"
+            lower, node, lower_readers = _walk_rows(node, capping[-1])
+            if isinstance(lower, str) or lower_readers or any(len(n.users) != 1 for n in lower):
+                return "the logits under the softcap are read elsewhere or mixed with the rows"
+            if any(not is_cast(n) for n in lower):
+                return "the logits are reshaped under the softcap"
+            chain = chain + capping + lower
         lin = node
         if not is_op(lin, {aten.linear.default}):
             return "the logits do not come from a linear layer"
-        loss_path = chain[-1] if chain else ce
-        others = [(u, lin) for u in lin.users if u is not loss_path] + readers
+        if cap and len(lin.users) != 1:
+            return "the logits before the softcap are used elsewhere"
+        loss_path = _next_on_path(src, chain, ce)
+        others = [(u, src) for u in src.users if u is not loss_path] + readers
         if others:   # the model also returns (or reads) the logits: the op returns them too
             if any(is_op(n, {aten.slice.Tensor}) for n in chain):
                 return "the logits are used elsewhere and the loss reads a slice of them"
@@ -107,12 +158,12 @@ class LinearCrossEntropyPattern(CrossEntropyAnchored):
                 return "the logits are read before the loss is computed"
         x, w = lin.args[0], lin.args[1]
         b = lin.args[2] if len(lin.args) > 2 else None
-        V = shape(logits)[1]
+        V = shape(args.logits)[1]
         if len(shape(w)) != 2 or shape(w)[0] != V or not shape(x):
             return f"the linear's weight {shape(w)} does not give the {V} classes"
-        return args, lin, x, w, b, chain, others
+        return args, lin, x, w, b, chain, others, cap
 
-    def _emit(self, ctx, ce, args: LossArgs, lin, x, w, b, chain, others):
+    def _emit(self, ctx, ce, args: LossArgs, lin, x, w, b, chain, others, cap):
         cdt = dtype(lin)
         target, reduction, ignore_index, smoothing = args.target, args.reduction, args.ignore_index, args.smoothing
         compute_grad = torch.is_grad_enabled() and any(
@@ -130,10 +181,12 @@ class LinearCrossEntropyPattern(CrossEntropyAnchored):
             x2 = ctx.call(aten.reshape.default, (rows, [-1, shape(x)[-1]]), ce)
             res = ctx.call(torch.ops.opsmath.linear_cross_entropy.default,
                            (x2, cast(w), cast(b), target, ignore_index, smoothing, reduction, compute_grad,
-                            bool(others)), ce)
+                            bool(others), cap), ce)
             loss = ctx.call(operator.getitem, (res, 0), ce)
-            if others:
-                logits = ctx.call(aten.view.default, (ctx.call(operator.getitem, (res, 4), ce), list(shape(lin))), ce)
+            if others:   # the logits the model sees: the softcapped ones, in their dtype
+                read = others[0][1]
+                logits = ctx.cast(ctx.call(aten.view.default, (ctx.call(operator.getitem, (res, 4), ce),
+                                                               list(shape(read))), ce), dtype(read), ce)
             if dtype(ce) != torch.float32:
                 loss = ctx.call(aten.to.dtype, (loss, dtype(ce)), ce)
         ce.replace_all_uses_with(loss)
@@ -144,13 +197,16 @@ class LinearCrossEntropyPattern(CrossEntropyAnchored):
         desc = [f"{N} tokens x {V} classes", reduction]
         if smoothing:
             desc.append(f"label_smoothing={smoothing:g}")
+        if cap:
+            desc.append(f"softcap={cap:g}")
         if not compute_grad:
             desc.append("loss only")
         if others:
             desc.append("logits returned")
         ctx.replaced(self.name, ce, [lin, *chain, ce], f"opsmath::linear_cross_entropy({', '.join(desc)})",
                      before, tokens=N, classes=V, reduction=reduction, compute_grad=compute_grad,
-                     dtype=str(cdt).replace("torch.", ""), logits_bytes=4 * N * V, returns_logits=bool(others))
+                     dtype=str(cdt).replace("torch.", ""), logits_bytes=4 * N * V, returns_logits=bool(others),
+                     softcap=cap)
 
 
 PATTERN = register_rule(LinearCrossEntropyPattern())

@@ -32,8 +32,11 @@ def make(case, dtype, device):
     return x, w, b, t
 
 
-def eager(x, w, b, t, smoothing, reduction):
-    return F.cross_entropy(F.linear(x, w, b).float(), t, label_smoothing=smoothing, reduction=reduction)
+def eager(x, w, b, t, smoothing, reduction, softcap=0.0):
+    z = F.linear(x, w, b)
+    if softcap:
+        z = torch.tanh(z / softcap) * softcap
+    return F.cross_entropy(z.float(), t, label_smoothing=smoothing, reduction=reduction)
 
 
 def grads_of(fn, x, w, b, dtype):
@@ -46,7 +49,8 @@ def grads_of(fn, x, w, b, dtype):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["reference", "triton"])
-def test_matches_eager(case, dtype, path, request, monkeypatch):
+@pytest.mark.parametrize("softcap", [0.0, 1.5])
+def test_matches_eager(case, dtype, path, softcap, request, monkeypatch):
     if path == "triton":
         request.getfixturevalue("triton_on_cpu")
     elif DEVICE == "cuda":
@@ -57,9 +61,10 @@ def test_matches_eager(case, dtype, path, request, monkeypatch):
         monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.chunk_rows", lambda V, N: chunk)
         monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.DW_BLOCK_MIN_ROWS", 1)
         monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.DW_BLOCK_BYTES", 4 * x.shape[1] * -(-w.shape[0] // 3))
-    fused = grads_of(lambda x, w, b: linear_cross_entropy(x, w, b, t, -100, smoothing, reduction), x, w, b, dtype)
-    ref = grads_of(lambda x, w, b: eager(x, w, b, t, smoothing, reduction), x, w, b, torch.float64)
-    same = grads_of(lambda x, w, b: eager(x, w, b, t, smoothing, reduction), x, w, b, dtype)
+    fused = grads_of(lambda x, w, b: linear_cross_entropy(x, w, b, t, -100, smoothing, reduction, softcap),
+                     x, w, b, dtype)
+    ref = grads_of(lambda x, w, b: eager(x, w, b, t, smoothing, reduction, softcap), x, w, b, torch.float64)
+    same = grads_of(lambda x, w, b: eager(x, w, b, t, smoothing, reduction, softcap), x, w, b, dtype)
     for name, f, e, r in zip(["loss", "dx", "dw", "db"], fused, same, ref):
         assert_rule(f, e, r, name=name)
 
@@ -89,11 +94,12 @@ def test_all_ignored_is_nan_like_torch_and_bad_reduction_raises():
 
 
 @pytest.mark.parametrize("return_logits", [False, True])
-def test_opcheck(return_logits):
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_opcheck(return_logits, softcap):
     x, w, b, t = make(CASES[1], torch.float32, DEVICE)
     x.requires_grad_()
     w.requires_grad_()
-    torch.library.opcheck(linear_cross_entropy_op, (x, w, b, t, -100, 0.0, "mean", True, return_logits))
+    torch.library.opcheck(linear_cross_entropy_op, (x, w, b, t, -100, 0.0, "mean", True, return_logits, softcap))
 
 
 def test_returned_logits_and_their_own_gradient():

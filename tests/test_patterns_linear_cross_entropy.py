@@ -37,6 +37,17 @@ class Head(nn.Module):
         if s == "returns_sliced_logits":
             logits = self.lm_head(h)
             return logits, F.cross_entropy(logits[:, :-1].reshape(-1, V), t[:, 1:].reshape(-1))
+        if s == "gemma2_softcap":     # HF Gemma-2: logits / c, tanh, * c, returned; the loss on their fp32 copy
+            logits = torch.tanh(self.lm_head(h) / 3.0) * 3.0
+            return logits, F.cross_entropy(logits.float().view(-1, V), t.view(-1))
+        if s == "softcap_mul":        # c * tanh(z * (1 / c)), shifted rows, the loss alone
+            logits = 2.5 * torch.tanh(self.lm_head(h) * (1 / 2.5))
+            return F.cross_entropy(logits[:, :-1].reshape(-1, V), t[:, 1:].reshape(-1), label_smoothing=0.1)
+        if s == "softcap_raw_read":   # the uncapped logits are read too: they must exist
+            z = self.lm_head(h)
+            return z.mean(), F.cross_entropy((torch.tanh(z / 3.0) * 3.0).view(-1, V), t.view(-1))
+        if s == "tanh_not_a_cap":     # 2 * tanh(z / 3): not a softcap
+            return F.cross_entropy((torch.tanh(self.lm_head(h) / 3.0) * 2.0).view(-1, V), t.view(-1))
         if s == "class_dim_1":    # (B, V, T) input
             return F.cross_entropy(self.lm_head(h).transpose(1, 2), t)
         if s == "reduction_none":
@@ -66,7 +77,8 @@ def run(spelling, bias=False, amp=False, logits_loss=False):
 
 
 @pytest.mark.parametrize("spelling,bias", [("nanogpt", False), ("llama_float", False), ("flat_input", True),
-                                           ("returns_logits", True)])
+                                           ("returns_logits", True), ("gemma2_softcap", True),
+                                           ("softcap_mul", False)])
 def test_fused_spellings_match_eager(spelling, bias):
     model, ref, (loss, ref_loss) = run(spelling, bias)
     matches = [m for m in opsmath.report(model).graphs[0].matches if m.pattern == "linear_cross_entropy"]
@@ -87,7 +99,8 @@ def test_autocast_keeps_the_bf16_matmul():
 
 @pytest.mark.parametrize("spelling,reason", [
     ("returns_sliced_logits", "reads a slice"), ("class_dim_1", "only (tokens, classes)"),
-    ("reduction_none", "reduction='none'"), ("class_weights", "class weights")])
+    ("reduction_none", "reduction='none'"), ("class_weights", "class weights"),
+    ("softcap_raw_read", "before the softcap are used elsewhere"), ("tanh_not_a_cap", "not come from a linear")])
 def test_declines_keep_eager_and_say_why(spelling, reason):
     model, ref, (loss, ref_loss) = run(spelling)
     g = opsmath.report(model).graphs[0]
@@ -151,3 +164,22 @@ def test_linear_heads_stay_with_linear_cross_entropy():
     model, _, _ = run("nanogpt")
     patterns = [m.pattern for m in opsmath.report(model).graphs[0].matches]
     assert "linear_cross_entropy" in patterns and "cross_entropy" not in patterns
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_softcapped_logits_returned_with_their_gradient(amp):
+    """Gemma-2's final softcap goes into the op: the loss, every gradient (a second loss on the returned,
+    capped logits included) and the logits themselves equal eager's."""
+    model, ref, (loss, ref_loss) = run("gemma2_softcap", bias=True, amp=amp, logits_loss=True)
+    m = [m for m in opsmath.report(model).graphs[0].matches if m.pattern == "linear_cross_entropy"][0]
+    assert m.details["softcap"] == 3.0 and "softcap=3" in m.replacement and m.details["returns_logits"]
+    tol = dict(rtol=2e-3, atol=1e-3) if amp else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert ((p.grad - q.grad).norm() / q.grad.norm()) < (2e-2 if amp else 1e-5)
+    torch.manual_seed(3)
+    x, t = torch.randn(B, T, C), torch.randint(0, V, (B, T))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        got, want = model(x, t)[0], ref(x, t)[0]
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), **(dict(rtol=2e-2, atol=2e-2) if amp else tol))
