@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import opsmath  # noqa: F401
 from opsmath.kernels.cross_entropy import cross_entropy_op
 from opsmath.kernels.linear_cross_entropy import linear_cross_entropy_op
-from _harness import bench, rel_err, write
+import opsmath.kernels.linear_cross_entropy as lce
+from _harness import bench, kernel_ms, rel_err, write
 
 
 CAP = 0.0   # the final-logit softcap every variant applies (``--softcap``; Gemma-2 uses 30)
@@ -63,6 +64,7 @@ def main():
     ap.add_argument("--softcap", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds: each times every variant once")
     ap.add_argument("--impls", default="", help="comma-separated subset of the variants")
+    ap.add_argument("--chunk-mib", default="", help="also opsmath with chunks of these MiB of logits (512,2048,2048:add; chunked())")
     args = ap.parse_args()
     CAP = args.softcap
     shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes.split(";")] if args.shapes else SHAPES
@@ -72,10 +74,27 @@ def main():
              **({} if CAP else liger_impl())}
     if args.impls:
         impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
+    for mib in filter(None, args.chunk_mib.split(",")):
+        impls[f"opsmath, chunks {mib} MiB"] = chunked(mib)
     for N, C, V in shapes:
         rows += run_shape(N, C, V, impls, args.rounds)
         torch.cuda.empty_cache()
     print("wrote", write("linear_cross_entropy" + (f"-softcap{CAP:g}" if CAP else ""), dict(rows=rows, softcap=CAP)))
+
+
+def chunked(spec: str):
+    """``ours`` with the op's chunk of logits set to ``MIB`` MiB (``CHUNK_BYTES``); ``MIB:add`` also adds
+    each chunk's bf16 dW product to the fp32 accumulator instead of cuBLAS's fp32-output addmm."""
+    mib, _, mode = spec.partition(":")
+
+    def fn(x, w, t):
+        old = lce.CHUNK_BYTES, lce.DW_FP32_ADDMM
+        lce.CHUNK_BYTES, lce.DW_FP32_ADDMM = int(mib) * 2**20, mode != "add"
+        try:
+            return ours(x, w, t)
+        finally:
+            lce.CHUNK_BYTES, lce.DW_FP32_ADDMM = old
+    return fn
 
 
 def run_shape(N, C, V, impls, rounds):
@@ -99,9 +118,11 @@ def run_shape(N, C, V, impls, rounds):
     for name, fn in impls.items():
         loss = step_of(fn)()
         r = bench(step_of(fn), device=True)
+        top = sorted(kernel_ms(step_of(fn)).items(), key=lambda kv: -kv[1])[:6]
+        print(f"{name}: " + "; ".join(f"{k[:60]} {v:.2f} ms" for k, v in top), flush=True)
         rows[name] = dict(N=N, C=C, V=V, impl=name, err_loss=rel_err(loss, ref), err_dx=rel_err(x.grad, x32.grad),
                           err_dw=rel_err(w.grad, w32.grad), peak_gib=r["peak_bytes"] / 2**30, gpu_ms=r["gpu_ms"],
-                          rounds=[r["ms"]])
+                          rounds=[r["ms"]], top_kernels=top)
     x32 = w32 = ref = None
     for _ in range(rounds - 1):
         for name, fn in impls.items():

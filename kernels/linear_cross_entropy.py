@@ -50,6 +50,7 @@ def chunk_rows(V: int, N: int) -> int:
 _ADDMM_FP32_INPLACE: dict = {}   # device index -> whether addmm(acc, a, b, out_dtype=fp32, out=acc) is right
 DW_BLOCK_BYTES = 256 * 2**20      # fp32 dW is accumulated in row blocks of about this size (see _dw_blocks)
 DW_BLOCK_MIN_ROWS = 4096
+DW_FP32_ADDMM = True              # dW's chunk products accumulate through cuBLAS's fp32-output addmm (see _accumulate)
 
 
 def _inplace_fp32_addmm_ok(device: torch.device) -> bool:
@@ -80,7 +81,7 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     eager's bf16 GEMM output is)."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif acc.is_cuda and _inplace_fp32_addmm_ok(acc.device):
+    elif acc.is_cuda and DW_FP32_ADDMM and _inplace_fp32_addmm_ok(acc.device):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc.add_(a @ b)
@@ -90,8 +91,10 @@ def _dw_blocks(V: int, C: int) -> list[tuple[int, int]]:
     """Row ranges of dW, each about ``DW_BLOCK_BYTES`` in fp32 (at least 4096 rows, so each per-chunk
     GEMM stays large). dW is accumulated block by block so that, at the end, each fp32 block can be
     freed as soon as it is rounded to the weight's dtype: the fp32 accumulator and the rounded copy
-    never exist whole at the same time (at V 128k, C 4096 that is 2.1 GB + 1.05 GB otherwise)."""
-    rows = max(DW_BLOCK_MIN_ROWS, DW_BLOCK_BYTES // (4 * max(C, 1)))
+    never exist whole at the same time (at V 128k, C 4096 that is 2.1 GB + 1.05 GB otherwise). Rows come
+    in multiples of 128, so every block of G starts 16-byte aligned: cuBLAS takes its slow sm80 kernels
+    for an operand that is not (H200, V 256000, C 3584: 18724-row blocks ran at align2)."""
+    rows = max(DW_BLOCK_MIN_ROWS, -(-(DW_BLOCK_BYTES // (4 * max(C, 1))) // 128) * 128)
     return [(v, min(V, v + rows)) for v in range(0, V, rows)] or [(0, 0)]
 
 
