@@ -198,7 +198,10 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
         # backward is one compiled graph, so the split stays (the user's setting) to keep the overlap.
         # Past dynamo's recompile limit (8 by default) a frame silently runs eager: opsmath's frames get
         # RECOMPILE_LIMIT, and a call that ran none of opsmath's graphs is counted for the report.
-        patches = dict(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit))
+        # A module hook registered after capture must run (dynamo skips guarding on hooks by default,
+        # so the graph would silently go on without it): hooks are guarded, a new one recaptures.
+        patches = dict(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit),
+                       skip_nnmodule_hook_guards=False)
         if experts:   # a torch.where per expert is traced (an unbacked size), not a graph break
             patches["capture_dynamic_output_shape_ops"] = True
         if inductor is False or (inductor is None and not _on_cuda(model)):
