@@ -15,15 +15,17 @@ seconds):
   fresh tensors, never the model's; collectives, ops on symbolic sizes without a hint and ops that raise
   keep the model's cost. Measurement noise can change a plan between runs; the model cannot.
 
-Why opt-in (H200, GPT-2-small, CUDA graphs, ``benchmarks/recompute_overhead.py --measured-costs``): the
-measured prediction is closer (1.40x the GPU time it added, the model's 1.93x), but the plans are not
-better. Under Inductor a recomputed elementwise op or reduction costs less than alone: it is fused into
-the backward's kernels, which read its inputs where they would have read its output; measured alone it
-looked dearer next to the GEMMs than it is, and at ``memory_budget=0.25`` the plan recomputed two whole
-blocks, +15.7% GPU time against +13.3% for the model's all-selective plan (+8.1% and +7.5% at 0.5, both
-selective). ``annotate``'s ``scale`` now prices what Inductor fuses at ``FUSED_SHARE`` of its measured
-time (the 0.5 plan's cheap ops measured 2.73 ms alone and added 1.55 ms fused), GEMMs and fused ops at
-all of theirs; that version is not measured in a step yet.
+Why opt-in (H200, ``benchmarks/recompute_overhead.py --measured-costs``, BENCHMARKS.md): the measured
+prediction is closer, but the plans are only level with the model's. Under Inductor a recomputed
+elementwise op or reduction costs less than alone: it is fused into the backward's kernels, which read
+its inputs where they would have read its output. Measured alone it looked dearer next to the GEMMs than
+it is, and at ``memory_budget=0.25`` the unscaled plan recomputed two whole blocks of GPT-2-small (+15.7%
+GPU time against +13.3% for the model's all-selective plan). ``annotate``'s ``scale`` therefore prices
+what Inductor fuses at ``FUSED_SHARE`` of its measured time (the 0.5 plan's cheap ops measured 2.73 ms
+alone and added 1.55 ms fused), GEMMs and fused ops at all of theirs. So priced: GPT-2-small +6.7% /
++14.8% wall at 0.5 / 0.25 (the model +6.9% / +14.9%), HF LLaMA 1.1B +13.9% at 0.5 (the model +15.0%),
+with the recompute predicted within 5% on LLaMA (the model: 1.69x). Level within this host's noise,
+so the model, which needs no timing at the first plan, stays the default.
 """
 from __future__ import annotations
 
