@@ -4,7 +4,7 @@ gradient error ``||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||)`` (the a
 are zero in exact arithmetic, a key projection's bias under softmax, from reading as errors), and the
 attention declines with their reasons. Every model has 2 layers: ``attn 2`` is full coverage.
 
-    python benchmarks/hf_coverage.py [model ...]
+    python benchmarks/hf_coverage.py [--more] [model ...]
 """
 import copy
 import sys
@@ -58,6 +58,45 @@ MODELS = {  # name: (model class, config class, config)
  "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(SMALL, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1)),
 }
 
+# more held-out families (``--more``): the same check; configs without dropout or router noise, which draw
+# from the RNG differently on each side
+S = dict(SMALL, num_key_value_heads=2)
+MORE = {
+ "llama": ("LlamaForCausalLM", "LlamaConfig", S),
+ "mistral": ("MistralForCausalLM", "MistralConfig", S),
+ "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", S),
+ "olmo": ("OlmoForCausalLM", "OlmoConfig", S),
+ "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(S, num_experts=4, num_experts_per_tok=2)),
+ "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(S, num_local_experts=4, num_experts_per_tok=2)),
+ "jetmoe": ("JetMoeForCausalLM", "JetMoeConfig", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
+ "phimoe": ("PhimoeForCausalLM", "PhimoeConfig", dict(S, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)),
+ "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(S, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),
+ "glm": ("GlmForCausalLM", "GlmConfig", dict(S, head_dim=16, pad_token_id=0)),
+ "glm4": ("Glm4ForCausalLM", "Glm4Config", dict(S, head_dim=16, pad_token_id=0)),
+ "helium": ("HeliumForCausalLM", "HeliumConfig", dict(S, head_dim=16)),
+ "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(S, pad_token_id=0)),
+ "exaone4": ("Exaone4ForCausalLM", "Exaone4Config", dict(S, sliding_window=6)),
+ "ernie4_5": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(S, head_dim=16)),
+ "arcee": ("ArceeForCausalLM", "ArceeConfig", S),
+ "seed_oss": ("SeedOssForCausalLM", "SeedOssConfig", dict(S, head_dim=16, attention_dropout=0.0, residual_dropout=0.0)),
+ "nemotron": ("NemotronForCausalLM", "NemotronConfig", dict(S, head_dim=16)),
+ "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+ "gpt_neo": ("GPTNeoForCausalLM", "GPTNeoConfig", dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=5, resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0)),
+ "biogpt": ("BioGptForCausalLM", "BioGptConfig", dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+ "xglm": ("XGLMForCausalLM", "XGLMConfig", dict(vocab_size=128, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)),
+ "bert": ("BertForMaskedLM", "BertConfig", dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+ "electra": ("ElectraForMaskedLM", "ElectraConfig", dict(SMALL, embedding_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+ "modernbert": ("ModernBertForMaskedLM", "ModernBertConfig", dict(SMALL, global_attn_every_n_layers=2, local_attention=8, embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0, pad_token_id=0)),
+ "mbart": ("MBartForConditionalGeneration", "MBartConfig", dict(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, dropout=0.0, attention_dropout=0.0, max_position_embeddings=64)),
+ "falcon_new": ("FalconForCausalLM", "FalconConfig", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True, hidden_dropout=0.0, attention_dropout=0.0)),
+ "minimax": ("MiniMaxForCausalLM", "MiniMaxConfig", dict(S, head_dim=16, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention", "full_attention"])),
+ "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(S, num_local_experts=4, num_experts_per_tok=2)),
+ "hunyuan_dense": ("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config", dict(S, head_dim=16)),
+ "apertus": ("ApertusForCausalLM", "ApertusConfig", S),
+ "doge": ("DogeForCausalLM", "DogeConfig", dict(S)),
+ "bitnet": ("BitNetForCausalLM", "BitNetConfig", S),
+}
+
 
 def check(cls, cfg_cls, kw, attn) -> str:
     try:
@@ -91,8 +130,13 @@ def worst_grad_error(opt, eager) -> float:
 
 
 def main(models=MODELS, variants=("eager", "sdpa"), check=check):
-    """``check(*models[name], variant)`` for each model named on the command line (default: all)."""
-    for name in sys.argv[1:] or list(models):
+    """``check(*models[name], variant)`` for each model named on the command line (default: all;
+    ``--more``: the ``MORE`` families)."""
+    args = sys.argv[1:]
+    if "--more" in args:
+        args.remove("--more")
+        models = {**models, **MORE} if args else MORE
+    for name in args or list(models):
         for variant in variants:
             print(f"{name:12} {variant:10} {check(*models[name], variant)}", flush=True)
 
