@@ -148,7 +148,15 @@ def _unsupported(cur: fx.Node) -> Optional[str]:
     """Score modifications recognized but not fused yet: said in the report instead of silence."""
     if _baddbmm_scores(cur):
         return "scores from baddbmm whose operands are not 4-D tensors flattened to (B*H) rows: not read"
+    if (src := unflattened(cur)) is not None:   # XGLM: max(QK^T + mask, finfo.min), then (B*H) rows
+        clamped = src.target in _CLAMPS
+        if leads_to_matmul(src.args[0] if clamped else src):
+            return ("4-D scores flattened to (B*H) rows before the softmax"
+                    + (", clamped from below (torch.max with a constant)" if clamped else "") + ": not read")
     return None
+
+
+_CLAMPS = (aten.max.other, aten.maximum.default, aten.clamp_min.default)
 
 
 def _tensor_scale(cur: fx.Node):

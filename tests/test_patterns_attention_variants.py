@@ -53,6 +53,14 @@ def baddbmm_rows_from_2d(q, k, v, m):
     return F.softmax(s, dim=-1) @ v
 
 
+def clamped_then_flattened(q, k, v, m):
+    """XGLM: ``max(QK^T + mask, finfo.min)``, flattened to (B*H) rows for the softmax and the PV bmm."""
+    B = q.shape[0]
+    s = torch.max(q @ k.transpose(-2, -1) + m.rel_bias[:, :, :T, :T], torch.tensor(torch.finfo(q.dtype).min))
+    p = F.softmax(s.view(B * H, T, T), dim=-1)
+    return torch.bmm(p, v.reshape(B * H, T, D)).view(B, H, T, D)
+
+
 def attention_sinks(q, k, v, m):
     """GPT-OSS: a learned logit per head concatenated to the scores, max-subtracted, its column dropped."""
     att = q @ k.transpose(-2, -1) * D ** -0.5
@@ -134,7 +142,8 @@ def tensor_scale_after_bias(q, k, v, m):
 
 @pytest.mark.parametrize("fn,reason", [(baddbmm_rows_from_2d, "baddbmm"), (tanh_after_bias, "not a logit softcap"),
                                        (scale_varying_over_keys, "varies over the keys"),
-                                       (tensor_scale_after_bias, "tensor after a bias")])
+                                       (tensor_scale_after_bias, "tensor after a bias"),
+                                       (clamped_then_flattened, "clamped from below")])
 def test_unfused_score_modifications_are_declined_with_their_name(fn, reason):
     """Variants no kernel takes yet are reported with what was found, and training stays exact."""
     torch.manual_seed(0)
