@@ -55,7 +55,7 @@ class _MaskedBlocks(nn.Module):
         keep = torch.ones(B, S, device=x.device)
         i = torch.arange(S, device=x.device)
         allowed = (i[None, None, :, None] >= i[None, None, None, :]) & (keep[:, None, None, :] > 0)
-        mask = torch.where(allowed, 0.0, torch.finfo(x.dtype).min)
+        mask = torch.where(allowed, 0.0, torch.finfo(x.dtype).min).to(x.dtype)   # bf16 on the GPU run
         for n, qkv in enumerate(self.qkv):
             q, k, v = qkv(x).view(B, S, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
             p = torch.softmax(q @ k.transpose(-1, -2) * (D // self.h) ** -0.5 + mask, -1)
@@ -109,7 +109,9 @@ def test_bloom_pieces_keep_attention_rewritten_across_lengths():
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     rep = opsmath.report(opt)
     symbolic = [g for g in rep.graphs if g.dynamic]
-    assert len(rep.graphs) == 9 and len(symbolic) == 3, [g.input_shapes for g in rep.graphs]
+    # 3 pieces at the first length, the same again at the second where dynamo still specializes
+    # (torch 2.13; 2.11 goes symbolic at the second length), then 3 with symbolic sizes
+    assert len(symbolic) == 3 and len(rep.graphs) - 3 in (3, 6), [g.input_shapes for g in rep.graphs]
     attention = [m for g in symbolic for m in g.matches if m.pattern == "attention"]
     assert len(attention) == 2 and all(m.details["causal"] and m.details["has_bias"] for m in attention)
     assert not rep.fallback_errors
