@@ -158,7 +158,26 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     # the original graph to Inductor without opsmath's rewrites or its memory plan. The outer compile
     # skips this frame instead, and the frames below it go through opsmath (and Inductor) as usual.
     model._compiled_call_impl = torch._dynamo.disable(call, recursive=False)
+    if torch._dynamo.trace_rules.check(model.forward):
+        model.forward = OwnForward(model)
     return model
+
+
+class OwnForward:
+    """The forward of a module whose class is torch's own (``nn.Sequential``, ``nn.TransformerEncoder``),
+    held on the optimized instance. An outer ``torch.compile`` inlines such a class's forward into its own
+    graph, so opsmath's frame, rewrites and memory plan would silently not run; with a forward of the
+    instance it calls the module, which runs opsmath. Same math: the class's forward. A copy or a pickle of
+    the module gets one bound to the copy."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __reduce__(self):
+        return OwnForward, (self.module,)
 
 
 def _has_experts(model: torch.nn.Module) -> bool:

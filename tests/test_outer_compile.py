@@ -1,0 +1,56 @@
+"""An outer ``torch.compile`` of a module whose class is torch's own (``nn.Sequential``,
+``nn.TransformerEncoder``): dynamo inlines such a class's forward, which skipped opsmath's frame (no
+rewrite, no memory plan, hooks added later ignored). The optimized instance holds its own forward, so
+the outer compile calls the module and opsmath runs; copies and pickles stay independent plain modules."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opsmath
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _encoder():
+    torch.manual_seed(0)
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+
+
+@pytest.mark.parametrize("make,shape", [(_mlp, (3, 8)), (_encoder, (2, 5, 16))])
+def test_outer_compile_of_a_torch_container_runs_opsmath(make, shape):
+    ref, model = make(), make()
+    optimized = opsmath.optimize(model, inductor=False)
+    outer = torch.compile(optimized, backend="eager")
+    x, r = torch.randn(*shape), torch.randn(*shape[:-1], 4 if make is _mlp else 16)
+    (outer(x) * r).sum().backward()
+    (ref(x) * r).sum().backward()
+    assert len(opsmath.report(optimized).graphs) == 1, "opsmath's frame did not run under the outer compile"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    for m in (model, ref):   # a hook added afterwards runs, as in eager
+        (m[0] if make is _mlp else m.layers[0]).register_forward_hook(lambda mod, a, o: o * 0.5 + 1)
+    torch.testing.assert_close(outer(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_copies_and_pickles_of_an_optimized_container_are_their_own_modules():
+    model = opsmath.optimize(_mlp(), inductor=False)
+    x = torch.randn(3, 8)
+    want = model(x).detach()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(2)
+    assert not torch.allclose(twin(x), want)           # the copy runs its own weights
+    torch.testing.assert_close(model(x), want)          # and the original keeps its own
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(loaded(x), want)
+    assert loaded.forward.module is loaded and twin.forward.module is twin
