@@ -21,7 +21,7 @@ autograd. ``report(model)`` shows what happened to every captured graph.
 from __future__ import annotations
 
 import contextlib
-
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,6 +37,8 @@ from .fp8_weights import WeightCasts
 from .plan import InfeasibleBudget, check_step_share, parse_budget
 from .replan import rebalance
 from .regions import EagerRegion, graph_breaks, note_graph_breaks
+
+log = logging.getLogger("opsmath")
 
 
 # dynamo's recompile limit for opsmath's frames: each train/eval, grad-mode, autocast or static-size
@@ -153,14 +155,20 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     compiled = torch.compile(opsmath_frame, backend=make_backend(state, model),
                              dynamic=False if memory_budget is not None else None)
 
-    call = _caller(state, model, compiled, inductor)
-    # Under an outer ``torch.compile(model)`` dynamo would trace through the in-place compile and hand
-    # the original graph to Inductor without opsmath's rewrites or its memory plan. The outer compile
-    # skips this frame instead, and the frames below it go through opsmath (and Inductor) as usual.
+    _install(model, _caller(state, model, compiled, inductor))
+    return model
+
+
+def _install(model: torch.nn.Module, call) -> None:
+    """Make ``call`` the module's compiled call. Under an outer ``torch.compile(model)`` dynamo would trace
+    through the in-place compile and hand the original graph to Inductor without opsmath's rewrites or its
+    memory plan: the outer compile skips this frame instead (``disable``), and the frames below it go
+    through opsmath (and Inductor) as usual; a torch class's forward gets one of the instance
+    (``OwnForward``) and ``model.compile()`` keeps opsmath (``CompileKeepsOpsmath``)."""
     model._compiled_call_impl = torch._dynamo.disable(call, recursive=False)
     if torch._dynamo.trace_rules.check(model.forward):
         model.forward = OwnForward(model)
-    return model
+    model.compile = CompileKeepsOpsmath(model)
 
 
 class OwnForward:
@@ -178,6 +186,25 @@ class OwnForward:
 
     def __reduce__(self):
         return OwnForward, (self.module,)
+
+
+class CompileKeepsOpsmath:
+    """``model.compile()`` on an optimized module. ``Module.compile`` replaces the module's compiled call,
+    which is opsmath's: its rewrites and memory plan would silently stop. opsmath already compiles the
+    module (Inductor on CUDA), so the call is ignored with a warning. On a copy or an unpickled module
+    (plain modules, ``OptimizeState.__reduce__``) it is ``Module.compile``."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        if getattr(self.module, "_opsmath", None) is None:
+            return torch.nn.Module.compile(self.module, *args, **kwargs)
+        log.warning("opsmath: model.compile() on a module opsmath.optimize compiles already: ignored, so its "
+                    "rewrites and memory plan stay (optimize's own options set Inductor and CUDA graphs)")
+
+    def __reduce__(self):
+        return CompileKeepsOpsmath, (self.module,)
 
 
 def _has_experts(model: torch.nn.Module) -> bool:

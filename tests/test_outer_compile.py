@@ -1,7 +1,8 @@
-"""An outer ``torch.compile`` of a module whose class is torch's own (``nn.Sequential``,
-``nn.TransformerEncoder``): dynamo inlines such a class's forward, which skipped opsmath's frame (no
-rewrite, no memory plan, hooks added later ignored). The optimized instance holds its own forward, so
-the outer compile calls the module and opsmath runs; copies and pickles stay independent plain modules."""
+"""Compiling an optimized module again. An outer ``torch.compile`` of a module whose class is torch's own
+(``nn.Sequential``, ``nn.TransformerEncoder``): dynamo inlines such a class's forward, which skipped
+opsmath's frame (no rewrite, no memory plan, hooks added later ignored). The optimized instance holds its
+own forward, so the outer compile calls the module and opsmath runs. ``model.compile()`` would replace
+opsmath's compiled call: it is ignored with a warning. Copies and pickles stay independent plain modules."""
 import copy
 import io
 
@@ -54,3 +55,16 @@ def test_copies_and_pickles_of_an_optimized_container_are_their_own_modules():
     loaded = torch.load(buf, weights_only=False)
     torch.testing.assert_close(loaded(x), want)
     assert loaded.forward.module is loaded and twin.forward.module is twin
+
+
+def test_module_compile_keeps_opsmath_and_copies_compile_as_usual(caplog):
+    model = opsmath.optimize(_mlp(), inductor=False)
+    with caplog.at_level("WARNING", logger="opsmath"):
+        model.compile(backend="eager")
+    assert "model.compile() on a module opsmath.optimize compiles already" in caplog.text
+    model(torch.randn(3, 8))
+    assert len(opsmath.report(model).graphs) == 1
+    twin = copy.deepcopy(model)        # a plain module: Module.compile as usual
+    twin.compile(backend="eager")
+    assert twin._compiled_call_impl is not None and twin.compile.module is twin
+    torch.testing.assert_close(twin(torch.ones(3, 8)), model(torch.ones(3, 8)))
