@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -163,29 +164,15 @@ def _install(model: torch.nn.Module, call) -> None:
     """Make ``call`` the module's compiled call. Under an outer ``torch.compile(model)`` dynamo would trace
     through the in-place compile and hand the original graph to Inductor without opsmath's rewrites or its
     memory plan: the outer compile skips this frame instead (``disable``), and the frames below it go
-    through opsmath (and Inductor) as usual; a torch class's forward gets one of the instance
-    (``OwnForward``) and ``model.compile()`` keeps opsmath (``CompileKeepsOpsmath``)."""
+    through opsmath (and Inductor) as usual. Dynamo calls a module's class ``forward`` directly (skipping
+    the compiled call) for torch's own classes (``nn.Sequential`` under ``torch.compile``) and for every
+    submodule of a compiled parent, where opsmath would silently not run: the instance gets its own
+    ``forward`` (the class's, bound: same math, signature and ``__func__``; copies and pickles rebind it
+    to themselves), which makes dynamo call the module. ``model.compile()`` keeps opsmath
+    (``CompileKeepsOpsmath``)."""
     model._compiled_call_impl = torch._dynamo.disable(call, recursive=False)
-    if torch._dynamo.trace_rules.check(model.forward):
-        model.forward = OwnForward(model)
+    model.forward = types.MethodType(type(model).forward, model)
     model.compile = CompileKeepsOpsmath(model)
-
-
-class OwnForward:
-    """The forward of a module whose class is torch's own (``nn.Sequential``, ``nn.TransformerEncoder``),
-    held on the optimized instance. An outer ``torch.compile`` inlines such a class's forward into its own
-    graph, so opsmath's frame, rewrites and memory plan would silently not run; with a forward of the
-    instance it calls the module, which runs opsmath. Same math: the class's forward. A copy or a pickle of
-    the module gets one bound to the copy."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def __call__(self, *args, **kwargs):
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __reduce__(self):
-        return OwnForward, (self.module,)
 
 
 class CompileKeepsOpsmath:

@@ -1,8 +1,9 @@
 """Compiling an optimized module again. An outer ``torch.compile`` of a module whose class is torch's own
-(``nn.Sequential``, ``nn.TransformerEncoder``): dynamo inlines such a class's forward, which skipped
-opsmath's frame (no rewrite, no memory plan, hooks added later ignored). The optimized instance holds its
-own forward, so the outer compile calls the module and opsmath runs. ``model.compile()`` would replace
-opsmath's compiled call: it is ignored with a warning. Copies and pickles stay independent plain modules."""
+(``nn.Sequential``, ``nn.TransformerEncoder``), or of a parent holding an optimized submodule: dynamo
+called the class's forward directly, which skipped opsmath's frame (no rewrite, no memory plan, hooks
+added later ignored). The optimized instance holds its own forward, so the outer compile calls the
+module and opsmath runs. ``model.compile()`` would replace opsmath's compiled call: it is ignored with a
+warning. Copies and pickles stay independent plain modules."""
 import copy
 import io
 
@@ -54,7 +55,7 @@ def test_copies_and_pickles_of_an_optimized_container_are_their_own_modules():
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     torch.testing.assert_close(loaded(x), want)
-    assert loaded.forward.module is loaded and twin.forward.module is twin
+    assert loaded.forward.__self__ is loaded and twin.forward.__self__ is twin
 
 
 def test_module_compile_keeps_opsmath_and_copies_compile_as_usual(caplog):
@@ -68,3 +69,36 @@ def test_module_compile_keeps_opsmath_and_copies_compile_as_usual(caplog):
     twin.compile(backend="eager")
     assert twin._compiled_call_impl is not None and twin.compile.module is twin
     torch.testing.assert_close(twin(torch.ones(3, 8)), model(torch.ones(3, 8)))
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+class _Parent(nn.Module):
+    """A model whose backbone alone is optimized, then compiled whole (a trainer's ``torch.compile``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = opsmath.optimize(_Block(), inductor=False)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def test_an_optimized_submodule_of_a_compiled_parent_runs_opsmath():
+    torch.manual_seed(1)
+    parent = _Parent()
+    ref = copy.deepcopy(parent)            # plain modules (OptimizeState.__reduce__)
+    x = torch.randn(3, 8)
+    torch.compile(parent, backend="eager")(x).sum().backward()
+    ref(x).sum().backward()
+    assert len(opsmath.report(parent.backbone).graphs) == 1
+    for p, q in zip(parent.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
