@@ -26,6 +26,11 @@ import opsmath.patterns
 from opsmath.api import INDUCTOR_FUSES_BETTER
 from _harness import kernel_ms, write
 
+GEMMA2_9B = dict(   # Gemma-2-9B's layers, 4 of them, its vocabulary cut to 32000
+    hidden_size=3584, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+    intermediate_size=14336, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
+    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+    attn_implementation="eager")
 MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
     "llama": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
@@ -50,24 +55,12 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=144,
         attn_implementation="eager"), 4, 2048),
     # Gemma-2-9B's layer shape (hidden 3584, 16 heads of 256, GQA 16/8, MLP 14336, softcaps 50 / 30), 4 layers
-    "gemma2_9b": ("Gemma2ForCausalLM", "Gemma2Config", dict(
-        hidden_size=3584, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-        intermediate_size=14336, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
-        attn_implementation="eager"), 4, 2048),
+    "gemma2_9b": ("Gemma2ForCausalLM", "Gemma2Config", GEMMA2_9B, 4, 2048),
     # the same at Gemma-2's native context (B1 T8192): layers 0 and 2 slide a window of 4096 keys
-    "gemma2_9b_8k": ("Gemma2ForCausalLM", "Gemma2Config", dict(
-        hidden_size=3584, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-        intermediate_size=14336, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
-        attn_implementation="eager"), 1, 8192),
+    "gemma2_9b_8k": ("Gemma2ForCausalLM", "Gemma2Config", GEMMA2_9B, 1, 8192),
     # the same layers with Gemma-2's own vocabulary (256000): the LM head and its softcapped loss weigh
     # like a model of about 10 layers (4 layers here; Gemma-2-9B has 42)
-    "gemma2_9b_v256k": ("Gemma2ForCausalLM", "Gemma2Config", dict(
-        hidden_size=3584, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-        intermediate_size=14336, vocab_size=256000, max_position_embeddings=8192, sliding_window=4096,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
-        attn_implementation="eager"), 4, 2048),
+    "gemma2_9b_v256k": ("Gemma2ForCausalLM", "Gemma2Config", dict(GEMMA2_9B, vocab_size=256000), 4, 2048),
     # Llama-3-8B's layer shape (hidden 4096, MLP 14336, GQA 32/8), 4 layers, sequence 4096: GEMM-bound
     "llama8b4": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
