@@ -171,8 +171,10 @@ def _install(model: torch.nn.Module, call) -> None:
     to themselves), which makes dynamo call the module. ``model.compile()`` keeps opsmath
     (``CompileKeepsOpsmath``)."""
     model._compiled_call_impl = torch._dynamo.disable(call, recursive=False)
-    model.forward = types.MethodType(type(model).forward, model)
-    model.compile = CompileKeepsOpsmath(model)
+    if "forward" not in model.__dict__:   # one set on the instance already (accelerate's wrappers) stays
+        model.forward = types.MethodType(type(model).forward, model)
+    if type(model).compile is torch.nn.Module.compile:   # a class's own compile() means something else
+        model.compile = CompileKeepsOpsmath(model)
 
 
 class CompileKeepsOpsmath:

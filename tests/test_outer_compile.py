@@ -102,3 +102,18 @@ def test_an_optimized_submodule_of_a_compiled_parent_runs_opsmath():
     assert len(opsmath.report(parent.backbone).graphs) == 1
     for p, q in zip(parent.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_forward_or_compile_of_the_instance_or_class_stays():
+    """A forward already set on the instance (accelerate's output-casting wrapper) and a class's own
+    ``compile`` (not ``nn.Module``'s) are the user's: optimize keeps them."""
+    class OwnCompile(nn.Linear):
+        def compile(self, optimizer=None):   # a framework's compile(), unrelated to torch.compile
+            return "configured"
+    model = OwnCompile(4, 4)
+    model.forward = lambda x: nn.Linear.forward(model, x) * 2    # noqa: E731  (an instance wrapper)
+    wrapper = model.forward
+    opsmath.optimize(model, inductor=False)
+    assert model.forward is wrapper and model.compile() == "configured"
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(model(x), nn.Linear.forward(model, x) * 2)
