@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from opsmath.canonicalize import VIEWS, aten, dtype, is_cast, is_op, shape, strip_scales
+from opsmath.canonicalize import VIEWS, aten, dtype, is_cast, is_op, scalar_scale, shape, strip_scales
 from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
 
@@ -99,14 +99,6 @@ def _walk_rows(node: fx.Node, below: fx.Node):
     return chain, node, readers
 
 
-def _next_on_path(src: fx.Node, chain: list, ce: fx.Node) -> fx.Node:
-    """The node that reads ``src`` on the way to the loss: the chain's node right below it, or the loss."""
-    for n in chain:
-        if n.args and n.args[0] is src:
-            return n
-    return ce
-
-
 def softcap_of(node):
     """(c, z, [nodes, output first]) if ``node`` computes ``c * tanh(z / c)`` (Gemma-2's final logit
     softcapping, in any order of its scalar scales, ``z * (1 / c)`` too), else None."""
@@ -121,7 +113,7 @@ def softcap_of(node):
     nodes, n = [], node
     while n is not z:   # the scale nodes and the tanh, output first
         nodes.append(n)
-        n = n.args[0] if isinstance(n.args[0], fx.Node) else n.args[1]
+        n = n.args[0] if n is outer else scalar_scale(n)[0]
     return m, z, nodes
 
 
@@ -133,6 +125,7 @@ class LinearCrossEntropyPattern(CrossEntropyAnchored):
         if isinstance(chain, str):
             return chain
         cap, src = 0.0, node   # src: the logits the model sees (softcapped ones where capped)
+        loss_path = chain[-1] if chain else ce   # what reads src on the way to the loss
         if (found := softcap_of(node)) is not None:
             cap, node, capping = found
             if any(len(n.users) != 1 for n in capping[1:]):
@@ -148,7 +141,6 @@ class LinearCrossEntropyPattern(CrossEntropyAnchored):
             return "the logits do not come from a linear layer"
         if cap and len(lin.users) != 1:
             return "the logits before the softcap are used elsewhere"
-        loss_path = _next_on_path(src, chain, ce)
         others = [(u, src) for u in src.users if u is not loss_path] + readers
         if others:   # the model also returns (or reads) the logits: the op returns them too
             if any(is_op(n, {aten.slice.Tensor}) for n in chain):
