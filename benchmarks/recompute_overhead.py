@@ -30,17 +30,20 @@ from _models import GPT2_SMALL, build, build_llama, gpt2_batch
 
 
 class Variant:
-    def __init__(self, name, budget, cuda_graphs, batch, llama=False, measured=False):
+    def __init__(self, name, budget, cuda_graphs, batch, llama=False, measured=False, cheap=True):
         self.name, self.batch, self.wall, self.host = name, batch, [], []
         model = build_llama({}, "cuda", "eager") if llama else build(GPT2_SMALL, "cuda", "eager")
-        os.environ["OPSMATH_MEASURED_COSTS"] = "1" if measured else "0"   # read when a graph is planned
+        # read when a graph is planned (and re-planned, in the warm-up steps)
+        env = {"OPSMATH_MEASURED_COSTS": "1" if measured else "0", "OPSMATH_CHEAP_STEPS": "1" if cheap else "0"}
+        os.environ.update(env)
         try:
             self.model = opsmath.optimize(model, memory_budget=budget, cuda_graphs=cuda_graphs)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
             for _ in range(5):   # capture, plan, compile, CUDA-graph recording, optimizer state
                 self.step()
         finally:
-            os.environ.pop("OPSMATH_MEASURED_COSTS")
+            for k in env:
+                os.environ.pop(k)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -78,7 +81,7 @@ class Variant:
                     plans=[{k: p.get(k) for k in ("budget", "budget_bytes", "budget_share", "unconstrained", "kept",
                                                   "predicted_peak", "expected_peak", "measured_peak", "excess",
                                                   "head_excess", "recompute_seconds", "measured_ops", "chosen", "selective",
-                                                  "offloaded")}
+                                                  "casts", "offloaded")}
                            for p in plans])
 
 
@@ -93,6 +96,10 @@ def main():
     ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
     ap.add_argument("--measured-costs", action="store_true",
                     help="each budget also planned with OPSMATH_MEASURED_COSTS=1 (op times measured on the GPU)")
+    ap.add_argument("--without-cheap-steps", action="store_true",
+                    help="each budget also planned with OPSMATH_CHEAP_STEPS=0 (no weight copies or selective-free "
+                         "runs), with measured costs where --measured-costs")
+    ap.add_argument("--measured-only", action="store_true", help="the budgets planned with measured costs only")
     args = ap.parse_args()
     llama = args.model == "llama"
     batch = gpt2_batch(B=4, T=2048) if llama else gpt2_batch()
@@ -101,17 +108,23 @@ def main():
     # one reset for all variants: a reset per variant dropped the earlier variants' compiled code, which
     # recompiled in the first timed round (the 2026-12-02 run's 96 ms round)
     torch._dynamo.reset()
-    specs = [("no budget", None, False)] + [(f"budget {b}", float(b), False) for b in args.budgets.split(",") if b]
-    if args.measured_costs:   # the same budgets planned from each op's time measured on the GPU (op_times)
-        specs += [(f"budget {b} (measured costs)", float(b), True) for b in args.budgets.split(",") if b]
+    budgets = [b for b in args.budgets.split(",") if b]
+    specs = [("no budget", None, False, True)] + [(f"budget {b}", float(b), False, True) for b in budgets
+                                                    if not args.measured_only]
+    if args.measured_costs or args.measured_only:   # the same budgets planned from each op's time measured on the GPU (op_times)
+        specs += [(f"budget {b} (measured costs)", float(b), True, True) for b in budgets]
+    if args.without_cheap_steps:
+        m = args.measured_costs or args.measured_only
+        specs += [(f"budget {b} ({'measured costs, ' if m else ''}without cheap steps)", float(b), m, False)
+                  for b in budgets]
     graphs = (False,) if args.no_cuda_graphs else (True,) if args.cuda_graphs_only else (False, True)
     variants = []
     for cg in graphs:
-        for name, budget, measured in specs:
+        for name, budget, measured, cheap in specs:
             label = name + (" + CUDA graphs" if cg else "")
             try:
                 t0 = time.perf_counter()
-                variants.append(Variant(label, budget, cg, batch, llama, measured))
+                variants.append(Variant(label, budget, cg, batch, llama, measured, cheap))
                 print(f"{label}: built and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
             except Exception as e:  # noqa: BLE001  (reported, the others still run)
                 print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -124,7 +137,7 @@ def main():
         b = base[" + CUDA graphs" if r["name"].endswith("CUDA graphs") else ""]
         if b is not None:
             r["wall_overhead"], r["gpu_overhead"] = r["wall_ms"] / b["wall_ms"] - 1, r["gpu_ms"] / b["gpu_ms"] - 1
-        print(f"{r['name']:44} wall {r['wall_ms']:7.2f} ms [{r['wall_min']:.2f}-{r['wall_max']:.2f}] "
+        print(f"{r['name']:60} wall {r['wall_ms']:7.2f} ms [{r['wall_min']:.2f}-{r['wall_max']:.2f}] "
               f"host {r['host_ms']:7.2f} gpu {r['gpu_ms']:7.2f} peak {r['peak_gib']:.2f} GiB"
               + (f"  overhead wall {r['wall_overhead']:+.1%} gpu {r['gpu_overhead']:+.1%}" if b else ""), flush=True)
     out = dict(rows=rows, model=args.model, config="llama_config" if llama else GPT2_SMALL,

@@ -22,6 +22,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from . import weight_casts
 from .canonicalize import aten, size_hint
 
 log = logging.getLogger("opsmath")
@@ -58,8 +59,13 @@ def _hooks_applied():
 class SavedBytes(dict):
     """``{node name: bytes it saves for backward}``, and in ``pairs`` each saved storage as ``(saver,
     producer, bytes)``: the node that saves it and the node whose output first held it (a view's bytes
-    go to the node that made its storage)."""
+    go to the node that made its storage). ``casts``: of those bytes, the low-precision copies of
+    parameters (autocast's weight casts, ``weight_casts``) by node, where Inductor's partition is read."""
     pairs: list
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.casts: dict[str, int] = {}
 
 
 def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> SavedBytes | None:
@@ -123,7 +129,8 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
     partition, whose saved values (the backward graph's inputs other than tangents; graph inputs and their
     views left out) are attributed to the node of ``gm`` whose output first held their storage, read from
     ``from_node`` provenance (a node a decomposition added has none: the nearest earlier node with one).
-    Storages count once. Call it where
+    Storages count once; the low-precision copies of parameters among them are also in ``casts``
+    (``weight_casts``: the plan may recompute them) and not in ``pairs``. Call it where
     the real compile runs (same autocast and grad modes). None when the partition cannot be reached
     (no input needs a gradient, an Inductor that partitions elsewhere, a failure): the caller keeps the
     eager estimate (``saved_bytes_by_node``)."""
@@ -133,7 +140,7 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
     if partition is None or not any(getattr(t, "requires_grad", False) for t in example_inputs):
         return None
     names = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    known, found = set(names), {}
+    known, found, casts = set(names), {}, set()
 
     def stop_at_partition(joint, inputs, **kwargs):
         fw, bw = partition(joint, inputs, **kwargs)
@@ -148,6 +155,8 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
             last = src if src in known else last
             if isinstance(val, torch.Tensor):
                 owner.setdefault(val.untyped_storage()._cdata, last)
+                if weight_casts.is_param_cast(n):
+                    casts.add(val.untyped_storage()._cdata)
         for n in bw.graph.find_nodes(op="placeholder"):
             val = n.meta.get("val")
             if n.name.startswith("tangents") or not isinstance(val, torch.Tensor):
@@ -155,12 +164,14 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
             store = val.untyped_storage()
             name = owner.get(store._cdata, names[-1])
             if name is not None:   # None: a graph input or a view of one, resident anyway
-                found.setdefault(store._cdata, (name, size_hint(store.nbytes())))
+                found.setdefault(store._cdata, (name, size_hint(store.nbytes()), store._cdata in casts))
         raise _Partitioned
     inductor.min_cut_rematerialization_partition = stop_at_partition
     try:
+        # a graph whose plan recomputes weight casts is read with them tagged, as it compiles
+        tagging = dict(joint_custom_post_pass=weight_casts.tag) if weight_casts.has_marks(gm) else {}
         with torch._functorch.config.patch(enable_autograd_cache=False), \
-                torch._inductor.config.patch(fx_graph_cache=False):
+                torch._inductor.config.patch(fx_graph_cache=False, **tagging):
             inductor.compile_fx(clone_graph_module(gm), list(example_inputs))
         log.warning("opsmath: Inductor compiled without reaching its partition; the memory plan uses eager "
                     "autograd's saved set (larger than Inductor's)")
@@ -175,9 +186,12 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
         inductor.min_cut_rematerialization_partition = partition
     out = SavedBytes()
     out.pairs = []
-    for name, nbytes in found.values():
+    for name, nbytes, cast in found.values():
         out[name] = out.get(name, 0) + nbytes
-        out.pairs.append((name, name, nbytes))
+        if cast:   # not an output of the node: the selective candidates leave it out, the casts steps take it
+            out.casts[name] = out.casts.get(name, 0) + nbytes
+        else:
+            out.pairs.append((name, name, nbytes))
     return out
 
 

@@ -10,6 +10,7 @@ what its first steps measured and made again if needed (``replan.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -27,7 +28,7 @@ from .analysis import kernel_launches, partitioned_saved_bytes, saved_bytes_by_n
 from .capture import lower_to_aten, static_inputs
 from .guards import after_change, guarded
 from .match import Decline, Match, run_patterns
-from . import fp8_weights, offload
+from . import fp8_weights, offload, weight_casts
 from .budget import grad_bytes, resident_bytes
 from .plan import clone_graph_module, plan_and_emit
 from .replan import runner
@@ -46,12 +47,25 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
     would be served the partition of an identical graph compiled with other tags or none. Parameters are
     static inputs, as in dynamo's graphs (``capture.static_inputs``)."""
     from torch._inductor.compile_fx import compile_fx as inductor
-    tagged = any("recompute" in n.meta for n in gm.graph.nodes) or offload.has_offload(gm)
+    tagged = any("recompute" in n.meta for n in gm.graph.nodes) or offload.has_offload(gm) \
+        or weight_casts.has_marks(gm)
     static_inputs(gm)
-    offloading, patches = offload.offloading(gm, {"triton.cudagraphs": True} if cuda_graphs else None)
+    offloading, offload_pass = offload.offloading(gm)
+    passes = [p for p in (offload_pass, weight_casts.tag if weight_casts.has_marks(gm) else None) if p]
+    patches = {"triton.cudagraphs": True} if cuda_graphs else {}
+    if passes:   # after any joint-graph pass already configured
+        patches["joint_custom_post_pass"] = functools.partial(
+            _joint_passes, [torch._inductor.config.joint_custom_post_pass, *passes])
     with torch._functorch.config.patch(enable_autograd_cache=False) if tagged else contextlib.nullcontext(), \
             offloading:
-        return inductor(gm, example_inputs, config_patches=patches)
+        return inductor(gm, example_inputs, config_patches=patches or None)
+
+
+def _joint_passes(passes, graph) -> None:
+    """Joint-graph passes run in turn (``None`` entries skipped): Inductor's ``joint_custom_post_pass``."""
+    for p in passes:
+        if p is not None:
+            p(graph)
 
 
 # Families Inductor does better than opsmath's opaque op when it compiles the graph anyway (each op

@@ -92,7 +92,7 @@ def has_offload(gm: fx.GraphModule) -> bool:
     return any(_marked(n) for n in gm.graph.nodes)
 
 
-def _should_offload(graph: fx.Graph) -> None:
+def should_offload(graph: fx.Graph) -> None:
     """Joint-graph pass: nodes traced from a marked node become ``should_offload`` (the partitioner then
     offloads those among them it saves; views and non-contiguous tensors it keeps on the device)."""
     for n in graph.nodes:
@@ -100,16 +100,9 @@ def _should_offload(graph: fx.Graph) -> None:
             n.meta["should_offload"] = True
 
 
-def offloading(gm: fx.GraphModule, config_patches: dict | None):
-    """(context, config_patches) to compile ``gm`` with: Inductor's offload switched on and the marking
-    pass chained after any joint-graph pass already configured, when ``gm`` has offloaded nodes."""
+def offloading(gm: fx.GraphModule):
+    """(context, joint-graph pass) to compile ``gm`` with: Inductor's offload switched on and the marking
+    pass, when ``gm`` has offloaded nodes; else (a null context, None)."""
     if not has_offload(gm):
-        return contextlib.nullcontext(), config_patches
-    before = torch._inductor.config.joint_custom_post_pass
-
-    def joint_pass(graph):
-        if before is not None:
-            before(graph)
-        _should_offload(graph)
-    patches = {**(config_patches or {}), "joint_custom_post_pass": joint_pass}
-    return torch._functorch.config.patch(enable_activation_offloading=True), patches
+        return contextlib.nullcontext(), None
+    return torch._functorch.config.patch(enable_activation_offloading=True), should_offload

@@ -15,7 +15,10 @@
    segmentation, the cheaper kept (ties: the user's). A run may also be recomputed selectively: its
    GEMMs and fused GEMM ops kept, only its cheap ops (norms, activations, dropout, casts) recomputed,
    freeing what those produced (``segments.selective``), or its plain GEMMs recomputed too and only its
-   fused ops (attention) kept. On CUDA under Inductor a segment may instead send what it keeps to host
+   fused ops (attention) kept; under Inductor also only the cheap ops computable from what is kept anyway
+   (``"selective-free"``: an activation product from its saved GEMM outputs, at no kept cost), and a
+   segment's weights' low-precision copies (autocast's, ``weight_casts``) recomputed instead of saved,
+   alone or beside a selective run (``OPSMATH_CHEAP_STEPS=0`` plans without these two). On CUDA under Inductor a segment may instead send what it keeps to host
    memory (``offload.py``: kept, or recomputed with its inputs on the host), at the modelled cost of
    the copies over this machine's measured host link.
 4. **Emission** (``plan_emit``): each chosen segment becomes a sub-GraphModule called through
@@ -36,17 +39,18 @@ the model 2.9 GB above the step's real peak, which sits at the end of the forwar
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from . import offload, op_times, plan_chart
+from . import offload, op_times, plan_chart, weight_casts
 from .budget import (STEP_SLACK, InfeasibleBudget, _size, check_step_share, parse_budget,  # noqa: F401
                      step_peak)  # (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
 from .plan_choice import SELECTIVE_RUNS, best_option, choose, grads_by_segment, merged  # noqa: F401
-from .segments import (Segment, describe, forward_order, is_compute, node_workspace, pinned_positions,
+from .segments import (Segment, describe, saved_index, forward_order, is_compute, node_workspace, pinned_positions,
                        segments_of, user_regions, user_segments)
 
 @dataclass
@@ -69,6 +73,7 @@ class Plan:
     offloaded: dict = field(default_factory=dict)   # segment index -> "kept" | "inputs" (offload.py)
     selective: list[int] = field(default_factory=list)   # segments whose cheap ops only are recomputed
     gemms_recomputed: list[int] = field(default_factory=list)   # selective ones recomputing GEMMs too
+    casts: list[int] = field(default_factory=list)   # segments whose parameters' copies recompute (weight_casts)
     link: float | None = None   # host-link bytes/s the plan could offload over (None: no offload)
     ops: dict = field(default_factory=dict)   # segment index -> what it spans (segments.describe)
     grads: list = field(default_factory=list)   # per segment: gradient bytes its backward allocates
@@ -121,7 +126,7 @@ class Plan:
         are live again while its gradients are computed (``"recompute"`` point), then its kept bytes are
         freed. The maximum is at most ``predicted_peak`` (with ``grads`` known: ``expected_peak``; a byte
         budget's plan predicts it)."""
-        chosen, sel = set(self.chosen), set(self.selective)
+        chosen, sel = set(self.chosen), {*self.selective, *self.casts}
         kept = [0 if i in self.offloaded else s.inputs if i in chosen or i in sel else s.saved
                 for i, s in enumerate(self.segments)]
         points, live = [], self.resident - sum(self.grads)
@@ -152,7 +157,7 @@ class Plan:
                     recompute_seconds=self.recompute_seconds, planning_seconds=self.planning_seconds,
                     measured_peak=self.measured_peak, replanned=self.replanned,
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
-                    offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
+                    offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective, casts=self.casts,
                     offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by, grads=self.grads,
                     expected_peak=self.expected_peak, excess=self.excess, timed=self.timed,
                     head_excess=self.head_excess, modelled=list(self.modelled), measured_ops=self.measured_ops,
@@ -198,6 +203,10 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     # opt-in, on a GPU: each op's time there prices its recompute; under Inductor, what it fuses at a share
     fused = (lambda n: 1.0 if is_compute(n.target) else op_times.FUSED_SHARE) if how == "tag" else None
     measured = op_times.annotate(order, scale=fused)
+    pairs = getattr(saved_by, "pairs", None)   # (saver, producer, bytes): the selective candidates need it
+    cheap = os.environ.get("OPSMATH_CHEAP_STEPS", "1") != "0"   # "0": the plan without them, to compare
+    index = saved_index(pairs, tagged=how == "tag" and cheap) if pairs is not None else None
+    saved_by = saved_by if cheap else dict(saved_by)   # a plain dict: no weight copies apart
     options = [("opsmath", segments_of(gm, saved_by, pinned=pinned)),
                ("opsmath-fine", segments_of(gm, saved_by, window=2, pinned=pinned))]
     user = user_segments(gm, saved_by, pinned=pinned)
@@ -205,25 +214,26 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         options.insert(0, ("user", user))
     if how != "tag":
         link = None
-    pairs = getattr(saved_by, "pairs", None)   # (saver, producer, bytes): the selective candidates need it
     timing = grads if timed and grads and kind == "bytes" else None
     if head is None:
         ws = max((node_workspace(n) for n in order), default=0)
         head = max(0, ws - (0 if timing else sum((grads or {}).values())))
     earlier = [p for p in earlier if p is not None]
     if step is not None:
-        best, note, share = _for_step(gm, options, resident, step, link, pairs)
+        best, note, share = _for_step(gm, options, resident, step, link, index)
     else:
-        best, note, share = _choice(gm, options, resident, kind, value, earlier, link, pairs, timing, head)
+        best, note, share = _choice(gm, options, resident, kind, value, earlier, link, index, timing, head)
     label, fine, (picked, kept, trans, cost), runs = best
     segs, chosen, kinds = merged(fine, runs, picked)
     selective = sorted(i for i, k in kinds.items() if k.startswith("selective"))
     gemms = [i for i in selective if kinds[i] == "selective-gemms"]
-    offloaded = {i: k for i, k in kinds.items() if not k.startswith("selective")}
+    casts = sorted(i for i, k in kinds.items()
+                   if (k.endswith("casts") or k == "selective-gemms") and segs[i].casts and how == "tag")
+    offloaded = {i: k for i, k in kinds.items() if k in ("kept", "inputs")}
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
                 chosen, cost, segmentation=label, user_regions=len(user_regions(order)), note=note,
-                offloaded=offloaded, link=link, selective=selective, gemms_recomputed=gemms,
-                ops={i: describe(order, segs[i]) for i in {*chosen, *selective, *offloaded}}, share=share)
+                offloaded=offloaded, link=link, selective=selective, gemms_recomputed=gemms, casts=casts,
+                ops={i: describe(order, segs[i]) for i in {*chosen, *selective, *offloaded, *casts}}, share=share)
     if grads:
         plan.grads = grads_by_segment(gm, segs, grads)
         plan.expected_peak = max(b for _, _, b in plan.timeline())
@@ -234,12 +244,13 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     plan.head_excess = head
     if chosen or selective:
         (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen, selective, gemms)
+    weight_casts.mark(n for i in casts for n in order[segs[i].start:segs[i].end + 1])
     offload.mark_offloaded(order, segs, offloaded)
     plan.planning_seconds = time.perf_counter() - t0
     return plan
 
 
-def _choice(gm, options, resident: int, kind: str, value: float, earlier: list, link, pairs, timing, head):
+def _choice(gm, options, resident: int, kind: str, value: float, earlier: list, link, index, timing, head):
     """(best option, note, share) for a budget of ``kind``: a fraction as a share of the step (what the
     graphs before it left or took), at the graph's floor where it cannot keep that. Raises the
     InfeasibleBudget of the lowest floor when nothing fits."""
@@ -248,47 +259,47 @@ def _choice(gm, options, resident: int, kind: str, value: float, earlier: list, 
     if kind == "fraction" and earlier and total:   # a share of the step: what the graphs before it left or took
         ask = min(1.0, value + sum(value * p.unconstrained - p.kept for p in earlier) / total)
     # a fraction bounds the activations alone: the loss's workspace is beside them at any fraction
-    best, error = best_option(gm, options, resident, kind, max(ask, 1.0 / 4096), link, pairs, timing,
+    best, error = best_option(gm, options, resident, kind, max(ask, 1.0 / 4096), link, index, timing,
                                head if kind == "bytes" else 0)
     note = "" if ask == value or best is None else \
         (f"keeps up to {ask:.3f} of its activations, {value:g} of the step's with the graphs before it")
     share = None if ask == value or best is None else ask
     if best is None and kind == "fraction":
-        best, note, share = _at_floor(gm, options, resident, value, earlier, error, link, pairs)
+        best, note, share = _at_floor(gm, options, resident, value, earlier, error, link, index)
     if best is None:
         raise error
     return best, note, share
 
 
-def _least_kept(gm, options, resident: int, share: float, link, pairs):
+def _least_kept(gm, options, resident: int, share: float, link, index):
     """Of the plans whose backward peaks under ``share`` of the graph's activations, the one keeping
     least (bisection on a bound on the kept bytes, to 1/256 of the activations); None if none fits."""
     total = sum(s.saved for s in options[-1][1])
-    best, _ = best_option(gm, options, resident, "fraction", share, link, pairs)
+    best, _ = best_option(gm, options, resident, "fraction", share, link, index)
     lo, hi = 0.0, float(best[2][1]) if best is not None else 0.0
     while hi - lo > total / 256:
         mid = (lo + hi) / 2
-        got, _ = best_option(gm, options, resident, "fraction", share, link, pairs, kept_cap=mid)
+        got, _ = best_option(gm, options, resident, "fraction", share, link, index, kept_cap=mid)
         lo, hi, best = (lo, mid, got) if got is not None else (mid, hi, best)
     return best
 
 
-def _for_step(gm, options, resident: int, step: tuple, link, pairs):
+def _for_step(gm, options, resident: int, step: tuple, link, index):
     """(best option, note, share) for ``plan_and_emit``'s ``step``: the cheapest plan under both
     bounds, else the one keeping least under the limit; InfeasibleBudget if not even that fits."""
     total = max(1, sum(s.saved for s in options[-1][1]))
     limit, kept = step
     share = max(limit / total, 1.0 / 4096)
-    best, _ = best_option(gm, options, resident, "fraction", share, link, pairs, kept_cap=max(0.0, kept))
+    best, _ = best_option(gm, options, resident, "fraction", share, link, index, kept_cap=max(0.0, kept))
     if best is None:
-        best = _least_kept(gm, options, resident, share, link, pairs)
+        best = _least_kept(gm, options, resident, share, link, index)
     if best is None:
         raise InfeasibleBudget(f"no plan of this graph peaks under {_size(limit)} in its backward", resident + limit)
     return best, (f"planned with the whole step: its backward under {limit / total:.3f} of its activations "
                   f"(the step's share less what the graphs before it keep), keeping {best[2][1] / total:.3f}"), share
 
 
-def _at_floor(gm, options, resident: int, value: float, earlier: list, error, link=None, pairs=None):
+def _at_floor(gm, options, resident: int, value: float, earlier: list, error, link=None, index=None):
     """(best option, note, share) for a graph that cannot keep its share of the step's activations:
     planned at its own floor (``share``: the lowest peak of its own backward), and of the plans that
     reach it the one keeping least (bisection on the kept bytes, to 1/256 of its activations): what a
@@ -301,7 +312,7 @@ def _at_floor(gm, options, resident: int, value: float, earlier: list, error, li
         return None, "", None
     floor = error.floor - resident
     share = min(1.0, floor / total + 1.0 / 4096)
-    best = _least_kept(gm, options, resident, share, link, pairs)
+    best = _least_kept(gm, options, resident, share, link, index)
     kept = best[2][1] if best is not None else floor
     step = (sum(p.kept for p in earlier) + kept) / (sum(p.unconstrained for p in earlier) + total)
     return best, (f"this graph's floor is {floor / total:.3f} of its {_size(total)} of activations, above its "

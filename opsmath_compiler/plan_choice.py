@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from .budget import InfeasibleBudget, _size
 from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, suffix
-from .segments import KEEPS, Segment, forward_order, runs_of, saved_index, selective
+from .segments import KEEPS, Segment, forward_order, runs_of, selective
 
 # selective candidates span runs of up to this many segments (a norm's output is often saved by the GEMM
 # of the next segment: the run must hold both for the norm's recompute to free it)
@@ -61,8 +61,9 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
 
 def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:
     """The segment list with each picked run i..j as one segment, the indices of the recomputed ones, and
-    the other choices as ``{index: "selective" | "selective-gemms" | "kept" | "inputs"}`` (the last two
-    offloaded: the segment's saved tensors, or a recomputed run's inputs; ``offload.mark_offloaded``)."""
+    the other choices as ``{index: "selective" | "selective-gemms" | "selective-free" | "casts" | "kept" |
+    "inputs"}`` (a selective kind may end in ``"+casts"``) (the last two offloaded: the segment's saved tensors, or a recomputed run's inputs;
+    ``offload.mark_offloaded``). A kept choice's segment has ``inputs``: what it still keeps."""
     out, chosen, kinds, at, i = [], [], {}, {st.i: st for st in picked}, 0
     while i < len(segs):
         st = at.get(i)
@@ -70,10 +71,11 @@ def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Se
             out.append(segs[i])
             i += 1
             continue
-        if st.kind.startswith("selective"):   # kept on the device: what its cheap ops did not free
+        if st.kind.startswith("selective") or st.kind == "casts":   # kept on the device: what it did not free
             kinds[len(out)] = st.kind
             run = runs[(st.i, st.j)]
-            out.append(Segment(run.start, run.end, run.saved, run.saved - st.saving, st.cost))
+            out.append(Segment(run.start, run.end, run.saved, run.saved - st.saving, st.cost, casts=run.casts,
+                               cast_cost=run.cast_cost, only=st.only))
             i = st.j + 1
             continue
         if st.kind != "offload":
@@ -99,17 +101,19 @@ def grads_by_segment(gm: fx.GraphModule, segs: list[Segment], grads: dict[str, i
     return out
 
 
-def best_option(gm, options, resident: int, kind: str, value: float, link=None, pairs=None, grads=None,
+def best_option(gm, options, resident: int, kind: str, value: float, link=None, index=None, grads=None,
                  head: int = 0, kept_cap: float | None = None):
     """The cheapest feasible (label, segments, choice, runs) over the segmentations, and the error with
-    the lowest floor when none is feasible. ``grads``: gradient bytes by placeholder, to plan against
-    their timing (``choose``)."""
+    the lowest floor when none is feasible. ``index``: the saved bytes' producers (``segments.saved_index``),
+    for the selective candidates (``"selective-free"`` on a tagged graph only). ``grads``: gradient bytes by
+    placeholder, to plan against their timing (``choose``)."""
     best, errors = None, []
-    order, index = forward_order(gm), saved_index(pairs) if pairs is not None else None
+    order = forward_order(gm)
+    kinds = [k for k in KEEPS if index is not None and (index.tagged or k != "selective-free")]
     for label, sg in options:
         runs = runs_of(gm, sg)
-        sel = {(*ij, k): c for ij, run in runs.items() for k in KEEPS if index is not None
-               and ij[1] - ij[0] < SELECTIVE_RUNS and (c := selective(order, run, index, k)) is not None}
+        sel = {(*ij, k): c for ij, run in runs.items() for k in kinds if ij[1] - ij[0] < SELECTIVE_RUNS
+               and (c := selective(order, run, index, k, index.tagged)) is not None}
         try:
             got = choose(sg, runs, resident, kind, value, link=link, sel=sel,
                          grads=grads_by_segment(gm, sg, grads) if grads else None, head=head, kept_cap=kept_cap)

@@ -72,10 +72,13 @@ def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], se
     the tags selective activation checkpointing leaves for AOTAutograd's partitioner, which then
     saves only the segment's inputs and recomputes the rest inside Inductor's backward graph. In a
     ``selective`` segment the GEMMs and fused GEMM ops are ``MUST_SAVE`` instead (in one of ``gemms``,
-    only the fused ops)."""
+    only the fused ops); in one with ``only`` (``"selective-free"``) only those nodes are recomputed."""
     order = forward_order(gm)
     for i in [*chosen, *selective]:
+        only = segs[i].only if i in selective else None
         for n in order[segs[i].start:segs[i].end + 1]:
             keep = i in selective and node_kept("selective-gemms" if i in gemms else "selective", n)
+            if only is not None and not keep and n.name not in only:
+                continue   # a cheap op a "selective-free" run leaves to the partitioner
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = i + 1

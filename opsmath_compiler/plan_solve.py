@@ -30,14 +30,17 @@ class Step:
     """One choice of the DP for segments i..j: ``"recompute"`` (keeps only its inputs), ``"selective"``
     (its GEMMs kept and its cheap ops recomputed), ``"selective-gemms"`` (only its fused ops, such as
     attention, kept; GEMMs recomputed too), ``"offload"`` (a single segment, kept, its saved
-    tensors on the host) or ``"recompute+offload"`` (recomputed, its inputs on the host). ``size``: its
-    activations live again while its backward runs (the transient)."""
+    tensors on the host), ``"recompute+offload"`` (recomputed, its inputs on the host), ``"casts"`` (a
+    single segment, kept but for its parameters' low-precision copies, recomputed: ``weight_casts``), or
+    a selective kind with ``"+casts"`` (both). ``size``: its activations live again while its backward runs (the
+    transient)."""
     i: int
     j: int
     kind: str
     saving: int
     cost: float
     size: int
+    only: frozenset | None = None   # a "selective-free" run's recomputed nodes (``segments.selective``)
 
 
 def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None = None) -> dict:
@@ -46,7 +49,17 @@ def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None
     -> run i..j's selective candidate of that kind (``segments.selective``)."""
     out: dict = {}
     for (i, j, kind), c in (sel or {}).items():
-        out.setdefault(i, []).append(Step(i, j, kind, c.saving, c.cost, c.saved))
+        r = runs.get((i, j))
+        casts, cast_cost = (r.casts, r.cast_cost) if r is not None else (0, 0.0)
+        if kind == "selective-gemms":   # its GEMMs recomputed: their weights' copies with them (all the run's)
+            out.setdefault(i, []).append(Step(i, j, kind, c.saving + casts, c.cost + cast_cost, c.saved + casts))
+            continue
+        out.setdefault(i, []).append(Step(i, j, kind, c.saving, c.cost, c.saved, c.only))
+        if casts:   # its GEMMs kept, their weights' copies recomputed
+            out[i].append(Step(i, j, f"{kind}+casts", c.saving + casts, c.cost + cast_cost, c.saved + casts, c.only))
+    for i, s in enumerate(segs):
+        if s.casts and not s.fixed:   # kept, but the parameters' low-precision copies recomputed
+            out.setdefault(i, []).append(Step(i, i, "casts", s.casts, s.cast_cost, s.casts))
     for (i, j), r in runs.items():
         if r.saving > 0:
             out.setdefault(i, []).append(Step(i, j, "recompute", r.saving, r.cost, r.saved))

@@ -295,9 +295,13 @@ class Report(Rendered):
                  f"{' with the host copies' if p.offloaded else ''}); planned in "
                  f"{p.planning_seconds:.2f}s", style="magenta")
         if p.selective:
-            g = len(p.gemms_recomputed)
+            g, free = len(p.gemms_recomputed), sum(1 for i in p.selective if p.segments[i].only is not None)
             t.append(f"\n{len(p.selective)} runs recompute only their cheap ops, keeping their GEMMs"
-                     + (f" ({g} of them their GEMMs too, keeping attention)" if g else ""), style="magenta")
+                     + (f" ({g} of them their GEMMs too, keeping attention)" if g else "")
+                     + (f" ({free} of them only those computed from kept tensors)" if free else ""), style="magenta")
+        if p.casts:
+            t.append(f"\n{len(p.casts)} segments recompute their weights' low-precision copies in backward "
+                     f"({_mib(sum(p.segments[i].casts for i in p.casts))} not kept)", style="magenta")
         if p.offloaded:
             t.append(f"\n{len(p.offloaded)} segments keep their tensors in host memory ({_mib(p.offloaded_bytes)} "
                      f"each way over the host link, {p.link / 1e9:.0f} GB/s measured; in the modelled cost)",
@@ -317,7 +321,7 @@ class Report(Rendered):
             t.append(f"\nre-planned after the first steps: {p.replanned}", style="yellow")
         if p.note:
             t.append(f"\n{p.note}", style="yellow")
-        listed = sorted({*p.chosen, *p.selective, *p.offloaded})
+        listed = sorted({*p.chosen, *p.selective, *p.offloaded, *p.casts})
         for i in listed[:6]:
             s, where = p.segments[i], p.offloaded.get(i)
             what = (f"keeps {_mib(s.inputs)}" + ((" (attention outputs among them)" if i in p.gemms_recomputed else
@@ -325,7 +329,8 @@ class Report(Rendered):
                     if where is None else "in host memory" if where == "kept"
                     else f"its inputs ({_mib(s.inputs)}) in host memory")
             t.append(f"\n  segment {i}: {p.ops.get(i) or f'nodes {s.start}-{s.end}'}, saves {_mib(s.saved)}, {what}"
-                     + (f", recompute {s.cost * 1e3:.3f} ms" if i in p.chosen or i in p.selective else ""))
+                     + (f", recompute {s.cost * 1e3:.3f} ms" if i in p.chosen or i in p.selective else "")
+                     + (f", weight copies {_mib(s.casts)} recomputed" if i in p.casts else ""))
         if len(listed) > 6:
             t.append(f"\n  ... {len(listed) - 6} more")
         return t

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from opsmath.kernels import spec_of
 
+from . import weight_casts
 from .canonicalize import aten, size_hint
 from .op_times import MEASURED
 
@@ -107,6 +108,9 @@ class Segment:
     inputs: int                # activation bytes it would keep as checkpoint inputs
     cost: float                # modelled recompute seconds
     fixed: bool = False        # only pinned nodes (``pinned_positions``): never recomputed
+    casts: int = 0             # of ``saved``, parameters' low-precision copies (``weight_casts``)
+    cast_cost: float = 0.0     # modelled seconds to recompute those copies
+    only: frozenset | None = None   # the nodes a selective run recomputes, where not all its cheap ones
 
     @property
     def saving(self) -> int:
@@ -120,8 +124,9 @@ def is_fused_compute(target) -> bool:
     return target not in GEMMS and is_compute(target)
 
 
-# selective kind -> the op targets its runs keep (everything else in the run is recomputed)
-KEEPS = {"selective": is_compute, "selective-gemms": is_fused_compute}
+# selective kind -> the op targets its runs keep (everything else in the run is recomputed; in a
+# "selective-free" run only the cheap ops recomputable from what is kept anyway, ``_free``)
+KEEPS = {"selective": is_compute, "selective-gemms": is_fused_compute, "selective-free": is_compute}
 
 
 def node_kept(kind: str, n: fx.Node) -> bool:
@@ -137,30 +142,62 @@ class SavedIndex:
     (producer, bytes) of what that node saves, ``makers`` the nodes whose output something saves."""
     by_saver: dict
     makers: set
+    tagged: bool = False   # the plan becomes tags for a partitioner (it recomputes only what backward needs)
 
 
-def saved_index(pairs: list) -> SavedIndex:
+def saved_index(pairs: list, tagged: bool = False) -> SavedIndex:
     by_saver: dict = {}
     for saver, maker, nbytes in pairs:
         by_saver.setdefault(saver, []).append((maker, nbytes))
-    return SavedIndex(by_saver, {maker for _, maker, _ in pairs})
+    return SavedIndex(by_saver, {maker for _, maker, _ in pairs}, tagged)
 
 
-def selective(order: list[fx.Node], seg: Segment, index: SavedIndex, kind: str = "selective") -> Segment | None:
+def _free(cheap: dict, kind: str, index: SavedIndex) -> dict:
+    """The cheap ops (in order) recomputable from what the plan keeps anyway: each input a kept op's
+    output that something saves, a graph input, or another such cheap op (an activation product from its
+    saved GEMM outputs, not a residual add whose other input nothing keeps)."""
+    free: dict = {}
+    for c in cheap:
+        if all(x in free or x.op != "call_function" or (node_kept(kind, x) and x.name in index.makers)
+               for x in c.all_input_nodes):
+            free[c] = None
+    return free
+
+
+def _needed(cheap: dict, made: set) -> list:
+    """Of ``cheap`` (in order), the ops a partitioner recomputes for backward: those whose output is
+    saved (``made``) and the cheap ops they are computed from."""
+    need, stack = set(), [c for c in cheap if c.name in made]
+    while stack:
+        c = stack.pop()
+        if c not in need:
+            need.add(c)
+            stack.extend(x for x in c.all_input_nodes if x in cheap)
+    return [c for c in cheap if c in need]
+
+
+def selective(order: list[fx.Node], seg: Segment, index: SavedIndex, kind: str = "selective",
+              tagged: bool = False) -> Segment | None:
     """``seg`` (a segment or a run of them) with its cheap ops recomputed and its GEMMs and fused GEMM
     ops kept, as a candidate (``plan.Step`` kind ``"selective"``; kind ``"selective-gemms"`` recomputes the
-    plain GEMMs too and keeps only the fused ops, ``KEEPS``): ``saved`` the bytes its nodes keep
+    plain GEMMs too and keeps only the fused ops, ``KEEPS``; ``"selective-free"`` only the cheap ops
+    ``_free`` finds, so it keeps nothing in their stead): ``saved`` the bytes its nodes keep
     for backward that its cheap ops produced (each storage counted in its saver's segment only, as
     ``Segment.saved`` counts it; live again while its backward runs), ``inputs`` what must be kept in
     their stead (inputs of its cheap ops nothing keeps yet, and any made by a cheap op of another
-    segment, which may be recomputed there), ``cost`` the cheap ops' time. None when that saves nothing or
+    segment, which may be recomputed there), ``cost`` the cheap ops' time: with ``tagged`` (the
+    partitioner recomputes what backward needs) only those ``_needed``, else all (a checkpoint re-runs
+    them). ``only``: the recomputed ops of a ``"selective-free"`` run. None when that saves nothing or
     keeps nothing (the plain recompute of the run)."""
     nodes = order[seg.start:seg.end + 1]
     names = {n.name for n in nodes}
     cheap = dict.fromkeys(n for n in nodes if not node_kept(kind, n))   # in order: the cost sums the same way each run
     if len(cheap) == len(nodes):
         return None   # it keeps nothing: that is the run's plain recompute candidate
+    if kind == "selective-free":
+        cheap = _free(cheap, kind, index)
     cheap_names = {n.name for n in cheap}
+    made = {maker for n in nodes for maker, b in index.by_saver.get(n.name, ()) if maker in cheap_names}
     saved = sum(b for n in nodes for maker, b in index.by_saver.get(n.name, ()) if maker in cheap_names)
     extra = {}
     for c in cheap:
@@ -171,7 +208,9 @@ def selective(order: list[fx.Node], seg: Segment, index: SavedIndex, kind: str =
     inputs = sum(extra.values())
     if saved <= inputs:
         return None
-    return Segment(seg.start, seg.end, saved, inputs, sum(node_cost(n) for n in cheap))
+    cost = sum(node_cost(n) for n in (_needed(cheap, made) if tagged else cheap))
+    only = frozenset(c.name for c in cheap) if kind == "selective-free" else None
+    return Segment(seg.start, seg.end, saved, inputs, cost, only=only)
 
 
 def describe(order: list[fx.Node], seg: Segment) -> str:
@@ -280,9 +319,11 @@ def _segments(order: list[fx.Node], cuts: list[int], saved_by: dict[str, int],
             continue
         inside = set(nodes)
         ext = {i for n in nodes for i in n.all_input_nodes if i not in inside and i.op == "call_function"}
+        casts = [c for n in nodes if (c := getattr(saved_by, "casts", {}).get(n.name, 0))]
         segs.append(Segment(a + 1, b, sum(saved_by.get(n.name, 0) for n in nodes),
                             _input_bytes(ext), sum(node_cost(n) for n in nodes),
-                            fixed=all(i in pinned for i in range(a + 1, b + 1))))
+                            fixed=all(i in pinned for i in range(a + 1, b + 1)),
+                            casts=sum(casts), cast_cost=weight_casts.cost(sum(casts), len(casts)) if casts else 0.0))
     return segs
 
 
@@ -328,7 +369,7 @@ def runs_of(gm: fx.GraphModule, segs: list[Segment], max_len: int = 16) -> dict[
     pos = {n: k for k, n in enumerate(order)}
     runs = {}
     for i in range(len(segs)):
-        start, held, inputs, saved, cost = segs[i].start, set(), 0, 0, 0.0
+        start, held, inputs, saved, cost, casts, cast_cost = segs[i].start, set(), 0, 0, 0.0, 0, 0.0
         for j in range(i, min(len(segs), i + max_len)):
             s = segs[j]
             if s.fixed:
@@ -338,6 +379,6 @@ def runs_of(gm: fx.GraphModule, segs: list[Segment], max_len: int = 16) -> dict[
                     if x.op == "call_function" and pos.get(x, start) < start and _storage(x) not in held:
                         held.add(_storage(x))
                         inputs += _nbytes(x)
-            saved, cost = saved + s.saved, cost + s.cost
-            runs[(i, j)] = Segment(start, s.end, saved, inputs, cost)
+            saved, cost, casts, cast_cost = saved + s.saved, cost + s.cost, casts + s.casts, cast_cost + s.cast_cost
+            runs[(i, j)] = Segment(start, s.end, saved, inputs, cost, casts=casts, cast_cost=cast_cost)
     return runs

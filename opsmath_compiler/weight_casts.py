@@ -1,0 +1,75 @@
+"""Weight casts, the recompute plan's cheapest bytes under autocast: a parameter's low-precision copy
+recomputed in backward instead of saved.
+
+Under ``torch.autocast`` every ``linear`` casts its fp32 weight to bf16 (or fp16) in the forward, and
+backward needs that copy again for the input's gradient (``dx = dy @ W``). Inductor's partitioner saves
+the copy: its min-cut bans recomputing a node that backward must materialize (the copy feeds a GEMM),
+so a model trained with fp32 master weights keeps a second, half-size copy of every matmul weight
+alive from its forward to its backward. On HF LLaMA 1.1B (B4 T2048) that is 1.5 GB of the step's 11.5
+GB of activations; recomputing it reads 4 and writes 2 bytes per weight, about 1 GB freed per ms of
+GPU time, two to three times what a recomputed GEMM frees per ms (``segments.node_cost``).
+
+The plan (``plan_solve._steps``) may take a segment's weight casts as a step of their own (``"casts"``)
+or beside a selective run (``"selective+casts"``); its nodes are marked (``meta["custom"][CASTS]``, which
+AOTAutograd copies onto every joint-graph node traced from them) and a joint-graph pass tags each cast
+of a parameter traced from a marked node ``MUST_RECOMPUTE``. The recomputed copy is the same cast of the
+same parameter, so gradients are bit-identical; a parameter modified in place between forward and
+backward makes autograd raise (the parameter is what is saved) instead of using the old copy.
+
+``is_param_cast`` is also what ``analysis.partitioned_saved_bytes`` uses to count those bytes apart.
+Only on the Inductor path: op by op, autocast's cache holds the copy whatever is saved.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+CASTS = "opsmath_recompute_casts"   # meta["custom"] key: the parameter casts traced from this node recompute
+_AC_ID = 1 << 30   # an ac_graph_id above every segment's: the partitioner never pins a cast as a region output
+_BYTE_RATE, _LAUNCH_S = 3e12, 5e-6   # as segments.node_cost models a memory-bound op
+_CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
+
+
+def is_param_cast(n: fx.Node) -> bool:
+    """``n`` (a joint or forward graph's node) casts a parameter placeholder to a narrower float dtype."""
+    if n.op != "call_function" or n.target not in _CASTS or not n.args:
+        return False
+    src, out = n.args[0], n.meta.get("val")
+    if not isinstance(src, fx.Node) or src.op != "placeholder" or not src.name.startswith("primals"):
+        return False
+    val = src.meta.get("val")
+    return (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.is_floating_point()
+            and out.is_floating_point() and out.dtype.itemsize < val.dtype.itemsize)
+
+
+def cost(nbytes: int, count: int = 1) -> float:
+    """Modelled seconds to recompute ``count`` casts whose copies hold ``nbytes``: the fp32 source read
+    (twice the copy's bytes) and the copy written, at the memory-bound rate, plus a launch each."""
+    return count * _LAUNCH_S + 3 * nbytes / _BYTE_RATE
+
+
+def mark(nodes) -> None:
+    """Mark ``nodes``: the parameter casts traced from them are recomputed in backward."""
+    for n in nodes:
+        n.meta["custom"] = {**(n.meta.get("custom") or {}), CASTS: True}
+
+
+def _marked(n: fx.Node) -> bool:
+    return bool((n.meta.get("custom") or {}).get(CASTS))
+
+
+def has_marks(gm: fx.GraphModule) -> bool:
+    return any(_marked(n) for n in gm.graph.nodes)
+
+
+def tag(graph: fx.Graph) -> int:
+    """Joint-graph pass: each parameter cast traced from a marked node becomes ``MUST_RECOMPUTE``
+    (overriding the ``MUST_SAVE`` a selective run's GEMM passed on to it). Returns how many."""
+    count = 0
+    for n in graph.nodes:
+        if _marked(n) and is_param_cast(n):
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta["ac_graph_id"] = _AC_ID
+            count += 1
+    return count

@@ -1,0 +1,121 @@
+"""The recompute plan's cheapest bytes under autocast (Inductor path, CPU): parameters' low-precision
+copies (``weight_casts``) and the cheap ops recomputable from what is kept anyway (``"selective-free"``
+runs). Each must free what the plan counts and leave the step's numbers exactly as they were."""
+import shutil
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import opsmath
+from opsmath import analysis, backend, weight_casts
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="Inductor on CPU needs a C++ compiler")
+
+
+class Block(nn.Module):
+    """A LLaMA MLP block: ``x + down(silu(gate(n)) * up(n))``, ``n = rmsnorm(x)``."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.gate, self.up = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+class LM(nn.Module):
+    def __init__(self, v=96, d=48, h=136, n=4):
+        super().__init__()
+        self.emb = nn.Embedding(v, d)
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(n))
+        self.head = nn.Linear(d, v, bias=False)
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).float().flatten(0, 1), tgt.flatten())
+
+
+def step(budget, monkeypatch=None, found=None, device="cpu"):
+    """One bf16-autocast step of a fresh LM (fp32 weights) under ``budget``: (model, optimized, loss)."""
+    if found is not None:
+        real = analysis.partitioned_saved_bytes
+
+        def record(gm, inputs):
+            found["inputs"], found["saved"] = inputs, real(gm, inputs)
+            return found["saved"]
+        monkeypatch.setattr(backend, "partitioned_saved_bytes", record)
+    torch.manual_seed(0)
+    model = LM().to(device)
+    optimized = opsmath.optimize(model, memory_budget=budget, inductor=True)
+    idx = torch.randint(0, 96, (3, 37), generator=torch.Generator().manual_seed(1)).to(device)   # odd sizes
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss = optimized(idx, idx)
+    loss.backward()
+    return model, optimized, loss
+
+
+def test_only_narrowing_casts_of_parameters_count():
+    g = fx.Graph()
+    w, x = g.placeholder("primals_1"), g.placeholder("tangents_1")
+    w.meta["val"], x.meta["val"] = torch.empty(4, 4), torch.empty(4, 4)
+    cast = torch.ops.prims.convert_element_type.default
+    nodes = [g.call_function(cast, (w, torch.bfloat16)), g.call_function(cast, (w, torch.float64)),
+             g.call_function(cast, (x, torch.bfloat16))]
+    for n, dt in zip(nodes, (torch.bfloat16, torch.float64, torch.bfloat16)):
+        n.meta["val"] = torch.empty(4, 4, dtype=dt)
+    assert [weight_casts.is_param_cast(n) for n in nodes] == [True, False, False]
+
+
+def test_inductors_partition_counts_the_weight_copies_apart(monkeypatch):
+    """Under autocast the partition saves a bf16 copy of every matmul weight; the analysis names them."""
+    found = {}
+    model, _, _ = step(1.0, monkeypatch, found)
+    copies = sum(2 * p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "emb" not in name)
+    assert sum(found["saved"].casts.values()) == copies
+    # not among the producers the selective candidates read: those are outputs of the nodes
+    assert sum(b for _, _, b in found["saved"].pairs) + copies == sum(found["saved"].values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_light_budget_recomputes_copies_and_the_activation_product_bit_exactly(monkeypatch, device):
+    """At 0.9 the cheapest plan takes weight copies and a "selective-free" run (silu and the product,
+    from the kept GEMM outputs): the compiled partition saves what the plan counts, and the loss and
+    every gradient are bit-identical to the step without a budget."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ref, _, ref_loss = step(None, device=device)
+    found = {}
+    model, optimized, loss = step(0.9, monkeypatch, found, device)
+    plan = opsmath.report(optimized).graphs[0].plan
+    assert plan.casts and not plan.chosen
+    free = [plan.segments[i].only for i in plan.selective if plan.segments[i].only is not None]
+    assert free and all({n.rstrip("_0123456789") for n in only} == {"silu", "mul"} for only in free)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        tagged = analysis.partitioned_saved_bytes(opsmath.report(optimized).graphs[0].graph, found["inputs"])
+    assert sum(tagged.values()) == plan.kept < sum(found["saved"].values())
+    assert sum(tagged.casts.values()) == sum(found["saved"].casts.values()) \
+        - sum(plan.segments[i].casts for i in plan.casts)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_op_by_op_plans_take_neither():
+    """Without Inductor autocast's cache holds the copies and a checkpoint re-runs every cheap op:
+    no casts and no "selective-free" runs are planned."""
+    torch.manual_seed(0)
+    optimized = opsmath.optimize(LM(), memory_budget=0.6, inductor=False)
+    idx = torch.randint(0, 96, (3, 37))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        optimized(idx, idx).backward()
+    plan = opsmath.report(optimized).graphs[0].plan
+    assert not plan.casts and all(plan.segments[i].only is None for i in plan.selective)
