@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import opsmath
 from opsmath import analysis, backend, weight_casts
+from tolerance import grads_close
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="Inductor on CPU needs a C++ compiler")
@@ -106,8 +107,11 @@ def test_a_light_budget_recomputes_copies_and_the_activation_product_bit_exactly
     assert sum(tagged.casts.values()) == sum(found["saved"].casts.values()) \
         - sum(plan.segments[i].casts for i in plan.casts)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if device == "cuda" and name == "emb.weight":   # Inductor's scatter-add: atomics, any order run to run
+            assert grads_close(p.grad, q.grad, rtol=1e-5), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
 def test_op_by_op_plans_take_neither():
