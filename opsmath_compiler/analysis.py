@@ -141,6 +141,7 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
         return None
     names = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     known, found, casts = set(names), {}, set()
+    params = weight_casts.param_positions(example_inputs)
 
     def stop_at_partition(joint, inputs, **kwargs):
         fw, bw = partition(joint, inputs, **kwargs)
@@ -155,7 +156,7 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
             last = src if src in known else last
             if isinstance(val, torch.Tensor):
                 owner.setdefault(val.untyped_storage()._cdata, last)
-                if weight_casts.is_param_cast(n):
+                if weight_casts.is_param_cast(n, params):
                     casts.add(val.untyped_storage()._cdata)
         for n in bw.graph.find_nodes(op="placeholder"):
             val = n.meta.get("val")
@@ -169,7 +170,7 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
     inductor.min_cut_rematerialization_partition = stop_at_partition
     try:
         # a graph whose plan recomputes weight casts is read with them tagged, as it compiles
-        tagging = dict(joint_custom_post_pass=weight_casts.tag) if weight_casts.has_marks(gm) else {}
+        tagging = dict(joint_custom_post_pass=weight_casts.tagger(params)) if weight_casts.has_marks(gm) else {}
         with torch._functorch.config.patch(enable_autograd_cache=False), \
                 torch._inductor.config.patch(fx_graph_cache=False, **tagging):
             inductor.compile_fx(clone_graph_module(gm), list(example_inputs))

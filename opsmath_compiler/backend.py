@@ -51,7 +51,8 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
         or weight_casts.has_marks(gm)
     static_inputs(gm)
     offloading, offload_pass = offload.offloading(gm)
-    passes = [p for p in (offload_pass, weight_casts.tag if weight_casts.has_marks(gm) else None) if p]
+    casts = weight_casts.tagger(weight_casts.param_positions(example_inputs)) if weight_casts.has_marks(gm) else None
+    passes = [p for p in (offload_pass, casts) if p]
     patches = {"triton.cudagraphs": True} if cuda_graphs else {}
     if passes:   # after any joint-graph pass already configured
         patches["joint_custom_post_pass"] = functools.partial(

@@ -31,12 +31,22 @@ _BYTE_RATE, _LAUNCH_S = 3e12, 5e-6   # as segments.node_cost models a memory-bou
 _CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 
 
-def is_param_cast(n: fx.Node) -> bool:
-    """``n`` (a joint or forward graph's node) casts a parameter placeholder to a narrower float dtype."""
+def param_positions(example_inputs) -> frozenset[int]:
+    """Positions of the parameters among a graph's inputs: the joint graph's ``primals_<i + 1>``."""
+    return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter))
+
+
+def is_param_cast(n: fx.Node, params: frozenset[int]) -> bool:
+    """``n`` (a joint or forward graph's node) casts a parameter (a ``primals_<i + 1>`` placeholder with
+    ``i`` in ``params``) to a narrower float dtype. An activation handed in by an earlier graph is not one:
+    recomputing its cast would keep the wider tensor alive instead."""
     if n.op != "call_function" or n.target not in _CASTS or not n.args:
         return False
     src, out = n.args[0], n.meta.get("val")
-    if not isinstance(src, fx.Node) or src.op != "placeholder" or not src.name.startswith("primals"):
+    if not isinstance(src, fx.Node) or src.op != "placeholder" or not src.name.startswith("primals_"):
+        return False
+    index = src.name[len("primals_"):]
+    if not index.isdigit() or int(index) - 1 not in params:
         return False
     val = src.meta.get("val")
     return (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.is_floating_point()
@@ -63,13 +73,13 @@ def has_marks(gm: fx.GraphModule) -> bool:
     return any(_marked(n) for n in gm.graph.nodes)
 
 
-def tag(graph: fx.Graph) -> int:
-    """Joint-graph pass: each parameter cast traced from a marked node becomes ``MUST_RECOMPUTE``
-    (overriding the ``MUST_SAVE`` a selective run's GEMM passed on to it). Returns how many."""
-    count = 0
-    for n in graph.nodes:
-        if _marked(n) and is_param_cast(n):
-            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            n.meta["ac_graph_id"] = _AC_ID
-            count += 1
-    return count
+def tagger(params: frozenset[int]):
+    """The joint-graph pass for a graph whose parameters are the inputs at ``params``
+    (``param_positions``): each parameter cast traced from a marked node becomes ``MUST_RECOMPUTE``
+    (overriding the ``MUST_SAVE`` a selective run's GEMM passed on to it)."""
+    def tag(graph: fx.Graph) -> None:
+        for n in graph.nodes:
+            if _marked(n) and is_param_cast(n, params):
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                n.meta["ac_graph_id"] = _AC_ID
+    return tag

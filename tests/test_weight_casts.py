@@ -65,15 +65,55 @@ def step(budget, monkeypatch=None, found=None, device="cpu"):
 
 
 def test_only_narrowing_casts_of_parameters_count():
+    """A parameter's bf16 copy counts; a widening cast, a tangent's and an activation's from an earlier
+    graph (an input, but not a parameter: recomputing its cast would keep the fp32 tensor alive) do not."""
     g = fx.Graph()
-    w, x = g.placeholder("primals_1"), g.placeholder("tangents_1")
-    w.meta["val"], x.meta["val"] = torch.empty(4, 4), torch.empty(4, 4)
+    w, h, x = g.placeholder("primals_1"), g.placeholder("primals_2"), g.placeholder("tangents_1")
+    for p in (w, h, x):
+        p.meta["val"] = torch.empty(4, 4)
     cast = torch.ops.prims.convert_element_type.default
-    nodes = [g.call_function(cast, (w, torch.bfloat16)), g.call_function(cast, (w, torch.float64)),
-             g.call_function(cast, (x, torch.bfloat16))]
-    for n, dt in zip(nodes, (torch.bfloat16, torch.float64, torch.bfloat16)):
+    cases = [(w, torch.bfloat16, True), (w, torch.float64, False), (x, torch.bfloat16, False),
+             (h, torch.bfloat16, False)]
+    for src, dt, expected in cases:
+        n = g.call_function(cast, (src, dt))
         n.meta["val"] = torch.empty(4, 4, dtype=dt)
-    assert [weight_casts.is_param_cast(n) for n in nodes] == [True, False, False]
+        assert weight_casts.is_param_cast(n, frozenset({0})) is expected, (src.name, dt)
+
+
+def test_an_activation_from_an_earlier_graph_is_not_a_weight_copy(monkeypatch):
+    """A graph break hands the second graph an fp32 activation that its first linear casts to bf16: only
+    the parameters' copies count as weight copies."""
+    found = {}
+    real = analysis.partitioned_saved_bytes
+
+    def record(gm, inputs):
+        out = real(gm, inputs)
+        found.setdefault("graphs", []).append((out, [t for t in inputs if isinstance(t, torch.nn.Parameter)]))
+        return out
+    monkeypatch.setattr(backend, "partitioned_saved_bytes", record)
+
+    class Broken(LM):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(48, 48, bias=False)
+
+        def forward(self, idx, tgt):
+            x = self.blocks[0](self.emb(idx))
+            torch._dynamo.graph_break()
+            x = x + self.proj(x)   # autocast casts the graph's fp32 input x to bf16, and saves the copy
+            for b in self.blocks[1:]:
+                x = b(x)
+            return F.cross_entropy(self.head(x).float().flatten(0, 1), tgt.flatten())
+    torch.manual_seed(0)
+    model = Broken()
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    optimized = opsmath.optimize(model, memory_budget=1.0, inductor=True)
+    idx = torch.randint(0, 96, (3, 37))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        optimized(idx, idx).backward()
+    assert len(found["graphs"]) == 2
+    for saved, params in found["graphs"]:   # the embedding's table is read in fp32: no copy
+        assert sum(saved.casts.values()) == sum(2 * p.numel() for p in params if id(p) in linear) > 0
 
 
 def test_inductors_partition_counts_the_weight_copies_apart(monkeypatch):
