@@ -130,7 +130,9 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
     views left out) are attributed to the node of ``gm`` whose output first held their storage, read from
     ``from_node`` provenance (a node a decomposition added has none: the nearest earlier node with one).
     Storages count once; the low-precision copies of parameters among them are also in ``casts``
-    (``weight_casts``: the plan may recompute them) and not in ``pairs``. Call it where
+    (``weight_casts``: the plan may recompute them) and not in ``pairs``; a narrowing copy of an activation
+    (autocast's bf16 copy of a norm's fp32 output, inside the GEMM it feeds) is in ``pairs`` as made by
+    that activation's producer, whose recompute frees it (``weight_casts.recomputed_casts``). Call it where
     the real compile runs (same autocast and grad modes). None when the partition cannot be reached
     (no input needs a gradient, an Inductor that partitions elsewhere, a failure): the caller keeps the
     eager estimate (``saved_bytes_by_node``)."""
@@ -140,7 +142,7 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
     if partition is None or not any(getattr(t, "requires_grad", False) for t in example_inputs):
         return None
     names = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    known, found, casts = set(names), {}, set()
+    known, found, casts, copies = set(names), {}, set(), {}
     params = weight_casts.param_positions(example_inputs)
 
     def stop_at_partition(joint, inputs, **kwargs):
@@ -158,6 +160,9 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
                 owner.setdefault(val.untyped_storage()._cdata, last)
                 if weight_casts.is_param_cast(n, params):
                     casts.add(val.untyped_storage()._cdata)
+                elif weight_casts.narrowing(n):   # autocast's copy of an activation: made by the value's producer
+                    made = getattr((n.args[0].meta.get("from_node") or [None])[0], "name", None)
+                    copies.setdefault(val.untyped_storage()._cdata, made if made in known else None)
         for n in bw.graph.find_nodes(op="placeholder"):
             val = n.meta.get("val")
             if n.name.startswith("tangents") or not isinstance(val, torch.Tensor):
@@ -165,12 +170,14 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
             store = val.untyped_storage()
             name = owner.get(store._cdata, names[-1])
             if name is not None:   # None: a graph input or a view of one, resident anyway
-                found.setdefault(store._cdata, (name, size_hint(store.nbytes()), store._cdata in casts))
+                found.setdefault(store._cdata, (name, size_hint(store.nbytes()), store._cdata in casts,
+                                                copies.get(store._cdata) or name))
         raise _Partitioned
     inductor.min_cut_rematerialization_partition = stop_at_partition
     try:
         # a graph whose plan recomputes weight casts is read with them tagged, as it compiles
-        tagging = dict(joint_custom_post_pass=weight_casts.tagger(params)) if weight_casts.has_marks(gm) else {}
+        tag = weight_casts.joint_pass(gm, example_inputs)
+        tagging = dict(joint_custom_post_pass=tag) if tag else {}
         with torch._functorch.config.patch(enable_autograd_cache=False), \
                 torch._inductor.config.patch(fx_graph_cache=False, **tagging):
             inductor.compile_fx(clone_graph_module(gm), list(example_inputs))
@@ -187,12 +194,12 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
         inductor.min_cut_rematerialization_partition = partition
     out = SavedBytes()
     out.pairs = []
-    for name, nbytes, cast in found.values():
+    for name, nbytes, cast, maker in found.values():
         out[name] = out.get(name, 0) + nbytes
         if cast:   # not an output of the node: the selective candidates leave it out, the casts steps take it
             out.casts[name] = out.casts.get(name, 0) + nbytes
         else:
-            out.pairs.append((name, name, nbytes))
+            out.pairs.append((name, maker, nbytes))
     return out
 
 

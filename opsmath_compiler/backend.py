@@ -51,8 +51,7 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
         or weight_casts.has_marks(gm)
     static_inputs(gm)
     offloading, offload_pass = offload.offloading(gm)
-    casts = weight_casts.tagger(weight_casts.param_positions(example_inputs)) if weight_casts.has_marks(gm) else None
-    passes = [p for p in (offload_pass, casts) if p]
+    passes = [p for p in (offload_pass, weight_casts.joint_pass(gm, example_inputs)) if p]
     patches = {"triton.cudagraphs": True} if cuda_graphs else {}
     if passes:   # after any joint-graph pass already configured
         patches["joint_custom_post_pass"] = functools.partial(

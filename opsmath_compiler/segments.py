@@ -58,10 +58,23 @@ GEMMS = (aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.def
          aten.baddbmm.default)
 
 
+# PyTorch's own attention where opsmath left it (a mask it declines, the op-by-op path): priced and kept as
+# opsmath's attention op is (its op spec's FLOPs and efficiency)
+SDPA = (aten.scaled_dot_product_attention.default,)
+
+
 def is_compute(target) -> bool:
-    """A GEMM, or a fused op with GEMMs inside (its op spec counts FLOPs): what a selective plan keeps."""
+    """A GEMM, or a fused op with GEMMs inside (its op spec counts FLOPs, or PyTorch's SDPA): what a
+    selective plan keeps."""
     spec = spec_of(target)
-    return target in GEMMS or (spec is not None and spec.flops is not None)
+    return target in GEMMS or target in SDPA or (spec is not None and spec.flops is not None)
+
+
+def _sdpa_flops(n: fx.Node) -> float:
+    """FLOPs of an ``aten.scaled_dot_product_attention`` node by the attention op spec's count."""
+    q, k, v = _arg_values(n)[:3]
+    causal = n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)
+    return spec_of(torch.ops.opsmath.attention.default).flops(q, k, v, None, bool(causal))
 
 
 def node_cost(n: fx.Node) -> float:
@@ -79,6 +92,8 @@ def node_cost(n: fx.Node) -> float:
     spec = spec_of(n.target)
     if spec is not None and spec.flops is not None:    # a fused op with GEMMs inside (its op spec)
         return t + spec.flops(*_arg_values(n)) / (_FLOP_RATE * spec.efficiency)
+    if n.target in SDPA:
+        return t + _sdpa_flops(n) / (_FLOP_RATE * spec_of(torch.ops.opsmath.attention.default).efficiency)
     moved = _nbytes(n) + sum(_nbytes(i) for i in n.all_input_nodes if i.op != "get_attr")
     return t + moved / _BYTE_RATE
 
@@ -152,14 +167,15 @@ def saved_index(pairs: list, tagged: bool = False) -> SavedIndex:
     return SavedIndex(by_saver, {maker for _, maker, _ in pairs}, tagged)
 
 
-def _free(cheap: dict, kind: str, index: SavedIndex) -> dict:
-    """The cheap ops (in order) recomputable from what the plan keeps anyway: each input a kept op's
-    output that something saves, a graph input, or another such cheap op (an activation product from its
-    saved GEMM outputs, not a residual add whose other input nothing keeps)."""
+def _free(cheap: dict, index: SavedIndex) -> dict:
+    """The cheap ops (in order) recomputable from what the step saves anyway: each input an output
+    something saves (a GEMM's, a residual stream a norm's backward reads), a graph input, or another such
+    cheap op. An activation product from its saved GEMM outputs, a norm's output (whose bf16 copy the
+    next GEMM saves, ``analysis``) from the saved residual; not a residual add whose other input nothing
+    keeps."""
     free: dict = {}
     for c in cheap:
-        if all(x in free or x.op != "call_function" or (node_kept(kind, x) and x.name in index.makers)
-               for x in c.all_input_nodes):
+        if all(x in free or x.op != "call_function" or x.name in index.makers for x in c.all_input_nodes):
             free[c] = None
     return free
 
@@ -195,7 +211,7 @@ def selective(order: list[fx.Node], seg: Segment, index: SavedIndex, kind: str =
     if len(cheap) == len(nodes):
         return None   # it keeps nothing: that is the run's plain recompute candidate
     if kind == "selective-free":
-        cheap = _free(cheap, kind, index)
+        cheap = _free(cheap, index)
     cheap_names = {n.name for n in cheap}
     made = {maker for n in nodes for maker, b in index.by_saver.get(n.name, ()) if maker in cheap_names}
     saved = sum(b for n in nodes for maker, b in index.by_saver.get(n.name, ()) if maker in cheap_names)

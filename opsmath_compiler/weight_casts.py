@@ -29,6 +29,9 @@ CASTS = "opsmath_recompute_casts"   # meta["custom"] key: the parameter casts tr
 _AC_ID = 1 << 30   # an ac_graph_id above every segment's: the partitioner never pins a cast as a region output
 _BYTE_RATE, _LAUNCH_S = 3e12, 5e-6   # as segments.node_cost models a memory-bound op
 _CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
+_aten = torch.ops.aten
+_VIEWS = {_aten.t.default, _aten.permute.default, _aten.transpose.int, _aten.view.default, _aten._unsafe_view.default,
+          _aten.expand.default, _aten.alias.default}
 
 
 def param_positions(example_inputs) -> frozenset[int]:
@@ -36,21 +39,28 @@ def param_positions(example_inputs) -> frozenset[int]:
     return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter))
 
 
+def narrowing(n: fx.Node) -> bool:
+    """``n`` casts a float tensor (its first argument, a node) to a narrower float dtype."""
+    if n.op != "call_function" or n.target not in _CASTS or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    val, out = n.args[0].meta.get("val"), n.meta.get("val")
+    return (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.is_floating_point()
+            and out.is_floating_point() and out.dtype.itemsize < val.dtype.itemsize)
+
+
 def is_param_cast(n: fx.Node, params: frozenset[int]) -> bool:
     """``n`` (a joint or forward graph's node) casts a parameter (a ``primals_<i + 1>`` placeholder with
     ``i`` in ``params``) to a narrower float dtype. An activation handed in by an earlier graph is not one:
     recomputing its cast would keep the wider tensor alive instead."""
-    if n.op != "call_function" or n.target not in _CASTS or not n.args:
+    if not narrowing(n):
         return False
-    src, out = n.args[0], n.meta.get("val")
-    if not isinstance(src, fx.Node) or src.op != "placeholder" or not src.name.startswith("primals_"):
+    src = n.args[0]
+    while src.op == "call_function" and src.target in _VIEWS and isinstance(src.args[0], fx.Node):
+        src = src.args[0]   # a transposed weight cast after its transpose (an LM head, a down projection)
+    if src.op != "placeholder" or not src.name.startswith("primals_"):
         return False
     index = src.name[len("primals_"):]
-    if not index.isdigit() or int(index) - 1 not in params:
-        return False
-    val = src.meta.get("val")
-    return (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.is_floating_point()
-            and out.is_floating_point() and out.dtype.itemsize < val.dtype.itemsize)
+    return index.isdigit() and int(index) - 1 in params
 
 
 def cost(nbytes: int, count: int = 1) -> float:
@@ -73,13 +83,36 @@ def has_marks(gm: fx.GraphModule) -> bool:
     return any(_marked(n) for n in gm.graph.nodes)
 
 
+def joint_pass(gm: fx.GraphModule, example_inputs):
+    """``tagger``'s pass for ``gm`` compiled on ``example_inputs`` where its plan tagged or marked nodes,
+    else None."""
+    if not has_marks(gm) and not any("recompute" in n.meta for n in gm.graph.nodes):
+        return None
+    return tagger(param_positions(example_inputs))
+
+
 def tagger(params: frozenset[int]):
     """The joint-graph pass for a graph whose parameters are the inputs at ``params``
     (``param_positions``): each parameter cast traced from a marked node becomes ``MUST_RECOMPUTE``
-    (overriding the ``MUST_SAVE`` a selective run's GEMM passed on to it)."""
+    (overriding the ``MUST_SAVE`` a selective run's GEMM passed on to it), and so does every narrowing
+    cast of a value the plan recomputes (``recomputed_casts``)."""
     def tag(graph: fx.Graph) -> None:
         for n in graph.nodes:
             if _marked(n) and is_param_cast(n, params):
                 n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 n.meta["ac_graph_id"] = _AC_ID
+        recomputed_casts(graph)
     return tag
+
+
+def recomputed_casts(graph: fx.Graph) -> None:
+    """Joint-graph pass: a narrowing cast of a value tagged ``MUST_RECOMPUTE`` is recomputed with it.
+    Autocast casts a GEMM's input inside the GEMM (the cast is traced from it and takes its tag), so a
+    norm's output a plan recomputes would otherwise still be saved as the GEMM's bf16 copy of it;
+    ``analysis.partitioned_saved_bytes`` counts such a copy as made by the value's producer."""
+    for n in graph.nodes:
+        src = n.args[0] if n.args else None
+        if narrowing(n) and src.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE \
+                and n.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta["ac_graph_id"] = src.meta.get("ac_graph_id", _AC_ID)

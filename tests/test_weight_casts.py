@@ -164,3 +164,41 @@ def test_op_by_op_plans_take_neither():
         optimized(idx, idx).backward()
     plan = opsmath.report(optimized).graphs[0].plan
     assert not plan.casts and all(plan.segments[i].only is None for i in plan.selective)
+
+
+def test_a_norms_bf16_copy_is_freed_with_the_norm(monkeypatch):
+    """Autocast's bf16 copy of a norm's output, saved inside the GEMMs it feeds, counts as made by the
+    norm: a selective-free run recomputing the norm frees it (the joint-graph pass recomputes the copy
+    with its source), the compiled partition saves exactly what the candidate says, and the gradients are
+    bit-identical to the untagged graph's."""
+    from opsmath.plan import clone_graph_module
+    from opsmath.plan_emit import tag_recompute
+    from opsmath.segments import Segment, forward_order, saved_index, selective
+    found = {}
+    _, optimized, _ = step(1.0, monkeypatch, found)
+    saved, inputs = found["saved"], found["inputs"]
+    assert any(m.startswith("rms_norm") and s.startswith("linear") for s, m, _ in saved.pairs)
+    gm = clone_graph_module(opsmath.report(optimized).graphs[0].graph)
+    order = forward_order(gm)
+    # from block 0's residual add (the partition keeps its two inputs and recomputes it) to block 1's
+    norm = next(i for i, n in enumerate(order) if n.name == "rms_norm_1")
+    run = Segment(norm - 1, next(i for i, n in enumerate(order) if i > norm and n.name.startswith("add")), 0, 0, 0.0)
+    cand = selective(order, run, saved_index(saved.pairs, tagged=True), "selective-free", tagged=True)
+    assert cand is not None and {"add", "rms_norm_1"} <= cand.only
+    tag_recompute(gm, [cand], [], [0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tagged = analysis.partitioned_saved_bytes(gm, inputs)
+    # everything the run's recomputed ops made is freed (its inputs, counted as kept in case their own
+    # segment recomputes them, stay saved by their nodes here)
+    assert sum(saved.values()) - sum(tagged.values()) == cand.saved
+
+    def grads(graph):
+        params = [t for t in inputs if isinstance(t, torch.nn.Parameter)]
+        for p in params:
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = backend.compile_fx(clone_graph_module(graph), list(inputs))(*inputs)
+        (out[0] if isinstance(out, (tuple, list)) else out).backward()
+        return [p.grad.clone() for p in params]
+    for a, b in zip(grads(gm), grads(opsmath.report(optimized).graphs[0].graph)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
