@@ -109,7 +109,9 @@ def recomputed_casts(graph: fx.Graph) -> None:
     """Joint-graph pass: a narrowing cast of a value tagged ``MUST_RECOMPUTE`` is recomputed with it.
     Autocast casts a GEMM's input inside the GEMM (the cast is traced from it and takes its tag), so a
     norm's output a plan recomputes would otherwise still be saved as the GEMM's bf16 copy of it;
-    ``analysis.partitioned_saved_bytes`` counts such a copy as made by the value's producer."""
+    ``analysis.partitioned_saved_bytes`` counts such a copy as made by the value's producer. Only
+    opsmath's plan tags ``MUST_RECOMPUTE``: a user's checkpoint region compiled as ``torch.compile``
+    lowers it (``PREFER_RECOMPUTE``) is left as it is."""
     for n in graph.nodes:
         src = n.args[0] if n.args else None
         if narrowing(n) and src.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE \

@@ -202,3 +202,38 @@ def test_a_norms_bf16_copy_is_freed_with_the_norm(monkeypatch):
         return [p.grad.clone() for p in params]
     for a, b in zip(grads(gm), grads(opsmath.report(optimized).graphs[0].graph)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hugging_face_models_under_autocast_budgets_train_as_without(family):
+    """Tiny HF LLaMA and GPT-2 (SDPA, fp32 weights, bf16 autocast, Inductor) under fractions 0.7 and
+    0.4: plans with weight copies, selective-free runs and whole recomputes; the loss and every gradient
+    as the step without a budget within bf16 recompute rounding (LLaMA's RMSNorm weights: 6e-3 relative,
+    the same without the cheap steps; GPT-2: 1e-7)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    def make():
+        torch.manual_seed(0)
+        if family == "llama":
+            return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                                attn_implementation="sdpa"))
+        return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, resid_pdrop=0.0,
+                                          embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa"))
+    idx = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+    results, plans = {}, []
+    for budget in (None, 0.7, 0.4):
+        model = make()
+        optimized = opsmath.optimize(model, memory_budget=budget, inductor=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = optimized(input_ids=idx, labels=idx).loss
+        loss.backward()
+        results[budget] = loss, [p.grad for p in model.parameters()]
+        if budget is not None:
+            plans.append(opsmath.report(optimized).graphs[0].plan)
+    assert any(p.casts for p in plans) and any(p.segments[i].only for p in plans for i in p.selective)
+    for budget in (0.7, 0.4):
+        torch.testing.assert_close(results[budget][0], results[None][0], rtol=1e-5, atol=1e-5)
+        for a, b in zip(results[budget][1], results[None][1]):
+            assert grads_close(a, b, rtol=1e-2 if family == "llama" else 1e-5), budget
