@@ -175,7 +175,7 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
         raise _Partitioned
     inductor.min_cut_rematerialization_partition = stop_at_partition
     try:
-        # a graph whose plan recomputes weight casts is read with them tagged, as it compiles
+        # a planned graph is read with the casts its plan recomputes tagged, as it compiles
         tag = weight_casts.joint_pass(gm, example_inputs)
         tagging = dict(joint_custom_post_pass=tag) if tag else {}
         with torch._functorch.config.patch(enable_autograd_cache=False), \

@@ -18,7 +18,8 @@
    fused ops (attention) kept; under Inductor also only the cheap ops computable from what is kept anyway
    (``"selective-free"``: an activation product from its saved GEMM outputs, at no kept cost), and a
    segment's weights' low-precision copies (autocast's, ``weight_casts``) recomputed instead of saved,
-   alone or beside a selective run (``OPSMATH_CHEAP_STEPS=0`` plans without these two). On CUDA under Inductor a segment may instead send what it keeps to host
+   alone or beside a selective run (``OPSMATH_CHEAP_STEPS=0`` plans without these two). On CUDA under
+   Inductor a segment may instead send what it keeps to host
    memory (``offload.py``: kept, or recomputed with its inputs on the host), at the modelled cost of
    the copies over this machine's measured host link.
 4. **Emission** (``plan_emit``): each chosen segment becomes a sub-GraphModule called through
@@ -157,7 +158,8 @@ class Plan:
                     recompute_seconds=self.recompute_seconds, planning_seconds=self.planning_seconds,
                     measured_peak=self.measured_peak, replanned=self.replanned,
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
-                    offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective, casts=self.casts,
+                    offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
+                    casts=self.casts,
                     offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by, grads=self.grads,
                     expected_peak=self.expected_peak, excess=self.excess, timed=self.timed,
                     head_excess=self.head_excess, modelled=list(self.modelled), measured_ops=self.measured_ops,

@@ -169,10 +169,9 @@ def saved_index(pairs: list, tagged: bool = False) -> SavedIndex:
 
 def _free(cheap: dict, index: SavedIndex) -> dict:
     """The cheap ops (in order) recomputable from what the step saves anyway: each input an output
-    something saves (a GEMM's, a residual stream a norm's backward reads), a graph input, or another such
-    cheap op. An activation product from its saved GEMM outputs, a norm's output (whose bf16 copy the
-    next GEMM saves, ``analysis``) from the saved residual; not a residual add whose other input nothing
-    keeps."""
+    something saves (a GEMM's, a residual a norm's backward reads), a graph input, or another such cheap
+    op. An activation product from its saved GEMM outputs, a norm's output (whose bf16 copy the next GEMM
+    saves, ``analysis``) from the saved residual; not a residual add whose other input nothing keeps."""
     free: dict = {}
     for c in cheap:
         if all(x in free or x.op != "call_function" or x.name in index.makers for x in c.all_input_nodes):
@@ -213,8 +212,9 @@ def selective(order: list[fx.Node], seg: Segment, index: SavedIndex, kind: str =
     if kind == "selective-free":
         cheap = _free(cheap, index)
     cheap_names = {n.name for n in cheap}
-    made = {maker for n in nodes for maker, b in index.by_saver.get(n.name, ()) if maker in cheap_names}
-    saved = sum(b for n in nodes for maker, b in index.by_saver.get(n.name, ()) if maker in cheap_names)
+    made_here = [(maker, b) for n in nodes for maker, b in index.by_saver.get(n.name, ())
+                 if maker in cheap_names]
+    made, saved = {maker for maker, _ in made_here}, sum(b for _, b in made_here)
     extra = {}
     for c in cheap:
         for x in c.all_input_nodes:
