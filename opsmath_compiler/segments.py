@@ -26,7 +26,6 @@ import torch.fx as fx
 
 from opsmath.kernels import spec_of
 
-from . import weight_casts
 from .canonicalize import aten, size_hint
 from .op_times import MEASURED
 
@@ -124,7 +123,7 @@ class Segment:
     cost: float                # modelled recompute seconds
     fixed: bool = False        # only pinned nodes (``pinned_positions``): never recomputed
     casts: int = 0             # of ``saved``, parameters' low-precision copies (``weight_casts``)
-    cast_cost: float = 0.0     # modelled seconds to recompute those copies
+    cast_cost: float = 0.0     # modelled seconds to recompute those copies (memory-bound, as node_cost)
     only: frozenset | None = None   # the nodes a selective run recomputes, where not all its cheap ones
 
     @property
@@ -338,8 +337,9 @@ def _segments(order: list[fx.Node], cuts: list[int], saved_by: dict[str, int],
         casts = [c for n in nodes if (c := getattr(saved_by, "casts", {}).get(n.name, 0))]
         segs.append(Segment(a + 1, b, sum(saved_by.get(n.name, 0) for n in nodes),
                             _input_bytes(ext), sum(node_cost(n) for n in nodes),
-                            fixed=all(i in pinned for i in range(a + 1, b + 1)),
-                            casts=sum(casts), cast_cost=weight_casts.cost(sum(casts), len(casts)) if casts else 0.0))
+                            fixed=all(i in pinned for i in range(a + 1, b + 1)), casts=sum(casts),
+                            # a launch each; the fp32 weight read (twice the copy's bytes) and the copy written
+                            cast_cost=len(casts) * _LAUNCH_S + 3 * sum(casts) / _BYTE_RATE))
     return segs
 
 

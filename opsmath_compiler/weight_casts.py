@@ -5,9 +5,9 @@ Under ``torch.autocast`` every ``linear`` casts its fp32 weight to bf16 (or fp16
 backward needs that copy again for the input's gradient (``dx = dy @ W``). Inductor's partitioner saves
 the copy: its min-cut bans recomputing a node that backward must materialize (the copy feeds a GEMM),
 so a model trained with fp32 master weights keeps a second, half-size copy of every matmul weight
-alive from its forward to its backward. On HF LLaMA 1.1B (B4 T2048) that is 1.5 GB of the step's 11.5
-GB of activations; recomputing it reads 4 and writes 2 bytes per weight, about 1 GB freed per ms of
-GPU time, two to three times what a recomputed GEMM frees per ms (``segments.node_cost``).
+alive from its forward to its backward. On HF LLaMA 1.1B (B4 T2048) that is 1.41 of the step's 10.2
+GiB of activations; recomputing it reads 4 and writes 2 bytes per weight (priced in ``segments._segments``),
+about 1 GB freed per ms of GPU time, two to three times what a recomputed GEMM frees per ms.
 
 The plan (``plan_solve._steps``) may take a segment's weight casts as a step of their own (``"casts"``)
 or beside a selective run (``"selective+casts"``); its nodes are marked (``meta["custom"][CASTS]``, which
@@ -27,11 +27,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 CASTS = "opsmath_recompute_casts"   # meta["custom"] key: the parameter casts traced from this node recompute
 _AC_ID = 1 << 30   # an ac_graph_id above every segment's: the partitioner never pins a cast as a region output
-_BYTE_RATE, _LAUNCH_S = 3e12, 5e-6   # as segments.node_cost models a memory-bound op
 _CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
-_aten = torch.ops.aten
-_VIEWS = {_aten.t.default, _aten.permute.default, _aten.transpose.int, _aten.view.default, _aten._unsafe_view.default,
-          _aten.expand.default, _aten.alias.default}
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default   # aliases its input, though its schema is not a view's
 
 
 def param_positions(example_inputs) -> frozenset[int]:
@@ -55,18 +52,13 @@ def is_param_cast(n: fx.Node, params: frozenset[int]) -> bool:
     if not narrowing(n):
         return False
     src = n.args[0]
-    while src.op == "call_function" and src.target in _VIEWS and isinstance(src.args[0], fx.Node):
+    while src.op == "call_function" and (getattr(src.target, "is_view", False) or src.target is _UNSAFE_VIEW) \
+            and isinstance(src.args[0], fx.Node):
         src = src.args[0]   # a transposed weight cast after its transpose (an LM head, a down projection)
     if src.op != "placeholder" or not src.name.startswith("primals_"):
         return False
     index = src.name[len("primals_"):]
     return index.isdigit() and int(index) - 1 in params
-
-
-def cost(nbytes: int, count: int = 1) -> float:
-    """Modelled seconds to recompute ``count`` casts whose copies hold ``nbytes``: the fp32 source read
-    (twice the copy's bytes) and the copy written, at the memory-bound rate, plus a launch each."""
-    return count * _LAUNCH_S + 3 * nbytes / _BYTE_RATE
 
 
 def mark(nodes) -> None:
