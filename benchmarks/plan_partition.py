@@ -3,7 +3,8 @@ GPU: the model (``_models.llama_config``, fp32 weights, bf16 autocast, B4 T2048 
 on CPU, planned under ``--budgets`` for Inductor (``inductor=True``), and stopped before anything runs;
 the plan's kept bytes and modelled recompute are set beside the bytes Inductor's partition of the
 tagged graph saves (``analysis.partitioned_saved_bytes``, fake tensors). Each budget is planned with the
-plan's cheap steps (weight copies, selective-free runs) and without (``OPSMATH_CHEAP_STEPS=0``).
+plan's cheap steps (weight copies, selective-free and selective-tensors runs) and without
+(``OPSMATH_CHEAP_STEPS=0``).
 
     python benchmarks/plan_partition.py [--layers 16] [--budgets 0.5,0.25] [--batch 4] [--seq 2048]
 
@@ -58,8 +59,8 @@ def plan_once(layers: int, batch: int, seq: int, budget: float) -> dict:
     return dict(budget=budget, unconstrained=plan.unconstrained, weight_copies=sum(found["saved"].casts.values()),
                 kept=plan.kept, partition_saves=sum(tagged.values()), recompute_ms=plan.recompute_seconds * 1e3,
                 planning_s=plan.planning_seconds, recomputed=len(plan.chosen), selective=len(plan.selective),
-                selective_free=sum(1 for i in plan.selective if plan.segments[i].only is not None),
-                casts=len(plan.casts))
+                selective_free=sum(1 for i in plan.selective if plan.segments[i].only is not None) - len(plan.tensors),
+                tensors=len(plan.tensors), casts=len(plan.casts))
 
 
 def main():
@@ -83,7 +84,7 @@ def main():
                   f"{row['recompute_ms']:.2f} ms, plan keeps {row['kept'] / g:.3f} GiB, the partition saves "
                   f"{row['partition_saves'] / g:.3f} GiB (of {row['unconstrained'] / g:.3f}; weight copies "
                   f"{row['weight_copies'] / g:.3f}); {row['recomputed']} recomputed, {row['selective']} selective "
-                  f"({row['selective_free']} free), {row['casts']} with weight copies; planned in "
+                  f"({row['selective_free']} free, {row['tensors']} with GEMMs), {row['casts']} with weight copies; planned in "
                   f"{row['planning_s']:.2f} s", flush=True)
     print("wrote", write("plan_partition", dict(rows=rows, layers=args.layers, batch=[args.batch, args.seq])))
 

@@ -60,12 +60,16 @@ class SavedBytes(dict):
     """``{node name: bytes it saves for backward}``, and in ``pairs`` each saved storage as ``(saver,
     producer, bytes)``: the node that saves it and the node whose output first held it (a view's bytes
     go to the node that made its storage). ``casts``: of those bytes, the low-precision copies of
-    parameters (autocast's weight casts, ``weight_casts``) by node, where Inductor's partition is read."""
+    parameters (autocast's weight casts, ``weight_casts``) by node, where Inductor's partition is read;
+    ``copies``: the (saver, producer) pairs of ``pairs`` that are a narrowing copy of the producer's
+    output made inside the saver (autocast's bf16 copy of a norm's output in the GEMM it feeds), not
+    the output itself."""
     pairs: list
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.casts: dict[str, int] = {}
+        self.copies: set[tuple[str, str]] = set()
 
 
 def saved_bytes_by_node(gm: fx.GraphModule, requires_grad: list[bool]) -> SavedBytes | None:
@@ -143,7 +147,7 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
         return None
     names = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     known, found, casts, copies = set(names), {}, set(), {}
-    params = weight_casts.param_positions(example_inputs)
+    params = weight_casts.param_positions(gm, example_inputs)
 
     def stop_at_partition(joint, inputs, **kwargs):
         fw, bw = partition(joint, inputs, **kwargs)
@@ -171,7 +175,7 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
             name = owner.get(store._cdata, names[-1])
             if name is not None:   # None: a graph input or a view of one, resident anyway
                 found.setdefault(store._cdata, (name, size_hint(store.nbytes()), store._cdata in casts,
-                                                copies.get(store._cdata) or name))
+                                                copies.get(store._cdata) or name, store._cdata in copies))
         raise _Partitioned
     inductor.min_cut_rematerialization_partition = stop_at_partition
     try:
@@ -194,12 +198,14 @@ def partitioned_saved_bytes(gm: fx.GraphModule, example_inputs: list) -> SavedBy
         inductor.min_cut_rematerialization_partition = partition
     out = SavedBytes()
     out.pairs = []
-    for name, nbytes, cast, maker in found.values():
+    for name, nbytes, cast, maker, copy in found.values():
         out[name] = out.get(name, 0) + nbytes
         if cast:   # not an output of the node: the selective candidates leave it out, the casts steps take it
             out.casts[name] = out.casts.get(name, 0) + nbytes
         else:
             out.pairs.append((name, maker, nbytes))
+            if copy and maker != name:
+                out.copies.add((name, maker))
     return out
 
 

@@ -14,7 +14,7 @@
    so an early segment may be recomputed under a budget that a late one would break); solved for each
    segmentation, the cheaper kept (ties: the user's). A run may also be recomputed selectively: its
    GEMMs and fused GEMM ops kept, only its cheap ops (norms, activations, dropout, casts) recomputed,
-   freeing what those produced (``segments.selective``), or its plain GEMMs recomputed too and only its
+   freeing what those produced (``selective.selective``), or its plain GEMMs recomputed too and only its
    fused ops (attention) kept; under Inductor also only the cheap ops computable from what is kept anyway
    (``"selective-free"``: an activation product from its saved GEMM outputs, at no kept cost), and a
    segment's weights' low-precision copies (autocast's, ``weight_casts``) recomputed instead of saved,
@@ -51,8 +51,9 @@ from .budget import (STEP_SLACK, InfeasibleBudget, _size, check_step_share, pars
                      step_peak)  # (re-exported)
 from .plan_emit import emit_checkpoints, tag_recompute
 from .plan_choice import SELECTIVE_RUNS, best_option, choose, grads_by_segment, merged  # noqa: F401
-from .segments import (Segment, describe, saved_index, forward_order, is_compute, node_workspace, pinned_positions,
-                       segments_of, user_regions, user_segments)
+from .segments import (Segment, describe, forward_order, is_compute, node_workspace, pinned_positions, segments_of,
+                       user_regions, user_segments)
+from .selective import TENSORS, saved_index
 
 @dataclass
 class Plan:
@@ -75,6 +76,7 @@ class Plan:
     selective: list[int] = field(default_factory=list)   # segments whose cheap ops only are recomputed
     gemms_recomputed: list[int] = field(default_factory=list)   # selective ones recomputing GEMMs too
     casts: list[int] = field(default_factory=list)   # segments whose parameters' copies recompute (weight_casts)
+    tensors: list[int] = field(default_factory=list)   # selective ones recomputing chosen GEMMs ("selective-tensors")
     link: float | None = None   # host-link bytes/s the plan could offload over (None: no offload)
     ops: dict = field(default_factory=dict)   # segment index -> what it spans (segments.describe)
     grads: list = field(default_factory=list)   # per segment: gradient bytes its backward allocates
@@ -159,7 +161,7 @@ class Plan:
                     measured_peak=self.measured_peak, replanned=self.replanned,
                     segmentation=self.segmentation, user_regions=self.user_regions, note=self.note,
                     offloaded={str(i): k for i, k in self.offloaded.items()}, selective=self.selective,
-                    casts=self.casts,
+                    casts=self.casts, tensors=self.tensors,
                     offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by, grads=self.grads,
                     expected_peak=self.expected_peak, excess=self.excess, timed=self.timed,
                     head_excess=self.head_excess, modelled=list(self.modelled), measured_ops=self.measured_ops,
@@ -207,7 +209,8 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     measured = op_times.annotate(order, scale=fused)
     pairs = getattr(saved_by, "pairs", None)   # (saver, producer, bytes): the selective candidates need it
     cheap = os.environ.get("OPSMATH_CHEAP_STEPS", "1") != "0"   # "0": the plan without them, to compare
-    index = saved_index(pairs, tagged=how == "tag" and cheap) if pairs is not None else None
+    index = saved_index(pairs, how == "tag" and cheap, getattr(saved_by, "casts", None),
+                        getattr(saved_by, "copies", None)) if pairs is not None else None
     saved_by = saved_by if cheap else dict(saved_by)   # a plain dict: no weight copies apart
     options = [("opsmath", segments_of(gm, saved_by, pinned=pinned)),
                ("opsmath-fine", segments_of(gm, saved_by, window=2, pinned=pinned))]
@@ -229,12 +232,13 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     segs, chosen, kinds = merged(fine, runs, picked)
     selective = sorted(i for i, k in kinds.items() if k.startswith("selective"))
     gemms = [i for i in selective if kinds[i] == "selective-gemms"]
+    tensors = [i for i in selective if kinds[i].startswith(TENSORS)]
     casts = sorted(i for i, k in kinds.items()
                    if (k.endswith("casts") or k == "selective-gemms") and segs[i].casts and how == "tag")
     offloaded = {i: k for i, k in kinds.items() if k in ("kept", "inputs")}
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
                 chosen, cost, segmentation=label, user_regions=len(user_regions(order)), note=note,
-                offloaded=offloaded, link=link, selective=selective, gemms_recomputed=gemms, casts=casts,
+                offloaded=offloaded, link=link, selective=selective, gemms_recomputed=gemms, casts=casts, tensors=tensors,
                 ops={i: describe(order, segs[i]) for i in {*chosen, *selective, *offloaded, *casts}}, share=share)
     if grads:
         plan.grads = grads_by_segment(gm, segs, grads)

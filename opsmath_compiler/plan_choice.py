@@ -6,12 +6,15 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .budget import InfeasibleBudget, _size
-from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, suffix
-from .segments import KEEPS, Segment, forward_order, runs_of, selective
+from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, conflicts, suffix
+from .segments import Segment, forward_order, runs_of
+from .selective import KEEPS, TENSORS, finer, saved_storages, selective
 
 # selective candidates span runs of up to this many segments (a norm's output is often saved by the GEMM
 # of the next segment: the run must hold both for the norm's recompute to free it)
 SELECTIVE_RUNS = 4
+# and ``finer``'s recompute sets, runs of up to this many (a block's residual add sits in the segment before)
+FINER_RUNS = 2
 
 
 def _rank(choice) -> tuple:
@@ -27,7 +30,7 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     one exact DP (``plan_solve._solve``) in which every step's own backward must fit, so no candidate
     "largest transient" needs enumerating. ``runs`` maps (i, j) to segments i..j recomputed as one unit
     (``segments.runs_of``); ``link``: host-link bytes/s when offload is a choice (``offload.py``); ``sel``:
-    the selective candidates by segment (``segments.selective``). ``grads``: per segment, the gradient
+    the selective candidates by segment (``selective.selective``). ``grads``: per segment, the gradient
     bytes its backward allocates (``grads_by_segment``; in ``resident``): given, a byte budget is held
     at every point of backward with the gradients allocated by then (``plan_solve.suffix``) instead of
     all of them from the start. ``head``: bytes live at the end of the forward alone (the loss's
@@ -45,6 +48,13 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     unit = max(1.0, total / units)
     fits = _peak(segs, [], after, head) <= limit and (kept_cap is None or total <= kept_cap)
     picked = [] if fits else _solve(n, steps, unit, prefix, limit, after, head, kept_cap)
+    for attempt in range(8):   # a step that assumes a value kept which another recomputes: drop it, solve again
+        bad = conflicts(segs, picked or [])
+        if not bad:
+            break
+        for st in (bad if attempt < 7 else [s for sts in steps.values() for s in sts if s.reads]):
+            steps[st.i] = [s for s in steps[st.i] if s != st]
+        picked = _solve(n, steps, unit, prefix, limit, after, head, kept_cap)
     if picked is None:
         sizes = sorted({st.size for sts in steps.values() for st in sts})
         # a reachable peak to bisect from: kept + the largest transient, at a few transient caps
@@ -105,16 +115,20 @@ def grads_by_segment(gm: fx.GraphModule, segs: list[Segment], grads: dict[str, i
 def best_option(gm, options, resident: int, kind: str, value: float, link=None, index=None, grads=None,
                  head: int = 0, kept_cap: float | None = None):
     """The cheapest feasible (label, segments, choice, runs) over the segmentations, and the error with
-    the lowest floor when none is feasible. ``index``: the saved bytes' producers (``segments.saved_index``),
+    the lowest floor when none is feasible. ``index``: the saved bytes' producers (``selective.saved_index``),
     for the selective candidates (``"selective-free"`` on a tagged graph only). ``grads``: gradient bytes by
     placeholder, to plan against their timing (``choose``)."""
     best, errors = None, []
     order = forward_order(gm)
-    kinds = [k for k in KEEPS if index is not None and (index.tagged or k != "selective-free")]
+    kinds = [k for k in KEEPS if index is not None and k != TENSORS and (index.tagged or k != "selective-free")]
     for label, sg in options:
         runs = runs_of(gm, sg)
         sel = {(*ij, k): c for ij, run in runs.items() for k in kinds if ij[1] - ij[0] < SELECTIVE_RUNS
                and (c := selective(order, run, index, k, index.tagged)) is not None}
+        if index is not None and index.tagged:   # recompute sets below a run, a saved tensor at a time
+            kept = saved_storages(order, index)
+            sel.update({(*ij, TENSORS): c for ij, run in runs.items() if ij[1] - ij[0] < FINER_RUNS
+                        and (c := finer(order, run, index, kept))})
         try:
             got = choose(sg, runs, resident, kind, value, link=link, sel=sel,
                          grads=grads_by_segment(gm, sg, grads) if grads else None, head=head, kept_cap=kept_cap)

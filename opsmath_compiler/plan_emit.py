@@ -7,11 +7,12 @@ import operator
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .segments import KEEPS, Segment, forward_order, node_kept
+from .segments import Segment, forward_order
+from .selective import KEEPS, node_kept
 
 
 def policy(kind: str):
-    """The selective checkpoint policy of a run of ``kind``: the ops ``segments.KEEPS[kind]`` saved
+    """The selective checkpoint policy of a run of ``kind``: the ops ``selective.KEEPS[kind]`` saved
     (GEMMs and fused GEMM ops; with ``"selective-gemms"`` the fused ops only), the rest recomputed."""
     keeps = KEEPS[kind]
 
@@ -72,13 +73,17 @@ def tag_recompute(gm: fx.GraphModule, segs: list[Segment], chosen: list[int], se
     the tags selective activation checkpointing leaves for AOTAutograd's partitioner, which then
     saves only the segment's inputs and recomputes the rest inside Inductor's backward graph. In a
     ``selective`` segment the GEMMs and fused GEMM ops are ``MUST_SAVE`` instead (in one of ``gemms``,
-    only the fused ops); in one with ``only`` (``"selective-free"``) only those nodes are recomputed."""
+    only the fused ops); in one with ``only`` (``"selective-free"``, ``"selective-tensors"``) only those
+    nodes are recomputed, GEMMs among them, and the other GEMMs saved."""
     order = forward_order(gm)
     for i in [*chosen, *selective]:
         only = segs[i].only if i in selective else None
         for n in order[segs[i].start:segs[i].end + 1]:
             keep = i in selective and node_kept("selective-gemms" if i in gemms else "selective", n)
-            if only is not None and not keep and n.name not in only:
-                continue   # a cheap op a "selective-free" run leaves to the partitioner
+            if only is not None:
+                if n.name in only:
+                    keep = False
+                elif not keep:
+                    continue   # a cheap op the run leaves to the partitioner
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = i + 1

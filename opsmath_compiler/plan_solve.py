@@ -29,7 +29,8 @@ from .segments import Segment
 class Step:
     """One choice of the DP for segments i..j: ``"recompute"`` (keeps only its inputs), ``"selective"``
     (its GEMMs kept and its cheap ops recomputed), ``"selective-gemms"`` (only its fused ops, such as
-    attention, kept; GEMMs recomputed too), ``"offload"`` (a single segment, kept, its saved
+    attention, kept; GEMMs recomputed too), ``"selective-free"`` / ``"selective-tensors"`` (the ops named in
+    ``only``: ``selective``), ``"offload"`` (a single segment, kept, its saved
     tensors on the host), ``"recompute+offload"`` (recomputed, its inputs on the host), ``"casts"`` (a
     single segment, kept but for its parameters' low-precision copies, recomputed: ``weight_casts``), or
     a selective kind with ``"+casts"`` (both). ``size``: its activations live again while its backward runs (the
@@ -40,23 +41,31 @@ class Step:
     saving: int
     cost: float
     size: int
-    only: frozenset | None = None   # a "selective-free" run's recomputed nodes (``segments.selective``)
+    only: frozenset | None = None   # a run's recomputed nodes, where named (``selective``)
+    reads: frozenset = frozenset()   # (position, name): saved producers before it assumed kept (``finer``)
 
 
 def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None = None) -> dict:
     """Every step that saves something, by first segment. Offload steps only with a host ``link``
     (bytes/s); their cost is the copy out and back, ``2 b / link`` (``offload.py``). ``sel``: (i, j, kind)
-    -> run i..j's selective candidate of that kind (``segments.selective``)."""
+    -> run i..j's selective candidate of that kind, or a list of them (``selective.selective``, ``finer``)."""
     out: dict = {}
-    for (i, j, kind), c in (sel or {}).items():
+    for (i, j, kind), cands in (sel or {}).items():
         r = runs.get((i, j))
-        casts, cast_cost = (r.casts, r.cast_cost) if r is not None else (0, 0.0)
-        if kind == "selective-gemms":   # its GEMMs recomputed: their weights' copies with them (all the run's)
-            out.setdefault(i, []).append(Step(i, j, kind, c.saving + casts, c.cost + cast_cost, c.saved + casts))
-            continue
-        out.setdefault(i, []).append(Step(i, j, kind, c.saving, c.cost, c.saved, c.only))
-        if casts:   # its GEMMs kept, their weights' copies recomputed
-            out[i].append(Step(i, j, f"{kind}+casts", c.saving + casts, c.cost + cast_cost, c.saved + casts, c.only))
+        for c in cands if isinstance(cands, list) else [cands]:
+            # its GEMMs' weight copies: all the run's with "selective-gemms", those of the GEMMs it recomputes
+            # (``c.casts``, in its saving) with "selective-tensors", else none
+            own = r.casts if r is not None and kind == "selective-gemms" else c.casts
+            casts = (r.casts - own) if r is not None else 0
+            cast_cost = r.cast_cost * casts / r.casts if casts else 0.0
+            if kind == "selective-gemms":
+                out.setdefault(i, []).append(Step(i, j, kind, c.saving + own, c.cost + (r.cast_cost if r else 0.0),
+                                                  c.saved + own))
+                continue
+            out.setdefault(i, []).append(Step(i, j, kind, c.saving, c.cost, c.saved, c.only, c.reads))
+            if casts:   # the copies of the GEMMs it keeps recomputed too
+                out[i].append(Step(i, j, f"{kind}+casts", c.saving + casts, c.cost + cast_cost, c.saved + casts,
+                                   c.only, c.reads))
     for i, s in enumerate(segs):
         if s.casts and not s.fixed:   # kept, but the parameters' low-precision copies recomputed
             out.setdefault(i, []).append(Step(i, i, "casts", s.casts, s.cast_cost, s.casts))
@@ -69,6 +78,20 @@ def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None
         for i, s in enumerate(segs):
             if s.saved > 0:
                 out.setdefault(i, []).append(Step(i, i, "offload", s.saved, 2 * s.saved / link, s.saved))
+    return out
+
+
+def conflicts(segs: list[Segment], picked: list[Step]) -> list[Step]:
+    """The picked steps that read a saved value from before them (``Step.reads``) which another picked
+    step recomputes: a step covering its producer that recomputes it (a whole recompute, a selective
+    run naming it, or one recomputing all its cheap ops, GEMM outputs counted too: the safe side)."""
+    out = []
+    for st in picked:
+        for p, name in st.reads:
+            t = next((o for o in picked if segs[o.i].start <= p <= segs[o.j].end), None)
+            if t is not None and t.kind not in ("casts", "offload") and (t.only is None or name in t.only):
+                out.append(st)
+                break
     return out
 
 

@@ -295,10 +295,13 @@ class Report(Rendered):
                  f"{' with the host copies' if p.offloaded else ''}); planned in "
                  f"{p.planning_seconds:.2f}s", style="magenta")
         if p.selective:
-            g, free = len(p.gemms_recomputed), sum(1 for i in p.selective if p.segments[i].only is not None)
+            g, tensors = len(p.gemms_recomputed), len(p.tensors)
+            free = sum(1 for i in p.selective if p.segments[i].only is not None) - tensors
             t.append(f"\n{len(p.selective)} runs recompute only their cheap ops, keeping their GEMMs"
                      + (f" ({g} of them their GEMMs too, keeping attention)" if g else "")
-                     + (f" ({free} of them only those computed from kept tensors)" if free else ""), style="magenta")
+                     + (f" ({free} of them only those computed from kept tensors)" if free else "")
+                     + (f" ({tensors} of them the GEMMs that free the most bytes per ms too)" if tensors else ""),
+                     style="magenta")
         if p.casts:
             t.append(f"\n{len(p.casts)} segments recompute their weights' low-precision copies in backward "
                      f"({_mib(sum(p.segments[i].casts for i in p.casts))} not kept)", style="magenta")

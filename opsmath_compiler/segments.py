@@ -125,107 +125,12 @@ class Segment:
     casts: int = 0             # of ``saved``, parameters' low-precision copies (``weight_casts``)
     cast_cost: float = 0.0     # modelled seconds to recompute those copies (memory-bound, as node_cost)
     only: frozenset | None = None   # the nodes a selective run recomputes, where not all its cheap ones
+    reads: frozenset = frozenset()   # (position, name) of saved producers before it that it assumes kept
 
     @property
     def saving(self) -> int:
         return max(0, self.saved - self.inputs)
 
-
-
-def is_fused_compute(target) -> bool:
-    """A fused op with GEMMs inside (attention, the LM-head loss), not a plain GEMM: what a selective run
-    that recomputes its GEMMs still keeps (its recompute costs far more per byte it frees)."""
-    return target not in GEMMS and is_compute(target)
-
-
-# selective kind -> the op targets its runs keep (everything else in the run is recomputed; in a
-# "selective-free" run only the cheap ops recomputable from what is kept anyway, ``_free``)
-KEEPS = {"selective": is_compute, "selective-gemms": is_fused_compute, "selective-free": is_compute}
-
-
-def node_kept(kind: str, n: fx.Node) -> bool:
-    """``n`` is an op a selective run of ``kind`` keeps (``KEEPS``), or an output of one."""
-    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-    return n.op == "call_function" and KEEPS[kind](n.target)
-
-
-@dataclass
-class SavedIndex:
-    """``analysis.SavedBytes.pairs`` as the selective candidates read it: ``by_saver[name]`` the
-    (producer, bytes) of what that node saves, ``makers`` the nodes whose output something saves."""
-    by_saver: dict
-    makers: set
-    tagged: bool = False   # the plan becomes tags for a partitioner (it recomputes only what backward needs)
-
-
-def saved_index(pairs: list, tagged: bool = False) -> SavedIndex:
-    by_saver: dict = {}
-    for saver, maker, nbytes in pairs:
-        by_saver.setdefault(saver, []).append((maker, nbytes))
-    return SavedIndex(by_saver, {maker for _, maker, _ in pairs}, tagged)
-
-
-def _free(cheap: dict, index: SavedIndex) -> dict:
-    """The cheap ops (in order) recomputable from what the step saves anyway: each input an output
-    something saves (a GEMM's, a residual a norm's backward reads), a graph input, or another such cheap
-    op. An activation product from its saved GEMM outputs, a norm's output (whose bf16 copy the next GEMM
-    saves, ``analysis``) from the saved residual; not a residual add whose other input nothing keeps."""
-    free: dict = {}
-    for c in cheap:
-        if all(x in free or x.op != "call_function" or x.name in index.makers for x in c.all_input_nodes):
-            free[c] = None
-    return free
-
-
-def _needed(cheap: dict, made: set) -> list:
-    """Of ``cheap`` (in order), the ops a partitioner recomputes for backward: those whose output is
-    saved (``made``) and the cheap ops they are computed from."""
-    need, stack = set(), [c for c in cheap if c.name in made]
-    while stack:
-        c = stack.pop()
-        if c not in need:
-            need.add(c)
-            stack.extend(x for x in c.all_input_nodes if x in cheap)
-    return [c for c in cheap if c in need]
-
-
-def selective(order: list[fx.Node], seg: Segment, index: SavedIndex, kind: str = "selective",
-              tagged: bool = False) -> Segment | None:
-    """``seg`` (a segment or a run of them) with its cheap ops recomputed and its GEMMs and fused GEMM
-    ops kept, as a candidate (``plan.Step`` kind ``"selective"``; kind ``"selective-gemms"`` recomputes the
-    plain GEMMs too and keeps only the fused ops, ``KEEPS``; ``"selective-free"`` only the cheap ops
-    ``_free`` finds, so it keeps nothing in their stead): ``saved`` the bytes its nodes keep
-    for backward that its cheap ops produced (each storage counted in its saver's segment only, as
-    ``Segment.saved`` counts it; live again while its backward runs), ``inputs`` what must be kept in
-    their stead (inputs of its cheap ops nothing keeps yet, and any made by a cheap op of another
-    segment, which may be recomputed there), ``cost`` the cheap ops' time: with ``tagged`` (the
-    partitioner recomputes what backward needs) only those ``_needed``, else all (a checkpoint re-runs
-    them). ``only``: the recomputed ops of a ``"selective-free"`` run. None when that saves nothing or
-    keeps nothing (the plain recompute of the run)."""
-    nodes = order[seg.start:seg.end + 1]
-    names = {n.name for n in nodes}
-    cheap = dict.fromkeys(n for n in nodes if not node_kept(kind, n))   # in order: the cost sums the same way each run
-    if len(cheap) == len(nodes):
-        return None   # it keeps nothing: that is the run's plain recompute candidate
-    if kind == "selective-free":
-        cheap = _free(cheap, index)
-    cheap_names = {n.name for n in cheap}
-    made_here = [(maker, b) for n in nodes for maker, b in index.by_saver.get(n.name, ())
-                 if maker in cheap_names]
-    made, saved = {maker for maker, _ in made_here}, sum(b for _, b in made_here)
-    extra = {}
-    for c in cheap:
-        for x in c.all_input_nodes:
-            outside_cheap = x not in cheap and x.name not in names and not node_kept(kind, x)
-            if x not in cheap and x.op == "call_function" and (outside_cheap or x.name not in index.makers):
-                extra[_storage(x)] = _nbytes(x)
-    inputs = sum(extra.values())
-    if saved <= inputs:
-        return None
-    cost = sum(node_cost(n) for n in (_needed(cheap, made) if tagged else cheap))
-    only = frozenset(c.name for c in cheap) if kind == "selective-free" else None
-    return Segment(seg.start, seg.end, saved, inputs, cost, only=only)
 
 
 def describe(order: list[fx.Node], seg: Segment) -> str:

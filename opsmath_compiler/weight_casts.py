@@ -31,9 +31,13 @@ _CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default   # aliases its input, though its schema is not a view's
 
 
-def param_positions(example_inputs) -> frozenset[int]:
-    """Positions of the parameters among a graph's inputs: the joint graph's ``primals_<i + 1>``."""
-    return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter))
+def param_positions(gm: fx.GraphModule, example_inputs) -> frozenset[int]:
+    """Positions of the parameters among the joint graph's inputs (``primals_<i + 1>``) when ``gm`` is
+    compiled on ``example_inputs``: AOTAutograd puts ``gm``'s own parameters and buffers first (the
+    constants a capture registers, such as HF models' ``_tensor_constant0``), then the inputs."""
+    own = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
+           *dict(gm.named_buffers(remove_duplicate=False)).values()]
+    return frozenset(i for i, t in enumerate([*own, *example_inputs]) if isinstance(t, torch.nn.Parameter))
 
 
 def narrowing(n: fx.Node) -> bool:
@@ -80,7 +84,7 @@ def joint_pass(gm: fx.GraphModule, example_inputs):
     else None."""
     if not has_marks(gm) and not any("recompute" in n.meta for n in gm.graph.nodes):
         return None
-    return tagger(param_positions(example_inputs))
+    return tagger(param_positions(gm, example_inputs))
 
 
 def tagger(params: frozenset[int]):

@@ -13,7 +13,8 @@ import opsmath
 from opsmath import examples
 from opsmath.analysis import saved_bytes_by_node
 from opsmath.plan_emit import policy
-from opsmath.segments import forward_order, runs_of, saved_index, segments_of, selective
+from opsmath.segments import forward_order, runs_of, segments_of
+from opsmath.selective import saved_index, selective
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                reason="Inductor on CPU needs a C++ compiler")
@@ -145,11 +146,15 @@ def test_gemms_selective_plan_is_chosen_and_exact(inductor, monkeypatch):
     """Only the GEMM-recomputing selective kind offered, attention made dear in the cost model: the plan
     at 0.5 takes it (whole recompute redoes attention), and training equals no plan, dropout on."""
     from opsmath import plan_choice as plan_mod
-    from opsmath import segments
+    from opsmath import segments, selective
     cost = segments.node_cost
-    monkeypatch.setattr(segments, "node_cost", lambda n: cost(n) * (
-        1e4 if n.target is torch.ops.opsmath.attention.default else 1.0))
-    monkeypatch.setattr(plan_mod, "KEEPS", {"selective-gemms": segments.is_fused_compute})
+
+    def dear(n):
+        return cost(n) * (1e4 if n.target is torch.ops.opsmath.attention.default else 1.0)
+    monkeypatch.setattr(segments, "node_cost", dear)
+    monkeypatch.setattr(selective, "node_cost", dear)
+    monkeypatch.setattr(plan_mod, "KEEPS", {"selective-gemms": selective.is_fused_compute})
+    monkeypatch.setattr(plan_mod, "FINER_RUNS", 0)
     plan, rep = _planned_exactly(0.5, inductor)
     assert plan.gemms_recomputed and plan.kept + plan.transient <= 0.5 * plan.unconstrained, plan.to_dict()
     assert "keeping attention" in rep.render(width=200)
@@ -160,7 +165,7 @@ def test_vendor_sdpa_stand_in_is_costed_as_attention():
     attention's measured rate (not by bytes moved), kept by selective runs, causal half of full."""
     from opsmath.kernels import spec_of
     from opsmath.kernels.attention_tuning import sdpa
-    from opsmath.segments import is_fused_compute
+    from opsmath.selective import is_fused_compute
     spec = spec_of(sdpa)
     assert spec is spec_of(torch.ops.opsmath.attention.default) and spec.family == "attention"
     assert is_fused_compute(sdpa) and spec.efficiency < 1

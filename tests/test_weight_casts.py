@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opsmath
-from opsmath import analysis, backend, weight_casts
+from opsmath import analysis, backend, plan_choice, weight_casts
 from tolerance import grads_close
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -126,6 +126,33 @@ def test_inductors_partition_counts_the_weight_copies_apart(monkeypatch):
     assert sum(b for _, _, b in found["saved"].pairs) + copies == sum(found["saved"].values())
 
 
+def test_weight_copies_are_found_past_the_graphs_own_constants(monkeypatch):
+    """A tensor built in ``forward`` becomes a constant of the captured graph (a buffer, as HF models'
+    ``_tensor_constant0``), which AOTAutograd puts before the inputs: every matmul weight's copy still
+    counts, the last ones included."""
+    found = {}
+    real = analysis.partitioned_saved_bytes
+
+    def record(gm, inputs):
+        found["buffers"], found["saved"] = dict(gm.named_buffers()), real(gm, inputs)
+        return found["saved"]
+    monkeypatch.setattr(backend, "partitioned_saved_bytes", record)
+
+    class Scaled(LM):
+        def forward(self, idx, tgt):
+            x = self.emb(idx) * torch.tensor([1.0])
+            for b in self.blocks:
+                x = b(x)
+            return F.cross_entropy(self.head(x).float().flatten(0, 1), tgt.flatten())
+    model = Scaled()
+    idx = torch.randint(0, 96, (3, 37))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        opsmath.optimize(model, memory_budget=1.0, inductor=True)(idx, idx).backward()
+    assert found["buffers"]
+    copies = sum(2 * p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "emb" not in name)
+    assert sum(found["saved"].casts.values()) == copies
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_light_budget_recomputes_copies_and_the_activation_product_bit_exactly(monkeypatch, device):
     """At 0.9 the cheapest plan takes weight copies and a "selective-free" run (silu and the product,
@@ -134,6 +161,7 @@ def test_a_light_budget_recomputes_copies_and_the_activation_product_bit_exactly
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     monkeypatch.setattr(backend.offload, "link_for", lambda *a: None)   # on CUDA offload is a choice too
+    monkeypatch.setattr(plan_choice, "FINER_RUNS", 0)   # no GEMM recomputed: test_plan_tensors.py has those
     ref, _, ref_loss = step(None, device=device)
     found = {}
     model, optimized, loss = step(0.9, monkeypatch, found, device)
@@ -173,7 +201,8 @@ def test_a_norms_bf16_copy_is_freed_with_the_norm(monkeypatch):
     bit-identical to the untagged graph's."""
     from opsmath.plan import clone_graph_module
     from opsmath.plan_emit import tag_recompute
-    from opsmath.segments import Segment, forward_order, saved_index, selective
+    from opsmath.segments import Segment, forward_order
+    from opsmath.selective import saved_index, selective
     found = {}
     _, optimized, _ = step(1.0, monkeypatch, found)
     saved, inputs = found["saved"], found["inputs"]

@@ -1,0 +1,93 @@
+"""``"selective-tensors"`` runs (``selective.finer``): the recompute plan frees a saved tensor at a time,
+GEMM outputs among them, where that costs less per byte than a whole recompute. Each candidate must free
+exactly what it counts under Inductor's partition, keep every gradient within the tolerance rule, and never
+be combined with a step that recomputes a value it assumes kept."""
+import shutil
+
+import pytest
+import torch
+
+import opsmath
+from opsmath import analysis, backend
+from opsmath.plan import clone_graph_module
+from opsmath.plan_choice import choose
+from opsmath.plan_emit import tag_recompute
+from opsmath.plan_solve import Step, conflicts
+from opsmath.segments import Segment, forward_order, runs_of, segments_of
+from opsmath.selective import finer, saved_index, saved_storages, is_compute
+from test_weight_casts import step
+from tolerance import assert_rule
+
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                               reason="Inductor on CPU needs a C++ compiler")
+
+
+def _grads(graph, inputs, autocast=True):
+    params = [t for t in inputs if isinstance(t, torch.nn.Parameter)]
+    for p in params:
+        p.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = backend.compile_fx(clone_graph_module(graph), list(inputs))(*inputs)
+    (out[0] if isinstance(out, (tuple, list)) else out).backward()
+    return [p.grad.clone() for p in params]
+
+
+@needs_cxx
+def test_each_candidate_frees_what_it_counts_and_keeps_gradients_bit_exact(monkeypatch):
+    """On an autocast LM (fp32 weights, LLaMA MLP blocks) every nested candidate of every block's run:
+    the partition of the tagged graph saves the unplanned bytes less the candidate's saving (GEMM
+    outputs and their weights' copies among what it frees); the largest one recomputes a GEMM, and its
+    gradients hold the tolerance rule against the untagged step's, both measured against fp32."""
+    found = {}
+    _, optimized, _ = step(1.0, monkeypatch, found)
+    saved, inputs = found["saved"], found["inputs"]
+    graph = opsmath.report(optimized).graphs[0].graph
+    order = forward_order(graph)
+    index = saved_index(saved.pairs, True, saved.casts, saved.copies)
+    kept = saved_storages(order, index)
+    runs = runs_of(graph, segments_of(graph, saved))
+    checked = 0
+    for (i, j), run in sorted(runs.items()):
+        if j != i:
+            continue
+        for cand in finer(order, run, index, kept):
+            gm = clone_graph_module(graph)
+            tag_recompute(gm, [cand], [], [0])
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                tagged = analysis.partitioned_saved_bytes(gm, inputs)
+            assert sum(saved.values()) - sum(tagged.values()) == cand.saving, (i, sorted(cand.only))
+            checked += 1
+    assert checked >= 4
+    # the most a block's run frees: its GEMM outputs are recomputed, and the gradients do not change
+    best = max((c for (i, j), run in runs.items() if i == j for c in finer(order, run, index, kept)),
+               key=lambda c: c.saving)
+    by_name = {n.name: n for n in order}
+    assert any(is_compute(by_name[n].target) for n in best.only) and best.casts > 0
+    gm = clone_graph_module(graph)
+    tag_recompute(gm, [best], [], [0])
+    # a GEMM recomputed inside Inductor's backward graph rounds its bf16 output apart from the forward's
+    # (as a whole recompute does): the tolerance rule against the step in fp32
+    ref = _grads(graph, inputs, autocast=False)
+    for k, (a, b) in enumerate(zip(_grads(gm, inputs), _grads(graph, inputs))):
+        assert_rule(a, b, ref[k], name=f"parameter {k}")
+
+
+def test_a_step_is_dropped_where_another_recomputes_what_it_reads():
+    """Segment 1 has two candidates: one (frees 80, 1 s) reads a value made in segment 0 (``reads``),
+    assumed kept, the other (frees 70, 3 s) reads nothing from before; segment 0's only candidate
+    recomputes that value. At 150 bytes the first two must free most of theirs, and the cheapest choice
+    is the conflicting pair (``conflicts`` names it): ``choose`` returns the other."""
+    segs = [Segment(0, 2, 100, 10, 10.0), Segment(3, 5, 100, 10, 10.0), Segment(6, 8, 100, 10, 10.0)]
+    runs = {(i, i): sg for i, sg in enumerate(segs)}
+    reader = Segment(3, 5, 80, 0, 1.0, only=frozenset({"b"}), reads=frozenset({(1, "a")}))
+    other = Segment(3, 5, 70, 0, 3.0, only=frozenset({"c"}))
+    sel = {(0, 0, "selective-free"): Segment(0, 2, 80, 0, 1.0, only=frozenset({"a"})),
+           (1, 1, "selective-tensors"): [reader, other],
+           (2, 2, "selective-free"): Segment(6, 8, 90, 0, 1.0, only=frozenset({"d"}))}
+    first = Step(0, 0, "selective-free", 80, 1.0, 80, frozenset({"a"}))
+    reads = Step(1, 1, "selective-tensors", 80, 1.0, 80, frozenset({"b"}), frozenset({(1, "a")}))
+    assert conflicts(segs, [first, reads]) == [reads]
+    assert conflicts(segs, [Step(0, 0, "casts", 5, 0.1, 5), reads]) == []
+    got, kept, _, cost = choose(segs, runs, 0, "bytes", 150, sel=sel)
+    assert [(st.i, st.saving) for st in got] == [(0, 80), (1, 70)]
+    assert cost == 4.0 and kept == 150 and not conflicts(segs, got)
