@@ -30,11 +30,12 @@ from _models import GPT2_SMALL, build, build_llama, gpt2_batch
 
 
 class Variant:
-    def __init__(self, name, budget, cuda_graphs, batch, llama=False, measured=False, cheap=True):
+    def __init__(self, name, budget, cuda_graphs, batch, llama=False, measured=False, steps="all"):
         self.name, self.batch, self.wall, self.host = name, batch, [], []
         model = build_llama({}, "cuda", "eager") if llama else build(GPT2_SMALL, "cuda", "eager")
         # read when a graph is planned (and re-planned, in the warm-up steps)
-        env = {"OPSMATH_MEASURED_COSTS": "1" if measured else "0", "OPSMATH_CHEAP_STEPS": "1" if cheap else "0"}
+        env = {"OPSMATH_MEASURED_COSTS": "1" if measured else "0", "OPSMATH_CHEAP_STEPS": "0" if steps == "none" else "1",
+               "OPSMATH_TENSOR_STEPS": "1" if steps == "all" else "0"}
         os.environ.update(env)
         try:
             self.model = opsmath.optimize(model, memory_budget=budget, cuda_graphs=cuda_graphs)
@@ -81,7 +82,7 @@ class Variant:
                     plans=[{k: p.get(k) for k in ("budget", "budget_bytes", "budget_share", "unconstrained", "kept",
                                                   "predicted_peak", "expected_peak", "measured_peak", "excess",
                                                   "head_excess", "recompute_seconds", "measured_ops", "chosen", "selective",
-                                                  "casts", "offloaded")}
+                                                  "casts", "tensors", "offloaded")}
                            for p in plans])
 
 
@@ -99,6 +100,8 @@ def main():
     ap.add_argument("--without-cheap-steps", action="store_true",
                     help="each budget also planned with OPSMATH_CHEAP_STEPS=0 (no weight copies or selective-free "
                          "runs), with measured costs where --measured-costs")
+    ap.add_argument("--without-tensor-steps", action="store_true",
+                    help="each budget also planned with OPSMATH_TENSOR_STEPS=0 (no selective-tensors runs)")
     ap.add_argument("--measured-only", action="store_true", help="the budgets planned with measured costs only")
     args = ap.parse_args()
     llama = args.model == "llama"
@@ -109,22 +112,23 @@ def main():
     # recompiled in the first timed round (the 2026-12-02 run's 96 ms round)
     torch._dynamo.reset()
     budgets = [b for b in args.budgets.split(",") if b]
-    specs = [("no budget", None, False, True)] + [(f"budget {b}", float(b), False, True) for b in budgets
-                                                    if not args.measured_only]
+    specs = [("no budget", None, False, "all")] + [(f"budget {b}", float(b), False, "all") for b in budgets
+                                                     if not args.measured_only]
     if args.measured_costs or args.measured_only:   # the same budgets planned from each op's time measured on the GPU (op_times)
-        specs += [(f"budget {b} (measured costs)", float(b), True, True) for b in budgets]
-    if args.without_cheap_steps:
-        m = args.measured_costs or args.measured_only
-        specs += [(f"budget {b} ({'measured costs, ' if m else ''}without cheap steps)", float(b), m, False)
-                  for b in budgets]
+        specs += [(f"budget {b} (measured costs)", float(b), True, "all") for b in budgets]
+    m = args.measured_costs or args.measured_only
+    for flag, steps, what in ((args.without_tensor_steps, "cheap", "tensor"), (args.without_cheap_steps, "none", "cheap")):
+        if flag:
+            specs += [(f"budget {b} ({'measured costs, ' if m else ''}without {what} steps)", float(b), m, steps)
+                      for b in budgets]
     graphs = (False,) if args.no_cuda_graphs else (True,) if args.cuda_graphs_only else (False, True)
     variants = []
     for cg in graphs:
-        for name, budget, measured, cheap in specs:
+        for name, budget, measured, steps in specs:
             label = name + (" + CUDA graphs" if cg else "")
             try:
                 t0 = time.perf_counter()
-                variants.append(Variant(label, budget, cg, batch, llama, measured, cheap))
+                variants.append(Variant(label, budget, cg, batch, llama, measured, steps))
                 print(f"{label}: built and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
             except Exception as e:  # noqa: BLE001  (reported, the others still run)
                 print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -3,6 +3,8 @@ solve of one segmentation under a budget (``choose``, over ``plan_solve``'s DP),
 of a choice, each gradient's segment, and the cheapest feasible segmentation (``best_option``)."""
 from __future__ import annotations
 
+import os
+
 import torch.fx as fx
 
 from .budget import InfeasibleBudget, _size
@@ -125,7 +127,8 @@ def best_option(gm, options, resident: int, kind: str, value: float, link=None, 
         runs = runs_of(gm, sg)
         sel = {(*ij, k): c for ij, run in runs.items() for k in kinds if ij[1] - ij[0] < SELECTIVE_RUNS
                and (c := selective(order, run, index, k, index.tagged)) is not None}
-        if index is not None and index.tagged:   # recompute sets below a run, a saved tensor at a time
+        if index is not None and index.tagged and os.environ.get("OPSMATH_TENSOR_STEPS", "1") != "0":
+            # recompute sets below a run, a saved tensor at a time ("0": the plan without them, to compare)
             kept = saved_storages(order, index)
             sel.update({(*ij, TENSORS): c for ij, run in runs.items() if ij[1] - ij[0] < FINER_RUNS
                         and (c := finer(order, run, index, kept))})
