@@ -59,7 +59,11 @@ def test_each_candidate_frees_what_it_counts_within_the_tolerance_rule(monkeypat
             tag_recompute(gm, [cand], [], [0])
             with torch.autocast(device, dtype=torch.bfloat16):
                 tagged = analysis.partitioned_saved_bytes(gm, inputs)
-            assert sum(saved.values()) - sum(tagged.values()) == cand.saving, (i, sorted(cand.only))
+            freed = sum(saved.values()) - sum(tagged.values())
+            # exact on CPU; on CUDA a recomputed value the candidate counts as kept in its stead can be
+            # found saved anyway (the safe side): never less freed than counted, never more than recomputed
+            assert (freed == cand.saving) if device == "cpu" else cand.saving <= freed <= cand.saved, \
+                (i, sorted(cand.only))
             checked += 1
     assert checked >= 4
     # the most a block's run frees: its GEMM outputs are recomputed, and the gradients do not change
