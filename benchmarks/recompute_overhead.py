@@ -1,7 +1,9 @@
 """What a memory budget costs a training step, taken apart: wall time, host (enqueue) time and GPU kernel
 time per step, for GPT-2-small (nanoGPT, B8 T1024, bf16 autocast, fused AdamW) or with ``--model llama``
 HF LLaMA 1.1B (``_models.llama_config``, SDPA, fp32 weights, bf16 autocast, B4 T2048), without a budget
-and under fractional budgets, each with and without CUDA-graph replay, interleaved in one process.
+and under fractional budgets, each with and without CUDA-graph replay, interleaved in one process;
+with ``--anchors`` also ``torch.compile`` unconstrained and with ``activation_memory_budget`` at each
+budget, PyTorch's own lever, in the same rounds.
 
 * ``wall``: step start to ``synchronize`` (median over rounds of the median of ``--steps`` steps).
 * ``host``: step start until ``step()`` returns, before the sync: the CPU's own time to enqueue the step
@@ -30,7 +32,11 @@ from _models import GPT2_SMALL, build, build_llama, gpt2_batch
 
 
 class Variant:
-    def __init__(self, name, budget, cuda_graphs, batch, llama=False, measured=False, steps="all"):
+    """One way to train the model, built and warmed up. ``anchor`` (a fraction, 1.0 for none): plain
+    ``torch.compile`` of the SDPA model with ``torch._functorch.config.activation_memory_budget`` set
+    while it compiles (the partitioner reads it when the joint graph is split), instead of opsmath."""
+
+    def __init__(self, name, budget, cuda_graphs, batch, llama=False, measured=False, steps="all", anchor=None):
         self.name, self.batch, self.wall, self.host = name, batch, [], []
         model = build_llama({}, "cuda", "eager") if llama else build(GPT2_SMALL, "cuda", "eager")
         # read when a graph is planned (and re-planned, in the warm-up steps)
@@ -38,10 +44,12 @@ class Variant:
                "OPSMATH_TENSOR_STEPS": "1" if steps == "all" else "0"}
         os.environ.update(env)
         try:
-            self.model = opsmath.optimize(model, memory_budget=budget, cuda_graphs=cuda_graphs)
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
-            for _ in range(5):   # capture, plan, compile, CUDA-graph recording, optimizer state
-                self.step()
+            with torch._functorch.config.patch(activation_memory_budget=1.0 if anchor is None else anchor):
+                self.model = (torch.compile(model) if anchor is not None else
+                              opsmath.optimize(model, memory_budget=budget, cuda_graphs=cuda_graphs))
+                self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+                for _ in range(5):   # capture, plan, compile, CUDA-graph recording, optimizer state
+                    self.step()
         finally:
             for k in env:
                 os.environ.pop(k)
@@ -74,7 +82,8 @@ class Variant:
         self.host.append(statistics.median(host))
 
     def row(self):
-        plans = [g.plan.to_dict() for g in opsmath.report(self.model).graphs if g.plan is not None]
+        graphs = opsmath.report(self.model).graphs if hasattr(self.model, "_opsmath") else []
+        plans = [g.plan.to_dict() for g in graphs if g.plan is not None]
         return dict(name=self.name, wall_ms=statistics.median(self.wall), wall_min=min(self.wall),
                     wall_max=max(self.wall), host_ms=statistics.median(self.host),
                     gpu_ms=sum(kernel_ms(self.step, calls=3).values()), peak_gib=self.peak_gib,
@@ -84,6 +93,18 @@ class Variant:
                                                   "head_excess", "recompute_seconds", "measured_ops", "chosen", "selective",
                                                   "casts", "tensors", "offloaded")}
                            for p in plans])
+
+
+def _built(label, *args, **kw):
+    """``Variant(label, ...)``, or None with the error printed (the other variants still run)."""
+    try:
+        t0 = time.perf_counter()
+        v = Variant(label, *args, **kw)
+        print(f"{label}: built and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
+        return v
+    except Exception as e:  # noqa: BLE001
+        print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
 
 
 def main():
@@ -103,6 +124,9 @@ def main():
     ap.add_argument("--without-tensor-steps", action="store_true",
                     help="each budget also planned with OPSMATH_TENSOR_STEPS=0 (no selective-tensors runs)")
     ap.add_argument("--measured-only", action="store_true", help="the budgets planned with measured costs only")
+    ap.add_argument("--anchors", action="store_true",
+                    help="also torch.compile of the SDPA model, unconstrained and with activation_memory_budget at "
+                         "each budget (no CUDA graphs), in the same rounds")
     args = ap.parse_args()
     llama = args.model == "llama"
     batch = gpt2_batch(B=4, T=2048) if llama else gpt2_batch()
@@ -122,27 +146,26 @@ def main():
             specs += [(f"budget {b} ({'measured costs, ' if m else ''}without {what} steps)", float(b), m, steps)
                       for b in budgets]
     graphs = (False,) if args.no_cuda_graphs else (True,) if args.cuda_graphs_only else (False, True)
-    variants = []
-    for cg in graphs:
-        for name, budget, measured, steps in specs:
-            label = name + (" + CUDA graphs" if cg else "")
-            try:
-                t0 = time.perf_counter()
-                variants.append(Variant(label, budget, cg, batch, llama, measured, steps))
-                print(f"{label}: built and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
-            except Exception as e:  # noqa: BLE001  (reported, the others still run)
-                print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    for _ in range(args.rounds):   # A B A B: the host's noise falls on every variant
+    variants = [_built(name + (" + CUDA graphs" if cg else ""), budget, cg, batch, llama, measured, steps)
+                for cg in graphs for name, budget, measured, steps in specs]
+    if args.anchors:
+        variants += [_built("torch.compile" + (f", activation_memory_budget={f}" if f < 1 else ""),
+                            None, False, batch, llama, anchor=f) for f in [1.0] + [float(b) for b in budgets]]
+    variants = [v for v in variants if v is not None]
+    for i in range(args.rounds):   # A B A B: the host's noise falls on every variant
         for v in variants:
             v.timed(args.steps)
+        print(f"round {i}: " + ", ".join(f"{v.name} {v.wall[-1]:.2f}" for v in variants), flush=True)
     rows = [v.row() for v in variants]
     base = {cg: next((r for r in rows if r["name"] == "no budget" + cg), None) for cg in ("", " + CUDA graphs")}
-    for r in rows:
-        b = base[" + CUDA graphs" if r["name"].endswith("CUDA graphs") else ""]
+    base["torch.compile"] = next((r for r in rows if r["name"] == "torch.compile"), None)
+    for r in rows:   # an anchor's overhead is against torch.compile unconstrained
+        b = base["torch.compile" if r["name"].startswith("torch.compile")
+                 else " + CUDA graphs" if r["name"].endswith("CUDA graphs") else ""]
         if b is not None:
             r["wall_overhead"], r["gpu_overhead"] = r["wall_ms"] / b["wall_ms"] - 1, r["gpu_ms"] / b["gpu_ms"] - 1
         print(f"{r['name']:60} wall {r['wall_ms']:7.2f} ms [{r['wall_min']:.2f}-{r['wall_max']:.2f}] "
-              f"host {r['host_ms']:7.2f} gpu {r['gpu_ms']:7.2f} peak {r['peak_gib']:.2f} GiB"
+              f"host {r['host_ms']:7.2f} gpu {r['gpu_ms']:7.2f} peak {r['peak_gib']:.2f} step peak {r['step_peak_gib']:.2f} GiB"
               + (f"  overhead wall {r['wall_overhead']:+.1%} gpu {r['gpu_overhead']:+.1%}" if b else ""), flush=True)
     out = dict(rows=rows, model=args.model, config="llama_config" if llama else GPT2_SMALL,
                batch=[4, 2048] if llama else [8, 1024])
