@@ -18,7 +18,9 @@
    fused ops (attention) kept; under Inductor also only the cheap ops computable from what is kept anyway
    (``"selective-free"``: an activation product from its saved GEMM outputs, at no kept cost), and a
    segment's weights' low-precision copies (autocast's, ``weight_casts``) recomputed instead of saved,
-   alone or beside a selective run (``OPSMATH_CHEAP_STEPS=0`` plans without these two). On CUDA under
+   alone or beside a selective run (``OPSMATH_CHEAP_STEPS=0`` plans without these two); and, nested
+   in a run, one saved tensor's producer at a time with what it needs (``"selective-tensors"``,
+   ``selective.finer``; ``OPSMATH_TENSOR_STEPS=0`` plans without them). On CUDA under
    Inductor a segment may instead send what it keeps to host
    memory (``offload.py``: kept, or recomputed with its inputs on the host), at the modelled cost of
    the copies over this machine's measured host link.
