@@ -31,6 +31,18 @@ from _harness import kernel_ms, write
 from _models import GPT2_SMALL, build, build_llama, gpt2_batch
 
 
+def _inductor_under(budget):
+    """Inductor with ``activation_memory_budget=budget`` while it partitions. A backend object of its own:
+    dynamo reuses a compiled frame for any equal backend, and ``torch.compile(model)`` of a second instance
+    of the same class would run the first anchor's graph (its partition, whatever the config says)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+    return backend
+
+
 class Variant:
     """One way to train the model, built and warmed up. ``anchor`` (a fraction, 1.0 for none): plain
     ``torch.compile`` of the SDPA model with ``torch._functorch.config.activation_memory_budget`` set
@@ -44,12 +56,11 @@ class Variant:
                "OPSMATH_TENSOR_STEPS": "1" if steps == "all" else "0"}
         os.environ.update(env)
         try:
-            with torch._functorch.config.patch(activation_memory_budget=1.0 if anchor is None else anchor):
-                self.model = (torch.compile(model) if anchor is not None else
-                              opsmath.optimize(model, memory_budget=budget, cuda_graphs=cuda_graphs))
-                self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
-                for _ in range(5):   # capture, plan, compile, CUDA-graph recording, optimizer state
-                    self.step()
+            self.model = (torch.compile(model, backend=_inductor_under(anchor)) if anchor is not None else
+                          opsmath.optimize(model, memory_budget=budget, cuda_graphs=cuda_graphs))
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+            for _ in range(5):   # capture, plan, compile, CUDA-graph recording, optimizer state
+                self.step()
         finally:
             for k in env:
                 os.environ.pop(k)
@@ -124,9 +135,9 @@ def main():
     ap.add_argument("--without-tensor-steps", action="store_true",
                     help="each budget also planned with OPSMATH_TENSOR_STEPS=0 (no selective-tensors runs)")
     ap.add_argument("--measured-only", action="store_true", help="the budgets planned with measured costs only")
-    ap.add_argument("--anchors", action="store_true",
-                    help="also torch.compile of the SDPA model, unconstrained and with activation_memory_budget at "
-                         "each budget (no CUDA graphs), in the same rounds")
+    ap.add_argument("--anchors", default="",
+                    help="fractions, e.g. 0.5,0.25: also torch.compile of the SDPA model, unconstrained and with "
+                         "activation_memory_budget at each (no CUDA graphs), in the same rounds")
     args = ap.parse_args()
     llama = args.model == "llama"
     batch = gpt2_batch(B=4, T=2048) if llama else gpt2_batch()
@@ -150,7 +161,8 @@ def main():
                 for cg in graphs for name, budget, measured, steps in specs]
     if args.anchors:
         variants += [_built("torch.compile" + (f", activation_memory_budget={f}" if f < 1 else ""),
-                            None, False, batch, llama, anchor=f) for f in [1.0] + [float(b) for b in budgets]]
+                            None, False, batch, llama, anchor=f)
+                     for f in [1.0] + [float(b) for b in args.anchors.split(",")]]
     variants = [v for v in variants if v is not None]
     for i in range(args.rounds):   # A B A B: the host's noise falls on every variant
         for v in variants:
