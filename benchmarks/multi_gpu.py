@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -192,8 +193,15 @@ def main():
         print("wrote", write(f"multi_gpu-{'nccl' if 'cuda' in device else 'gloo'}-{args.model}-{args.wrap}-{args.variant}"
                                 + ("-single" if args.single else ""), row))
     if not args.single:
+        del model, prof   # DDP's reducer holds the process group: dropped while its worker is idle
         dist.barrier()
         dist.destroy_process_group()
+        # a gloo worker thread can still be freeing the barrier's work, which needs the GIL, while the
+        # process group's destructor joins it holding the GIL (seen on a 2-core CI host: rank 0 never
+        # exited): skip the native teardown once everything is written
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def check(args, model, rank):
@@ -225,7 +233,6 @@ def check(args, model, rank):
 def smoke():
     """torchrun-equivalent on CPU: 2 gloo ranks (DDP, then FSDP2) and the single-process check."""
     import subprocess
-    import sys
     import tempfile
     here = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory() as d:
