@@ -4,13 +4,14 @@ of a choice, each gradient's segment, and the cheapest feasible segmentation (``
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch.fx as fx
 
 from .budget import InfeasibleBudget, _size
-from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, conflicts, suffix
+from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, conflicts, credited, suffix
 from .segments import Segment, forward_order, runs_of
-from .selective import KEEPS, TENSORS, finer, saved_storages, selective
+from .selective import KEEPS, TENSORS, finer, held_inputs, saved_storages, selective
 
 # selective candidates span runs of up to this many segments (a norm's output is often saved by the GEMM
 # of the next segment: the run must hold both for the norm's recompute to free it)
@@ -27,7 +28,7 @@ def _rank(choice) -> tuple:
 
 def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, budget: float,
            units: int = 4096, link: float | None = None, sel: dict | None = None, grads: list | None = None,
-           head: int = 0, kept_cap: float | None = None) -> tuple[list[Step], int, int, float]:
+           head: int = 0, kept_cap: float | None = None, held: dict | None = None) -> tuple[list[Step], int, int, float]:
     """(chosen steps, kept bytes, transient bytes, cost) at the least modelled cost subject to the budget:
     one exact DP (``plan_solve._solve``) in which every step's own backward must fit, so no candidate
     "largest transient" needs enumerating. ``runs`` maps (i, j) to segments i..j recomputed as one unit
@@ -37,8 +38,9 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     at every point of backward with the gradients allocated by then (``plan_solve.suffix``) instead of
     all of them from the start. ``head``: bytes live at the end of the forward alone (the loss's
     measured workspace). ``kept_cap``: a bound on the activation bytes kept at the end of the forward
-    alone, tighter than the budget (``_at_floor``). Raises InfeasibleBudget naming the smallest feasible
-    budget."""
+    alone, tighter than the budget (``_at_floor``). ``held``: runs counted without the inputs saved anyway
+    (``selective.held_inputs``), each a second whole-recompute step beside the run as counted. Raises
+    InfeasibleBudget naming the smallest feasible budget."""
     total, n = sum(s.saved for s in segs), len(segs)
     after = suffix(grads, n)
     base = resident - after[0]   # resident without the gradients backward allocates
@@ -57,6 +59,9 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
         for st in (bad if attempt < 7 else [s for sts in steps.values() for s in sts if s.reads]):
             steps[st.i] = [s for s in steps[st.i] if s != st]
         picked = _solve(n, steps, unit, prefix, limit, after, head, kept_cap)
+    if picked is not None and held:
+        picked = _with_held(segs, steps, picked, held, (n, unit, prefix, limit, after, head, kept_cap),
+                            max(runs[ij].inputs - h.inputs for ij, h in held.items()))
     if picked is None:
         sizes = sorted({st.size for sts in steps.values() for st in sts})
         # a reachable peak to bisect from: kept + the largest transient, at a few transient caps
@@ -69,6 +74,33 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
             + (f", fraction {max(0.0, smallest - after[0]) / total:.3f}" if total else "") + ")", floor)
     kept = total - sum(st.saving for st in picked)
     return picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked)
+
+
+def _with_held(segs: list[Segment], steps: dict, picked: list[Step], held: dict, dp: tuple,
+               one: int = 0) -> list[Step]:
+    """``picked`` credited with the inputs its whole recomputes keep anyway (``plan_solve.credited``), and
+    the plan solved again under the limit raised by that credit (or ``one``, the largest single run's, if
+    more), kept where its own credited peak still fits the real limit and it costs less (halving the credit
+    where it does not; 4 solves at most): the DP counts every recompute's inputs, so alone it would
+    recompute more than the budget needs."""
+    n, unit, prefix, limit, after, head, kept_cap = dp
+    total = prefix[-1]
+    best = credited(segs, picked, held)
+    extra = max(one, sum(a.saving - b.saving for a, b in zip(best, picked)))
+    for _ in range(4):
+        if extra < unit:
+            break
+        trial = _solve(n, steps, unit, prefix, limit + extra, after, head,
+                       None if kept_cap is None else kept_cap + extra)
+        ok = trial is not None and not conflicts(segs, trial)
+        if ok:
+            trial = credited(segs, trial, held)
+            ok = _peak(segs, trial, after, head) <= limit and (
+                kept_cap is None or total - sum(st.saving for st in trial) <= kept_cap)
+        if ok and sum(st.cost for st in trial) < sum(st.cost for st in best):
+            return trial
+        extra /= 2
+    return best
 
 
 def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:
@@ -95,7 +127,8 @@ def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Se
             chosen.append(len(out))
         if st.kind != "recompute":
             kinds[len(out)] = "kept" if st.kind == "offload" else "inputs"
-        out.append(runs[(st.i, st.j)])
+        run = runs[(st.i, st.j)]   # a run whose inputs are saved anyway (``held_inputs``) keeps less
+        out.append(replace(run, inputs=run.saved - st.saving, reads=st.reads) if st.reads else run)
         i = st.j + 1
     return out, chosen, kinds
 
@@ -127,13 +160,14 @@ def best_option(gm, options, resident: int, kind: str, value: float, link=None, 
         runs = runs_of(gm, sg)
         sel = {(*ij, k): c for ij, run in runs.items() for k in kinds if ij[1] - ij[0] < SELECTIVE_RUNS
                and (c := selective(order, run, index, k, index.tagged)) is not None}
-        if index is not None and index.tagged and os.environ.get("OPSMATH_TENSOR_STEPS", "1") != "0":
+        kept = saved_storages(order, index) if index is not None and index.tagged else None
+        if kept is not None and os.environ.get("OPSMATH_TENSOR_STEPS", "1") != "0":
             # recompute sets below a run, a saved tensor at a time ("0": the plan without them, to compare)
-            kept = saved_storages(order, index)
             sel.update({(*ij, TENSORS): c for ij, run in runs.items() if ij[1] - ij[0] < FINER_RUNS
                         and (c := finer(order, run, index, kept))})
         try:
             got = choose(sg, runs, resident, kind, value, link=link, sel=sel,
+                         held=held_inputs(order, runs, kept) if kept is not None else None,
                          grads=grads_by_segment(gm, sg, grads) if grads else None, head=head, kept_cap=kept_cap)
         except InfeasibleBudget as e:
             errors.append(e)

@@ -18,7 +18,7 @@ not all at the start of backward.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -92,6 +92,21 @@ def conflicts(segs: list[Segment], picked: list[Step]) -> list[Step]:
             if t is not None and t.kind not in ("casts", "offload") and (t.only is None or name in t.only):
                 out.append(st)
                 break
+    return out
+
+
+def credited(segs: list[Segment], picked: list[Step], held: dict) -> list[Step]:
+    """``picked`` with each whole recompute whose inputs are saved anyway (``held``: (i, j) -> the run
+    counted without them, ``selective.held_inputs``) credited with them, where no other picked step
+    recomputes their producers (``conflicts``): the saving Inductor's partition then shows."""
+    out = []
+    for st in picked:
+        h = held.get((st.i, st.j)) if st.kind == "recompute" else None
+        if h is not None and h.saving > st.saving:
+            cand = replace(st, saving=h.saving, reads=h.reads)
+            if cand not in conflicts(segs, [cand, *(o for o in picked if o is not st)]):
+                st = cand
+        out.append(st)
     return out
 
 

@@ -12,9 +12,9 @@ from opsmath import analysis, backend
 from opsmath.plan import clone_graph_module
 from opsmath.plan_choice import choose
 from opsmath.plan_emit import tag_recompute
-from opsmath.plan_solve import Step, conflicts
+from opsmath.plan_solve import Step, conflicts, credited
 from opsmath.segments import Segment, forward_order, runs_of, segments_of
-from opsmath.selective import finer, saved_index, saved_storages, is_compute
+from opsmath.selective import finer, held_inputs, saved_index, saved_storages, is_compute
 from test_weight_casts import step
 from tolerance import assert_rule
 
@@ -99,3 +99,55 @@ def test_a_step_is_dropped_where_another_recomputes_what_it_reads():
     got, kept, _, cost = choose(segs, runs, 0, "bytes", 150, sel=sel)
     assert [(st.i, st.saving) for st in got] == [(0, 80), (1, 70)]
     assert cost == 4.0 and kept == 150 and not conflicts(segs, got)
+
+
+@needs_cxx
+def test_a_whole_recompute_frees_its_inputs_count_where_they_are_saved_anyway(monkeypatch):
+    """A whole recompute keeps its inputs for the recompute; a block's residual is saved anyway for the norm
+    that reads it, counted at its producer already. ``held_inputs`` takes those out of the run's inputs: the
+    partition of the run tagged alone frees exactly the credited saving (CPU), more than the run as counted."""
+    monkeypatch.setattr(backend.offload, "link_for", lambda *a: None)
+    found = {}
+    _, optimized, _ = step(1.0, monkeypatch, found)
+    saved, inputs = found["saved"], found["inputs"]
+    graph = opsmath.report(optimized).graphs[0].graph
+    order = forward_order(graph)
+    index = saved_index(saved.pairs, True, saved.casts, saved.copies)
+    runs = runs_of(graph, segments_of(graph, saved))
+    held = held_inputs(order, runs, saved_storages(order, index))
+    checked = 0
+    for (i, j), h in sorted(held.items()):
+        if j - i > 2 or h.start == 0:
+            continue
+        assert h.saving > runs[(i, j)].saving and h.reads
+        gm = clone_graph_module(graph)
+        tag_recompute(gm, [h], [0])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            tagged = analysis.partitioned_saved_bytes(gm, inputs)
+        assert sum(saved.values()) - sum(tagged.values()) == h.saving, (i, j)
+        checked += 1
+    assert checked >= 3
+
+
+def test_a_recompute_is_credited_only_where_no_other_step_recomputes_what_it_reads():
+    """Run 2..3 keeps 10 bytes of inputs made in segment 0 (``reads``): credited with them beside a kept
+    segment 0 or one whose weight copies alone recompute, not beside segment 0 recomputed."""
+    segs = [Segment(0, 2, 100, 0, 1.0), Segment(3, 5, 100, 10, 1.0), Segment(6, 8, 100, 10, 1.0),
+            Segment(9, 11, 100, 10, 1.0)]
+    run = Step(2, 3, "recompute", 190, 2.0, 200)
+    held = {(2, 3): Segment(6, 11, 200, 0, 2.0, reads=frozenset({(1, "a")}))}
+    assert credited(segs, [run], held)[0].saving == 200
+    assert credited(segs, [Step(0, 0, "casts", 5, 0.1, 5), run], held)[1].saving == 200
+    assert credited(segs, [Step(0, 0, "recompute", 100, 1.0, 100), run], held)[1].saving == 190
+    # six segments of 100 bytes, run i..j's inputs 10 (none for the first); each run from segment 2 on
+    # reads its inputs from segment 0, kept. At 500 bytes (kept and a recompute's transient) the runs as
+    # counted need 2..3 (190 bytes freed, 2 s); credited, segment 2 alone frees 100 for 1 s
+    segs = [Segment(3 * k, 3 * k + 2, 100, 0 if k == 0 else 10, 5.0 if k < 2 else 1.0) for k in range(6)]
+    runs = {(i, j): Segment(segs[i].start, segs[j].end, 100 * (j - i + 1), segs[i].inputs,
+                            sum(sg.cost for sg in segs[i:j + 1])) for i in range(6) for j in range(i, 6)}
+    held = {ij: Segment(r.start, r.end, r.saved, 0, r.cost, reads=frozenset({(1, "a")}))
+            for ij, r in runs.items() if ij[0] >= 2}
+    got, kept, _, cost = choose(segs, runs, 0, "bytes", 500)
+    assert [(st.i, st.j, st.saving) for st in got] == [(2, 3, 190)] and cost == 2.0
+    got, kept, _, cost = choose(segs, runs, 0, "bytes", 500, held=held)
+    assert [(st.i, st.j, st.saving) for st in got] == [(2, 2, 100)] and cost == 1.0 and kept == 500
