@@ -200,21 +200,26 @@ def held_inputs(order: list[fx.Node], runs: dict, kept: set) -> dict:
     origin: dict = {}   # storage -> its first producer (a view, a no-op ``.to``, reads it)
     for k, n in enumerate(order):
         origin.setdefault(_storage(n), (k, n.name))
-    out = {}
-    for ij, run in runs.items():
-        held, reads = set(), set()
-        for n in order[run.start:run.end + 1]:
-            for x in n.all_input_nodes:
-                st = _storage(x)
-                src = origin.get(st)
-                if x.op == "call_function" and st in kept and src is not None and src[0] < run.start \
-                        and st not in held:
-                    held.add(st)
-                    reads.add(src)
+    ins: list = [None] * len(order)   # per position: (storage, producer, bytes) of its inputs something saves
+
+    def inputs_at(p):
+        if ins[p] is None:
+            ins[p] = [(st, origin[st], _nbytes(x)) for x in order[p].all_input_nodes
+                      if x.op == "call_function" and (st := _storage(x)) in kept and st in origin]
+        return ins[p]
+    out, at, held, upto = {}, None, {}, 0
+    for i, j in sorted(runs):   # runs i..j, j growing: each run's positions read once per i
+        run = runs[(i, j)]
+        if at != i:
+            at, held, upto = i, {}, run.start
+        for p in range(upto, run.end + 1):
+            for st, src, nbytes in inputs_at(p):
+                if src[0] < run.start:
+                    held.setdefault(st, (src, nbytes))
+        upto = run.end + 1
         if held:
-            nbytes = sum(_nbytes(x) for x in {_storage(x): x for n in order[run.start:run.end + 1]
-                                              for x in n.all_input_nodes if _storage(x) in held}.values())
-            out[ij] = replace(run, inputs=max(0, run.inputs - nbytes), reads=frozenset(reads))
+            out[(i, j)] = replace(run, inputs=max(0, run.inputs - sum(b for _, b in held.values())),
+                                  reads=frozenset(src for src, _ in held.values()))
     return out
 
 
