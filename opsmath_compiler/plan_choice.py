@@ -11,7 +11,7 @@ import torch.fx as fx
 from .budget import InfeasibleBudget, _size
 from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, conflicts, credited, suffix
 from .segments import Segment, forward_order, runs_of
-from .selective import KEEPS, TENSORS, finer, held_inputs, saved_storages, selective
+from .selective import KEEPS, TENSORS, finer, held_inputs, origins, saved_storages, selective
 
 # selective candidates span runs of up to this many segments (a norm's output is often saved by the GEMM
 # of the next segment: the run must hold both for the norm's recompute to free it)
@@ -39,7 +39,8 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     all of them from the start. ``head``: bytes live at the end of the forward alone (the loss's
     measured workspace). ``kept_cap``: a bound on the activation bytes kept at the end of the forward
     alone, tighter than the budget (``_at_floor``). ``held``: runs counted without the inputs saved anyway
-    (``selective.held_inputs``), each a second whole-recompute step beside the run as counted. Raises
+    (``selective.held_inputs``): a chosen whole recompute is credited with them where no other chosen step
+    recomputes their producers, and the plan solved again under the credit (``_with_held``). Raises
     InfeasibleBudget naming the smallest feasible budget."""
     total, n = sum(s.saved for s in segs), len(segs)
     after = suffix(grads, n)
@@ -155,6 +156,7 @@ def best_option(gm, options, resident: int, kind: str, value: float, link=None, 
     placeholder, to plan against their timing (``choose``)."""
     best, errors = None, []
     order = forward_order(gm)
+    origin = origins(order)
     kinds = [k for k in KEEPS if index is not None and k != TENSORS and (index.tagged or k != "selective-free")]
     for label, sg in options:
         runs = runs_of(gm, sg)
@@ -164,10 +166,10 @@ def best_option(gm, options, resident: int, kind: str, value: float, link=None, 
         if kept is not None and os.environ.get("OPSMATH_TENSOR_STEPS", "1") != "0":
             # recompute sets below a run, a saved tensor at a time ("0": the plan without them, to compare)
             sel.update({(*ij, TENSORS): c for ij, run in runs.items() if ij[1] - ij[0] < FINER_RUNS
-                        and (c := finer(order, run, index, kept))})
+                        and (c := finer(order, run, index, kept, origin=origin))})
         try:
             got = choose(sg, runs, resident, kind, value, link=link, sel=sel,
-                         held=held_inputs(order, runs, kept) if kept is not None else None,
+                         held=held_inputs(order, runs, kept, origin) if kept is not None else None,
                          grads=grads_by_segment(gm, sg, grads) if grads else None, head=head, kept_cap=kept_cap)
         except InfeasibleBudget as e:
             errors.append(e)

@@ -187,19 +187,26 @@ def saved_storages(order: list[fx.Node], index: SavedIndex) -> set:
     return {_storage(n) for n in order if n.name in index.outputs}
 
 
-def held_inputs(order: list[fx.Node], runs: dict, kept: set) -> dict:
+def origins(order: list[fx.Node]) -> dict:
+    """Storage -> (position, name) of the first node in ``order`` that holds it: the producer an alias
+    (a view, a no-op ``.to``) reads, as ``Segment.reads`` names it."""
+    origin: dict = {}
+    for k, n in enumerate(order):
+        origin.setdefault(_storage(n), (k, n.name))
+    return origin
+
+
+def held_inputs(order: list[fx.Node], runs: dict, kept: set, origin: dict | None = None) -> dict:
     """For each whole-recompute run (``segments.runs_of``) of a graph whose saved bytes are read from a
     partitioner (``index.tagged``: attributed to their producers), the run with its inputs saved anyway
     taken out of ``inputs``: a value from before the run that something saves (``kept``, the storages of
     ``saved_storages``; a block's residual, saved for the norm that reads it) is counted at its producer
     already, and the run keeps it as a checkpoint input at no further cost, as long as its producer is
-    kept. ``reads`` names those producers, (position, name): the solver drops the run where another step
-    recomputes one (``plan_solve.conflicts``) and falls back on the run as counted. Only runs that
-    change: ``{(i, j): Segment}``. On HF LLaMA 1.1B (16 layers, a quarter of the activations) the plan
-    counted 300 MiB it did not keep, a whole recompute's input each."""
-    origin: dict = {}   # storage -> its first producer (a view, a no-op ``.to``, reads it)
-    for k, n in enumerate(order):
-        origin.setdefault(_storage(n), (k, n.name))
+    kept. ``reads`` names those producers, (position, name): a chosen run is credited only where no other
+    chosen step recomputes one (``plan_solve.credited``). Only runs that change: ``{(i, j): Segment}``.
+    On HF LLaMA 1.1B (16 layers, a quarter of the activations) the plan counted 0.29 GiB it did not keep,
+    a whole recompute's input each. ``origin``: ``origins(order)``, where already made."""
+    origin = origin if origin is not None else origins(order)
     ins: list = [None] * len(order)   # per position: (storage, producer, bytes) of its inputs something saves
 
     def inputs_at(p):
@@ -223,7 +230,8 @@ def held_inputs(order: list[fx.Node], runs: dict, kept: set) -> dict:
     return out
 
 
-def finer(order: list[fx.Node], seg: Segment, index: SavedIndex, kept: set, steps: int = FINER_STEPS) -> list[Segment]:
+def finer(order: list[fx.Node], seg: Segment, index: SavedIndex, kept: set, steps: int = FINER_STEPS,
+          origin: dict | None = None) -> list[Segment]:
     """The ``"selective-tensors"`` candidates of the run ``seg`` (module docstring): up to ``steps`` nested
     recompute sets, each the last plus the saved tensor (its producer and the unsaved values it needs
     within the run) that frees the most net bytes per modelled second. A saved value from before the run
@@ -234,9 +242,7 @@ def finer(order: list[fx.Node], seg: Segment, index: SavedIndex, kept: set, step
     saved (``saved_storages``). For a partitioner reading tags (``index.tagged``)."""
     nodes = order[seg.start:seg.end + 1]
     inside, pos = set(nodes), {n: k for k, n in enumerate(nodes)}
-    origin: dict = {}   # storage -> its producer before the run (an alias, a no-op ``.to``, reads it)
-    for k, n in enumerate(order[:seg.start]):
-        origin.setdefault(_storage(n), (k, n.name))
+    origin = origin if origin is not None else origins(order)   # a value from before the run: its producer
     # what a later run reads is never freed here: a candidate there may assume it kept
     escapes = {_storage(x) for x in nodes if any(u not in inside for u in x.users)}
     makers = [n for n in nodes if (n.name in index.makers or n.name in index.casts) and _storage(n) not in escapes]
