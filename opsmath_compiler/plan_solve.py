@@ -85,14 +85,16 @@ def conflicts(segs: list[Segment], picked: list[Step]) -> list[Step]:
     """The picked steps that read a saved value from before them (``Step.reads``) which another picked
     step recomputes: a step covering its producer that recomputes it (a whole recompute, a selective
     run naming it, or one recomputing all its cheap ops, GEMM outputs counted too: the safe side)."""
-    out = []
-    for st in picked:
-        for p, name in st.reads:
-            t = next((o for o in picked if segs[o.i].start <= p <= segs[o.j].end), None)
-            if t is not None and t.kind not in ("casts", "offload") and (t.only is None or name in t.only):
-                out.append(st)
-                break
-    return out
+    return [st for st in picked if _read_recomputed(segs, st, picked)]
+
+
+def _read_recomputed(segs: list[Segment], st: Step, picked: list[Step]) -> bool:
+    """A value ``st`` reads from before it (``st.reads``) is recomputed by the picked step covering its producer."""
+    for p, name in st.reads:
+        t = next((o for o in picked if segs[o.i].start <= p <= segs[o.j].end), None)
+        if t is not None and t.kind not in ("casts", "offload") and (t.only is None or name in t.only):
+            return True
+    return False
 
 
 def credited(segs: list[Segment], picked: list[Step], held: dict) -> list[Step]:
@@ -104,7 +106,7 @@ def credited(segs: list[Segment], picked: list[Step], held: dict) -> list[Step]:
         h = held.get((st.i, st.j)) if st.kind == "recompute" else None
         if h is not None and h.saving > st.saving:
             cand = replace(st, saving=h.saving, reads=h.reads)
-            if cand not in conflicts(segs, [cand, *(o for o in picked if o is not st)]):
+            if not _read_recomputed(segs, cand, picked):   # its reads lie before it: ``st`` covers none
                 st = cand
         out.append(st)
     return out
