@@ -8,6 +8,9 @@ choice).
    ``should_offload``: step time, peak memory and gradients against keeping everything and against
    recomputing the blocks; ``offload-async`` with the side-stream switches (torch 2.11's
    ``record_stream`` fake kernel replaced first: ``fix_stream_fakes``).
+3. opsmath's own offload (``opsmath_compiler/offload_async.py``: copies on a transfer stream, waits placed
+   where the modelled compute covers them): ``opsmath`` marks every block's GEMM outputs, ``opsmath-half``
+   the first half of the blocks' (what the forward's compute after them can hide).
 
     python benchmarks/host_link.py            # on the GPU
 """
@@ -117,6 +120,17 @@ def _mark(graph):
             n.meta["should_offload"] = True
 
 
+def _opsmath_offload(gm, inputs, half: bool):
+    """Inductor with opsmath's transfer-stream offload of the marked GEMM outputs."""
+    from torch._inductor.compile_fx import compile_fx
+    from opsmath import offload
+    gemms = [n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    for n in gemms[:len(gemms) // 2] if half else gemms:
+        n.meta["custom"] = {**(n.meta.get("custom") or {}), offload.OFFLOAD: True}
+    with torch._functorch.config.patch(enable_autograd_cache=False), offload.offloading(gm, inputs):
+        return compile_fx(gm, inputs)
+
+
 def offload_step(mode: str, switches: dict, steps: int = 5) -> dict:
     """One compiled step of ``Blocks`` with its GEMM outputs kept (``keep``), offloaded (``offload``,
     ``offload-async``) or its blocks recomputed (``recompute``)."""
@@ -127,6 +141,8 @@ def offload_step(mode: str, switches: dict, steps: int = 5) -> dict:
     x = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def backend(gm, inputs):
+        if mode.startswith("opsmath"):
+            return _opsmath_offload(gm, inputs, half=mode == "opsmath-half")
         for n in gm.graph.nodes:
             if n.op == "call_module" or (n.op == "call_function" and "linear" in str(n.target)):
                 if mode.startswith("offload"):
@@ -159,7 +175,12 @@ def offload_step(mode: str, switches: dict, steps: int = 5) -> dict:
                 t.append((time.perf_counter() - t0) * 1e3)
                 peak = torch.cuda.max_memory_allocated() - base
         grads = [p.grad.float().clone() for p in model.parameters()] + [x.grad.float().clone()]
-        return dict(mode=mode, ms=statistics.median(t), spread=[min(t), max(t)], peak_gib=peak / 2 ** 30, grads=grads)
+        row = dict(mode=mode, ms=statistics.median(t), spread=[min(t), max(t)], peak_gib=peak / 2 ** 30, grads=grads)
+        if mode.startswith("opsmath"):
+            from opsmath import offload_async
+            p = offload_async.placements[-1]
+            row.update(offloaded=len(p.names), offloaded_gib=p.nbytes / 2 ** 30, late=p.late)
+        return row
     except Exception as e:   # an unsupported switch on this torch: reported, not fatal
         return dict(mode=mode, error=f"{type(e).__name__}: {str(e)[:300]}")
 
@@ -182,7 +203,9 @@ def main():
                       + (f"  GEMM {r['gemm_ms']:.3f} ms ({r['gemm_ms'] / alone - 1:+.1%})" if busy else ""), flush=True)
     switches = offload_switches()
     print("torch", torch.__version__, "offload switches:", switches, flush=True)
-    steps = [offload_step(m, switches) for m in ("keep", "recompute", "offload", "offload-async")]
+    modes = ("keep", "recompute", "offload", "opsmath", "opsmath-half") if args.offload_only else \
+        ("keep", "recompute", "offload", "offload-async", "opsmath", "opsmath-half")
+    steps = [offload_step(m, switches) for m in modes]
     ref = steps[0].get("grads")
     for s in steps:
         g = s.pop("grads", None)

@@ -48,12 +48,13 @@ class Variant:
     ``torch.compile`` of the SDPA model with ``torch._functorch.config.activation_memory_budget`` set
     while it compiles (the partitioner reads it when the joint graph is split), instead of opsmath."""
 
-    def __init__(self, name, budget, cuda_graphs, batch, llama=False, measured=False, steps="all", anchor=None):
+    def __init__(self, name, budget, cuda_graphs, batch, llama=False, measured=False, steps="all", anchor=None,
+                 offload=True):
         self.name, self.batch, self.wall, self.host = name, batch, [], []
         model = build_llama({}, "cuda", "eager") if llama else build(GPT2_SMALL, "cuda", "eager")
         # read when a graph is planned (and re-planned, in the warm-up steps)
         env = {"OPSMATH_MEASURED_COSTS": "1" if measured else "0", "OPSMATH_CHEAP_STEPS": "0" if steps == "none" else "1",
-               "OPSMATH_TENSOR_STEPS": "1" if steps == "all" else "0"}
+               "OPSMATH_TENSOR_STEPS": "1" if steps == "all" else "0", "OPSMATH_OFFLOAD": "1" if offload else "0"}
         os.environ.update(env)
         try:
             self.model = (torch.compile(model, backend=_inductor_under(anchor)) if anchor is not None else
@@ -95,14 +96,17 @@ class Variant:
     def row(self):
         graphs = opsmath.report(self.model).graphs if hasattr(self.model, "_opsmath") else []
         plans = [g.plan.to_dict() for g in graphs if g.plan is not None]
-        return dict(name=self.name, wall_ms=statistics.median(self.wall), wall_min=min(self.wall),
+        per = kernel_ms(self.step, calls=3)
+        copies = {k: v for k, v in per.items() if k.startswith("Memcpy")}   # host copies (offload) apart
+        return dict(name=self.name, copies_ms=copies, gpu_compute_ms=sum(per.values()) - sum(copies.values()),
+                    wall_ms=statistics.median(self.wall), wall_min=min(self.wall),
                     wall_max=max(self.wall), host_ms=statistics.median(self.host),
-                    gpu_ms=sum(kernel_ms(self.step, calls=3).values()), peak_gib=self.peak_gib,
+                    gpu_ms=sum(per.values()), peak_gib=self.peak_gib,
                     step_peak_gib=self.step_peak_gib, rounds=self.wall,
                     plans=[{k: p.get(k) for k in ("budget", "budget_bytes", "budget_share", "unconstrained", "kept",
                                                   "predicted_peak", "expected_peak", "measured_peak", "excess",
                                                   "head_excess", "recompute_seconds", "measured_ops", "chosen", "selective",
-                                                  "casts", "tensors", "offloaded")}
+                                                  "casts", "tensors", "offloaded", "offloaded_bytes")}
                            for p in plans])
 
 
@@ -134,6 +138,8 @@ def main():
                          "runs), with measured costs where --measured-costs")
     ap.add_argument("--without-tensor-steps", action="store_true",
                     help="each budget also planned with OPSMATH_TENSOR_STEPS=0 (no selective-tensors runs)")
+    ap.add_argument("--without-offload", action="store_true",
+                    help="each budget also planned with OPSMATH_OFFLOAD=0 (recompute only, no host copies)")
     ap.add_argument("--measured-only", action="store_true", help="the budgets planned with measured costs only")
     ap.add_argument("--anchors", default="",
                     help="fractions, e.g. 0.5,0.25: also torch.compile of the SDPA model, unconstrained and with "
@@ -159,6 +165,9 @@ def main():
     graphs = (False,) if args.no_cuda_graphs else (True,) if args.cuda_graphs_only else (False, True)
     variants = [_built(name + (" + CUDA graphs" if cg else ""), budget, cg, batch, llama, measured, steps)
                 for cg in graphs for name, budget, measured, steps in specs]
+    if args.without_offload:
+        variants += [_built(f"budget {b} (without offload)", float(b), False, batch, llama, offload=False)
+                     for b in budgets]
     if args.anchors:
         variants += [_built("torch.compile" + (f", activation_memory_budget={f}" if f < 1 else ""),
                             None, False, batch, llama, anchor=f)
@@ -177,10 +186,13 @@ def main():
         if b is not None:
             r["wall_overhead"], r["gpu_overhead"] = r["wall_ms"] / b["wall_ms"] - 1, r["gpu_ms"] / b["gpu_ms"] - 1
         print(f"{r['name']:60} wall {r['wall_ms']:7.2f} ms [{r['wall_min']:.2f}-{r['wall_max']:.2f}] "
-              f"host {r['host_ms']:7.2f} gpu {r['gpu_ms']:7.2f} peak {r['peak_gib']:.2f} step peak {r['step_peak_gib']:.2f} GiB"
+              f"host {r['host_ms']:7.2f} gpu {r['gpu_ms']:7.2f} (copies {sum(r['copies_ms'].values()):.2f}) peak {r['peak_gib']:.2f} step peak {r['step_peak_gib']:.2f} GiB"
               + (f"  overhead wall {r['wall_overhead']:+.1%} gpu {r['gpu_overhead']:+.1%}" if b else ""), flush=True)
     out = dict(rows=rows, model=args.model, config="llama_config" if llama else GPT2_SMALL,
                batch=[4, 2048] if llama else [8, 1024])
+    from opsmath import offload_async
+    out["placements"] = [dict(tensors=len(p.names), gib=p.nbytes / 2**30, late=p.late) for p in offload_async.placements]
+    print("offload placements:", out["placements"], flush=True)
     for v in variants:
         if v.name == args.cprofile:
             pr = cProfile.Profile()

@@ -50,8 +50,8 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
     tagged = any("recompute" in n.meta for n in gm.graph.nodes) or offload.has_offload(gm) \
         or weight_casts.has_marks(gm)
     static_inputs(gm)
-    offloading, offload_pass = offload.offloading(gm)
-    passes = [p for p in (offload_pass, weight_casts.joint_pass(gm, example_inputs)) if p]
+    offloading = offload.offloading(gm, example_inputs)
+    passes = [p for p in (weight_casts.joint_pass(gm, example_inputs),) if p]
     patches = {"triton.cudagraphs": True} if cuda_graphs else {}
     if passes:   # after any joint-graph pass already configured
         patches["joint_custom_post_pass"] = functools.partial(
@@ -259,7 +259,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             by_node = partitioned or by_node
             plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model),
                                  how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
-                                 link=offload.link_for(example_inputs, how),
+                                 link=None if state.cuda_graphs else offload.link_for(example_inputs, how),
                                  grads=grad_bytes(ctx.gm, example_inputs))
             plan.estimated_by = "Inductor's partition" if partitioned else "eager autograd"
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs

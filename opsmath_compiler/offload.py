@@ -1,38 +1,67 @@
 """Offload, the recompute plan's third choice: a kept activation goes to host memory after its last
-forward use and comes back before its first backward use.
+forward use and comes back before its first backward use, its copies beside the compute.
 
-The copies are Inductor's own (``torch._functorch.config.enable_activation_offloading``): a forward node
-marked ``should_offload`` whose output the partitioner saves gets a ``device_put`` to the CPU after its
-last forward user, and the backward a ``device_put`` back before its first user. opsmath marks the nodes
-of its plan's offloaded segments (``meta["custom"][OFFLOAD]``, which AOTAutograd copies onto every
-joint-graph node traced from them) and a joint-graph pass turns the mark into ``should_offload``.
+opsmath marks the nodes of its plan's offloaded segments (``meta["custom"][OFFLOAD]``, which AOTAutograd
+copies onto every joint-graph node traced from them). After Inductor's partitioner has chosen what the
+forward saves, ``offload_async.place`` sends the marked saved tensors to pinned host memory on a transfer
+stream and brings them back ahead of their backward use (``offload_ops``), so the copies overlap the
+compute. (Inductor's own offload copies on the compute stream, and torch 2.11's side-stream variant fails
+or frees nothing before the forward's end: ``results/host_link-offload-*``.)
 
-Cost model: those copies run on the compute stream (torch 2.11's side-stream variant,
-``activation_offload_separate_stream``, fails in its fake-tensor kernel: ``results/host_link-offload-*``),
-so a tensor of ``b`` bytes costs ``2 b / link`` seconds of step time, where ``link`` is this machine's
-host-link bandwidth, measured once per process (``host_link``; 55 GB/s each way on the H200 host). The
-plan weighs that against recompute: at short sequences recompute is cheaper; offload pays where a
-segment's recompute is long (attention at long sequences) or where recompute alone cannot reach the
-budget (the tensors a recomputed block still keeps at its boundary).
+Cost model: a copy costs ``EXPOSED_SHARE * 2 b / link`` (``link``: this machine's host-link bandwidth,
+measured once per process, ``host_link``; 55 GB/s each way on the H200 host). The share is measured: HF
+LLaMA 1.1B at a quarter of its activations with 0.90 GiB offloaded (35 ms of copies out and back) took
+13.6 ms more a step than the plan without offload while recomputing about 4 ms less
+(``results/recompute_overhead-llama-offload-20261203.*``): half the copy time showed. A copy is placed
+under compute only while the forward's compute after it covers the queue of copies by ``MARGIN``
+(``late``); one that cannot be is waited for at once and priced at its whole time, and the plan solved
+again with that price (``plan_choice._late_priced``).
 
-Only on the Inductor path (the CUDA default) and on CUDA; the op-by-op path plans without offload.
+Only on the Inductor path (the CUDA default), on CUDA, and not under CUDA-graph replay (the host buffers
+are outside the graph's pool); the op-by-op path plans without offload.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 
 import torch
 import torch.fx as fx
 
 OFFLOAD = "opsmath_offload"   # meta["custom"] key of a node whose saved output the plan sends to the host
+EXPOSED_SHARE = 0.5   # of a placed copy's out-and-back time, what the step measured of it (docstring)
+MARGIN = 3.0          # modelled compute per copy second before a copy counts as placed under it
 
 
 def available(example_inputs, how: str) -> bool:
-    """Offload applies: the graph runs on CUDA, goes to Inductor, and this torch's partitioner offloads."""
-    return (how == "tag" and hasattr(torch._functorch.config, "enable_activation_offloading")
-            and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs))
+    """Offload applies: the graph runs on CUDA and goes to Inductor."""
+    return how == "tag" and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+
+
+def step_cost(nbytes: int, link: float, exposed: float = EXPOSED_SHARE) -> float:
+    """Modelled seconds an offload of ``nbytes`` adds: ``exposed`` of the copies' out-and-back time
+    (``EXPOSED_SHARE`` where the forward's compute covers them, 1 where it cannot: ``late``)."""
+    return exposed * 2 * nbytes / link
+
+
+def late(segs, picked, link: float) -> list:
+    """The picked offload steps (``"offload"``, ``"recompute+offload"``) whose copies, queued one after
+    another on the transfer stream from the end of their segments, would end after the forward's compute
+    (the segments' modelled ``cost``) by ``MARGIN``: copies the forward cannot cover, which
+    ``offload_async`` waits for at once (on the step's critical path)."""
+    ends, t = [], 0.0
+    for s in segs:
+        t += s.cost
+        ends.append(t)
+    busy, out = 0.0, []
+    for st in sorted((st for st in picked if st.sent), key=lambda st: st.j):
+        busy = max(ends[st.j], busy) + MARGIN * st.sent / link
+        if busy > t:
+            out.append(st)
+    return out
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,8 +107,9 @@ def mark_offloaded(order: list[fx.Node], segs, offloaded: dict[int, str]) -> Non
 
 
 def link_for(example_inputs, how: str) -> float | None:
-    """Host-link bytes/s when the plan may offload (``available``), else None."""
-    if not available(example_inputs, how):
+    """Host-link bytes/s when the plan may offload (``available``, and ``OPSMATH_OFFLOAD`` is not ``0``),
+    else None."""
+    if not available(example_inputs, how) or os.environ.get("OPSMATH_OFFLOAD") == "0":
         return None
     return host_link(str(next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)))
 
@@ -92,17 +122,16 @@ def has_offload(gm: fx.GraphModule) -> bool:
     return any(_marked(n) for n in gm.graph.nodes)
 
 
-def should_offload(graph: fx.Graph) -> None:
-    """Joint-graph pass: nodes traced from a marked node become ``should_offload`` (the partitioner then
-    offloads those among them it saves; views and non-contiguous tensors it keeps on the device)."""
-    for n in graph.nodes:
-        if _marked(n):
-            n.meta["should_offload"] = True
-
-
-def offloading(gm: fx.GraphModule):
-    """(context, joint-graph pass) to compile ``gm`` with: Inductor's offload switched on and the marking
-    pass, when ``gm`` has offloaded nodes; else (a null context, None)."""
+def offloading(gm: fx.GraphModule, example_inputs):
+    """The context to compile ``gm`` in: when it has offloaded nodes, Inductor's partition followed by
+    ``offload_async.place`` over this machine's link, and Inductor's peak-memory reordering off (it would
+    move the waits and reloads the placement chose); else a null context."""
     if not has_offload(gm):
-        return contextlib.nullcontext(), None
-    return torch._functorch.config.patch(enable_activation_offloading=True), should_offload
+        return contextlib.nullcontext()
+    from . import offload_async
+    # off CUDA (tests) the copies are plain copies, and any link places them
+    link = link_for(example_inputs, "tag") or 55e9
+    stack = contextlib.ExitStack()
+    stack.enter_context(offload_async.partitioned_with_offload(link))
+    stack.enter_context(torch._inductor.config.patch(reorder_for_peak_memory=False))
+    return stack

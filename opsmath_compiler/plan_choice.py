@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch.fx as fx
 
+from . import offload
 from .budget import InfeasibleBudget, _size
 from .plan_solve import Step, _lowest_peak, _max_saving, _peak, _solve, _steps, conflicts, credited, suffix
 from .segments import Segment, forward_order, runs_of
@@ -60,6 +61,7 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
         for st in (bad if attempt < 7 else [s for sts in steps.values() for s in sts if s.reads]):
             steps[st.i] = [s for s in steps[st.i] if s != st]
         picked = _solve(n, steps, unit, prefix, limit, after, head, kept_cap)
+    picked = _late_priced(segs, steps, picked, link, (n, unit, prefix, limit, after, head, kept_cap))
     if picked is not None and held:
         picked = _with_held(segs, steps, picked, held, (n, unit, prefix, limit, after, head, kept_cap),
                             max(runs[ij].inputs - h.inputs for ij, h in held.items()))
@@ -75,6 +77,22 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
             + (f", fraction {max(0.0, smallest - after[0]) / total:.3f}" if total else "") + ")", floor)
     kept = total - sum(st.saving for st in picked)
     return picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked)
+
+
+def _late_priced(segs: list[Segment], steps: dict, picked, link, dp: tuple):
+    """``picked`` solved again with its late offloads (``offload.late``: the forward cannot cover their
+    copies, so they are waited for at once) priced at their whole copy time, until none is late at the
+    price it was chosen at (each round re-prices at least one step, so at most one round per segment)."""
+    for _ in range(len(segs)):
+        bad = [st for st in (offload.late(segs, picked, link) if link and picked else []) if not st.late]
+        if not bad:
+            break
+        for st in bad:
+            full = replace(st, cost=st.cost - offload.step_cost(st.sent, link)
+                           + offload.step_cost(st.sent, link, exposed=1.0), late=True)
+            steps[st.i] = [full if o == st else o for o in steps[st.i]]
+        picked = _solve(*dp[:1], steps, *dp[1:])
+    return picked
 
 
 def _with_held(segs: list[Segment], steps: dict, picked: list[Step], held: dict, dp: tuple,

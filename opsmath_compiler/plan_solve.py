@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .offload import step_cost
 from .segments import Segment
 
 
@@ -43,11 +44,13 @@ class Step:
     size: int
     only: frozenset | None = None   # a run's recomputed nodes, where named (``selective``)
     reads: frozenset = frozenset()   # (position, name): saved producers before it assumed kept (``finer``)
+    sent: int = 0   # bytes it sends to the host (an offload step)
+    late: bool = False   # an offload priced at its whole copy time (``plan_choice._late_priced``)
 
 
 def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None = None) -> dict:
     """Every step that saves something, by first segment. Offload steps only with a host ``link``
-    (bytes/s); their cost is the copy out and back, ``2 b / link`` (``offload.py``). ``sel``: (i, j, kind)
+    (bytes/s); their cost is the hidden copies' (``offload.step_cost``). ``sel``: (i, j, kind)
     -> run i..j's selective candidate of that kind, or a list of them (``selective.selective``, ``finer``)."""
     out: dict = {}
     for (i, j, kind), cands in (sel or {}).items():
@@ -73,11 +76,13 @@ def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None
         if r.saving > 0:
             out.setdefault(i, []).append(Step(i, j, "recompute", r.saving, r.cost, r.saved))
         if link and r.inputs > 0:
-            out.setdefault(i, []).append(Step(i, j, "recompute+offload", r.saved, r.cost + 2 * r.inputs / link, r.saved))
+            out.setdefault(i, []).append(Step(i, j, "recompute+offload", r.saved, r.cost + step_cost(r.inputs, link),
+                                              r.saved, sent=r.inputs))
     if link:
         for i, s in enumerate(segs):
             if s.saved > 0:
-                out.setdefault(i, []).append(Step(i, i, "offload", s.saved, 2 * s.saved / link, s.saved))
+                out.setdefault(i, []).append(Step(i, i, "offload", s.saved, step_cost(s.saved, link), s.saved,
+                                                  sent=s.saved))
     return out
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import opsmath
-from opsmath import offload
+from opsmath import offload, offload_async
 from opsmath.plan import InfeasibleBudget, choose, merged
 from opsmath.segments import Segment
 from test_inductor import pair, step_equals_eager
@@ -38,6 +38,29 @@ def test_solver_offloads_only_where_copies_beat_recompute():
         assert (offloaded != {}) == (kind == "offload") and (chosen != []) == (kind == "recompute")
 
 
+def test_offloads_the_forward_cannot_cover_are_priced_at_their_whole_copy():
+    """Copies queue on one transfer stream from their segment's end and are covered when the forward's
+    compute after them (4 s here) is ``offload.MARGIN`` times their copy time. At 150 bytes/s a 100-byte
+    copy takes 2/3 s, covered for the first segment alone (its copy ends at 1 + 3 x 2/3 = 3 s, the
+    second's at 5 s: late). A covered offload costs ``EXPOSED_SHARE`` of its 4/3 s out and back (2/3 s,
+    less than the 1 s recompute); a late one all of it, more than recomputing, so the plan offloads the
+    first segment (and the small inputs of a recomputed one) and recomputes the rest: no late copy is
+    left in it."""
+    segs, runs = _chain(cost=1.0)
+    link = 150.0
+    picked, kept, trans, _ = choose(segs, runs, 0, "fraction", 0.3, link=link)
+    assert not [st for st in offload.late(segs, picked, link) if not st.late] and kept + trans <= 120
+    assert sorted(st.i for st in picked if st.kind == "offload") == [0]
+    every = _steps_of(segs, runs, link)
+    assert offload.late(segs, [st for st in every if st.i == 3 and st.sent], link)
+    assert not offload.late(segs, [st for st in every if st.i == 0 and st.kind == "offload"], link)
+
+
+def _steps_of(segs, runs, link):
+    from opsmath.plan_solve import _steps
+    return [st for sts in _steps(segs, runs, link).values() for st in sts]
+
+
 def test_offload_reaches_below_the_recompute_floor():
     """Recompute alone peaks at 0.4 of the activations at best (three segments recomputed, the last
     kept: 60 + 100 bytes at the start of backward, the floor the error names); with offload 0.26 is
@@ -54,19 +77,73 @@ def test_offload_reaches_below_the_recompute_floor():
 
 @needs_cxx
 def test_inductor_offload_trains_exactly_as_eager(monkeypatch):
-    """A budget below GPT's recompute floor, with a (pretended) host link: the plan offloads, the nodes
-    are marked, Inductor compiles with its offload on, and loss and every gradient equal eager."""
-    monkeypatch.setattr(offload, "link_for", lambda inputs, how: 5e9 if how == "tag" else None)
+    """A budget below GPT's recompute floor, with a (pretended) host link fast enough for the tiny model's
+    compute to hide the copies: the plan offloads, the nodes are marked, the partitioned graphs get the
+    copies (``offload_async``), and loss and every gradient equal eager."""
+    fast = 1e15
+    monkeypatch.setattr(offload, "link_for", lambda inputs, how: fast if how == "tag" else None)
     ref, model, batch = pair(dropout=0.0)
     probe = opsmath.optimize(pair(dropout=0.0)[1], memory_budget=0.3, inductor=True)
     with pytest.raises(InfeasibleBudget):
         monkeypatch.setattr(offload, "link_for", lambda inputs, how: None)
         probe(*batch)
     torch._dynamo.reset()
-    monkeypatch.setattr(offload, "link_for", lambda inputs, how: 5e9 if how == "tag" else None)
+    monkeypatch.setattr(offload, "link_for", lambda inputs, how: fast if how == "tag" else None)
+    before = len(offload_async.placements)
     model = opsmath.optimize(model, memory_budget=0.3, inductor=True)
     step_equals_eager(model, ref, batch)
+    placed = offload_async.placements[before:]
+    assert placed and all(p.names for p in placed)
     plan = opsmath.report(model).graphs[0].plan
     assert plan.offloaded and plan.offloaded_bytes > 0 and plan.kept + plan.transient <= 0.3 * plan.unconstrained
     assert offload.has_offload(opsmath.report(model).graphs[0].graph)
     assert "host memory" in opsmath.report(model).render(width=200)
+
+
+def _blocks_step(mark: bool):
+    """One compiled forward+backward of 8 MLP blocks (2048 tokens, 4096 -> 16384 -> 4096, bf16) on CUDA,
+    the first two blocks' GEMM outputs marked for offload when ``mark`` (what the other blocks' compute
+    can hide): (gradients, peak bytes above the start, Placed)."""
+    from torch._inductor.compile_fx import compile_fx
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4096, 16384), torch.nn.GELU(),
+                                                     torch.nn.Linear(16384, 4096)) for _ in range(8))
+    blocks = blocks.cuda().to(torch.bfloat16)
+    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def fwd(x):
+        for b in blocks:
+            x = x + b(x)
+        return x.square().mean()
+
+    def backend(gm, inputs):
+        gemms = [n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+        for n in gemms[:4] if mark else []:
+            n.meta["custom"] = {offload.OFFLOAD: True}
+        with torch._functorch.config.patch(enable_autograd_cache=False), offload.offloading(gm, inputs):
+            return compile_fx(gm, inputs)
+    step = torch.compile(fwd, backend=backend)
+    before = len(offload_async.placements)
+    for _ in range(2):
+        x.grad = None
+        blocks.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(x).backward()
+        torch.cuda.synchronize()
+    placed = offload_async.placements[before:]
+    return ([p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()],
+            torch.cuda.max_memory_allocated() - base, placed[0] if placed else None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the transfer stream runs on CUDA")
+def test_transfer_stream_offload_trains_bit_equal_to_keeping():
+    """The copies on the transfer stream change no value: every gradient equals the kept graph's bit for
+    bit (same kernels; a missing wait would read a half-copied tensor), and the step's peak is lower."""
+    keep, keep_peak, _ = _blocks_step(mark=False)
+    sent, sent_peak, placed = _blocks_step(mark=True)
+    assert placed is not None and placed.names and not placed.late
+    assert all(torch.equal(a, b) for a, b in zip(keep, sent))
+    assert sent_peak < keep_peak

@@ -1,0 +1,115 @@
+"""The copies of an offloaded activation, as four custom ops that run them on a transfer stream.
+
+Forward, for a saved tensor ``x`` after its last forward use::
+
+    h = opsmath::offload_start(x)      # pinned host buffer; D2H copy queued on the transfer stream
+    opsmath::offload_wait(h, x)        # later: the compute stream waits for the copy; x may be freed after
+
+Backward, for the host buffer ``h`` before its first backward use::
+
+    y = opsmath::reload_start(h, after, size, stride)   # device buffer; H2D copy queued on the transfer stream
+    opsmath::reload_wait(y)                             # at the first use: the compute stream waits for it
+
+Between ``*_start`` and ``*_wait`` the copy overlaps the compute the graph puts there (``offload_async``
+places them). Ordering and lifetimes, the only things that make this safe:
+
+- The transfer stream waits for the compute stream at each ``*_start`` (``x`` was written there; ``y``'s
+  memory came from the compute stream's pool and may still be read by kernels queued before).
+- ``x`` is an argument of ``offload_wait``, so the graph keeps it alive until the compute stream has
+  waited for its copy; only then can its memory be reused (no ``record_stream``, no freed-too-early
+  block). ``offload_wait`` declares that it writes ``h`` and ``reload_wait`` that it writes ``y``: the
+  compiler can neither drop them nor move a reader of ``y`` above the wait.
+- Pinned buffers come from PyTorch's caching host allocator, which records the copies' stream and reuses a
+  buffer only after they are done.
+
+Each copy's completion event is kept by its buffer's ``data_ptr`` between start and wait. Off CUDA (CPU
+tests) the ops are plain copies and the waits do nothing.
+"""
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+_streams: dict = {}    # device -> its transfer stream
+_pending: dict = {}    # data_ptr of a buffer being copied -> the copy's completion event
+
+
+def _transfer(device: torch.device) -> torch.cuda.Stream:
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device=device)
+    return _streams[device]
+
+
+def _copy_on_transfer(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
+    """``dst.copy_(src)`` on ``device``'s transfer stream, after the work queued so far on the current
+    stream; its completion event is kept under ``dst.data_ptr()``."""
+    side, current = _transfer(device), torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    _pending[dst.data_ptr()] = done
+
+
+def _wait(buf: torch.Tensor, device: torch.device) -> None:
+    done = _pending.pop(buf.data_ptr(), None)
+    if done is not None:
+        torch.cuda.current_stream(device).wait_event(done)
+
+
+@custom_op("opsmath::offload_start", mutates_args=())
+def offload_start(x: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``x`` (contiguous, pinned when ``x`` is on CUDA), queued on the transfer stream."""
+    if not x.is_cuda:
+        return x.to("cpu", copy=True).contiguous()
+    h = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+    _copy_on_transfer(h, x, x.device)
+    return h
+
+
+@offload_start.register_fake
+def _(x):
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+@custom_op("opsmath::offload_wait", mutates_args=("h",))
+def offload_wait(h: torch.Tensor, x: torch.Tensor) -> None:
+    """The compute stream waits until ``h`` holds ``x`` (then ``x``'s memory may be reused)."""
+    if x.is_cuda:
+        _wait(h, x.device)
+
+
+@offload_wait.register_fake
+def _(h, x):
+    return None
+
+
+@custom_op("opsmath::reload_start", mutates_args=())
+def reload_start(h: torch.Tensor, after: torch.Tensor, size: list[int], stride: list[int],
+                 device: torch.device) -> torch.Tensor:
+    """``h`` back on ``device`` with the saved tensor's ``size`` and ``stride``, queued on the transfer
+    stream. ``after`` only orders the op: it is issued once ``after`` is computed."""
+    y = torch.empty_strided(size, stride, dtype=h.dtype, device=device)
+    if y.is_cuda:
+        _copy_on_transfer(y, h.view(size), y.device)
+    else:
+        y.copy_(h.view(size))
+    return y
+
+
+@reload_start.register_fake
+def _(h, after, size, stride, device):
+    return torch.empty_strided(size, stride, dtype=h.dtype, device=device)
+
+
+@custom_op("opsmath::reload_wait", mutates_args=("y",))
+def reload_wait(y: torch.Tensor) -> None:
+    """The compute stream waits until ``y`` holds its reloaded values."""
+    if y.is_cuda:
+        _wait(y, y.device)
+
+
+@reload_wait.register_fake
+def _(y):
+    return None
