@@ -40,9 +40,12 @@ def available(example_inputs, how: str) -> bool:
     return how == "tag" and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
 
-def step_cost(nbytes: int, link: float, exposed: float = EXPOSED_SHARE) -> float:
+def step_cost(nbytes: int, link: float, exposed: float | None = None) -> float:
     """Modelled seconds an offload of ``nbytes`` adds: ``exposed`` of the copies' out-and-back time
-    (``EXPOSED_SHARE`` where the forward's compute covers them, 1 where it cannot: ``late``)."""
+    (``EXPOSED_SHARE`` where the forward's compute covers them, or ``OPSMATH_OFFLOAD_EXPOSED`` to compare
+    other shares; 1 where it cannot: ``late``)."""
+    if exposed is None:
+        exposed = float(os.environ.get("OPSMATH_OFFLOAD_EXPOSED", EXPOSED_SHARE))
     return exposed * 2 * nbytes / link
 
 

@@ -45,7 +45,7 @@ class Placed:
 def _eligible(x, users_out: bool) -> bool:
     v = x.meta.get("val") if isinstance(x, fx.Node) else None
     return (isinstance(v, torch.Tensor) and x.op == "call_function" and _marked(x) and not users_out
-            and not v._is_view())
+            and not v._is_view() and all(isinstance(d, int) for d in (*v.shape, *v.stride())))
 
 
 def _ends(order: list[fx.Node]) -> dict[fx.Node, float]:

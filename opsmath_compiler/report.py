@@ -307,8 +307,8 @@ class Report(Rendered):
                      f"({_mib(sum(p.segments[i].casts for i in p.casts))} not kept)", style="magenta")
         if p.offloaded:
             t.append(f"\n{len(p.offloaded)} segments keep their tensors in host memory ({_mib(p.offloaded_bytes)} "
-                     f"each way over the host link, {p.link / 1e9:.0f} GB/s measured; in the modelled cost)",
-                     style="magenta")
+                     f"each way over the host link, {p.link / 1e9:.0f} GB/s measured, copied on a side stream "
+                     "under the compute; in the modelled cost)", style="magenta")
         if p.user_regions:
             t.append(f"\nsegments: the user's {p.user_regions} checkpoint regions as candidates, "
                      + ("kept: the plan recomputes the chosen ones" if p.segmentation == "user" else

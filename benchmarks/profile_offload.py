@@ -1,0 +1,94 @@
+"""Where an offloaded plan's step time goes: the compute stream's idle gaps, the copies' time and rate,
+and how much of the copies overlaps kernels (HF LLaMA 1.1B as ``recompute_overhead.py --model llama``,
+no CUDA graphs, one torch.profiler trace of ``--steps`` steps per variant, one process).
+
+A variant is ``BUDGET:EXPOSED``: the plan made with offload's copies priced at ``EXPOSED`` of their time
+(``OPSMATH_OFFLOAD_EXPOSED``; ``none`` plans without offload).
+
+    python benchmarks/profile_offload.py --variants 0.25:0.05,0.25:none
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from _harness import write
+from recompute_overhead import Variant
+from _models import gpt2_batch
+
+
+def _intervals(events):
+    return sorted((e.start_ns(), e.end_ns()) for e in events)
+
+
+def _overlap(a, b) -> int:
+    """ns of the intervals ``a`` covered by the union of ``b`` (both sorted)."""
+    total, j = 0, 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            total += max(0, min(e, b[k][1]) - max(s, b[k][0]))
+            k += 1
+    return total
+
+
+def trace(v: Variant, steps: int) -> dict:
+    """Per stream: events, busy ms; the compute stream's gaps; copies: ms, GB/s, share under kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            v.step()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
+    streams: dict = {}
+    for e in evs:
+        streams.setdefault(e.device_resource_id(), []).append(e)
+    compute = max(streams, key=lambda s: sum(1 for e in streams[s] if not e.name().startswith("Memcpy")))
+    ck = _intervals(streams[compute])
+    gaps = sum(max(0, b[0] - a[1]) for a, b in zip(ck, ck[1:]))
+    copies = [e for e in evs if e.name().startswith("Memcpy")]
+    nbytes = 0
+    for e in copies:
+        try:
+            nbytes += int(json.loads("{" + e.metadata_json() + "}").get("bytes", 0))
+        except (ValueError, TypeError):
+            pass
+    cms = sum(e.duration_ns() for e in copies) / 1e6
+    return dict(streams={str(s): dict(events=len(es), busy_ms=sum(e.duration_ns() for e in es) / 1e6 / steps)
+                         for s, es in streams.items()},
+                compute_gaps_ms=gaps / 1e6 / steps, copies=len(copies) // steps, copies_ms=cms / steps,
+                copy_gbps=nbytes / (cms * 1e6) if cms else None,
+                copies_under_kernels=_overlap(_intervals(copies), ck) / max(1, sum(e.duration_ns() for e in copies)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="0.25:0.05,0.25:none")
+    ap.add_argument("--steps", type=int, default=2)
+    args = ap.parse_args()
+    batch = tuple(t.remainder(32000) for t in gpt2_batch(B=4, T=2048))
+    torch._dynamo.reset()
+    rows = []
+    for spec in args.variants.split(","):
+        budget, exposed = spec.split(":")
+        if exposed != "none":
+            os.environ["OPSMATH_OFFLOAD_EXPOSED"] = exposed
+        try:
+            v = Variant(spec, float(budget), False, batch, llama=True, offload=exposed != "none")
+        finally:
+            os.environ.pop("OPSMATH_OFFLOAD_EXPOSED", None)
+        v.timed(5)
+        row = dict(variant=spec, wall_ms=v.wall[-1], host_ms=v.host[-1], step_peak_gib=v.step_peak_gib, **trace(v, args.steps))
+        rows.append(row)
+        print(row, flush=True)
+    print("wrote", write("profile_offload-llama", dict(rows=rows)))
+
+
+if __name__ == "__main__":
+    main()
