@@ -45,7 +45,15 @@ class Placed:
 def _eligible(x, users_out: bool) -> bool:
     v = x.meta.get("val") if isinstance(x, fx.Node) else None
     return (isinstance(v, torch.Tensor) and x.op == "call_function" and _marked(x) and not users_out
-            and not v._is_view() and all(isinstance(d, int) for d in (*v.shape, *v.stride())))
+            and _base(x).op != "placeholder" and all(isinstance(d, int) for d in (*v.shape, *v.stride())))
+
+
+def _base(x: fx.Node) -> fx.Node:
+    """The node whose memory ``x`` views (``x`` itself when it is not a view). A view of a graph input (a
+    weight's transpose saved for backward) frees nothing when sent: the input stays."""
+    while x.op == "call_function" and getattr(x.target, "is_view", False) and x.args and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    return x
 
 
 def _ends(order: list[fx.Node]) -> dict[fx.Node, float]:

@@ -150,3 +150,48 @@ def test_transfer_stream_offload_trains_bit_equal_to_keeping():
     assert placed is not None and placed.names and not placed.late
     assert all(torch.equal(a, b) for a, b in zip(keep, sent))
     assert sent_kept <= keep_kept - placed.nbytes
+
+
+@needs_cxx
+def test_hf_llama_under_autocast_offloads_its_activations_not_its_weights(monkeypatch):
+    """HF LLaMA (SDPA, bf16 autocast, 4 layers) at a quarter with a fast (pretended) link: the
+    partition's saved tensors go through the transfer-stream ops (attention's outputs, GEMM outputs,
+    norms' statistics, views of them), and loss and gradients match eager's."""
+    import copy
+    import transformers
+    from tolerance import grads_close, rel_err
+    monkeypatch.setattr(offload, "link_for", lambda inputs, how: 1e15 if how == "tag" else None)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=172, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).train()
+    eager = copy.deepcopy(model)
+    before = len(offload_async.placements)
+    opt = opsmath.optimize(model, memory_budget=0.25, inductor=True)
+    ids = torch.randint(0, 256, (2, 128))
+    losses = []
+    for m in (opt, eager):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(m(input_ids=ids, labels=ids).loss)
+        losses[-1].backward()
+    placed = offload_async.placements[before:]
+    assert placed and placed[0].names
+    assert rel_err(losses[0], losses[1]) < 1e-3
+    for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
+        assert grads_close(p.grad, q.grad, 2e-2, 1e-3), name
+
+
+def test_a_view_of_a_graph_input_is_not_sent():
+    """A weight's transpose saved for backward frees nothing when sent (the weight stays): not eligible,
+    where a GEMM output and a view of it are."""
+    import torch.fx as fx
+    aten = torch.ops.aten
+    g = fx.Graph()
+    w = g.placeholder("w")
+    t = g.call_function(aten.permute.default, (w, [1, 0]))
+    m = g.call_function(aten.mm.default, (t, t))
+    v = g.call_function(aten.view.default, (m, [16]))
+    for n, val in ((w, torch.empty(4, 4)), (t, torch.empty(4, 4)), (m, torch.empty(4, 4)), (v, torch.empty(16))):
+        n.meta["val"] = val
+        n.meta["custom"] = {offload.OFFLOAD: True}
+    assert [offload_async._eligible(n, False) for n in (t, m, v)] == [False, True, True]
