@@ -66,7 +66,6 @@ def late(segs, picked, link: float) -> list:
     return out
 
 
-
 @functools.lru_cache(maxsize=None)
 def host_link(device: str = "cuda", nbytes: int = 64 * 2**20, reps: int = 3) -> float:
     """Bytes per second of the slower direction between ``device`` and pinned host memory (Inductor's
