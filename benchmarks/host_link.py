@@ -203,8 +203,8 @@ def main():
                       + (f"  GEMM {r['gemm_ms']:.3f} ms ({r['gemm_ms'] / alone - 1:+.1%})" if busy else ""), flush=True)
     switches = offload_switches()
     print("torch", torch.__version__, "offload switches:", switches, flush=True)
-    modes = ("keep", "recompute", "offload", "opsmath", "opsmath-half") if args.offload_only else \
-        ("keep", "recompute", "offload", "offload-async", "opsmath", "opsmath-half")
+    modes = ("keep", "recompute", "offload", *(() if args.offload_only else ("offload-async",)), "opsmath",
+             "opsmath-half")
     steps = [offload_step(m, switches) for m in modes]
     ref = steps[0].get("grads")
     for s in steps:

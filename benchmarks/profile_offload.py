@@ -59,12 +59,12 @@ def trace(v: Variant, steps: int) -> dict:
             nbytes += int(json.loads("{" + e.metadata_json() + "}").get("bytes", 0))
         except (ValueError, TypeError):
             pass
-    cms = sum(e.duration_ns() for e in copies) / 1e6
+    copy_ns = sum(e.duration_ns() for e in copies)
     return dict(streams={str(s): dict(events=len(es), busy_ms=sum(e.duration_ns() for e in es) / 1e6 / steps)
                          for s, es in streams.items()},
-                compute_gaps_ms=gaps / 1e6 / steps, copies=len(copies) // steps, copies_ms=cms / steps,
-                copy_gbps=nbytes / (cms * 1e6) if cms else None,
-                copies_under_kernels=_overlap(_intervals(copies), ck) / max(1, sum(e.duration_ns() for e in copies)))
+                compute_gaps_ms=gaps / 1e6 / steps, copies=len(copies) // steps, copies_ms=copy_ns / 1e6 / steps,
+                copy_gbps=nbytes / copy_ns if copy_ns else None,
+                copies_under_kernels=_overlap(_intervals(copies), ck) / max(1, copy_ns))
 
 
 def main():

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._prims_common import make_contiguous_strides_for
 
 from . import offload_ops  # noqa: F401  (registers the ops)
 from .offload import MARGIN, _marked
@@ -69,15 +70,8 @@ def _fake(v: torch.Tensor, device, size=None, stride=None) -> torch.Tensor:
     from torch._guards import detect_fake_mode
     mode = detect_fake_mode([v])
     with mode if mode is not None else contextlib.nullcontext():
-        return torch.empty_strided(size or v.shape, stride or _contiguous(v.shape), dtype=v.dtype, device=device)
-
-
-def _contiguous(shape) -> list:
-    stride, acc = [], 1
-    for s in reversed(list(shape)):
-        stride.insert(0, acc)
-        acc *= s
-    return stride
+        return torch.empty_strided(size or v.shape, stride or make_contiguous_strides_for(v.shape), dtype=v.dtype,
+                                   device=device)
 
 
 def _set_val(n: fx.Node, v) -> None:
@@ -109,12 +103,13 @@ def offload_forward(fw: fx.GraphModule, num_fwd_outputs: int, link: float) -> tu
             h = graph.call_function(ops.offload_start.default, (x,))
         _set_val(h, _fake(v, "cpu"))
         start = max(ends[order[last]], busy)
-        at = next((n for n in order[last + 1:] if ends[n] >= start + MARGIN * _nbytes(x) / link and n is not out), None)
+        covered = start + MARGIN * _nbytes(x) / link
+        at = next((n for n in order[last + 1:] if ends[n] >= covered and n is not out), None)
         late = at is None
         if late:   # waited for at once, so x is freed where the plan counts it
             busy, at = start, h.next
         else:
-            busy = start + MARGIN * _nbytes(x) / link
+            busy = covered
         with graph.inserting_before(at):
             graph.call_function(ops.offload_wait.default, (h, x))
         swap[x] = h
