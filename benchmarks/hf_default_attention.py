@@ -1,13 +1,15 @@
 """Hugging Face models as they load by default (``attn_implementation="sdpa"``): a training step under
 ``torch.compile`` vs ``opsmath.optimize``, interleaved in one process.
 
-Both variants are built from one seed and trained on the same batch (bf16 weights, torch fused AdamW).
+Both variants are built from one seed and trained on the same batch, torch fused AdamW, in the recipe
+``--recipe`` names: ``amp`` (default; fp32 weights, the forward under bf16 autocast, what HF Trainer's
+``bf16=True`` runs) or ``bf16`` (bf16 weights).
 After two warm-up steps each (capture, compile, attention tuning), the variants alternate: ``--rounds``
 rounds of ``--steps`` timed steps each, A B A B. Per variant: median and spread (min-max) of the
 per-round median step time, GPU kernel time per step (torch.profiler, kernels only), the step's peak
 memory above what is resident before it (``max_memory_allocated``), and, for opsmath, what it rewrote.
 
-    python benchmarks/hf_default_attention.py [--models llama,neox,gemma2] [--rounds 5] [--steps 5] [--variants ...]
+    python benchmarks/hf_default_attention.py [--models llama,neox,gemma2] [--recipe amp|bf16] [--rounds 5] [--steps 5] [--variants ...]
         [--gradient-checkpointing] [--accumulate 1,4]
 
 ``--accumulate``: micro-batches per optimizer step; with several, each round times every variant at each.
@@ -82,6 +84,8 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
 
 
 def build(name, device, checkpointing=False, attn=None, seed=0):
+    """The model in the recipe's weights: fp32 under ``--recipe amp`` (autocast computes in bf16), else bf16
+    on CUDA."""
     import transformers
     cls, cfg_cls, cfg, _, _ = MODELS[name]
     torch.manual_seed(seed)
@@ -89,20 +93,25 @@ def build(name, device, checkpointing=False, attn=None, seed=0):
     model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**cfg))   # default attention
     if checkpointing:   # as fine-tuning recipes turn it on: every decoder layer recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device == "cuda" and RECIPE[0] == "bf16" else torch.float32
     return model.to(device=device, dtype=dtype).train()
+
+
+RECIPE = ["amp"]   # "amp": fp32 weights, forward under bf16 autocast (HF Trainer bf16=True); "bf16": bf16 weights
 
 
 class Variant:
     def __init__(self, label, model, batch, device):
         self.label, self.model, self.batch, self.device = label, model, batch, device
+        self.amp = RECIPE[0] == "amp"
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
         self.times, self.round_ms = [], {}
 
     def step(self, accumulate: int = 1):
         """One optimizer step over ``accumulate`` micro-batches (the same batch each time)."""
         for _ in range(accumulate):
-            loss = self.model(**self.batch).loss
+            with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.amp):
+                loss = self.model(**self.batch).loss
             loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -137,6 +146,7 @@ class Variant:
     def row(self, accumulate: int = 1, tagged: bool = False):
         rounds = self.round_ms[accumulate]
         r = dict(name=self.label + (f" (accumulate {accumulate})" if tagged else ""), accumulate=accumulate,
+                 recipe="fp32 weights, bf16 autocast" if self.amp else "bf16 weights",
                  ms=statistics.median(rounds), ms_min=min(rounds), ms_max=max(rounds), rounds=rounds,
                  first_step_s=self.first_s, first_loss=self.first_loss)
         if self.device == "cuda":
@@ -284,8 +294,11 @@ def main():
                     help=", ".join([*VARIANTS, OWN_PLAN, USER_PLAN]))
     ap.add_argument("--accumulate", default="1",
                     help="micro-batches per optimizer step; a list (1,4) times each variant at each, interleaved")
+    ap.add_argument("--recipe", choices=["amp", "bf16"], default="amp",
+                    help="amp: fp32 weights under bf16 autocast (what most users run); bf16: bf16 weights")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = ap.parse_args()
+    RECIPE[0] = args.recipe
     device = "cpu" if args.smoke else "cuda"
     names = ["tiny"] if args.smoke else args.models.split(",")
     if args.smoke:
@@ -297,7 +310,7 @@ def main():
         if not args.smoke:
             tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n in ("gemma2", "gemma2_9b", "gemma2_9b_8k", "gemma2_9b_v256k", "gpt_oss", "bloom") else "") \
                 + ("-fp8" if any("fp8" in v for v in args.variants.split(",")) else "") \
-                + ("-accumulate" if max(ks) > 1 else "")
+                + ("-accumulate" if max(ks) > 1 else "") + ("-amp" if args.recipe == "amp" else "")
             print("wrote", write("hf_default_attention" + tag, out), flush=True)
 
 

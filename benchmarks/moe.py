@@ -1,6 +1,7 @@
 """Mixture-of-experts training steps: ``torch.compile`` vs ``opsmath.optimize``, interleaved in one process.
 
-Models (bf16 weights, torch fused AdamW, B4 T2048 unless ``--batch``/``--seq``):
+Models (torch fused AdamW, B4 T2048 unless ``--batch``/``--seq``; ``--recipe amp``, the default: fp32 weights
+under bf16 autocast, ``--recipe bf16``: bf16 weights):
 - ``mixtral``: Hugging Face Mixtral-style (hidden 1024, 8 layers, GQA 16/8, 8 experts top-2, MLP 2816) as
   it loads by default (SDPA attention, the ``grouped_mm`` experts implementation);
 - ``mixtral-eager-experts``: the same with ``experts_implementation="eager"`` (a loop over hit experts);
@@ -25,7 +26,7 @@ import torch
 import opsmath
 from opsmath import examples
 from _harness import write
-from hf_default_attention import Variant
+from hf_default_attention import RECIPE, Variant
 
 HF = {  # name: (transformers class, config class, config kwargs)
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
@@ -44,7 +45,7 @@ SIZE = dict(dim=1024, n_layer=8, n_head=16, n_kv_head=8, vocab_size=32000)
 
 def build(name: str, device: str, seq: int, seed: int = 0):
     torch.manual_seed(seed)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device == "cuda" and RECIPE[0] == "bf16" else torch.float32
     base = name.replace("-eager-experts", "").replace("-imbalanced", "")
     if base in HF:
         import transformers
@@ -69,7 +70,8 @@ def build(name: str, device: str, seq: int, seed: int = 0):
 class MoEVariant(Variant):
     def step(self, accumulate: int = 1):
         for _ in range(accumulate):
-            out = self.model(**self.batch) if isinstance(self.batch, dict) else self.model(*self.batch)
+            with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.amp):
+                out = self.model(**self.batch) if isinstance(self.batch, dict) else self.model(*self.batch)
             loss = out if isinstance(out, torch.Tensor) else out.loss
             loss.backward()
         self.opt.step()
@@ -121,7 +123,8 @@ def curve(name, steps, device, B, T, lr=3e-4):
         losses = []
         for step in range(steps):
             inputs = batch(stream[step % len(stream)])
-            out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=RECIPE[0] == "amp"):
+                out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
             loss = out if isinstance(out, torch.Tensor) else out.loss
             loss.backward()
             opt.step()
@@ -147,8 +150,11 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--tag", default="")
     ap.add_argument("--curve", type=int, default=0, help="loss curves of this many steps instead of timing")
+    ap.add_argument("--recipe", choices=["amp", "bf16"], default="amp",
+                    help="amp: fp32 weights under bf16 autocast (what most users run); bf16: bf16 weights")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script, measures nothing")
     args = ap.parse_args()
+    RECIPE[0] = args.recipe
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.rounds, args.steps, args.batch, args.seq = 2, 1, 2, 32
@@ -160,7 +166,7 @@ def main():
         else:
             out[n] = run(n, args.rounds, args.steps, device, args.variants.split(","), args.batch, args.seq)
         if not args.smoke:
-            print("wrote", write("moe" + ("-curve" if args.curve else "") + args.tag, out), flush=True)
+            print("wrote", write("moe" + ("-curve" if args.curve else "") + f"-{args.recipe}" + args.tag, out), flush=True)
 
 
 if __name__ == "__main__":

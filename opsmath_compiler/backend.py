@@ -107,6 +107,7 @@ class GraphRecord:
     dynamic: bool = False                   # symbolic sizes: one graph serves every value of a changing dim
     static_only: list = field(default_factory=list)   # families not applied to it: they need static sizes
     left_on_gpu: list = field(default_factory=list)   # rewritten here (op by op), left to Inductor on CUDA
+    source: object = field(default=None, repr=False)     # dynamo's graph, unrewritten (the fallback ladder)
 
     def to_dict(self) -> dict:
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
@@ -273,6 +274,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
         left_to_inductor=sorted(p.name for p in state.patterns if p.name in left),
         dynamic=captured.dynamic, static_only=static_only,
         left_on_gpu=_left_on_gpu(state, use_inductor, ctx.matches))
+    record.source = gm
     state.graphs.append(record)
     fn = _finish(state, record, ctx.gm, example_inputs, use_inductor)
     record.capture_seconds = time.perf_counter() - t0
@@ -284,7 +286,12 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
 
 def _finish(state, record, gm, example_inputs, use_inductor):
     """The callable that runs ``gm`` on the user's inputs: Inductor's compiled graph, or ``gm`` itself (op
-    by op), handed the FP8 weight copies ``gm`` takes (``fp8_weights``)."""
+    by op), handed the FP8 weight copies ``gm`` takes (``fp8_weights``).
+
+    Where Inductor fails on the rewritten graph, the ladder falls back to what ``torch.compile`` does with
+    the same capture, Inductor on dynamo's graph as written (the rewrites and plan are then not applied:
+    each match becomes a declined row naming the failure); only if that fails too does the rewritten
+    graph run op by op."""
     if not use_inductor:
         return fp8_weights.with_copies(state.weight_casts, gm, gm)
     try:
@@ -294,9 +301,30 @@ def _finish(state, record, gm, example_inputs, use_inductor):
         record.inductor, record.inductor_seconds = True, record.inductor_seconds + time.perf_counter() - t1
         record.cuda_graphs = state.cuda_graphs
         return fp8_weights.with_copies(state.weight_casts, gm, fn)
-    except Exception as e:  # Inductor failure: the emitted graph still runs, op by op
-        msg = f"graph {record.index}: Inductor failed ({type(e).__name__}: {str(e)[:300]}); " \
-              "running the rewritten graph op by op"
-        log.warning("opsmath: %s", msg)
-        state.fallback_errors.append(msg)
-        return fp8_weights.with_copies(state.weight_casts, gm, gm)
+    except Exception as e:  # the ladder: dynamo's graph through Inductor, then the rewritten graph op by op
+        failure = f"Inductor failed on the rewritten graph ({type(e).__name__}: {str(e)[:300]})"
+        log.info("opsmath: graph %d: %s", record.index, failure, exc_info=True)
+    if record.source is not None:
+        try:
+            fn = compile_fx(record.source, example_inputs, cuda_graphs=state.cuda_graphs)
+        except Exception as e:
+            log.info("opsmath: graph %d: Inductor failed on dynamo's graph too", record.index, exc_info=True)
+            failure += f"; on dynamo's graph too ({type(e).__name__}: {str(e)[:200]})"
+        else:
+            _not_applied(record, failure)
+            msg = f"graph {record.index}: {failure}; compiled dynamo's graph as torch.compile does, without rewrites"
+            log.warning("opsmath: %s", msg)
+            state.fallback_errors.append(msg)
+            record.inductor, record.cuda_graphs = True, state.cuda_graphs
+            return fn
+    msg = f"graph {record.index}: {failure}; running the rewritten graph op by op"
+    log.warning("opsmath: %s", msg)
+    state.fallback_errors.append(msg)
+    return fp8_weights.with_copies(state.weight_casts, gm, gm)
+
+
+def _not_applied(record, failure: str) -> None:
+    """``record``'s rewrites and plan did not reach the compiled graph: each match becomes a decline."""
+    record.declines = record.declines + [Decline(m.pattern, m.location, m.code, m.anchor, failure)
+                                         for m in record.matches]
+    record.matches, record.plan, record.after_code = [], None, record.before_code

@@ -18,6 +18,8 @@ from ._attention_masks import Band, band, constant_band, narrower
 
 # a mask fill or additive bias at or below this removes a position exactly (exp underflows to 0 in fp32)
 REMOVES = -1e4
+# the dtypes torch.autocast computes in: an op whose output has one of them beside fp32 operands was cast
+AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Plan:
     flat_out: bool = False            # P V over (B*H) rows: the 4-D output is flattened back
     sink: Optional[fx.Node] = None    # attention sinks: a logit per head in the softmax (_attention_sinks)
     q_scales: list = field(default_factory=list)   # tensors (..., 1) the scores' rows are multiplied by
+    autocast: bool = False            # an SDPA call whose fp32 operands autocast cast (float biases too)
 
 
 def bias_shape(plan: Plan, b: fx.Node) -> tuple:
@@ -84,11 +87,28 @@ def line_up(plan: Plan) -> Optional[str]:
     if dtype(plan.qk) != dtype(plan.pv) or dtype(plan.qk) not in (torch.float16, torch.bfloat16, torch.float32,
                                                                   torch.float64):
         return f"mixed or unsupported dtypes: QK^T in {dtype(plan.qk)}, PV in {dtype(plan.pv)}"
-    if any(dtype(x) != dtype(plan.qk) for x in (q, plan.k, plan.v)) and plan.qk is plan.pv:
-        return "Q, K and V in different dtypes"
+    if plan.qk is plan.pv and (why := _sdpa_dtypes(plan)) is not None:
+        return why
     devs = {getattr(val(n), "device", None) for n in (q, plan.k, plan.v, plan.qk)}
     if len(devs) != 1:
         return f"operands on different devices {devs}"
+    return None
+
+
+def _sdpa_dtypes(plan: Plan) -> Optional[str]:
+    """An SDPA call's operands in its output's dtype, or cast to it by autocast.
+
+    SDPA itself requires one dtype for Q, K and V; a traced call whose operands differ ran under
+    ``torch.autocast``, which casts every fp32 operand (a float ``attn_mask`` too) to the autocast dtype
+    and leaves fp64 alone. HF's RoPE is the common case: q and k come out fp32 (fp32 cos/sin) beside a
+    bf16 v. The fused op sees its inputs raw, so ``_operands`` and ``_bias`` make those casts explicit.
+    """
+    out = dtype(plan.qk)
+    if all(dtype(x) == out for x in (plan.q, plan.k, plan.v)):
+        return None
+    if out not in AUTOCAST_DTYPES or any(dtype(x) not in (torch.float32, out) for x in (plan.q, plan.k, plan.v)):
+        return f"Q, K and V in different dtypes ({', '.join(str(dtype(x)) for x in (plan.q, plan.k, plan.v))})"
+    plan.autocast = True
     return None
 
 

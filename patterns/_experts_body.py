@@ -267,15 +267,19 @@ class Emitter:
         if w not in self.params:
             return self.call(n.target, *self.arg(n.args), **self.arg(n.kwargs))
         weights = self.stack(w)                                  # [E, N, K] (linear) or [E, K, N]
+        cdt = val(n).dtype
+        if cdt in (torch.float16, torch.bfloat16):   # autocast's casts, explicit: the grouped op sees raw inputs
+            x, weights = self.ctx.cast(x, cdt, self.like), self.ctx.cast(weights, cdt, self.like)
         if n.target is aten.linear.default:
             weights = self.call(aten.transpose.int, weights, 1, 2)
         k, out = val(w).shape[-1 if n.target is aten.linear.default else 0], val(n).shape[-1]
-        op = grouped_op(val(n).dtype, val(w).dtype, k, out)
+        op = grouped_op(val(x).dtype, val(weights).dtype, k, out)
         self.gemms.append("torch._grouped_mm" if op is aten._grouped_mm.default else "opsmath::grouped_mm")
         y = self.call(op, x, weights, self.routed["offs"])
         bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
         if bias is not None:
-            y = self.call(aten.add.Tensor, y, self.gathered(bias, 2) if bias in self.params else bias)
+            b = self.gathered(bias, 2) if bias in self.params else bias
+            y = self.call(aten.add.Tensor, y, self.ctx.cast(b, cdt, self.like) if cdt != val(b).dtype else b)
         return y
 
     def emit(self) -> fx.Node:

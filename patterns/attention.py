@@ -173,6 +173,8 @@ def _bias(ctx: RewriteContext, sm: fx.Node, plan: Plan):
             if s[1] > 1:
                 b = ctx.call(aten.expand.default, (b, [plan.scores[0] // s[1], *s[1:]]), sm)
             b = ctx.call(aten.reshape.default, (b, merged), sm)
+        if plan.autocast and b.meta["val"].is_floating_point():   # autocast rounds SDPA's float mask
+            b = ctx.cast(b, dtype(plan.qk), sm)
         term = b if mult == 1.0 else ctx.call(aten.mul.Tensor, (b, mult), sm)
         bias = term if bias is None else ctx.call(aten.add.Tensor, (bias, term), sm)
     if bias is None:

@@ -73,6 +73,8 @@ def loss_args(ce: fx.Node):
         return f"input of shape {shape(logits)}: only (tokens, classes) is fused"
     if dtype(target) != torch.int64:
         return "only class-index (int64) targets are fused"
+    if dtype(logits) == torch.float64:
+        return "float64 logits: the fused loss computes in fp32"
     return LossArgs(logits, target, _REDUCTIONS[reduction], int(_arg(ce, 4, "ignore_index", -100)),
                     float(_arg(ce, 5, "label_smoothing", 0.0)))
 
@@ -139,6 +141,8 @@ class LinearCrossEntropyPattern(CrossEntropyAnchored):
         lin = node
         if not is_op(lin, {aten.linear.default}):
             return "the logits do not come from a linear layer"
+        if dtype(lin) == torch.float64:
+            return "a float64 linear: the fused loss computes in fp32"
         if cap and len(lin.users) != 1:
             return "the logits before the softcap are used elsewhere"
         others = [(u, src) for u in src.users if u is not loss_path] + readers

@@ -371,3 +371,25 @@ def test_only_index_values_are_copied_into_pieces():
     mask = nodes["output"].args[0][1]   # the graph's second output
     chain, outside = _chain(mask, ok)
     assert mask in ok and not outside and not any(n in chain for n in floats), sorted(n.name for n in chain)
+
+
+def test_inductor_failure_on_the_rewritten_graph_falls_back_to_compiling_dynamos_graph(monkeypatch):
+    """The fallback ladder: Inductor raising on the rewritten graph (injected: on any graph holding an
+    opsmath op) leaves the step to Inductor on dynamo's graph, as ``torch.compile`` would run it; the step
+    equals eager and the report names the failure and declines every rewrite with it."""
+    from opsmath import backend
+    real = backend.compile_fx
+
+    def failing(gm, example_inputs, **kw):
+        if any(str(n.target).startswith("opsmath.") for n in gm.graph.nodes):
+            raise RuntimeError("injected lowering failure")
+        return real(gm, example_inputs, **kw)
+    monkeypatch.setattr(backend, "compile_fx", failing)
+    ref, model, batch = pair(dropout=0.0)
+    model = opsmath.optimize(model, inductor=True)
+    step_equals_eager(model, ref, batch)
+    rep = opsmath.report(model)
+    assert rep.graphs[0].inductor and not rep.matches
+    assert rep.declines and all("injected lowering failure" in d.reason for d in rep.declines)
+    assert len(rep.fallback_errors) == 1 and "as torch.compile does" in rep.fallback_errors[0]
+    assert "injected lowering failure" in str(rep)
