@@ -41,6 +41,7 @@ from opsmath.kernels.grouped_mm import new_load_site
 from opsmath.match import RewriteContext, node_line
 from opsmath.rules import Rule, register_rule
 
+from ._experts_library import swap_library_fallbacks
 from ._experts_body import BOOKKEEPING, Correspondence, Emitter, Expert, body_of, unsupported
 from ._experts_spellings import ASSIGN, accumulation, from_topk, masks_to_indices, routing
 
@@ -242,6 +243,7 @@ class ExpertsRule(Rule):
     data_dependent_shapes = True
 
     def apply(self, ctx: RewriteContext) -> None:
+        swap_library_fallbacks(ctx, self.name)
         masks_to_indices(ctx.graph)
         super().apply(ctx)
 

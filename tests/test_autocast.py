@@ -58,7 +58,10 @@ def test_fp32_weights_under_autocast_get_the_bf16_rewrites_and_train_as_eager(na
     torch._dynamo.reset()
     ref, eager, opt = copy.deepcopy(model), copy.deepcopy(model), opsmath.optimize(copy.deepcopy(model))
     l_ref, l_eager, l_opt = _step(ref, ids, False), _step(eager, ids, True), _step(opt, ids, True)
-    assert _rewrites(opt) == _rewrites(bf16), [d.reason for d in opsmath.report(opt).declines]
+    amp_rewrites = _rewrites(opt)
+    if name == "mixtral":   # fp32 experts take the library's per-expert fallback op, swapped (_experts_library)
+        assert amp_rewrites.pop("experts") == 4
+    assert amp_rewrites == _rewrites(bf16), [d.reason for d in opsmath.report(opt).declines]
     assert _rewrites(opt)["attention"] == 2
     assert l_opt.dtype == l_eager.dtype
     assert abs(l_opt.double() - l_ref) <= 2 * abs(l_eager.double() - l_ref) + 1e-2 * abs(l_ref)

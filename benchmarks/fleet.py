@@ -1,0 +1,297 @@
+"""A fleet of Hugging Face architectures, each trained for a few steps under ``torch.compile`` and under
+``opsmath.optimize``, interleaved in one process: where opsmath gains, where it loses, what it rewrote.
+
+Twelve architectures at 0.1-0.4B parameters, built from their config classes as they load by default (no
+``attn_implementation``: SDPA, Gemma-2's eager), dropout off, ``use_cache=False`` where the call takes it:
+LLaMA, Mistral (sliding window 512 at T1024), Qwen2, Gemma-2, Phi-3, GPT-NeoX, GPT-2 (causal LM, B4 T1024),
+BERT (masked LM, B16 T512, odd rows padded), ViT (image classification, B32 224x224), T5 (B8, 512 tokens
+in, 128 out), Mixtral (8 experts top-2) and Qwen2-MoE (16 experts top-4 and a shared expert).
+
+Two recipes (``--recipes``), torch fused AdamW in both:
+- ``amp``: fp32 weights, the forward under ``torch.autocast("cuda", dtype=torch.bfloat16)`` and the backward
+  outside it (HF Trainer's ``bf16=True``);
+- ``bf16``: weights cast with ``.to(torch.bfloat16)``, no autocast.
+
+Per model, recipe and variant, after two warm-up steps (capture, compile, tuning), ``--rounds`` rounds of
+``--steps`` timed steps, A B A B: median and spread (min-max) of the per-round median step time, GPU kernel
+time per step (torch.profiler), the step's peak memory above what is resident before it, the first
+step's wall time (capture and compile included) and loss; for opsmath its rewrites, declines, fallback
+errors and graphs; and the ratio of each variant's step time and peak to the baseline's (torch.compile).
+A model or variant that fails is an error row; the fleet goes on. The JSON is written after every model
+and recipe, so a run cut short keeps what it measured. At the end, per recipe: the geometric mean of
+baseline / variant step time, and the rows whose peak is off the baseline's by more than 2%.
+
+    python benchmarks/fleet.py [--models llama,bert] [--recipes amp,bf16] [--rounds 5] [--steps 3]
+        [--variants torch.compile,opsmath.optimize] [--tag NAME]
+    python benchmarks/fleet.py --smoke [--models gpt2,bert]   # tiny models on CPU: runs, measures nothing
+
+``--smoke`` compares eager with opsmath (torch.compile's C++ compiles are slow on a CPU) unless
+``--variants`` says otherwise, and writes its JSON to a temporary folder unless ``$OUT`` is set.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import math
+import os
+import tempfile
+import time
+
+import torch
+
+import opsmath
+from _harness import write
+from hf_default_attention import Variant
+
+DEC = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+           intermediate_size=2816, vocab_size=32000, max_position_embeddings=4096, attention_dropout=0.0)
+DEC_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=256, max_position_embeddings=64)
+ENC = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, intermediate_size=4096,
+           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+ENC_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+LM, LM_TINY = dict(B=4, T=1024), dict(B=2, T=32)
+MODELS = {  # name: (model class, config class, config, its tiny overrides, inputs, shape, tiny shape)
+    "llama": ("LlamaForCausalLM", "LlamaConfig", DEC, DEC_TINY, "lm", LM, LM_TINY),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(DEC, sliding_window=512),
+                dict(DEC_TINY, sliding_window=16), "lm", LM, LM_TINY),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", DEC, DEC_TINY, "lm", LM, LM_TINY),
+    # Gemma-2-shaped: heads of 128, GQA 8/4, softcaps 50 / 30 (defaults), every other layer a window of 512
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        DEC, num_attention_heads=8, num_key_value_heads=4, head_dim=128, intermediate_size=4096,
+        query_pre_attn_scalar=128, sliding_window=512),
+        dict(DEC_TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=16), "lm", LM, LM_TINY),
+    # Phi-3-mini-shaped: fused qkv and gate-up projections, full multi-head attention; its pad id is 32000
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(
+        DEC, num_key_value_heads=16, vocab_size=32064, resid_pdrop=0.0, embd_pdrop=0.0),
+        dict(DEC_TINY, num_key_value_heads=4, pad_token_id=0), "lm", LM, LM_TINY),
+    "neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(
+        hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, intermediate_size=4096, vocab_size=50304,
+        max_position_embeddings=4096, hidden_dropout=0.0, attention_dropout=0.0),
+        dict(ENC_TINY, vocab_size=256, max_position_embeddings=64), "lm", LM, LM_TINY),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(
+        n_embd=1024, n_layer=8, n_head=16, n_positions=1024, vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0), dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256), "lm", LM, LM_TINY),
+    "bert": ("BertForMaskedLM", "BertConfig", dict(ENC, vocab_size=30522, max_position_embeddings=512),
+             dict(ENC_TINY, vocab_size=256, max_position_embeddings=64), "mlm", dict(B=16, T=512), dict(B=4, T=32)),
+    # problem_type as HF's loss sets it at the first call (else the mutated config recompiles step 2)
+    "vit": ("ViTForImageClassification", "ViTConfig", dict(ENC, image_size=224, patch_size=16, num_labels=1000,
+            problem_type="single_label_classification"),
+            dict(ENC_TINY, image_size=32, patch_size=8, num_labels=10), "image", dict(B=32), dict(B=2)),
+    # T5 v1.1-shaped (gated GELU), 6 encoder and 6 decoder layers; the labels shifted right start with
+    # decoder_start_token_id (T5's checkpoints set it: 0, the pad id; T5Config has no default)
+    "t5": ("T5ForConditionalGeneration", "T5Config", dict(
+        d_model=1024, d_kv=64, num_heads=16, d_ff=2816, num_layers=6, num_decoder_layers=6, vocab_size=32128,
+        feed_forward_proj="gated-gelu", dropout_rate=0.0, decoder_start_token_id=0),
+        dict(d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2, vocab_size=256),
+        "seq2seq", dict(B=8, T=512, labels=128), dict(B=2, T=32, labels=16)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
+        DEC, intermediate_size=1408, num_local_experts=8, num_experts_per_tok=2),
+        dict(DEC_TINY, intermediate_size=64, num_local_experts=4), "lm", LM, LM_TINY),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        DEC, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512, shared_expert_intermediate_size=2048),
+        dict(DEC_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=64), "lm", LM, LM_TINY),
+}
+RECIPES = ("amp", "bf16")
+VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m}
+EXTRA = {"num_labels", "decoder_start_token_id"}   # config attributes the config classes take as **kwargs
+PEAK_BAND = (0.98, 1.02)   # the summary lists rows whose peak is off the baseline's by more than this
+
+
+def config(name: str, smoke: bool) -> dict:
+    """The config kwargs of ``name``; every key must be a parameter of the config class (transformers
+    5 accepts unknown keys silently, so a misspelt one would change nothing), but for ``EXTRA``."""
+    import transformers
+    _, cfg_cls, cfg, tiny, *_ = MODELS[name]
+    cfg = dict(cfg, **tiny) if smoke else dict(cfg)
+    unknown = set(cfg) - set(inspect.signature(getattr(transformers, cfg_cls).__init__).parameters) - EXTRA
+    if unknown:
+        raise TypeError(f"{cfg_cls} has no parameters {sorted(unknown)}")
+    return cfg
+
+
+def build(name: str, recipe: str, device: str, smoke: bool) -> torch.nn.Module:
+    import transformers
+    cls, cfg_cls, *_ = MODELS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**config(name, smoke)))  # default attention
+    dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
+    return model.to(device=device, dtype=dtype).train()
+
+
+def inputs(name: str, model: torch.nn.Module, device: str, smoke: bool) -> tuple[dict, str]:
+    """One fixed batch for ``name`` (the same for every variant) and its shape in words."""
+    _, _, _, _, kind, shape, tiny_shape = MODELS[name]
+    cfg, shape, g = config(name, smoke), tiny_shape if smoke else shape, torch.Generator().manual_seed(0)
+    B, T = shape["B"], shape.get("T")
+    if kind == "image":
+        size, dtype = cfg["image_size"], next(model.parameters()).dtype
+        batch = dict(pixel_values=torch.randn(B, 3, size, size, generator=g).to(dtype),
+                     labels=torch.randint(0, cfg["num_labels"], (B,), generator=g))
+        words = f"B{B} 3x{size}x{size}"
+    else:
+        ids = torch.randint(1, cfg["vocab_size"], (B, T), generator=g)
+        batch, words = dict(input_ids=ids, labels=ids), f"B{B} T{T}"
+    if kind == "mlm":   # odd rows padded (pad id 0) to between half and three quarters of T
+        lengths = torch.tensor([T if i % 2 == 0 else T // 2 + i * T // (4 * B) for i in range(B)])
+        mask = (torch.arange(T)[None] < lengths[:, None]).long()
+        batch = dict(input_ids=ids * mask, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        words += f" ({B // 2} rows padded)"
+    if kind == "seq2seq":
+        batch["labels"] = torch.randint(1, cfg["vocab_size"], (B, shape["labels"]), generator=g)
+        words += f" in, T{shape['labels']} out"
+    batch = {k: v.to(device) for k, v in batch.items()}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        batch["use_cache"] = False
+    return batch, words
+
+
+class FleetVariant(Variant):
+    """hf_default_attention's variant (warm-up, timed rounds, row) with a recipe: ``amp`` runs the forward
+    under bf16 autocast, the backward and the optimizer outside it."""
+
+    def __init__(self, label, model, batch, device, recipe):
+        super().__init__(label, model, batch, device)
+        self.recipe, self.amp = recipe, recipe == "amp"   # the recipe is this row's, not the module's default
+
+    def step(self, accumulate: int = 1):
+        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.recipe == "amp"):
+            loss = self.model(**self.batch).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def row(self, accumulate: int = 1, tagged: bool = False):
+        r = super().row()
+        r.pop("accumulate"), r.pop("recipe", None)
+        r = dict(variant=r.pop("name"), recipe=self.recipe, **r)
+        if hasattr(self.model, "_opsmath"):
+            r["declines"] = len(opsmath.report(self.model).declines)
+        return r
+
+
+def run(name, recipe, labels, rounds, steps, device, smoke) -> list[dict]:
+    """The rows of one model under one recipe: every variant built from one seed, warmed up, then timed
+    in interleaved rounds. A variant that fails to build or warm up is an error row."""
+    torch._dynamo.reset()
+    with torch.device("meta"):   # the parameter count and the inputs' dtype, nothing allocated
+        probe = build(name, recipe, "meta", smoke)
+    batch, shape = inputs(name, probe, device, smoke)
+    info = dict(model=name, shape=shape, params=sum(p.numel() for p in probe.parameters()))
+    print(f"{name} {recipe}: {info['params'] / 1e6:.1f}M parameters, {shape}", flush=True)
+    del probe
+    variants, errors = [], []
+    for label in labels:
+        try:
+            v = FleetVariant(label, VARIANTS[label](build(name, recipe, device, smoke)), batch, device, recipe)
+            v.warm_up()
+        except Exception as e:  # noqa: BLE001
+            v = None   # its model, grads and optimizer state freed before the next variant builds
+            errors.append(dict(info, recipe=recipe, variant=label, error=f"{type(e).__name__}: {e}"[:2000]))
+            print(f"{name} {recipe} {label}: failed: {errors[-1]['error'][:300]}", flush=True)
+            continue
+        variants.append(v)
+        print(f"{name} {recipe} {label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
+    for _ in range(rounds):     # A B A B: host noise falls on every variant
+        for v in variants:
+            v.timed_round(steps)
+    rows = [dict(info, **v.row()) for v in variants]
+    base = next((r for r in rows if r["variant"] == "torch.compile"), rows[0] if rows else None)
+    for r in rows:
+        r["baseline"], r["ms_ratio"] = base["variant"], r["ms"] / base["ms"]
+        if "step_peak_gib" in r:
+            r["peak_ratio"] = r["step_peak_gib"] / max(base["step_peak_gib"], 1e-9)
+        print(line(r), flush=True)
+    return rows + errors
+
+
+def line(r: dict) -> str:
+    head = f"{r['model']:10} {r['recipe']:4} {r['variant'] or '-':16}"
+    if "error" in r:
+        return f"{head} ERROR {r['error'][:300]}"
+    out = (f"{head} {r['ms']:8.2f} ms [{r['ms_min']:.2f}-{r['ms_max']:.2f}] gpu {r.get('gpu_ms', 0):8.2f} ms "
+           f"peak {r.get('step_peak_gib', 0):6.2f} GiB first {r['first_step_s']:6.1f} s loss {r['first_loss']:.4f} "
+           f"ms x{r['ms_ratio']:.3f} peak x{r.get('peak_ratio', float('nan')):.3f} vs {r['baseline']}")
+    if "rewrites" in r:
+        out += (f" {r['rewrites']} declines {r['declines']} graphs {r['graphs']}"
+                f" fallbacks {len(r['fallbacks'])}")
+    return out
+
+
+def summary(rows: list[dict], recipes) -> dict:
+    """Per recipe and variant (other than the baseline): the geometric mean over models of baseline /
+    variant step time, and the rows whose peak is outside ``PEAK_BAND`` of the baseline's."""
+    out = {}
+    for recipe in recipes:
+        timed = [r for r in rows if r["recipe"] == recipe and "error" not in r and r["variant"] != r["baseline"]]
+        for variant in dict.fromkeys(r["variant"] for r in timed):
+            mine = [r for r in timed if r["variant"] == variant]
+            gmean = math.exp(sum(-math.log(r["ms_ratio"]) for r in mine) / len(mine))
+            off = {r["model"]: round(r["peak_ratio"], 3) for r in mine
+                   if "peak_ratio" in r and not PEAK_BAND[0] <= r["peak_ratio"] <= PEAK_BAND[1]}
+            out[f"{recipe} {variant}"] = dict(speedup_gmean=gmean, models=len(mine), peak_off=off,
+                                              baseline=mine[0]["baseline"])
+    errors = [f"{r['model']} {r['recipe']} {r.get('variant') or ''}".strip() for r in rows if "error" in r]
+    for key, s in out.items():
+        print(f"{key}: {s['baseline']} / it, geometric mean over {s['models']} models: x{s['speedup_gmean']:.3f}; "
+              f"peak outside {PEAK_BAND[0]}-{PEAK_BAND[1]}x: {s['peak_off'] or 'none'}", flush=True)
+    print(f"errors: {errors or 'none'}", flush=True)
+    return dict(recipes=out, errors=errors)
+
+
+def free(device: str):
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS), help=",".join(MODELS))
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--variants", default=None, help=f"of {','.join(VARIANTS)}; the first is the baseline unless "
+                    "torch.compile is there (default: torch.compile,opsmath.optimize; --smoke: eager,opsmath.optimize)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--deadline-s", type=float, default=0,
+                    help="start no model/recipe after this many seconds (an error row each): the summary still prints")
+    ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script, measures nothing")
+    args = ap.parse_args()
+    models, recipes = args.models.split(","), args.recipes.split(",")
+    labels = (args.variants or ("eager," if args.smoke else "torch.compile,") + "opsmath.optimize").split(",")
+    bad = sorted(set(models) - set(MODELS)) + sorted(set(recipes) - set(RECIPES)) + sorted(set(labels) - set(VARIANTS))
+    if bad:
+        ap.error(f"unknown models, recipes or variants {bad}")
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.rounds, args.steps = 1, 1
+        if not os.environ.get("OUT"):   # smoke rows are not results
+            os.environ["OUT"] = tempfile.mkdtemp(prefix="fleet-smoke-")
+    name = "fleet-" + (args.tag or ("all" if models == list(MODELS) else "-".join(models))) \
+        + ("" if set(recipes) == set(RECIPES) else "-" + "-".join(recipes)) + ("-smoke" if args.smoke else "")
+    rows, payload, start = [], dict(args=vars(args), variants=labels, configs={}), time.monotonic()
+    for model in models:
+        for recipe in recipes:
+            if args.deadline_s and time.monotonic() - start > args.deadline_s:
+                rows.append(dict(model=model, recipe=recipe, variant=None, error="not run: past --deadline-s"))
+                print(line(rows[-1]), flush=True)
+                continue
+            try:
+                payload["configs"][model] = config(model, args.smoke)
+                rows += run(model, recipe, labels, args.rounds, args.steps, device, args.smoke)
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(model=model, recipe=recipe, variant=None, error=f"{type(e).__name__}: {e}"[:2000]))
+                print(line(rows[-1]), flush=True)
+            free(device)
+            write(name, dict(payload, rows=rows))   # after each: a run cut short keeps what it measured
+    payload["summary"] = summary(rows, recipes)
+    print("wrote", write(name, dict(payload, rows=rows)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

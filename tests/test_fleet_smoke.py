@@ -1,0 +1,32 @@
+"""benchmarks/fleet.py runs end to end at toy size on CPU (``--smoke``): every model and recipe asked for
+gets its rows in the JSON, none an error row. It measures nothing in this mode."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow   # about 40 s on two cores (README: -m "not slow" leaves it out)
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+MODELS = ["gpt2", "bert", "mixtral"]   # a decoder with a graph break, a padded encoder, experts
+
+
+def test_fleet_smoke_rows_for_both_recipes(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), OPSMATH_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "fleet.py", "--smoke", "--models", ",".join(MODELS)], cwd=BENCH, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    (path,) = glob.glob(str(tmp_path / "fleet-*-smoke-*.json"))
+    out = json.load(open(path))
+    assert not [row for row in out["rows"] if "error" in row], out["rows"]
+    got = {(row["model"], row["recipe"], row["variant"]) for row in out["rows"]}
+    assert got == {(m, recipe, v) for m in MODELS for recipe in ("amp", "bf16") for v in ("eager", "opsmath.optimize")}
+    for row in out["rows"]:
+        assert row["ms"] > 0 and row["first_step_s"] > 0 and 0 < row["first_loss"] < 20, row
+        assert row["baseline"] == "eager" and row["params"] > 0, row
+        if row["variant"] == "opsmath.optimize":
+            assert row["rewrites"] and row["graphs"] >= 1 and row["declines"] >= 0 and row["fallbacks"] == [], row
+    assert set(out["summary"]["recipes"]) == {"amp opsmath.optimize", "bf16 opsmath.optimize"}
