@@ -4,8 +4,10 @@ bias correction and fp32 master weights, over thousands of tensors in two launch
 Math, for every parameter tensor with a gradient (t = its step count after this step)::
 
     norm  = || all grads ||_2 / grad_scale                      (pass 1: one multi-tensor reduction)
-    coef  = min(1, max_norm / (norm + 1e-6))   (1 without clipping; as clip_grad_norm_)
-    skip everything if grad_scale's found_inf is set or norm is not finite
+    coef  = min(1, max_norm / (norm + 1e-6))   (1 without clipping; as clip_grad_norm_: 0 for an inf
+                                                norm, NaN for a NaN one, so such gradients reach the
+                                                update as torch's clip + AdamW would pass them)
+    skip everything if grad_scale's found_inf is set (or, with Gate.skip_nonfinite, norm is not finite)
     g     = grad / grad_scale * coef                            (pass 2: one multi-tensor update)
     p     = p * (1 - lr * wd)                  p: the fp32 master copy when master weights are on
     m     = b1 m + (1 - b1) g
@@ -155,13 +157,17 @@ class Gate(NamedTuple):
     step costs no host sync and no scalar torch ops): ``scale`` (1,) the GradScaler's scale (1 without
     one); ``found`` (1,) nonzero when it found inf/NaN; ``sumsq`` (1,) the scaled gradients' sum of
     squares, or None without clipping; ``norm_out`` (1,) receives ``sqrt(sumsq) / scale``; ``inc_out``
-    (1,) receives 1, or 0 when the step is skipped (the caller adds it to the step counts)."""
+    (1,) receives 1, or 0 when the step is skipped (the caller adds it to the step counts).
+    ``skip_nonfinite``: a non-finite clipped norm skips the step; without it the clip factor is what
+    ``clip_grad_norm_`` multiplies by (0 for an inf norm, NaN for a NaN one) and the update goes on, as
+    torch's does."""
     scale: torch.Tensor
     found: torch.Tensor
     sumsq: Optional[torch.Tensor]
     max_norm: float
     norm_out: torch.Tensor
     inc_out: torch.Tensor
+    skip_nonfinite: bool = False
 
     def args(self) -> tuple:
         clip = self.sumsq is not None
@@ -170,7 +176,7 @@ class Gate(NamedTuple):
 
 
 @triton.jit
-def step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP: tl.constexpr):
+def step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP: tl.constexpr, SKIP_NONFINITE: tl.constexpr):
     """(skip, coef) with coef = min(1, max_norm / (norm + 1e-6)) / scale; program 0 publishes the norm
     and the step increment (every program computes the same values from the same inputs)."""
     scale = tl.load(SCALE)
@@ -178,8 +184,9 @@ def step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP: tl.constex
     coef = 1.0 / scale
     if CLIP:
         norm = tl.sqrt_rn(tl.load(SUMSQ)) / scale
-        skip = skip | (norm != norm) | (norm == float("inf"))
-        coef = coef * tl.minimum(max_norm / (norm + 1e-6), 1.0)
+        if SKIP_NONFINITE:
+            skip = skip | (norm != norm) | (norm == float("inf"))
+        coef = coef * tl.where(norm != norm, norm, tl.minimum(max_norm / (norm + 1e-6), 1.0))
         if tl.program_id(0) == 0:
             tl.store(NORM_OUT, norm)
     if tl.program_id(0) == 0:
@@ -257,9 +264,10 @@ def chunk_prologue(CHUNK_TENSOR, CHUNK_START, SIZES, STEP_PTRS, GROUP, LRS, WDS,
 def _adamw_kernel(P_PTRS, G_PTRS, M_PTRS, V_PTRS, W_PTRS, STEP_PTRS, SIZES, GROUP, LRS, WDS, CHUNK_TENSOR,
                   CHUNK_START, SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, beta1, beta2, eps,
                   P_TY: tl.constexpr, G_TY: tl.constexpr, S_TY: tl.constexpr, HAS_MASTER: tl.constexpr,
-                  CLIP: tl.constexpr, ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+                  CLIP: tl.constexpr, SKIP_NONFINITE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """One program per chunk. W is the fp32 master (HAS_MASTER) whose rounding is written to P."""
-    skip, coef = step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP)
+    skip, coef = step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP, SKIP_NONFINITE)
     if not skip:
         i, start, rem, step_size, bc2_sqrt, decay, p_ptr, g_ptr, w_ptr = chunk_prologue(
             CHUNK_TENSOR, CHUNK_START, SIZES, STEP_PTRS, GROUP, LRS, WDS, P_PTRS, G_PTRS, W_PTRS, beta1, beta2,
@@ -298,6 +306,7 @@ def adamw_triton(tables: MultiTensor, grads, lrs: torch.Tensor, wds: torch.Tenso
         st[0], gptrs, st[1], st[2], st[4] if has_master else st[0], st[3], tables.sizes, tables.group, lrs, wds,
         tables.chunk_tensor, tables.chunk_start, *gate.args(), float(beta1), float(beta2), float(eps),
         P_TY=p_ty, G_TY=g_ty, S_TY=s_ty, HAS_MASTER=has_master, CLIP=gate.sumsq is not None,
+        SKIP_NONFINITE=gate.skip_nonfinite,
         ALIGNED=galigned and tables.static_aligned, CHUNK_SIZE=CHUNK, BLOCK=BLOCK, num_warps=4)
 
 

@@ -160,8 +160,9 @@ def _adamw8_step(p_ptr, g_ptr, mq_ptr, vq_ptr, ms_ptr, vs_ptr, w_ptr, off, rem, 
 def _adamw8_kernel(P_PTRS, G_PTRS, MQ_PTRS, VQ_PTRS, MS_PTRS, VS_PTRS, W_PTRS, STEP_PTRS, SIZES, GROUP, LRS, WDS,
                    CHUNK_TENSOR, CHUNK_START, SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, beta1, beta2, eps,
                    P_TY: tl.constexpr, G_TY: tl.constexpr, HAS_MASTER: tl.constexpr, CLIP: tl.constexpr,
-                   ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr):
-    skip, coef = step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP)
+                   SKIP_NONFINITE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr,
+                   BLOCK: tl.constexpr, QB: tl.constexpr):
+    skip, coef = step_gate(SUMSQ, SCALE, FOUND, NORM_OUT, INC_OUT, max_norm, CLIP, SKIP_NONFINITE)
     if not skip:
         i, start, rem, step_size, bc2_sqrt, decay, p_ptr, g_ptr, w_ptr = chunk_prologue(
             CHUNK_TENSOR, CHUNK_START, SIZES, STEP_PTRS, GROUP, LRS, WDS, P_PTRS, G_PTRS, W_PTRS, beta1, beta2,
@@ -188,7 +189,7 @@ def adamw8_triton(tables: MultiTensor, grads, lrs, wds, beta1, beta2, eps, gate:
         st[0], gptrs, st[1], st[2], st[4], st[5], st[6] if has_master else st[0], st[3], tables.sizes,
         tables.group, lrs, wds, tables.chunk_tensor, tables.chunk_start, *gate.args(), float(beta1), float(beta2),
         float(eps), P_TY=tl_type(dtypes[0]), G_TY=tl_type(dtypes[1]), HAS_MASTER=has_master,
-        CLIP=gate.sumsq is not None,
+        CLIP=gate.sumsq is not None, SKIP_NONFINITE=gate.skip_nonfinite,
         ALIGNED=galigned and tables.static_aligned, CHUNK_SIZE=CHUNK, BLOCK=BLOCK, QB=QBLOCK, num_warps=4)
 
 

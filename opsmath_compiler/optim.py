@@ -7,7 +7,13 @@ unscaling/skip, optional fp32 master weights and optional 8-bit moments fused in
 
 * ``max_grad_norm``: the global L2 norm over every gradient the optimizer holds is computed and
   applied inside the step, as ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` would do first;
-  ``opt.last_grad_norm`` holds it (a 0-d tensor, no host sync).
+  ``opt.last_grad_norm`` holds it (a 0-d tensor, no host sync). A non-finite norm does what torch does:
+  the clip factor is 0 (inf) or NaN, and inf/NaN gradients reach the moments and weights.
+  ``skip_nonfinite=True`` skips such steps instead (nothing changes, ``step`` is not advanced), counted
+  in ``opt.skipped_steps`` (a 0-d device tensor), as ``GradScaler`` skips.
+* ``state`` is the truth, as for any ``torch.optim.Optimizer``: replaced (``opt.state = ...``), cleared,
+  an entry deleted, or a tensor in an entry swapped, the next step uses what is there (fresh moments for a
+  parameter whose state is gone) and ``state_dict()`` saves it.
 * ``master_weights=True``: 16-bit parameters get an fp32 master copy and fp32 moments in the state;
   the step updates the master and writes the rounded parameter in the same pass.
 * ``state_bits=8``: both moments stored block-wise quantized (``kernels/adamw_8bit.py``): 2 bytes of
@@ -43,6 +49,7 @@ class AdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  max_grad_norm: float | None = None, master_weights: bool = False, state_bits: int = 32,
+                 skip_nonfinite: bool = False,
                  amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
         for name, flag in (("amsgrad", amsgrad), ("maximize", maximize), ("differentiable", differentiable)):
             if flag:
@@ -62,8 +69,9 @@ class AdamW(torch.optim.Optimizer):
                         foreach=foreach, capturable=capturable, differentiable=False, fused=fused,
                         decoupled_weight_decay=True, master_weights=master_weights, state_bits=state_bits)
         super().__init__(params, defaults)
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.skip_nonfinite = max_grad_norm, skip_nonfinite
         self.last_grad_norm: torch.Tensor | None = None
+        self.skipped_steps: torch.Tensor | int = 0
         self._plan: _Plan | None = None
         self._plan_key: tuple = ()
 
@@ -125,18 +133,33 @@ class AdamW(torch.optim.Optimizer):
                    if p.grad is not None]
         if not entries:
             return loss
-        key = (tuple((id(p), p.data_ptr(), p.grad.dtype, p.grad.device) for _, p in entries),
-               tuple((g["betas"], g["eps"], g.get("master_weights"), g.get("state_bits")) for g in self.param_groups))
-        if key != self._plan_key or self._plan is None:
+        if self._key(entries) != self._plan_key or self._plan is None:
             for gi, p in entries:
                 if p.grad.is_sparse:
                     raise RuntimeError("opsmath.optim.AdamW does not support sparse gradients")
             self._plan = _Plan([(self.param_groups[gi], gi, p, self._state_for(p, self.param_groups[gi]))
                                 for gi, p in entries])
-            self._plan_key = key
-        self.last_grad_norm = self._plan.run(self.param_groups, self.max_grad_norm,
-                                             getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+            self._plan_key = self._key(entries)   # with the state entries just made
+        self.last_grad_norm, taken = self._plan.run(self.param_groups, self.max_grad_norm, self.skip_nonfinite,
+                                                    getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        if self.skip_nonfinite and self.max_grad_norm is not None:
+            self.skipped_steps = self.skipped_steps + (1 - taken)
         return loss
+
+
+    def _key(self, entries) -> tuple:
+        """What the launch tables depend on: the parameters, their gradients' dtypes, the groups' constants,
+        and the state: its dict, each entry and the tensors in it (a step after any of them is replaced,
+        cleared or deleted rebuilds the tables from what ``state`` holds)."""
+        state = self.state
+        return (tuple((id(p), p.data_ptr(), p.grad.dtype, p.grad.device, _ids(state.get(p))) for _, p in entries),
+                tuple((g["betas"], g["eps"], g.get("master_weights"), g.get("state_bits")) for g in self.param_groups),
+                id(state))
+
+
+def _ids(entry) -> tuple:
+    """The identity of a parameter's state entry and of the tensors in it (empty when it has none)."""
+    return () if not entry else (id(entry), *map(id, entry.values()))
 
 
 class _Bucket:
@@ -225,8 +248,9 @@ class _Plan:
             self._hyper[device] = tuple(group_table(v, device) for v in values)
         return self._hyper[device]
 
-    def run(self, groups, max_grad_norm, scale, found):
-        """One step; returns the global gradient norm (None without clipping)."""
+    def run(self, groups, max_grad_norm, skip_nonfinite, scale, found):
+        """One step; returns the global gradient norm (None without clipping) and 1, or 0 when the step was
+        skipped (0-d tensors)."""
         device = self.buckets[0].device
         scale = self._one if scale is None else scale.to(device, torch.float32).reshape(1)
         found = self._zero if found is None else found.to(device, torch.float32).reshape(1)
@@ -243,22 +267,23 @@ class _Plan:
                 dev = b.device
                 gate = Gate(scale.to(dev), found.to(dev), None if sumsq is None else sumsq.to(dev),
                             max_grad_norm or 1.0, norm_out if dev == device else torch.empty(1, device=dev),
-                            self._inc if dev == device else torch.empty(1, device=dev))
+                            self._inc if dev == device else torch.empty(1, device=dev), skip_nonfinite)
                 b.update_fast(g, self.hyper(groups, dev), gate)
         if self.on_device:
             # alpha= selects the Tensor overload: without it the 0-d tensor binds to the Scalar one,
             # whose .item() is a host sync every step
             torch._foreach_add_(self.steps[device], self._inc.reshape(()), alpha=1.0)
-            return norm_out.reshape(()) if sumsq is not None else None
+            return (norm_out.reshape(()) if sumsq is not None else None), self._inc.reshape(())
         # CPU (or non-contiguous) parameters: the same gate with torch ops
         coef_scale, norm = 1.0 / scale, None
         if sumsq is not None:
             norm = sumsq.sqrt() / scale
-            found = torch.maximum(found, (~torch.isfinite(norm)).float())
+            if skip_nonfinite:
+                found = torch.maximum(found, (~torch.isfinite(norm)).float())
             coef_scale = coef_scale * torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
         for b, g in zip(self.buckets, grads):
             if b.tables is None:
                 b.update_reference(g, groups, coef_scale.reshape(()).to(b.device), found.reshape(()).to(b.device))
         for dev, steps in self.steps.items():
             torch._foreach_add_(steps, 1.0 - found.reshape(()).to(dev), alpha=1.0)
-        return None if norm is None else norm.reshape(())
+        return (None if norm is None else norm.reshape(())), 1.0 - found.reshape(())
