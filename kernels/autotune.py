@@ -1,17 +1,22 @@
 """Autotuning shared by every kernel: measure candidates once, remember the winner on disk.
 
-A *choice* is keyed on the machine and software (GPU name, torch and triton versions, and what the
+A *choice* is keyed on the machine and software (GPU name, opsmath, torch and triton versions, and what the
 choices are ranked by: caches from before choices were ranked by kernel time are re-tuned), then on the op
 and a key the op builds from its dtype and a shape bucket::
 
-    {"NVIDIA H200 | torch 2.11.0 | triton 3.6.0 | kernel time": {"attention": {"bf16 B*H=128 S=1024x1024 ...": {
-        "choice": "sdpa_cudnn", "ms": {"opsmath": 1.92, "sdpa_flash": 1.41, "sdpa_cudnn": 0.81}}}}}
+    {"NVIDIA H200 | opsmath 0.1.0 | torch 2.11.0 | triton 3.6.0 | kernel time": {"attention": {
+        "bf16 B*H=128 S=1024x1024 ...": {"choice": "sdpa_cudnn", "ms": {"opsmath": 1.92, "sdpa_cudnn": 0.81}}}}}
 
 stored as JSON in ``$OPSMATH_CACHE_DIR/tuning.json`` (default ``~/.cache/opsmath``, or
-``$XDG_CACHE_HOME/opsmath``). A later process reuses the choice without measuring. A cache that cannot
-be read or parsed is set aside (renamed ``*.corrupt``) and re-tuned, never fatal; entries for another
-GPU or other versions are simply not looked at. Writes go through a temporary file and an atomic
-rename, so concurrent processes never read half a file.
+``$XDG_CACHE_HOME/opsmath``). A later process reuses the choice without measuring. The file is a small
+database that many processes share (DDP ranks under one home directory):
+- every entry is validated as it is read; a malformed one (a machine mapping to a list, a choice that is
+  not a string) is dropped and re-tuned, with one warning naming the file;
+- a file that does not parse is set aside (renamed ``*.corrupt``) and re-tuned; a read that fails for
+  another reason (a transient I/O error) keeps the file and only this read is lost;
+- a write is a read-modify-write under an exclusive lock on ``tuning.json.lock`` (``fcntl.flock``: every
+  process's entries survive), through a temporary file renamed atomically (readers never see half a
+  file), which is removed if the write fails. A read-only cache never stops training.
 
 ``pick(op, key, candidates)`` measures each candidate (a zero-argument callable running the op's
 forward and backward) by its GPU kernel time per call (``measure``: torch.profiler, falling back to
@@ -20,6 +25,7 @@ progress bar on a terminal when tuning is under way.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -31,9 +37,15 @@ from typing import Callable, Optional
 
 import torch
 
+try:
+    import fcntl
+except ImportError:   # Windows: no advisory locks; writes stay atomic, concurrent writers may lose entries
+    fcntl = None
+
 log = logging.getLogger("opsmath")
 _LOCK = threading.Lock()
 _MEMORY: dict[tuple[str, str, str], str] = {}   # (machine, op, key) -> choice, this process
+_WARNED: set[str] = set()                      # cache files already reported malformed, this process
 METRIC = "kernel time"   # what choices are ranked by (``measure``); choices ranked otherwise are not reused
 
 
@@ -44,11 +56,19 @@ def cache_path() -> Path:
     return Path(root) / "tuning.json"
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("opsmath")
+    except Exception:  # noqa: BLE001  (run from a source tree that is not installed)
+        return "unknown"
+
+
 @functools.lru_cache(maxsize=None)
 def machine_key(device: Optional[torch.device] = None) -> str:
     import triton
     gpu = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
-    return f"{gpu} | torch {torch.__version__} | triton {triton.__version__} | {METRIC}"
+    return f"{gpu} | opsmath {_version()} | torch {torch.__version__} | triton {triton.__version__} | {METRIC}"
 
 
 def cached(op: str, key: str) -> Optional[str]:
@@ -61,29 +81,67 @@ def cached(op: str, key: str) -> Optional[str]:
     return _MEMORY[(machine, op, key)]
 
 
+def _valid(data: dict, path: Path) -> dict:
+    """``data`` with every malformed machine, op or entry dropped (one warning per file and process)."""
+    clean, dropped = {}, 0
+    for machine, ops in data.items():
+        if not isinstance(ops, dict):
+            dropped += 1
+            continue
+        for op, entries in ops.items():
+            if not isinstance(entries, dict):
+                dropped += 1
+                continue
+            good = {k: e for k, e in entries.items() if isinstance(e, dict) and isinstance(e.get("choice"), str)}
+            dropped += len(entries) - len(good)
+            if good:
+                clean.setdefault(machine, {})[op] = good
+    if dropped and str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        log.warning("opsmath: tuning cache %s has %d malformed entries; they are dropped and re-tuned", path, dropped)
+    return clean
+
+
 def load() -> dict:
-    """The whole cache file as a dict; ``{}`` when absent. A corrupt file is renamed aside."""
+    """The cache file's well-formed entries; ``{}`` when absent. A file that does not parse is renamed
+    aside; one that cannot be read now (an I/O error) is left in place."""
     path = cache_path()
     try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict):
-            raise ValueError("top level is not an object")
-        return data
+        text = path.read_text()
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as e:
-        log.warning("opsmath: tuning cache %s is unreadable (%s); re-tuning", path, e)
-        try:
-            path.replace(path.with_suffix(".json.corrupt"))
-        except OSError:
-            pass
+    except OSError as e:
+        log.warning("opsmath: tuning cache %s cannot be read now (%s); tuning without it", path, e)
         return {}
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("top level is not an object")
+    except ValueError as e:
+        log.warning("opsmath: tuning cache %s is corrupt (%s); set aside and re-tuned", path, e)
+        with contextlib.suppress(OSError):
+            path.replace(path.with_suffix(".json.corrupt"))
+        return {}
+    return _valid(data, path)
 
 
 def lookup(op: str, key: str, machine: Optional[str] = None) -> Optional[dict]:
-    machine = machine or machine_key()
-    entry = load().get(machine, {}).get(op, {}).get(key)
-    return entry if isinstance(entry, dict) and isinstance(entry.get("choice"), str) else None
+    return load().get(machine or machine_key(), {}).get(op, {}).get(key)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock across processes (and threads) for a read-modify-write of ``path``."""
+    with _LOCK:
+        if fcntl is None:
+            yield
+            return
+        with open(path.with_suffix(".json.lock"), "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def store(op: str, key: str, entry: dict, machine: Optional[str] = None) -> None:
@@ -91,17 +149,23 @@ def store(op: str, key: str, entry: dict, machine: Optional[str] = None) -> None
     machine = machine or machine_key()
     path = cache_path()
     _MEMORY[(machine, op, key)] = entry["choice"]
-    with _LOCK:
-        data = load()
-        data.setdefault(machine, {}).setdefault(op, {})[key] = entry
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(path):
+            data = load()
+            data.setdefault(machine, {}).setdefault(op, {})[key] = entry
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=".json")
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(tmp, path)
-        except OSError as e:  # a read-only home must not stop training: keep the choice in memory
-            log.warning("opsmath: cannot write tuning cache %s (%s)", path, e)
+            tmp = None
+    except OSError as e:  # a read-only home must not stop training: keep the choice in memory
+        log.warning("opsmath: cannot write tuning cache %s (%s)", path, e)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def wall_ms(fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 40) -> float:
