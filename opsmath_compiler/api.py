@@ -133,17 +133,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
     if cuda_graphs and inductor is False:
         raise ValueError("optimize(cuda_graphs=True) replays Inductor's compiled graphs; it needs the Inductor "
                          "path, not inductor=False")
-    patterns, skip = _names(patterns, "patterns"), _names(skip, "skip") or []
-    chosen = _chosen(patterns, fp8)
-    unknown = sorted({s.split("@")[0] for s in [*(patterns or []), *skip]} - {*PATTERN_NAMES, *SKIP_ONLY})
-    if unknown:
-        raise ValueError(f"unknown pattern families {unknown}; known: {PATTERN_NAMES} (skip also takes one "
-                         "occurrence as 'family@node', the node named in the report)")
-    if memory_budget is not None:
-        parse_budget(memory_budget)  # a bad budget is an error now, not at the first call
-    state = OptimizeState(model_name=type(model).__name__, patterns=chosen, skip=set(skip),
-                          memory_budget=memory_budget, analyze=analyze, inductor=inductor,
-                          default_patterns=patterns is None, cuda_graphs=bool(cuda_graphs))
+    state = new_state(type(model).__name__, memory_budget, patterns, skip, analyze, inductor, cuda_graphs, fp8)
     model._opsmath = state
     state.notes = [note for p in chosen if p.name not in skip for note in p.prepare(model)]
     state.notes += [CUDA_GRAPHS_NOTE] if cuda_graphs else []
@@ -158,6 +148,22 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
 
     _install(model, _caller(state, model, compiled, inductor))
     return model
+
+
+def new_state(name: str, memory_budget, patterns, skip, analyze, inductor, cuda_graphs, fp8) -> OptimizeState:
+    """The state of one optimized module (or one ``torch.compile(..., backend="opsmath")``) from
+    ``optimize``'s options, checked: a bad option is an error now, not at the first call."""
+    patterns, skip = _names(patterns, "patterns"), _names(skip, "skip") or []
+    chosen = _chosen(patterns, fp8)
+    unknown = sorted({s.split("@")[0] for s in [*(patterns or []), *skip]} - {*PATTERN_NAMES, *SKIP_ONLY})
+    if unknown:
+        raise ValueError(f"unknown pattern families {unknown}; known: {PATTERN_NAMES} (skip also takes one "
+                         "occurrence as 'family@node', the node named in the report)")
+    if memory_budget is not None:
+        parse_budget(memory_budget)
+    return OptimizeState(model_name=name, patterns=chosen, skip=set(skip), memory_budget=memory_budget,
+                         analyze=analyze, inductor=inductor, default_patterns=patterns is None,
+                         cuda_graphs=bool(cuda_graphs))
 
 
 def _install(model: torch.nn.Module, call) -> None:
@@ -310,7 +316,12 @@ def _on_cuda(model: torch.nn.Module) -> bool:
 
 
 def state_of(model) -> OptimizeState:
+    """The state of a module ``optimize`` returned, or of ``torch.compile(module, backend="opsmath")``."""
     st = getattr(model, "_opsmath", None)
     if st is None:
-        raise ValueError("this module was not returned by opsmath.optimize()")
+        from .dynamo_backend import state_of_compiled
+        st = state_of_compiled(model)
+    if st is None:
+        raise ValueError("this module was not returned by opsmath.optimize() nor by torch.compile(..., "
+                         "backend='opsmath') (a compiled module reports after its first call)")
     return st
