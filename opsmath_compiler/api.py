@@ -135,7 +135,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
                          "path, not inductor=False")
     state = new_state(type(model).__name__, memory_budget, patterns, skip, analyze, inductor, cuda_graphs, fp8)
     model._opsmath = state
-    state.notes = [note for p in chosen if p.name not in skip for note in p.prepare(model)]
+    state.notes = [note for p in state.patterns if p.name not in state.skip for note in p.prepare(model)]
     state.notes += [CUDA_GRAPHS_NOTE] if cuda_graphs else []
     # dynamo skips a top-level frame that lives in torch/ (``nn.Sequential``, ``nn.TransformerEncoderLayer``
     # called directly): it compiles this frame instead and inlines the module's ``_call_impl`` from here
