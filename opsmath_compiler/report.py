@@ -55,6 +55,7 @@ class Report(Rendered):
         self.fallback_errors = list(state.fallback_errors)
         self.eager_regions = list(state.eager_regions)
         self.unoptimized_calls = state.unoptimized_calls
+        self.eager_inference_calls = state.eager_inference_calls
         self.notes = list(state.notes) + [f"Inductor did not replay a graph as a CUDA graph: {m}"
                                           for m in state.cuda_graph_skips]
 
@@ -124,7 +125,8 @@ class Report(Rendered):
     def to_dict(self) -> dict:
         return dict(model=self.model_name, graphs=[g.to_dict() for g in self.graphs],
                     eager_regions=[r.to_dict() for r in self.eager_regions], fallback_errors=self.fallback_errors,
-                    unoptimized_calls=self.unoptimized_calls, expert_load=self.expert_load(), notes=self.notes,
+                    unoptimized_calls=self.unoptimized_calls, eager_inference_calls=self.eager_inference_calls,
+                    expert_load=self.expert_load(), notes=self.notes,
                     fp8_underflow=self.fp8_underflow())
 
     def to_json(self, **kw) -> str:
@@ -161,6 +163,9 @@ class Report(Rendered):
         if self.unoptimized_calls:
             yield Text(f"{self.unoptimized_calls} call(s) ran none of opsmath's graphs (dynamo's recompile limit, "
                        "or nothing capturable in the frame): they ran as plain PyTorch", style="red")
+        if self.eager_inference_calls:
+            yield Text(f"{self.eager_inference_calls} no-grad call(s) at inputs no training call had (generate, "
+                       "evaluation at other sizes) ran eagerly: no capture per shape")
 
     def _graph_panel(self, g) -> Panel:
         parts = []
