@@ -229,12 +229,20 @@ def inplace_on_private_temporary(n: fx.Node) -> bool:
     return writes == [0] and bool(n.args) and private_temporary(n.args[0])
 
 
+def normalize(ctx: RewriteContext) -> None:
+    """The graph-wide passes before matching (``normalize.py``): dead code out, einsums as matmuls."""
+    from .normalize import drop_dead_code, einsums_as_matmuls
+    drop_dead_code(ctx.graph)
+    einsums_as_matmuls(ctx)
+
+
 def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = None,
                  inductor: bool = False, inputs: Optional[list] = None) -> RewriteContext:
     """Apply every rule (``opsmath.rules.Rule``) to the captured graph in order, lint, recompile and
     refresh fake metadata. ``inductor``: whether Inductor compiles the result (rules may weigh it);
     ``inputs``: the real example inputs (None: rules that would add graph inputs do not)."""
     ctx = RewriteContext(captured, skip, inductor, inputs)
+    normalize(ctx)
     for pattern in patterns:
         pattern.apply(ctx)
         ctx.graph.lint()

@@ -87,16 +87,20 @@ class DropoutAddNormRule(Rule):
                 eps = torch.finfo(dtype(inp)).eps if dtype(inp) in _FLOATS else None
         else:
             eps = a[4] if a[4] is not None else n.kwargs.get("eps", 1e-5)
-        res = _residual_add(inp)
+        h = strip_casts(inp)    # F.rms_norm(h.float(), ...): the residual sum read through its upcast
+        res = _residual_add(h)
         if res is None:
             return None
         if len(nshape) != 1 or nshape[0] != shape(inp)[-1]:
             return "normalizes over more than the last dim"
         if eps is None or not isinstance(eps, (int, float)):
             return "eps is not a constant"
+        casts = _casts_of_h(inp, inp)
+        if casts and not _widens(h, inp):
+            return f"the residual sum is rounded to {dtype(inp)} before the norm (the fused op reads it in {dtype(h)})"
         x, r, p, drop = res
-        return _Plan(h=inp, x=x, residual=r, dropout_p=p, weight=weight, bias=bias, eps=float(eps),
-                     is_rms=is_rms, out=n, internal=[d for d in (drop,) if d is not None] + [n])
+        return _Plan(h=h, x=x, residual=r, dropout_p=p, weight=weight, bias=bias, eps=float(eps),
+                     is_rms=is_rms, out=n, internal=[d for d in (drop,) if d is not None] + [n], h_casts=casts)
 
     def _handwritten_rms(self, r: fx.Node) -> Union[None, str, _Plan]:
         """``h * rsqrt(mean(h**2, -1, keepdim=True) + eps) [* w]`` anchored at the ``rsqrt`` ``r``."""
@@ -226,6 +230,17 @@ def _rms_scaling(r: fx.Node, hf: fx.Node):
                 continue
         break
     return normed, scaled, weight, chain, cur
+
+
+def _widens(h: fx.Node, cast: fx.Node) -> bool:
+    """Whether every cast from ``h`` to ``cast`` keeps its values exactly (each at least as wide, floats).
+    The norm computes in fp32 whatever it reads, so it reads h itself and the upcast is free."""
+    node, widest = cast, dtype(cast)
+    while node is not h:
+        if dtype(node) not in _FLOATS or torch.finfo(dtype(node)).bits < torch.finfo(dtype(node.args[0])).bits:
+            return False
+        node = node.args[0]
+    return widest in _FLOATS
 
 
 def _casts_of_h(hf: fx.Node, scaled: fx.Node) -> list:

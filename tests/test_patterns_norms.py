@@ -42,7 +42,20 @@ class NoWeightRMS(nn.Module):
         return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + 1e-5)
 
 
+class UpcastRMSNorm(nn.Module):
+    """``F.rms_norm`` of the residual sum's fp32 upcast, cast back (a library's mixed-precision spelling)."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(n) + 0.5)
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+
+
 NORMS = {
+    "upcast_rms_norm": (lambda: UpcastRMSNorm(C), "rms"),
     "layernorm": (lambda: nn.LayerNorm(C), "layer"),
     "layernorm_no_affine": (lambda: nn.LayerNorm(C, elementwise_affine=False), "layer"),
     "llama_rmsnorm": (lambda: LlamaRMSNorm(C), "rms"),
@@ -124,3 +137,20 @@ def test_dropout_is_fused_in_training_and_exact_in_eval():
     with torch.no_grad():
         assert rel_err(opt(x), eager(x)) < 1e-6
     assert len(opsmath.report(opt).graphs) == 2  # train and eval variants
+
+
+def test_norm_of_a_narrowed_residual_sum_is_declined_with_the_reason():
+    """``F.rms_norm(h.bfloat16(), ...)`` of an fp32 sum: the fused op would read h unrounded."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.w = nn.Linear(C, C), nn.Parameter(torch.ones(C, dtype=torch.bfloat16))
+
+        def forward(self, x):
+            h = x + self.f(x)
+            return F.rms_norm(h.bfloat16(), (C,), self.w, 1e-6).float() + h
+
+    torch.manual_seed(0)
+    rep = _check(M(), torch.randn(2, 5, C))
+    assert rep.count("dropout_add_norm") == 0
+    assert any("rounded to torch.bfloat16 before the norm" in d.reason for d in rep.declines), rep.declines
