@@ -235,7 +235,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     static_only = sorted(p.name for p in patterns if not getattr(p, "dynamic_shapes", False)) \
         if captured.dynamic else []
     ctx = run_patterns(captured, [p for p in patterns if p.name not in static_only], state.skip, use_inductor,
-                       example_inputs)
+                       example_inputs, budget=state.memory_budget is not None)
     # one fake-tensor liveness run serves both the report and the planner
     by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
         if analyze or (state.memory_budget is not None and not captured.dynamic) else None

@@ -82,8 +82,9 @@ class RewriteContext:
     """What a pattern needs: the graph, known constants, and the record of what happened."""
 
     def __init__(self, captured: Captured, skip: Optional[set[str]] = None, inductor: bool = False,
-                 inputs: Optional[list] = None):
+                 inputs: Optional[list] = None, budget: bool = False):
         self.captured = captured
+        self.budget = budget         # a memory budget is planned: rules that save memory may be worth it
         self.inputs = inputs         # the real example inputs, by placeholder (read only for what they are)
         self.gm = captured.gm
         self.inductor = inductor     # Inductor compiles the rewritten graph (else it runs op by op)
@@ -237,11 +238,12 @@ def normalize(ctx: RewriteContext) -> None:
 
 
 def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = None,
-                 inductor: bool = False, inputs: Optional[list] = None) -> RewriteContext:
+                 inductor: bool = False, inputs: Optional[list] = None, budget: bool = False) -> RewriteContext:
     """Apply every rule (``opsmath.rules.Rule``) to the captured graph in order, lint, recompile and
     refresh fake metadata. ``inductor``: whether Inductor compiles the result (rules may weigh it);
-    ``inputs``: the real example inputs (None: rules that would add graph inputs do not)."""
-    ctx = RewriteContext(captured, skip, inductor, inputs)
+    ``inputs``: the real example inputs (None: rules that would add graph inputs do not); ``budget``:
+    whether a memory budget is planned."""
+    ctx = RewriteContext(captured, skip, inductor, inputs, budget)
     normalize(ctx)
     for pattern in patterns:
         pattern.apply(ctx)

@@ -39,6 +39,11 @@ class AttentionRule(Rule):
         if isinstance(plan, Plan) and plan.softcap and ctx.inductor and shape(plan.q)[-1] > SOFTCAP_INDUCTOR_HEAD_DIM:
             return (f"logit softcap at head dim {shape(plan.q)[-1]}: opsmath's kernel is measured faster than "
                     f"Inductor's compiled chain up to head dim {SOFTCAP_INDUCTOR_HEAD_DIM} only")
+        if isinstance(plan, Plan) and ctx.inductor and not ctx.budget \
+                and any(ctx.may_require_grad(b) for b, _ in plan.biases):
+            return ("a bias that needs its gradient (a learned position bias): opsmath's kernel measured slower "
+                    "than Inductor's compiled chain (T5, H200: 0.79x); rewritten under a memory budget, where it "
+                    "saves the S x S probabilities")
         return plan
 
     def emit(self, ctx: RewriteContext, anchor: fx.Node, plan: Plan) -> None:
