@@ -179,10 +179,31 @@ def _install(model: torch.nn.Module, call) -> None:
     to themselves), which makes dynamo call the module. ``model.compile()`` keeps opsmath
     (``CompileKeepsOpsmath``)."""
     model._compiled_call_impl = torch._dynamo.disable(call, recursive=False)
+    previous = model.__dict__.get("__getstate__")   # optimized before: what that call installed stays listed
+    installed = ["_opsmath", "__getstate__"] + (previous.installed if isinstance(previous, PlainState) else [])
     if "forward" not in model.__dict__:   # one set on the instance already (accelerate's wrappers) stays
         model.forward = types.MethodType(type(model).forward, model)
+        installed.append("forward")
     if type(model).compile is torch.nn.Module.compile:   # a class's own compile() means something else
         model.compile = CompileKeepsOpsmath(model)
+        installed.append("compile")
+    model.__getstate__ = PlainState(model, installed)
+
+
+class PlainState:
+    """The ``__getstate__`` of an optimized module: what pickles and copies (``torch.save``,
+    ``copy.deepcopy``) carry is the plain module's state, without what ``optimize`` installed (its state,
+    the bound ``forward``, ``compile``), as ``Module.__getstate__`` drops the compiled call. The copy runs
+    eagerly, and a ``torch.load(..., weights_only=True)`` of it needs no opsmath global allowlisted."""
+
+    def __init__(self, module: torch.nn.Module, installed: list):
+        self.module, self.installed = module, installed
+
+    def __call__(self) -> dict:
+        state = torch.nn.Module.__getstate__(self.module)
+        for name in self.installed:
+            state.pop(name, None)
+        return state
 
 
 class CompileKeepsOpsmath:
