@@ -248,6 +248,8 @@ def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = 
     for pattern in patterns:
         pattern.apply(ctx)
         ctx.graph.lint()
+    from .unmatched import flag_unmatched
+    flag_unmatched(ctx, {p.name for p in patterns} - {s for s in ctx.skip if "@" not in s})
     for pattern in patterns:
         pattern.finalize(ctx)
     batch_seeds(ctx.graph)
