@@ -297,13 +297,14 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
                 # an op failed on fake tensors while dynamo traced the call (nothing ran yet): most often
                 # the user's own mistake (a shape, dtype or device), which eager reports in one line.
                 # Run the call eagerly: it raises that error, or, if the failure was the tracer's, runs.
+                # (outside this handler: eager's error then reads as eager's, not chained to dynamo's)
                 state.fallback_errors.append(f"a call could not be traced and ran eagerly: {str(e).splitlines()[0]}")
-                return model._call_impl(*args, **kwargs)
             finally:
                 if graph_breaks() != breaks:
                     note_graph_breaks(breaks, state.eager_regions)
                 if state.graph_runs == runs:
                     state.unoptimized_calls += 1
+        return model._call_impl(*args, **kwargs)
     return call
 
 
