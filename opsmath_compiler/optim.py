@@ -41,6 +41,8 @@ from opsmath.kernels._common import use_triton
 from opsmath.kernels.adamw import (Gate, MultiTensor, adamw_reference, adamw_triton, global_grad_norm_reference,
                                    grad_sumsq_triton, group_table)
 
+from .optim_state import TrackedState, plain, tracked
+
 _Q8_KEYS = ("exp_avg_q", "exp_avg_sq_q", "exp_avg_max", "exp_avg_sq_max")
 
 
@@ -69,6 +71,7 @@ class AdamW(torch.optim.Optimizer):
                         foreach=foreach, capturable=capturable, differentiable=False, fused=fused,
                         decoupled_weight_decay=True, master_weights=master_weights, state_bits=state_bits)
         super().__init__(params, defaults)
+        self.state = tracked(self.state)
         self.max_grad_norm, self.skip_nonfinite = max_grad_norm, skip_nonfinite
         self.last_grad_norm: torch.Tensor | None = None
         self.skipped_steps: torch.Tensor | int = 0
@@ -149,17 +152,22 @@ class AdamW(torch.optim.Optimizer):
 
     def _key(self, entries) -> tuple:
         """What the launch tables depend on: the parameters, their gradients' dtypes, the groups' constants,
-        and the state: its dict, each entry and the tensors in it (a step after any of them is replaced,
-        cleared or deleted rebuilds the tables from what ``state`` holds)."""
+        and the state (``optim_state``): the dict itself and its version, which every replaced, cleared or
+        deleted entry and every tensor swapped into one bumps, so a step after any of them rebuilds the
+        tables from what ``state`` holds. A state rebound to a plain dict (``opt.state = ...``,
+        ``load_state_dict``) is tracked from here on."""
+        if not isinstance(self.state, TrackedState):
+            self.state = tracked(self.state)
         state = self.state
-        return (tuple((id(p), p.data_ptr(), p.grad.dtype, p.grad.device, _ids(state.get(p))) for _, p in entries),
+        return (tuple((id(p), p.data_ptr(), p.grad.dtype, p.grad.device) for _, p in entries),
                 tuple((g["betas"], g["eps"], g.get("master_weights"), g.get("state_bits")) for g in self.param_groups),
-                id(state))
+                id(state), state.version)
 
-
-def _ids(entry) -> tuple:
-    """The identity of a parameter's state entry and of the tensors in it (empty when it has none)."""
-    return () if not entry else (id(entry), *map(id, entry.values()))
+    def state_dict(self) -> dict:
+        """torch's layout, each entry a plain dict (loads with ``weights_only=True`` and into torch's AdamW)."""
+        sd = super().state_dict()
+        sd["state"] = {k: plain(v) for k, v in sd["state"].items()}
+        return sd
 
 
 class _Bucket:
