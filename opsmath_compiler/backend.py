@@ -208,8 +208,11 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     """Lower, rewrite, plan and compile one graph (free of eager regions); record it in ``state``.
     Returns the callable that runs it (and re-plans a memory budget at its first calls)."""
     t0 = time.perf_counter()
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
+              if not isinstance(t, torch.nn.Parameter)]
     try:
-        captured = lower_to_aten(gm, example_inputs, {id(b) for b in model.buffers()})
+        captured = lower_to_aten(gm, example_inputs, {id(b) for b in model.buffers()},
+                                 sizes_seen=_sizes_seen(state, shapes))
     except Exception as e:  # capture failure: run dynamo's graph unchanged rather than fail the step
         msg = f"graph {len(state.graphs)}: lowering to ATen failed ({type(e).__name__}: {e}); running it unoptimized"
         log.warning("opsmath: %s", msg)
@@ -263,8 +266,6 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
                                  link=None if state.cuda_graphs else offload.link_for(example_inputs, how),
                                  grads=grad_bytes(ctx.gm, example_inputs))
             plan.estimated_by = "Inductor's partition" if partitioned else "eager autograd"
-    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
-              if not isinstance(t, torch.nn.Parameter)]
     record = GraphRecord(
         index=len(state.graphs), training=model.training, input_shapes=shapes,
         before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops, after_ops=op_counts(ctx.gm),
@@ -282,6 +283,13 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
                    captured.buffer_guard(example_inputs),
                    lambda args, names: after_change(state, record.index, names, gm.forward, None if captured.dynamic
                                                     else lambda: compile_graph(state, model, gm, args)))
+
+
+def _sizes_seen(state, shapes: list) -> bool:
+    """Whether an earlier graph was captured for inputs of these tensor sizes (symbolic sizes dynamo passes
+    as extra int inputs left out): a recapture then comes from another change than the sizes."""
+    tensors = [s for s in shapes if isinstance(s, tuple)]
+    return any([s for s in r.input_shapes if isinstance(s, tuple)] == tensors for r in state.graphs)
 
 
 def _finish(state, record, gm, example_inputs, use_inductor):

@@ -48,11 +48,15 @@ class Captured:
         return BufferGuard([self.positions[n] for n in names], names, example_inputs)
 
 
-def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional[set[int]] = None) -> Captured:
+def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional[set[int]] = None,
+                  sizes_seen: bool = False) -> Captured:
     """Re-trace dynamo's graph ``gm`` to pre-dispatch ATen with fake tensors.
 
     ``example_inputs`` are what dynamo hands a backend (real tensors; params and buffers lifted to
     inputs). ``buffer_ids`` are ``id()`` of the model's buffers, used to fill ``Captured.constants``.
+    ``sizes_seen``: these sizes were captured before, so symbolic sizes come from another change (dynamo
+    makes a tensor's sizes symbolic when only its strides changed): they are pinned, and the graph keeps
+    every rewrite a static graph gets.
     """
     # Trace under dynamo's own fake mode (as aot_autograd does): a second fake mode would create
     # symbols that dynamo's shape env cannot guard on. Where dynamo made a size dynamic (it changed
@@ -60,7 +64,7 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
     # (a shape env of its own elsewhere: a data-dependent size, ``torch.where``'s, becomes a symbol)
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = _fake_inputs(fake_mode, gm, example_inputs)
-    dynamic = any(_symbolic(v) for v in fake_inputs)
+    dynamic = not sizes_seen and any(_symbolic(v) for v in fake_inputs)
     if not dynamic:
         _pin_symbolic_sizes(gm)
     with fx_traceback.preserve_node_meta(), fake_mode:

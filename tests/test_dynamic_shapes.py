@@ -225,3 +225,17 @@ def test_hf_eager_additive_causal_mask_of_symbolic_length_is_causal():
     assert dyn and dyn[0].calls == 2
     attn = [m.details for m in dyn[0].matches if m.pattern == "attention"]
     assert len(attn) == 2 and all(d["causal"] and not d["has_bias"] for d in attn), attn
+
+
+def test_a_stride_only_change_keeps_every_rewrite():
+    """Column-major input of the same sizes: dynamo recaptures with symbolic sizes; opsmath pins them
+    (the sizes were seen), so the graph is static and keeps every rewrite."""
+    import opsmath
+    from opsmath.examples import gpt
+    torch.manual_seed(0)
+    model, (x, y) = gpt(batch_size=2, seq_len=16, dropout=0.0)
+    opt = opsmath.optimize(model)
+    opt(x, y).backward()
+    opt(x.t().contiguous().t(), y).backward()
+    first, second = opsmath.report(opt).graphs
+    assert not second.dynamic and len(second.matches) == len(first.matches) == 9
