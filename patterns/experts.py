@@ -257,7 +257,9 @@ class ExpertsRule(Rule):
         notes = []
         for m in model.modules():
             cfg = getattr(m, "config", None)
-            if getattr(cfg, "_experts_implementation", None) == "eager" and hasattr(m, "set_experts_implementation"):
+            has_experts = any(getattr(cfg, k, 0) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+            if has_experts and getattr(cfg, "_experts_implementation", None) == "eager" \
+                    and hasattr(m, "set_experts_implementation"):
                 try:
                     m.set_experts_implementation("grouped_mm")
                 except (ValueError, KeyError, ImportError) as e:

@@ -292,6 +292,12 @@ def test_hf_gradient_checkpointing_is_rewritten_inside_and_keeps_recompute(name,
     # fused ops' fp32 rounding reaches 1e-3 of them with or without checkpointing, test_models' 2e-3 bound
     optimized = assert_trains_like_eager(make, patterns=None, mode=MODES[True], kwargs=True, rtol=2e-3)
     rep = opsmath.report(optimized)
+    if any("Unsafe side effect" in r.reason for r in rep.eager_regions):
+        # transformers 5.25's checkpointed layers set a module-level context variable inside the body, which
+        # dynamo cannot checkpoint: torch.compile breaks the graph there too and the layers run eagerly.
+        # opsmath keeps them as written (equal to eager, above) and the report says why.
+        assert "graph break" in rep.render(width=140) and rep.count("attention") == 0
+        pytest.skip("this transformers version's checkpointed layers break dynamo's graph (as under torch.compile)")
     assert rep.count("attention") == 2 and sum(r.kind == "checkpoint" for r in rep.eager_regions) >= 1, \
         rep.render(width=140)
     if name == "llama":   # the causal mask built outside the layers is built again inside each body
@@ -358,7 +364,7 @@ def test_optimized_module_pickles_and_copies_as_the_plain_module():
     with torch.no_grad():
         want = opt(*batch)
         for m in (loaded, twin):
-            assert m._opsmath is None and torch.allclose(m(*batch), want, rtol=1e-5, atol=1e-6)
+            assert getattr(m, "_opsmath", None) is None and torch.allclose(m(*batch), want, rtol=1e-5, atol=1e-6)
             with pytest.raises(ValueError, match="not returned by opsmath.optimize"):
                 opsmath.report(m)
     assert opt._opsmath.graph_runs > runs   # the original still runs its optimized graph
