@@ -43,3 +43,22 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+# The quick subset (``python -m pytest -q -m quick tests``, a few minutes on two cores): unit tests of the
+# rules, planner, optimizer, tuning cache and API, every family on small hand-written modules, and the
+# autocast and HF-default paths on 2-layer models. The whole suite adds the kernels in Triton's interpreter,
+# Inductor on CPU, the real-model zoo, the benchmark smoke runs and the notebooks.
+QUICK = {
+    "test_rules", "test_declare", "test_plan_solve", "test_attention_masks", "test_autotune",
+    "test_autotune_database", "test_optim_state", "test_patterns_norms", "test_patterns_attention",
+    "test_patterns_activations", "test_unmatched", "test_user_errors", "test_dynamo_backend", "test_outer_compile",
+    "test_autocast", "test_inference_in_training", "test_buffer_guards", "test_dropout_seeds", "test_op_times",
+    "test_examples",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in QUICK:
+            item.add_marker(pytest.mark.quick)
