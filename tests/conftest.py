@@ -54,7 +54,7 @@ QUICK = {
     "test_autotune_database", "test_optim_state", "test_patterns_norms", "test_patterns_attention",
     "test_patterns_activations", "test_unmatched", "test_user_errors", "test_dynamo_backend", "test_outer_compile",
     "test_autocast", "test_inference_in_training", "test_buffer_guards", "test_dropout_seeds", "test_op_times",
-    "test_examples",
+    "test_examples", "test_patterns_attention_spellings",
 }
 
 

@@ -220,25 +220,7 @@ def where_causal_and_alibi(q, k, v, m):
     return F.softmax(s, dim=-1) @ v
 
 
-def dead_debug_clone(q, k, v, m):
-    """A copy of the masked scores kept in a variable nothing reads (a library's debugging leftover)."""
-    att = (q @ k.transpose(-2, -1)) * D ** -0.5
-    att = att.masked_fill(m.tril[:, :, :T, :T] == 0, float("-inf"))
-    saved = att.clone()  # noqa: F841
-    return F.softmax(att, dim=-1) @ v
-
-
-def einsum_bqhd(q, k, v, m):
-    """einsum in (batch, seq, head, dim) layout, as some libraries write attention."""
-    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
-    att = torch.einsum("bqhd,bkhd->bhqk", qs, ks) * D ** -0.5
-    out = torch.einsum("bhqk,bkhd->bqhd", F.softmax(att, dim=-1), vs)
-    return out.transpose(1, 2)
-
-
 SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
-    "dead_debug_clone": (dead_debug_clone, True, False, False),
-    "einsum_bqhd": (einsum_bqhd, False, False, False),
     "mul_scale": (mul_scale, False, False, False),
     "div_sqrt": (div_sqrt, False, False, False),
     "scale_on_q": (scale_on_q, False, False, False),

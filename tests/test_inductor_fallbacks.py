@@ -1,0 +1,65 @@
+"""Under Inductor (``optimize(inductor=True)``; on CPU Inductor emits C++): the fallback ladder when Inductor
+fails on a rewritten graph, and rewrites declined because they measured slower than Inductor."""
+import copy
+import shutil
+
+import pytest
+import torch
+
+import opsmath
+from test_inductor import pair, step_equals_eager
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="Inductor on CPU needs a C++ compiler")
+
+
+def test_inductor_failure_on_the_rewritten_graph_falls_back_to_compiling_dynamos_graph(monkeypatch):
+    """The fallback ladder: Inductor raising on the rewritten graph (injected: on any graph holding an
+    opsmath op) leaves the step to Inductor on dynamo's graph, as ``torch.compile`` would run it; the step
+    equals eager and the report names the failure and declines every rewrite with it."""
+    from opsmath import backend
+    real = backend.compile_fx
+
+    def failing(gm, example_inputs, **kw):
+        if any(str(n.target).startswith("opsmath.") for n in gm.graph.nodes):
+            raise RuntimeError("injected lowering failure")
+        return real(gm, example_inputs, **kw)
+    monkeypatch.setattr(backend, "compile_fx", failing)
+    ref, model, batch = pair(dropout=0.0)
+    model = opsmath.optimize(model, inductor=True)
+    step_equals_eager(model, ref, batch)
+    rep = opsmath.report(model)
+    assert rep.graphs[0].inductor and not rep.matches
+    assert rep.declines and all("injected lowering failure" in d.reason for d in rep.declines)
+    assert len(rep.fallback_errors) == 1 and "as torch.compile does" in rep.fallback_errors[0]
+    assert "injected lowering failure" in str(rep)
+
+
+class LearnedBiasAttention(torch.nn.Module):
+    """Attention with a learned (1, H, T, T) position bias, T5's kind: the bias needs its gradient."""
+
+    def __init__(self, d=32, h=4, t=16):
+        super().__init__()
+        self.qkv, self.h = torch.nn.Linear(d, 3 * d), h
+        self.bias = torch.nn.Parameter(torch.randn(1, h, t, t) * 0.1)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, C // self.h).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.transpose(-2, -1) + self.bias, dim=-1)
+        return (att @ v).pow(2).mean()
+
+
+@pytest.mark.parametrize("budget", [None, 1.0])
+def test_learned_bias_attention_is_left_to_inductor_unless_a_budget_asks(budget):
+    torch.manual_seed(0)
+    model, x = LearnedBiasAttention(), torch.randn(2, 16, 32)
+    ref = copy.deepcopy(model)
+    opt = opsmath.optimize(model, memory_budget=budget, inductor=True)
+    step_equals_eager(opt, ref, (x,))
+    rep = opsmath.report(opt)
+    if budget is None:
+        assert rep.count("attention") == 0
+        assert any("needs its gradient" in d.reason for d in rep.declines if d.pattern == "attention")
+    else:
+        assert rep.count("attention") == 1
