@@ -21,6 +21,8 @@ from opsmath.kernels._common import new_seed, new_seeds
 
 from .canonicalize import aten, dtype, private_temporary
 from .capture import Captured, source_location, split_size_calls
+from .normalize import drop_dead_code, einsums_as_matmuls
+from .unmatched import flag_unmatched
 
 log = logging.getLogger("opsmath")
 
@@ -232,7 +234,6 @@ def inplace_on_private_temporary(n: fx.Node) -> bool:
 
 def normalize(ctx: RewriteContext) -> None:
     """The graph-wide passes before matching (``normalize.py``): dead code out, einsums as matmuls."""
-    from .normalize import drop_dead_code, einsums_as_matmuls
     drop_dead_code(ctx.graph)
     einsums_as_matmuls(ctx)
 
@@ -248,7 +249,6 @@ def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = 
     for pattern in patterns:
         pattern.apply(ctx)
         ctx.graph.lint()
-    from .unmatched import flag_unmatched
     flag_unmatched(ctx, {p.name for p in patterns} - {s for s in ctx.skip if "@" not in s})
     for pattern in patterns:
         pattern.finalize(ctx)
