@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from opsmath.kernels.autotune import kernel_ms   # device time per kernel; profile_gap.py uses it from here too
+from opsmath.kernels.autotune import kernel_ms  # device time per kernel; profile_gap.py uses it from here too
 
 # A benchmark compiles one function for many shapes, dtypes and flags. Past dynamo's default of 8
 # recompiles a function silently runs eager: the 2026-11-29 dropout-add-norm torch.compile rows did.

@@ -85,7 +85,7 @@ def tune_ours(q, k, causal, bias, p) -> str:
     so its row measures the configuration a user's process would run, whatever ran before in this one;
     returns that configuration's name."""
     from opsmath.kernels.autotune import cached
-    from opsmath.kernels.attention_tuning import OWN_ONLY, bucket_key, choose
+    from opsmath.kernels.attention.tuning import OWN_ONLY, bucket_key, choose
     choose(q.shape, k.shape, q.dtype, q.device, None if bias is None else bias.shape, None, float("-inf"),
            causal, 1 / math.sqrt(q.shape[-1]), p, vendors=False)
     return cached("attention", bucket_key(q, k, bias is not None, False, causal, p) + OWN_ONLY) or "default"

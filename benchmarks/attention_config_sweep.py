@@ -1,5 +1,5 @@
 """opsmath's attention kernel in every block configuration of a list, forward + backward, bf16, on one
-shape: which tiles the tuner should have as candidates for a head dim (``kernels/attention_configs.py``).
+shape: which tiles the tuner should have as candidates for a head dim (``src/opsmath/kernels/attention/configs.py``).
 
 Per configuration ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, forced for the forward and both backward
 kernels (``forced_config``): fwd+bwd and forward-only time (``do_bench`` median, ``--rounds`` rounds
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from _harness import bench, kernel_ms, rel_err, write
 from opsmath.kernels.attention import attention_op
-from opsmath.kernels.attention_configs import forced_config
-from opsmath.kernels.attention_tuning import eager_same_dtype
+from opsmath.kernels.attention.configs import forced_config
+from opsmath.kernels.attention.tuning import eager_same_dtype
 
 SWEEP = [(64, 32, 8, 1), (32, 32, 4, 1), (64, 64, 8, 1), (64, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2),
          (128, 32, 8, 2), (128, 64, 8, 1), (128, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 1), (64, 128, 8, 1),

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from _harness import bench, kernel_ms, rel_err, write
 from opsmath.kernels.attention import attention_op
-from opsmath.kernels.attention_tuning import backend_for, eager_same_dtype
+from opsmath.kernels.attention.tuning import backend_for, eager_same_dtype
 
 CASES = [(4, 16, 2048, 128), (4, 8, 2048, 256), (2, 16, 4096, 128)]   # B, H, S, D (D256: Gemma-2's head dim)
 ALIBI_CASES = [(4, 16, 2048, 128), (2, 16, 4096, 128)]

@@ -64,7 +64,7 @@ step memory ${MEMORY_TIMEOUT:-400} python3 benchmarks/memory.py ${MEMORY_ARGS:--
 step memory_llama ${MEMORY_LLAMA_TIMEOUT:-560} python3 benchmarks/memory.py --model llama ${MEMORY_LLAMA_ARGS:---quick --paths inductor --no-long}
 step long ${LONG_TIMEOUT:-400} python3 benchmarks/memory.py --long-only ${LONG_ARGS:---variants "opsmath 8GiB SDPA-model" --lengths 65536}
 step curve 300 python3 benchmarks/learning_curve.py
-step tune 200 python3 -m opsmath.cli tune --example gpt
+step tune 200 python3 -m opsmath.ui.cli tune --example gpt
 step llama 500 python3 benchmarks/train.py --llama --only "${LLAMA_ONLY:-eager + SDPA,torch.compile + SDPA,opsmath.optimize,opsmath.optimize (every family)}"
 # CUDA graphs in ordinary loops: opsmath's tests, then torch's reduce-overhead on the same loops
 step cuda_graphs ${CG_TIMEOUT:-500} bash -c 'OPSMATH_TEST_DEVICE=cuda python3 -m pytest -q --tb=short -p no:warnings \

@@ -8,7 +8,7 @@ choice).
    ``should_offload``: step time, peak memory and gradients against keeping everything and against
    recomputing the blocks; ``offload-async`` with the side-stream switches (torch 2.11's
    ``record_stream`` fake kernel replaced first: ``fix_stream_fakes``).
-3. opsmath's own offload (``opsmath_compiler/offload_async.py``: copies on a transfer stream, waits placed
+3. opsmath's own offload (``src/opsmath/runtime/offload_async.py``: copies on a transfer stream, waits placed
    where the modelled compute covers them): ``opsmath`` marks every block's GEMM outputs, ``opsmath-half``
    the first half of the blocks' (what the forward's compute after them can hide).
 
@@ -123,11 +123,12 @@ def _mark(graph):
 def _opsmath_offload(gm, inputs, half: bool):
     """Inductor with opsmath's transfer-stream offload of the marked GEMM outputs."""
     from torch._inductor.compile_fx import compile_fx
-    from opsmath import offload
+    from opsmath.memory import offload
+    from opsmath.runtime import offload_async
     gemms = [n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
     for n in gemms[:len(gemms) // 2] if half else gemms:
         n.meta["custom"] = {**(n.meta.get("custom") or {}), offload.OFFLOAD: True}
-    with torch._functorch.config.patch(enable_autograd_cache=False), offload.offloading(gm, inputs):
+    with torch._functorch.config.patch(enable_autograd_cache=False), offload_async.offloading(gm, inputs):
         return compile_fx(gm, inputs)
 
 
@@ -177,7 +178,7 @@ def offload_step(mode: str, switches: dict, steps: int = 5) -> dict:
         grads = [p.grad.float().clone() for p in model.parameters()] + [x.grad.float().clone()]
         row = dict(mode=mode, ms=statistics.median(t), spread=[min(t), max(t)], peak_gib=peak / 2 ** 30, grads=grads)
         if mode.startswith("opsmath"):
-            from opsmath import offload_async
+            from opsmath.runtime import offload_async
             p = offload_async.placements[-1]
             row.update(offloaded=len(p.names), offloaded_gib=p.nbytes / 2 ** 30, late=p.late)
         return row

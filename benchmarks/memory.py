@@ -23,7 +23,7 @@ import time
 import torch
 
 import opsmath
-from opsmath.plan import InfeasibleBudget
+from opsmath.memory.plan import InfeasibleBudget
 from _models import build, build_llama
 
 
@@ -228,14 +228,14 @@ def longest_in_8gib(args, cfg, device, amp):
                 m = build(c, device, variant, shared_mask=True)
                 return opsmath.optimize(m, memory_budget=budget, inductor=inductor) if budget else m
             t0 = time.perf_counter()
-            link_for = opsmath.offload.link_for
+            link_for = opsmath.memory.offload.link_for
             if name.endswith("no-offload"):   # the plan without its third choice
-                opsmath.offload.link_for = lambda inputs, how: None
+                opsmath.memory.offload.link_for = lambda inputs, how: None
             try:
                 peak, ms, model, err, _ = measure(fn, (tok, torch.roll(tok, -1, 1)), device, amp, steps=1,
                                                warmup=3 if budget else 1)
             finally:
-                opsmath.offload.link_for = link_for
+                opsmath.memory.offload.link_for = link_for
             fits = err is None and (peak is None or peak <= 8 * 2**30)
             tried.append(dict(variant=name, length=L, peak=peak, ms=ms, predicted=predicted(model) if budget else None,
                               plans=plans(model) if budget else [],

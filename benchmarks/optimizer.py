@@ -12,7 +12,7 @@ measured copy bandwidth): fp32 with clip reads grads twice and reads+writes para
 (32 B/param); bf16 + master: 30; 8-bit state: 20 (fp32) and 18 (bf16 + master).
 
 ``--baseline FILE``: another AdamW class to time beside them (a file defining ``AdamW``, e.g. a
-previous commit's ``opsmath_compiler/optim.py`` with its kernels), built with ``max_grad_norm=1.0``.
+previous commit's ``src/opsmath/optim/__init__.py`` with its kernels), built with ``max_grad_norm=1.0``.
 
     python benchmarks/optimizer.py [--sets gpt2,llama] [--train] [--rounds 7] [--steps 10]
 """

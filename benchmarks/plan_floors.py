@@ -14,7 +14,7 @@ import torch
 
 import opsmath
 from opsmath import examples
-from opsmath.plan import InfeasibleBudget
+from opsmath.memory.plan import InfeasibleBudget
 
 
 def _hf(cls, cfg_cls, **cfg):

@@ -19,7 +19,8 @@ import torch
 import opsmath
 from _harness import write
 from _models import build_llama
-from opsmath import analysis, backend
+from opsmath.memory import analysis
+from opsmath.runtime import backend
 
 
 class _Planned(Exception):

@@ -190,7 +190,7 @@ def main():
               + (f"  overhead wall {r['wall_overhead']:+.1%} gpu {r['gpu_overhead']:+.1%}" if b else ""), flush=True)
     out = dict(rows=rows, model=args.model, config="llama_config" if llama else GPT2_SMALL,
                batch=[4, 2048] if llama else [8, 1024])
-    from opsmath import offload_async
+    from opsmath.runtime import offload_async
     out["placements"] = [dict(tensors=len(p.names), gib=p.nbytes / 2**30, late=p.late) for p in offload_async.placements]
     print("offload placements:", out["placements"], flush=True)
     for v in variants:

@@ -32,7 +32,7 @@ def record(op: str, dtype: str, width: int, config: int, tanh: bool) -> list:
     from unittest import mock
 
     from opsmath.kernels import _aot, bias_gelu as bg, dropout_add_norm as dan
-    from opsmath.kernels.attention_tuning import configs_for, forced_config
+    from opsmath.kernels.attention.tuning import configs_for, forced_config
     dt = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
 
     def pick(op_name, key, configs, run, device):

@@ -4,16 +4,8 @@ On a machine without CUDA, Triton kernels run in its interpreter (``TRITON_INTER
 Triton is imported). ``OPSMATH_TEST_DEVICE=cuda`` runs the device-parametrized tests on the GPU.
 """
 import os
-import sys
 
-# ``python -m pytest`` from the repository root puts the root on sys.path, where the source folder
-# ``kernels/`` would shadow Hugging Face's ``kernels`` package: transformers probes for it
-# (``importlib.util.find_spec("kernels")``) and imported opsmath's kernels a second time as a top-level
-# package. opsmath itself is imported as installed (``opsmath.kernels``); the root is not needed.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
-
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -54,7 +46,7 @@ QUICK = {
     "test_autotune_database", "test_optim_state", "test_patterns_norms", "test_patterns_attention",
     "test_patterns_activations", "test_unmatched", "test_user_errors", "test_dynamo_backend", "test_outer_compile",
     "test_autocast", "test_inference_in_training", "test_buffer_guards", "test_dropout_seeds", "test_op_times",
-    "test_examples", "test_patterns_attention_spellings",
+    "test_examples", "test_patterns_attention_spellings", "test_layout",
 }
 
 

@@ -1,10 +1,10 @@
-"""Index-comparison masks read symbolically (``patterns/_attention_masks.py``): the reading must equal
+"""Index-comparison masks read symbolically (``src/opsmath/patterns/attention/masks.py``): the reading must equal
 the mask's values, and only the exact top-left causal pattern may be called causal."""
 import pytest
 import torch
 import torch.fx as fx
 
-from opsmath.patterns._attention_masks import is_causal_index_mask, key_minus_query
+from opsmath.patterns.attention.masks import is_causal_index_mask, key_minus_query
 
 aten = torch.ops.aten
 S = 7

@@ -1,4 +1,4 @@
-"""The attention rewrite's vendor choice (``kernels/attention_tuning.py``): SDPA backends compute
+"""The attention rewrite's vendor choice (``src/opsmath/kernels/attention/tuning.py``): SDPA backends compute
 ``opsmath::attention``'s function once masks, causal and GQA are translated; CUDA parts skip on CPU."""
 import math
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from opsmath.kernels import attention_tuning as vendor
+from opsmath.kernels.attention import tuning as vendor
 from opsmath.kernels.attention import attention_reference
 from tolerance import assert_rule
 
@@ -139,7 +139,7 @@ def test_accuracy_check_admits_exact_backends_and_rejects_wrong_ones(monkeypatch
 def test_choose_stores_each_kernels_fastest_configuration(tmp_path, monkeypatch, triton_on_cpu):
     """The tuner times each block configuration's three kernels (stand-in profiles here; every candidate
     still runs) and stores, beside its choice, each kernel's fastest configuration; launches read them."""
-    from opsmath.kernels import attention_configs as ac
+    from opsmath.kernels.attention import configs as ac
     from opsmath.kernels import autotune
     monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path))
     autotune._MEMORY.clear()

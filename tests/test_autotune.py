@@ -1,4 +1,4 @@
-"""The tuning cache (``kernels/autotune.py``): measured once, reused by a later process,
+"""The tuning cache (``src/opsmath/kernels/autotune.py``): measured once, reused by a later process,
 corrupt or stale files re-tuned, never fatal. Measurement is replaced by a recorded fake here."""
 import json
 import subprocess
@@ -100,8 +100,8 @@ def test_unwritable_cache_dir_is_not_fatal(tmp_path, monkeypatch):
 def test_attention_launch_uses_the_tuned_block_configuration(cache):
     """A choice ``opsmath:BMxBNwWsS`` stored by the tuner is what the kernel launches with."""
     import torch
-    from opsmath.kernels.attention_configs import launch_cfg as _launch_cfg
-    from opsmath.kernels.attention_tuning import config_name, forced_config
+    from opsmath.kernels.attention.configs import launch_cfg as _launch_cfg
+    from opsmath.kernels.attention.tuning import config_name, forced_config
     q = torch.empty(2, 4, 100, 64)
     autotune.store("attention", "k", dict(choice=config_name((128, 32, 8, 2))))
     assert _launch_cfg(q, 64, "k") == (128, 32, 64, 8, 2)
@@ -115,7 +115,7 @@ def test_attention_launch_uses_each_kernels_tuned_tiles(cache):
     """Per-kernel tiles (op ``attention_tiles``) stored beside an opsmath choice: each launch reads its own
     kernel's; beside a vendor choice they are not read; a forced dict gives each kernel its own."""
     import torch
-    from opsmath.kernels.attention_configs import (TILES, config_name, fastest_tiles, forced_config, launch_cfg,
+    from opsmath.kernels.attention.configs import (TILES, config_name, fastest_tiles, forced_config, launch_cfg,
                                                    parse_tiles, tiles_name)
     tiles = {"fwd": (64, 32, 4, 2), "dq": (64, 64, 4, 1), "dkdv": (128, 64, 8, 1)}
     assert parse_tiles(tiles_name(tiles)) == tiles
@@ -209,7 +209,7 @@ def test_row_kernel_tuning_failure_falls_back_to_the_default(cache, monkeypatch)
 def test_pick_skips_candidates_that_cannot_win(cache):
     """The attention tuner's skip rule: opsmath's other block configurations are not compiled or timed
     once its default took 1.5x the best vendor kernel's time; they are when it is close."""
-    from opsmath.kernels.attention_tuning import own_configs_cannot_win
+    from opsmath.kernels.attention.tuning import own_configs_cannot_win
     order = ["sdpa_cudnn", "sdpa_flash", "opsmath", "opsmath:128x64w8s3", "opsmath:64x32w4s3"]
     for own, expect_measured in ((1.2, order[:3]), (0.8, order)):
         calls = []

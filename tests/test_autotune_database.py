@@ -1,4 +1,4 @@
-"""The tuning cache as a database many processes share (``kernels/autotune.py``): malformed entries dropped
+"""The tuning cache as a database many processes share (``src/opsmath/kernels/autotune.py``): malformed entries dropped
 with one warning, a transient read error never discards the file, concurrent writers keep every entry, a
 failed write leaves nothing behind, and the key names the opsmath version."""
 import json

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opsmath
-from opsmath.guards import BufferGuard, digest
+from opsmath.capture.guards import BufferGuard, digest
 from tolerance import grads_close
 
 

@@ -1,4 +1,4 @@
-"""Training loops under ``optimize(cuda_graphs=True)`` (``opsmath_compiler/cudagraphs.py``).
+"""Training loops under ``optimize(cuda_graphs=True)`` (``src/opsmath/runtime/cudagraphs.py``).
 
 On CPU: the step guard's rules, with the CUDA-graph pool stood in for (which storages it owns). On the
 GPU: every loop of ``benchmarks/cuda_graph_loops.py`` (gradient accumulation, in-place zeroing, kept
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import opsmath
-from opsmath import cudagraphs
+from opsmath.runtime import cudagraphs
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import cuda_graph_loops as loops  # noqa: E402

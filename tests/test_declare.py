@@ -1,4 +1,4 @@
-"""The declarative pattern matcher (``opsmath_compiler/declare.py``): a pattern traced from a function
+"""The declarative pattern matcher (``src/opsmath/rewrite/declare.py``): a pattern traced from a function
 matches the graphs models produce in any operand order of add/mul, binds each input consistently,
 compares literals, and a rule built on it declines an occurrence whose intermediate is read elsewhere."""
 import math
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from opsmath.declare import find, trace_pattern
+from opsmath.rewrite.declare import find, trace_pattern
 from opsmath.patterns.swiglu import SwiGLURule
 
 

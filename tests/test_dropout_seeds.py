@@ -1,4 +1,4 @@
-"""Dropout seeds (kernels/_common.py): a rewritten graph draws every fused op's seed with one call on
+"""Dropout seeds (src/opsmath/kernels/_common.py): a rewritten graph draws every fused op's seed with one call on
 the activations' device, the masks follow torch's RNG, and kernels read the seed from memory when
 they run, so a CUDA graph replays with a fresh mask instead of the one it was captured with."""
 import pytest

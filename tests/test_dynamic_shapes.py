@@ -76,7 +76,7 @@ def test_size_calls_stay_symbolic_through_fake_propagation():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-    from opsmath.capture import split_size_calls
+    from opsmath.capture.lower import split_size_calls
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -104,8 +104,8 @@ def test_size_calls_on_nodes_without_metadata_stay_symbolic():
     import operator
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from opsmath.capture import split_size_calls
-    from opsmath.match import SymbolicSizeProp
+    from opsmath.capture.lower import split_size_calls
+    from opsmath.rewrite.match import SymbolicSizeProp
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -129,7 +129,7 @@ def test_propagation_after_rewrite_does_not_rerun_traced_nodes():
     did, so every new length recompiled). Only nodes without a value are computed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from opsmath.match import SymbolicSizeProp
+    from opsmath.rewrite.match import SymbolicSizeProp
 
     calls = []
 
@@ -194,7 +194,7 @@ def test_size_argument_of_a_piece_compiled_outside_dynamo_is_its_value():
     dynamo first saw; HF BLOOM failed to lower at the third length)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from opsmath.capture import _fake_inputs
+    from opsmath.capture.lower import _fake_inputs
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     sym = mode.from_tensor(torch.randn(28), static_shapes=False).shape[0]

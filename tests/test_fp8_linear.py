@@ -229,7 +229,7 @@ def test_the_op_is_the_same_inside_a_selective_checkpoint_under_autocast():
     """PyTorch's CPU ``_scaled_mm`` multiplies with an ATen matmul that an enclosing autocast would run in
     bf16, and a selective checkpoint region runs its ops below autocast: the op's forward must not
     depend on which (a memory plan's region gave another loss than the same model without a plan)."""
-    from opsmath.plan_emit import selective_checkpoint
+    from opsmath.memory.plan_emit import selective_checkpoint
     torch.manual_seed(0)
     x = torch.randn(128, 64, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(64, 64, requires_grad=True)

@@ -1,4 +1,4 @@
-"""FP8 weight copies made once per optimizer step (``fp8="cached"``: ``opsmath.fp8_weights``, ``kernels.fp8_cast``): the
+"""FP8 weight copies made once per optimizer step (``fp8="cached"``: ``opsmath.runtime.fp8_weights``, ``kernels.fp8_cast``): the
 fused cast bit for bit against ``quantize``; under gradient accumulation the copies are reused by
 micro-steps 2..k and made again after every optimizer step, and training is bit for bit that of casting
 in every forward, whatever writes the weights."""
@@ -83,7 +83,7 @@ def _recast_against_reuse(monkeypatch, **options):
     every = opsmath.optimize(copy.deepcopy(model), fp8="cached", **options)
     cached = opsmath.optimize(copy.deepcopy(model), fp8="cached", **options)
     with monkeypatch.context() as m:
-        m.setattr("opsmath.fp8_weights._Copy.fresh", lambda self, w: False)
+        m.setattr("opsmath.runtime.fp8_weights._Copy.fresh", lambda self, w: False)
         l_every = _train(every, batches, 3)
     assert every._opsmath.weight_casts.reused == 0
     assert torch.equal(l_every, _train(cached, batches, 3))
@@ -153,7 +153,7 @@ def test_a_gradient_moved_out_of_the_replay_pool_keeps_the_copy_fresh():
     """CUDA graphs (``cudagraphs.StepGuard``) replace a pool-owned ``.grad`` by its copy after the first
     micro-step's backward: the record follows it, so micro-step 2 reuses the copy; any other new gradient
     object does not."""
-    from opsmath.fp8_weights import WeightCasts
+    from opsmath.runtime.fp8_weights import WeightCasts
     casts = WeightCasts()
     w = nn.Parameter(torch.randn(32, 16))
     q, _ = casts.inputs_for([w])
@@ -224,7 +224,7 @@ def test_cached_copies_under_a_memory_budget_plan_and_train_as_casting_every_for
 
 
 def test_a_weight_whose_data_changes_shape_gets_a_new_copy():
-    from opsmath.fp8_weights import WeightCasts
+    from opsmath.runtime.fp8_weights import WeightCasts
     casts = WeightCasts()
     w = nn.Parameter(torch.randn(32, 16))
     assert casts.inputs_for([w])[0].shape == (32, 16)

@@ -95,7 +95,8 @@ def test_outer_torch_compile_runs_opsmath_without_graph_breaks():
 def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
     """An absolute budget re-planned at the second call (resident grew: optimizer state) is compiled
     by Inductor again, with the new recompute tags; the step's numbers do not change."""
-    from opsmath import backend, replan
+    from opsmath.runtime import backend
+    from opsmath.memory import replan
     ref, model, batch = pair(dropout=0.0)
     probe = opsmath.optimize(copy.deepcopy(ref), memory_budget=1.0, inductor=True)
     probe(*batch).backward()
@@ -253,7 +254,7 @@ def test_autograd_functions_compiled_by_inductor_keep_their_backward(name):
     eager's within fp32 rounding either way."""
     from semantics_idioms import IDIOMS, reduce_output
     from test_semantics import assert_trains_like_eager
-    from opsmath.regions import FUNCTION_COMPILED
+    from opsmath.capture.regions import FUNCTION_COMPILED
     assert_trains_like_eager(IDIOMS[name], None, "fp32", inductor=True)
     model, batches = IDIOMS[name]()
     optimized = opsmath.optimize(model, inductor=True)
@@ -299,7 +300,7 @@ def test_function_region_stops_compiling_when_sizes_keep_changing(monkeypatch):
     """A Function region compiles once per input size, up to ``PIECE_SIZES``; past that it runs as
     traced (no Inductor compile per new length), and training stays exact."""
     from semantics_idioms import IDIOMS, reduce_output
-    from opsmath import pieces, regions
+    from opsmath.capture import pieces, regions
     monkeypatch.setattr(pieces, "PIECE_SIZES", 2)
     calls = []
     real = regions.hooks_off_while_tracing
@@ -329,7 +330,7 @@ def test_pieces_between_regions_compile_once_with_symbolic_sizes(monkeypatch, in
     (through dynamo, which guards it): every later length runs compiled and rewritten, past
     ``PIECE_SIZES``, training exact, and no fallback note."""
     from semantics_idioms import IDIOMS, reduce_output
-    from opsmath import pieces
+    from opsmath.capture import pieces
     monkeypatch.setattr(pieces, "PIECE_SIZES", 2)
     model, _ = IDIOMS["function_custom_backward"]()
     eager = copy.deepcopy(model)
@@ -351,7 +352,7 @@ def test_pieces_between_regions_compile_once_with_symbolic_sizes(monkeypatch, in
 def test_only_index_values_are_copied_into_pieces():
     """What a piece may compute again (``regions.index_only``): masks from sizes, ``arange`` and integer
     inputs, never a random op or a floating activation (a copy would redraw dropout or redo model compute)."""
-    from opsmath.regions import _chain, index_only
+    from opsmath.capture.regions import _chain, index_only
     graphs = []
 
     def capture(gm, example_inputs):

@@ -17,7 +17,7 @@ def test_inductor_failure_on_the_rewritten_graph_falls_back_to_compiling_dynamos
     """The fallback ladder: Inductor raising on the rewritten graph (injected: on any graph holding an
     opsmath op) leaves the step to Inductor on dynamo's graph, as ``torch.compile`` would run it; the step
     equals eager and the report names the failure and declines every rewrite with it."""
-    from opsmath import backend
+    from opsmath.runtime import backend
     real = backend.compile_fx
 
     def failing(gm, example_inputs, **kw):

@@ -6,8 +6,8 @@ import torch
 
 from opsmath.kernels._common import dropout_keep
 from opsmath.kernels.attention import attention_op, attention_reference
-from opsmath.kernels.attention_configs import CONFIGS, forced_config
-from opsmath.kernels.attention_tuning import eager_same_dtype
+from opsmath.kernels.attention.configs import CONFIGS, forced_config
+from opsmath.kernels.attention.tuning import eager_same_dtype
 from tolerance import assert_rule
 
 from conftest import DEVICE

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from opsmath.kernels.attention import attention_op
-from opsmath.kernels.attention_configs import forced_config
-from opsmath.kernels.attention_tuning import eager_same_dtype, fold_bias
+from opsmath.kernels.attention.configs import forced_config
+from opsmath.kernels.attention.tuning import eager_same_dtype, fold_bias
 from tolerance import assert_rule
 
 from conftest import DEVICE
@@ -104,8 +104,8 @@ def test_sdpa_stand_in_keeps_dead_rows_zero_and_finite_fills_uniform(monkeypatch
     """The vendor stand-in gets the folded bias: -inf entries stay -inf (a row with no visible key is 0,
     as opsmath's kernel), finite fills are clamped into the dtype (uniform rows, as eager's)."""
     from torch.nn.attention import SDPBackend
-    from opsmath.kernels import attention_tuning
-    from opsmath.kernels.attention_tuning import sdpa
+    from opsmath.kernels.attention import tuning as attention_tuning
+    from opsmath.kernels.attention.tuning import sdpa
     monkeypatch.setitem(attention_tuning.BACKENDS, "sdpa_math", SDPBackend.MATH)   # CPU: the math path
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 1, 6, 8, dtype=torch.bfloat16) for _ in range(3))

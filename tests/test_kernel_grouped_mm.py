@@ -1,4 +1,4 @@
-"""The grouped GEMM of the experts rewrite (``kernels/grouped_mm.py``) against a per-group fp32 loop:
+"""The grouped GEMM of the experts rewrite (``src/opsmath/kernels/grouped_mm.py``) against a per-group fp32 loop:
 forward, both gradients, empty groups, rows past the last group, odd sizes; the native path
 (``torch._grouped_mm``, bf16, aligned) and the per-group path (anything else)."""
 import pytest

@@ -1,4 +1,4 @@
-"""Offload, the plan's third choice (``opsmath_compiler/offload.py``): the solver weighs the host copies
+"""Offload, the plan's third choice (``src/opsmath/memory/offload.py``): the solver weighs the host copies
 against recompute, reaches budgets below the recompute floor, and under Inductor the offloaded tensors
 go through its partitioner's offload and training equals eager. On CPU the "host" is the same memory:
 these tests check the choice, the marks and the exactness; the GPU rows in BENCHMARKS.md the speed."""
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import opsmath
-from opsmath import offload, offload_async
-from opsmath.plan import InfeasibleBudget, choose, merged
-from opsmath.segments import Segment
+from opsmath.memory import offload
+from opsmath.runtime import offload_async
+from opsmath.memory.plan import InfeasibleBudget, choose, merged
+from opsmath.memory.segments import Segment
 from test_inductor import pair, step_equals_eager
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -57,7 +58,7 @@ def test_offloads_the_forward_cannot_cover_are_priced_at_their_whole_copy():
 
 
 def _steps_of(segs, runs, link):
-    from opsmath.plan_solve import _steps
+    from opsmath.memory.plan_solve import _steps
     return [st for sts in _steps(segs, runs, link).values() for st in sts]
 
 
@@ -121,7 +122,7 @@ def _blocks_step(mark: bool):
         gemms = [n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
         for n in gemms[:4] if mark else []:
             n.meta["custom"] = {offload.OFFLOAD: True}
-        with torch._functorch.config.patch(enable_autograd_cache=False), offload.offloading(gm, inputs):
+        with torch._functorch.config.patch(enable_autograd_cache=False), offload_async.offloading(gm, inputs):
             return compile_fx(gm, inputs)
     step = torch.compile(fwd, backend=backend)
     before = len(offload_async.placements)

@@ -1,4 +1,4 @@
-"""Measured op times for the recompute costs (``opsmath_compiler/op_times.py``): each distinct call measured
+"""Measured op times for the recompute costs (``src/opsmath/memory/op_times.py``): each distinct call measured
 once on fresh inputs of its recorded layout, views and unmeasurable ops left to the model. On CPU with a
 host timer (the GPU's is ``gpu_seconds``); ``annotate`` alone measures nothing off CUDA, nor on CUDA unless
 ``OPSMATH_MEASURED_COSTS=1``."""
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from opsmath import op_times
-from opsmath.segments import forward_order, node_cost
+from opsmath.memory import op_times
+from opsmath.memory.segments import forward_order, node_cost
 
 
 def _graph(f, *args):

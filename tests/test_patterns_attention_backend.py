@@ -1,4 +1,4 @@
-"""The attention family's pass after matching (``patterns/_attention_backend.py``): the backend each
+"""The attention family's pass after matching (``src/opsmath/patterns/attention/backend.py``): the backend each
 emitted ``opsmath::attention`` runs is chosen once every rule has applied."""
 import copy
 import math
@@ -15,7 +15,7 @@ def test_backend_is_chosen_after_matching_and_may_swap_in_sdpa(monkeypatch, padd
     """Matching always emits ``opsmath::attention``; the pass after matching asks the tuner, and where a
     vendor backend wins (forced here: the CPU tuner always answers "opsmath") the op becomes that SDPA
     call, mask folded into its bias, with the report saying so; the step still equals eager."""
-    from opsmath.patterns import _attention_backend
+    from opsmath.patterns.attention import backend as _attention_backend
     asked = []
 
     def tuner(q, k, bias_shape, mask_shape, *rest):

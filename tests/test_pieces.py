@@ -1,4 +1,4 @@
-"""Graphs split around regions left to eager (``opsmath_compiler/regions.py``): the pieces between an
+"""Graphs split around regions left to eager (``src/opsmath/capture/regions.py``): the pieces between an
 ``autograd.Function`` train like eager and still see what their rewrites need (HF's causal mask, ALiBi)."""
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_checkpoint_bodies_stop_compiling_when_sizes_keep_changing(monkeypatch):
     runs as traced, training stays equal to eager, and the report says so once."""
     import copy
     from idioms_base import Checkpointed
-    from opsmath import pieces
+    from opsmath.capture import pieces
     monkeypatch.setattr(pieces, "PIECE_SIZES", 2)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), Checkpointed(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))))

@@ -8,7 +8,7 @@ import torch
 
 import opsmath
 from opsmath import examples
-from opsmath.plan import InfeasibleBudget, parse_budget
+from opsmath.memory.plan import InfeasibleBudget, parse_budget
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -125,7 +125,8 @@ def _probe_then_fresh(dropout=0.1):
 
 def _grown_resident(monkeypatch, extra):
     """Resident bytes as measured at the graph's first call, then ``extra`` more (optimizer state)."""
-    from opsmath import backend, replan
+    from opsmath.runtime import backend
+    from opsmath.memory import replan
     real, calls = backend.resident_bytes, []
 
     def resident(args, model):
@@ -227,7 +228,7 @@ def test_first_step_is_measured_even_after_a_higher_peak_in_the_process():
 def test_third_call_tightens_once_when_the_planned_step_went_over(monkeypatch):
     """Under an absolute budget the step after the (re-)plan is measured too; if it went over the
     budget, the plan is made once more with the excess taken off, and the numbers do not change."""
-    from opsmath import replan
+    from opsmath.memory import replan
     p, model, batch = _probe_then_fresh(dropout=0.0)
     budget = int(p.expected_peak - 0.1 * p.unconstrained)   # below the unconstrained step's timeline
     ref = copy.deepcopy(model)
@@ -258,7 +259,8 @@ def test_third_call_tightens_once_when_the_planned_step_went_over(monkeypatch):
 def test_late_optimizer_state_is_replanned_under_gradient_accumulation(monkeypatch):
     """With gradient accumulation over 3 micro-batches the optimizer state appears before the fourth
     call, not the second: the resident bytes are re-checked at later calls too and the plan follows."""
-    from opsmath import backend, replan
+    from opsmath.runtime import backend
+    from opsmath.memory import replan
     p, model, batch = _probe_then_fresh(dropout=0.0)
     budget = int(p.resident + 0.85 * p.unconstrained)
     real, stepped = backend.resident_bytes, [False]
@@ -284,7 +286,7 @@ def test_infeasible_budget_message_speaks_in_sizes():
     """A byte budget is echoed in a readable unit, as is the smallest feasible one ('1000 B', not
     '0.000 GiB')."""
     import re
-    from opsmath.plan import _size
+    from opsmath.memory.plan import _size
     assert (_size(1000), _size(1536), _size(3 * 2**20), _size(1.5 * 2**30)) == ("1000 B", "1.5 KiB", "3 MiB", "1.5 GiB")
     torch.manual_seed(0)
     model, batch = examples.gpt(batch_size=2, seq_len=16)
@@ -323,8 +325,8 @@ def test_solver_merges_runs_when_single_segments_cannot_reach_the_budget():
     back: the first pair (80 + 200 = 280) fits, the second (200 + 80 + 200 = 480) does not, since
     segments before it are still held. The exact DP finds the first pair, a solver of single segments
     cannot, and merged() rebuilds the list."""
-    from opsmath.plan import choose, merged
-    from opsmath.segments import Segment
+    from opsmath.memory.plan import choose, merged
+    from opsmath.memory.segments import Segment
     segs = [Segment(3 * k, 3 * k + 2, 100, 80, 1.0) for k in range(4)]
     runs = {(i, j): Segment(segs[i].start, segs[j].end, 100 * (j - i + 1), 80, float(j - i + 1))
             for i in range(4) for j in range(i, 4)}
@@ -342,8 +344,8 @@ def test_a_late_recompute_counts_what_earlier_segments_still_hold():
     """The peak while a recomputed segment's backward runs is what the segments up to it keep plus its
     activations: recomputing the first of two segments costs the same as the last, but only the first
     fits a budget of 60% (the last one's backward would find the first's 100 bytes still held)."""
-    from opsmath.plan import choose
-    from opsmath.segments import Segment
+    from opsmath.memory.plan import choose
+    from opsmath.memory.segments import Segment
     segs = [Segment(0, 2, 100, 10, 1.0), Segment(3, 5, 100, 10, 1.0)]
     runs = {(0, 0): segs[0], (1, 1): segs[1]}
     picked, kept, trans, cost = choose(segs, runs, 0, "fraction", 0.6)

@@ -46,7 +46,7 @@ def test_a_graph_above_its_share_is_planned_at_its_floor_when_the_step_stays_clo
     at 0.3, too little slack for the 65 KiB loss graph (its log-softmax), which keeps all it saves. The
     step then stays within ``STEP_SLACK`` of 0.3: the loss graph is planned at its floor and says so,
     and training is exact. (Under Inductor the loss graph's partition saves 2 KiB: it fits.)"""
-    from opsmath.plan import STEP_SLACK
+    from opsmath.memory.plan import STEP_SLACK
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=128, n_positions=256,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
@@ -101,7 +101,7 @@ def test_recompute_op_by_op_never_repeats_a_state_update():
     spectral norm's power iteration inside it would be applied twice (PyTorch stops that with a version
     error); the plan cuts such nodes, and the no-grad region around them, out as fixed segments and
     recomputes around them: the step trains as eager, buffers included, for two steps."""
-    from opsmath.segments import forward_order, pinned_positions
+    from opsmath.memory.segments import forward_order, pinned_positions
     torch.manual_seed(0)
     model, x = _ConvBN(), [torch.randn(4, 3, 16, 16) for _ in range(2)]
     eager = copy.deepcopy(model)
@@ -162,7 +162,7 @@ def test_a_fraction_is_held_over_the_step_when_its_first_graph_cannot_keep_its_s
     """The first graph of a step split by graph breaks cannot keep 0.5 of its activations: it is planned
     at its floor, the graphs after it keep less, and the step as a whole keeps at most 0.5 (+ the slack);
     training is exact. Below the step's floor the call raises, naming it."""
-    from opsmath.plan import STEP_SLACK, step_peak
+    from opsmath.memory.plan import STEP_SLACK, step_peak
     torch.manual_seed(0)
     model, x = _Split(), torch.randn(64, 32)
     eager = copy.deepcopy(model)
@@ -241,7 +241,7 @@ def test_graphs_at_their_floor_keep_least_so_a_step_split_by_functions_goes_lowe
     loss_e.backward()
     plans = [g.plan for g in opsmath.report(opt).graphs]
     assert len(plans) == 9 and sum("planned at its floor" in p.note for p in plans) >= 8
-    from opsmath.plan import STEP_SLACK, step_peak
+    from opsmath.memory.plan import STEP_SLACK, step_peak
     assert step_peak(plans) <= (0.3 + STEP_SLACK) * sum(p.unconstrained for p in plans)
     assert rel_err(loss, loss_e) < 1e-6
     for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
@@ -296,7 +296,7 @@ def test_a_step_split_by_functions_is_planned_again_as_a_whole():
     planned again as a whole (each graph under the fraction less what the graphs before it keep), from
     the next call on: the step then keeps its quarter and trains as eager does. Below the whole step's
     floor the first call raises, naming it."""
-    from opsmath.plan import STEP_SLACK, step_peak
+    from opsmath.memory.plan import STEP_SLACK, step_peak
     torch.manual_seed(0)
     model, idx = _FlashGPT(), torch.randint(0, 64, (2, 48))
     eager = copy.deepcopy(model)

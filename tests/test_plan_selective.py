@@ -11,10 +11,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import opsmath
 from opsmath import examples
-from opsmath.analysis import saved_bytes_by_node
-from opsmath.plan_emit import policy
-from opsmath.segments import forward_order, runs_of, segments_of
-from opsmath.selective import saved_index, selective
+from opsmath.memory.analysis import saved_bytes_by_node
+from opsmath.memory.plan_emit import policy
+from opsmath.memory.segments import forward_order, runs_of, segments_of
+from opsmath.memory.selective import saved_index, selective
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                reason="Inductor on CPU needs a C++ compiler")
@@ -72,8 +72,8 @@ def test_solver_takes_selective_where_gemms_are_dear():
     selectively (frees 60, costs 1 s). A budget of 150 bytes takes the first segment's selective step
     (cost 1, 140 kept, 40 + 60 live in its backward) over a whole recompute (10); the second segment's
     would find the first's 100 bytes still held in its backward (200)."""
-    from opsmath.plan import choose, merged
-    from opsmath.segments import Segment
+    from opsmath.memory.plan import choose, merged
+    from opsmath.memory.segments import Segment
     segs = [Segment(0, 2, 100, 10, 10.0), Segment(3, 5, 100, 10, 10.0)]
     runs = {(0, 0): segs[0], (1, 1): segs[1], (0, 1): Segment(0, 5, 200, 10, 20.0)}
     sel = {(i, i, "selective"): Segment(s.start, s.end, 60, 0, 1.0) for i, s in enumerate(segs)}
@@ -87,7 +87,7 @@ def test_solver_takes_selective_where_gemms_are_dear():
 def test_selective_plan_is_chosen_and_exact(inductor, monkeypatch):
     """With GEMMs made dear in the cost model (at these tiny sizes launches dominate it otherwise), the
     plan at 0.85 recomputes cheap ops only; loss and gradients equal no plan, dropout on."""
-    from opsmath import segments
+    from opsmath.memory import segments
     monkeypatch.setattr(segments, "_FLOP_RATE", 1e6)
     plan, rep = _planned_exactly(0.85, inductor)
     assert plan.selective and plan.kept + plan.transient <= 0.85 * plan.unconstrained, plan.to_dict()
@@ -145,8 +145,8 @@ def test_gemms_candidate_frees_more_than_keeping_gemms():
 def test_gemms_selective_plan_is_chosen_and_exact(inductor, monkeypatch):
     """Only the GEMM-recomputing selective kind offered, attention made dear in the cost model: the plan
     at 0.5 takes it (whole recompute redoes attention), and training equals no plan, dropout on."""
-    from opsmath import plan_choice as plan_mod
-    from opsmath import segments, selective
+    from opsmath.memory import plan_choice as plan_mod
+    from opsmath.memory import segments, selective
     cost = segments.node_cost
 
     def dear(n):
@@ -164,8 +164,8 @@ def test_vendor_sdpa_stand_in_is_costed_as_attention():
     """The rewrite's SDPA stand-in (CUDA graphs) is the attention family's op too: costed by its FLOPs at
     attention's measured rate (not by bytes moved), kept by selective runs, causal half of full."""
     from opsmath.kernels import spec_of
-    from opsmath.kernels.attention_tuning import sdpa
-    from opsmath.selective import is_fused_compute
+    from opsmath.kernels.attention.tuning import sdpa
+    from opsmath.memory.selective import is_fused_compute
     spec = spec_of(sdpa)
     assert spec is spec_of(torch.ops.opsmath.attention.default) and spec.family == "attention"
     assert is_fused_compute(sdpa) and spec.efficiency < 1

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from opsmath.plan import InfeasibleBudget, choose
-from opsmath.plan_solve import _peak, _steps, suffix
-from opsmath.segments import Segment
+from opsmath.memory.plan import InfeasibleBudget, choose
+from opsmath.memory.plan_solve import _peak, _steps, suffix
+from opsmath.memory.segments import Segment
 
 
 def _problem(rng, n):

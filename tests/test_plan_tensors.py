@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import opsmath
-from opsmath import analysis, backend
-from opsmath.plan import clone_graph_module
-from opsmath.plan_choice import choose
-from opsmath.plan_emit import tag_recompute
-from opsmath.plan_solve import Step, conflicts, credited
-from opsmath.segments import Segment, forward_order, runs_of, segments_of
-from opsmath.selective import finer, held_inputs, saved_index, saved_storages, is_compute
+from opsmath.memory import analysis
+from opsmath.runtime import backend
+from opsmath.memory.plan import clone_graph_module
+from opsmath.memory.plan_choice import choose
+from opsmath.memory.plan_emit import tag_recompute
+from opsmath.memory.plan_solve import Step, conflicts, credited
+from opsmath.memory.segments import Segment, forward_order, runs_of, segments_of
+from opsmath.memory.selective import finer, held_inputs, saved_index, saved_storages, is_compute
 from test_weight_casts import step
 from tolerance import assert_rule
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import opsmath
-from opsmath import examples, replan
+from opsmath import examples
+from opsmath.memory import replan
 
 
 def _measure_as(monkeypatch, opt, error):
@@ -230,7 +231,7 @@ def test_the_loss_workspace_is_planned_for_from_the_first_step():
     """The chunked loss declares its workspace (one chunk of logits): a byte budget's first plan holds it
     at the end of the forward, before any step is measured, and a fraction's plan, which counts every
     gradient from the start, holds only what those gradients do not already cover."""
-    from opsmath.segments import node_workspace
+    from opsmath.memory.segments import node_workspace
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import opsmath
-from opsmath import cli, examples
+from opsmath.ui import cli
+from opsmath import examples
 
 
 def _optimized_gpt():
@@ -109,7 +110,7 @@ def test_cli_file_factory(tmp_path):
     f.write_text(
         "import torch\nfrom opsmath.examples import llama\n"
         "def build():\n    return llama(batch_size=2, seq_len=16)\n")
-    res = subprocess.run([sys.executable, "-m", "opsmath.cli", "report", f"{f}:build", "--json"],
+    res = subprocess.run([sys.executable, "-m", "opsmath.ui.cli", "report", f"{f}:build", "--json"],
                          capture_output=True, text=True, check=True)
     data = json.loads(res.stdout)
     assert sum(m["pattern"] == "attention" for g in data["graphs"] for m in g["matches"]) == 2
@@ -118,7 +119,7 @@ def test_cli_file_factory(tmp_path):
 def test_cli_tune_needs_a_gpu_and_says_so():
     import pytest
     import torch
-    from opsmath.cli import main
+    from opsmath.ui.cli import main
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: tuning would run")
     with pytest.raises(SystemExit, match="CUDA GPU"):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import opsmath
 from opsmath.kernels import SPECS
-from opsmath.rules import RULES, Rule, ordered
+from opsmath.rewrite.rules import RULES, Rule, ordered
 
 
 def _rule(name, after=()):

@@ -10,7 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opsmath
-from opsmath import analysis, backend, plan_choice, weight_casts
+from opsmath.memory import analysis, plan_choice, weight_casts
+from opsmath.runtime import backend
 from tolerance import grads_close
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -199,10 +200,10 @@ def test_a_norms_bf16_copy_is_freed_with_the_norm(monkeypatch):
     norm: a selective-free run recomputing the norm frees it (the joint-graph pass recomputes the copy
     with its source), the compiled partition saves exactly what the candidate says, and the gradients are
     bit-identical to the untagged graph's."""
-    from opsmath.plan import clone_graph_module
-    from opsmath.plan_emit import tag_recompute
-    from opsmath.segments import Segment, forward_order
-    from opsmath.selective import saved_index, selective
+    from opsmath.memory.plan import clone_graph_module
+    from opsmath.memory.plan_emit import tag_recompute
+    from opsmath.memory.segments import Segment, forward_order
+    from opsmath.memory.selective import saved_index, selective
     found = {}
     _, optimized, _ = step(1.0, monkeypatch, found)
     saved, inputs = found["saved"], found["inputs"]

@@ -1,0 +1,162 @@
+"""Grouped GEMM over rows sorted by group, the computation of a mixture-of-experts layer.
+
+    y[r] = x[r] @ w[g]          for offs[g-1] <= r < offs[g]   (offs[-1] = 0)
+
+Shapes: ``x`` [S, K] (rows sorted by group), ``w`` [G, K, N], ``offs`` [G] int32, the running end of
+each group (a cumulative sum of the group sizes). Rows at or past ``offs[G-1]`` belong to no group.
+
+``grouped_mm(x, w, offs)`` is what the experts rewrite emits: ``torch._grouped_mm`` where PyTorch's
+grouped kernel takes the operands (``native``: bf16, ``K`` and ``N`` multiples of 8, on CUDA and CPU;
+Inductor then lowers it with its own templates), else ``opsmath::grouped_mm``, one ``mm`` per group.
+
+Caveats:
+- ``torch._grouped_mm`` leaves rows past ``offs[G-1]`` undefined (NaN on CPU); ``opsmath::grouped_mm``
+  writes zeros there. Callers mask such rows (``src/opsmath/patterns/experts/__init__.py`` does when routing can leave any).
+- ``opsmath::grouped_mm`` reads ``offs`` on the host (one device sync per call on CUDA): it is the
+  safe path for fp32/fp16 and unaligned sizes, not the fast one. Inductor treats it as opaque.
+- Backward: ``dx = grouped(dy, w^T)``; ``dw[g] = x_g^T dy_g``, zero for an empty group.
+"""
+from __future__ import annotations
+
+import torch
+
+from opsmath.kernels._common import first_order_only
+from opsmath.kernels._spec import OpSpec, backward, leaf, register
+
+
+def native(dtype: torch.dtype, k: int, n: int) -> bool:
+    """Whether ``torch._grouped_mm`` (forward, backward and its Inductor lowering) takes operands of
+    ``dtype`` with inner size ``k`` and output size ``n``: measured on torch 2.11 (CUDA, H200) and 2.13
+    (CPU), bf16 with 16-byte aligned rows only (fp16 fails under Inductor, fp32 everywhere)."""
+    return dtype == torch.bfloat16 and k % 8 == 0 and n % 8 == 0
+
+
+def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offs.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+@torch.library.custom_op("opsmath::grouped_mm", mutates_args=())
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    for g, (s, e) in enumerate(_bounds(offs)):
+        if e > s:
+            torch.mm(x[s:e], w[g], out=out[s:e])
+    return out
+
+
+@grouped_mm_loop.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("opsmath::grouped_mm_weight_grad", mutates_args=())
+def weight_grad_loop(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``dw[g] = x_g^T dy_g`` ([G, K, N]); zero for an empty group."""
+    dw = x.new_zeros(offs.shape[0], x.shape[1], dy.shape[1])
+    for g, (s, e) in enumerate(_bounds(offs)):
+        if e > s:
+            torch.mm(x[s:e].t(), dy[s:e], out=dw[g])
+    return dw
+
+
+@weight_grad_loop.register_fake
+def _(x, dy, offs):
+    return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
+
+
+def _setup(ctx, inputs, output):
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _backward(ctx, dy):
+    first_order_only("experts")
+    x, w, offs = ctx.saved_tensors
+    dx = grouped_mm_loop(dy, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+    dw = weight_grad_loop(x, dy, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+grouped_mm_loop.register_autograd(_backward, setup_context=_setup)
+
+
+def grouped_op(x_dtype: torch.dtype, w_dtype: torch.dtype, k: int, n: int):
+    """The op of the fastest path for operands of these dtypes and sizes: ``aten._grouped_mm`` where
+    ``native`` holds (and both operands share the dtype), else ``opsmath::grouped_mm``."""
+    if native(x_dtype, k, n) and w_dtype == x_dtype:
+        return torch.ops.aten._grouped_mm.default
+    return torch.ops.opsmath.grouped_mm.default
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM on the fastest path the operands allow (see the module docstring)."""
+    return grouped_op(x.dtype, w.dtype, x.shape[1], w.shape[2])(x, w, offs)
+
+
+LOAD_STEPS = 16    # calls of each MoE layer whose expert load is kept
+
+
+class ExpertLoad:
+    """Tokens routed to each of ``experts`` experts over the last ``LOAD_STEPS`` calls of one rewritten
+    MoE layer: a [LOAD_STEPS, experts] ring of the grouped GEMM's ``offs`` on their device, written by a
+    device copy (no host sync); read (one sync) when a report asks. Under CUDA-graph replay the copies
+    replay into the slot of the captured call, so the ring then shows one step."""
+
+    def __init__(self, experts: int, where: str):
+        self.experts, self.where, self.calls, self.ring = experts, where, 0, None
+
+    def record(self, offs: torch.Tensor) -> None:
+        if self.ring is None or self.ring.device != offs.device:
+            self.ring = torch.zeros(LOAD_STEPS, self.experts, dtype=torch.int32, device=offs.device)
+        self.ring[self.calls % LOAD_STEPS].copy_(offs)
+        self.calls += 1
+
+    def counts(self) -> torch.Tensor:
+        """[n, experts] int64 on the CPU: tokens per expert in each of the last n <= LOAD_STEPS calls."""
+        if self.ring is None:
+            return torch.zeros(0, self.experts, dtype=torch.int64)
+        ends = self.ring[: min(self.calls, LOAD_STEPS)].to("cpu", torch.int64)
+        return torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1]))
+
+
+LOADS: list[ExpertLoad] = []
+
+
+def new_load_site(experts: int, where: str) -> int:
+    LOADS.append(ExpertLoad(experts, where))
+    return len(LOADS) - 1
+
+
+@torch.library.custom_op("opsmath::expert_load", mutates_args=())
+def expert_load(offs: torch.Tensor, site: int) -> torch.Tensor:
+    """``offs`` unchanged (a copy, so that the op is never dead code), recorded for site ``site``."""
+    LOADS[site].record(offs)
+    return offs.clone()
+
+
+@expert_load.register_fake
+def _(offs, site):
+    return torch.empty_like(offs)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-group ``x_g @ w[g]`` in fp32, zeros past the last group (what tests compare against)."""
+    out = torch.zeros(x.shape[0], w.shape[2], dtype=torch.float32)
+    for g, (s, e) in enumerate(_bounds(offs)):
+        out[s:e] = x[s:e].float() @ w[g].float()
+    return out
+
+
+def _flops(x, w, offs):
+    return 2.0 * x.shape[0] * x.shape[1] * w.shape[2]
+
+
+def _exercise(dtype):
+    x, w = leaf(6, 8, dtype=dtype), leaf(2, 8, 8, dtype=dtype)
+    backward(grouped_mm(x, w, torch.tensor([2, 6], dtype=torch.int32)))
+
+
+SPEC = register(OpSpec("experts", ops=(torch.ops.opsmath.grouped_mm.default, torch.ops.aten._grouped_mm.default),
+                       flops=_flops, exercise=_exercise, triton=False, profile=("grouped GEMM", ("grouped", "cutlass")),
+                       saves="the sorted token rows and the stacked expert weights"))

@@ -1,0 +1,400 @@
+"""``opsmath::linear_cross_entropy``: an LM head's ``cross_entropy(x @ W^T + b, target)`` without the
+logits tensor.
+
+Math, for rows n (tokens), classes j < V, smoothing e, z = x_n W^T + b (N x V, never whole)::
+
+    lse_n  = log sum_j exp(z_nj)
+    loss_n = (1 - e) (lse_n - z_n,t) + e (lse_n - mean_j z_nj)        0 where t_n == ignore_index
+    loss   = sum_n loss_n / #valid   (mean)   or   sum_n loss_n   (sum)
+    G_nj   = s (softmax(z_n)_j - (1 - e) [j == t_n] - e / V)           s = 1/#valid or 1; 0 if ignored
+    dx = G W        dW = G^T x        db = sum_n G_n
+
+With a final-logit softcap c > 0 (Gemma-2's ``c * tanh(logits / c)``) the softmax, loss and ``G`` above
+read y = c tanh(z / c) in place of z, and the gradient reaching z is ``G * (1 - (y / c)^2)``.
+
+Shapes: x (N, C), W (V, C), b (V,) or None, target (N,) int64 -> loss (), dx (N, C), dW (V, C), db (V,).
+
+The rows go through in chunks of ``chunk`` tokens (about 512 MiB of logits each): a cuBLAS GEMM writes
+the chunk's logits in the compute dtype, one Triton program per row reads them twice (online max and
+sum, then the gradient) and overwrites them with ``G`` in place, so the gradient never needs a second
+logits-sized buffer; two more GEMMs add the chunk's share of dx and dW (dW accumulated in fp32, in place,
+in row blocks that are rounded and freed one by one at the end: see ``_dw_blocks``). One chunk buffer
+is reused for every chunk's logits.
+Because the loss is a scalar at the end of the graph, the gradients are computed in the forward (as
+Liger-Kernel does) and backward only scales them by the incoming gradient: no logits are recomputed.
+With ``compute_grad=False`` (eval graphs) only the loss is computed.
+
+The logits are rounded to the compute dtype before the softmax, exactly as eager autocast's
+``linear`` (bf16 out) followed by ``cross_entropy`` (upcast to fp32) does.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from opsmath.kernels._common import first_order_only, next_pow2, use_triton
+from opsmath.kernels._spec import OpSpec, backward, leaf, register
+
+CHUNK_BYTES = 512 * 2**20
+
+
+def chunk_rows(V: int, N: int) -> int:
+    """Rows per chunk so that its (bf16) logits take about ``CHUNK_BYTES`` (at least 64): large enough
+    that the GEMMs run at full speed and the per-chunk dW update is a small share of the traffic."""
+    return max(64, min(N, CHUNK_BYTES // (2 * V)))
+
+
+_ADDMM_FP32_INPLACE: dict = {}   # device index -> whether addmm(acc, a, b, out_dtype=fp32, out=acc) is right
+DW_BLOCK_BYTES = 256 * 2**20      # fp32 dW is accumulated in row blocks of about this size (see _dw_blocks)
+DW_BLOCK_MIN_ROWS = 4096
+DW_FP32_ADDMM = True              # dW's chunk products accumulate through cuBLAS's fp32-output addmm (see _accumulate)
+
+
+def _inplace_fp32_addmm_ok(device: torch.device) -> bool:
+    """Whether cuBLAS's low-precision x low-precision -> fp32 ``addmm`` (torch >= 2.8) accepts its own
+    input as ``out``, checked once per device on a small case against fp32 math: a build without it
+    (or one that got the aliasing wrong) falls back to a safe, slower path instead of a wrong dW."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _ADDMM_FP32_INPLACE:
+        ok = False
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            a = torch.randn(64, 48, device=device, generator=g).bfloat16()
+            b = torch.randn(48, 32, device=device, generator=g).bfloat16()
+            acc = torch.randn(64, 32, device=device, generator=g)
+            want = acc + a.float() @ b.float()
+            got = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            ok = got.data_ptr() == acc.data_ptr() and torch.allclose(acc, want, rtol=1e-3, atol=1e-3)
+        except (RuntimeError, TypeError):
+            ok = False
+        _ADDMM_FP32_INPLACE[key] = ok
+    return _ADDMM_FP32_INPLACE[key]
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place, with fp32 ``acc``: one GEMM that accumulates the low-precision product
+    in fp32 and writes into ``acc`` itself when cuBLAS can (no second accumulator, no rounding of the
+    partial product); otherwise the product is added in place (rounded to ``a``'s dtype first, as
+    eager's bf16 GEMM output is)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and DW_FP32_ADDMM and _inplace_fp32_addmm_ok(acc.device):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(a @ b)
+
+
+def _dw_blocks(V: int, C: int) -> list[tuple[int, int]]:
+    """Row ranges of dW, each about ``DW_BLOCK_BYTES`` in fp32 (at least 4096 rows, so each per-chunk
+    GEMM stays large). dW is accumulated block by block so that, at the end, each fp32 block can be
+    freed as soon as it is rounded to the weight's dtype: the fp32 accumulator and the rounded copy
+    never exist whole at the same time (at V 128k, C 4096 that is 2.1 GB + 1.05 GB otherwise). Rows come
+    in multiples of 128, so every block of G starts 16-byte aligned: cuBLAS takes its slow sm80 kernels
+    for an operand that is not (H200, V 256000, C 3584: 18724-row blocks ran at align2)."""
+    rows = max(DW_BLOCK_MIN_ROWS, -(-(DW_BLOCK_BYTES // (4 * max(C, 1))) // 128) * 128)
+    return [(v, min(V, v + rows)) for v in range(0, V, rows)] or [(0, 0)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-chunk softmax/loss/gradient: PyTorch reference and Triton kernel (same function)
+# --------------------------------------------------------------------------------------------------
+
+
+def _rows_reference(z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: float,
+                    scale: torch.Tensor, compute_grad: bool, out=None, lse_out=None, lse=None,
+                    softcap: float = 0.0) -> torch.Tensor:
+    """Loss per row (fp32) of the logits chunk ``z`` (rows, V); writes G into ``out`` (default: over
+    ``z``) when asked; ``lse_out`` receives each row's log-sum-exp; a given ``lse`` skips computing it."""
+    zf = z.float()
+    if softcap:
+        zf = softcap * torch.tanh(zf / softcap)
+    V = z.shape[1]
+    valid = t != ignore_index
+    tt = torch.where(valid, t, 0)
+    if lse is None:
+        lse = torch.logsumexp(zf, 1)
+        if lse_out is not None:
+            lse_out.copy_(lse)
+    zt = zf.gather(1, tt[:, None])[:, 0]
+    loss = (1 - smoothing) * (lse - zt)
+    if smoothing:   # only then: a -inf logit (a vocabulary mask) would make 0 * inf = nan
+        loss = loss + smoothing * (lse - zf.mean(1))
+    loss = torch.where(valid, loss, 0.0)
+    if compute_grad:
+        g = torch.exp(zf - lse[:, None])
+        g.scatter_add_(1, tt[:, None], torch.full_like(zt[:, None], -(1 - smoothing)))
+        g = (g - smoothing / V) * torch.where(valid, scale, 0.0)[:, None]
+        if softcap:
+            g = g * (1 - (zf / softcap) ** 2)
+        (z if out is None else out).copy_(g)
+    return loss
+
+
+@triton.jit
+def _softcap(z, c):
+    """c tanh(z / c), as 2 sigmoid(2 z / c) - 1 (Triton has no portable tanh)."""
+    return c * (2.0 * tl.sigmoid(z * (2.0 / c)) - 1.0)
+
+
+@triton.jit
+def _ce_rows_kernel(Z, T, Loss, Scale, G, Lse, stride_z, stride_g, V, ignore_index, smoothing, softcap,
+                    COMPUTE_GRAD: tl.constexpr, WRITE_LSE: tl.constexpr, LSE_GIVEN: tl.constexpr,
+                    HAS_SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row. A target outside [0, V) that is not ``ignore_index`` gives a NaN loss and a
+    NaN gradient row (eager raises; checking on the host would cost a sync every step)."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    t = tl.load(T + row)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
+    if LSE_GIVEN:      # gradient only, from the forward's log-sum-exp: one read of z, one write of G
+        lse = tl.load(Lse + row)
+    else:
+        # online max and sum with one running (max, sum) per row, rescaled once per block: one exp per
+        # logit (a running pair per lane would need two). z_t is one load after the loop, and the sum
+        # of z only with smoothing: no per-lane accumulators beside the logits block (registers decide
+        # how many rows an SM holds at once)
+        m = -1e30          # finite: a block of -inf logits never makes exp(-inf + inf)
+        s = 0.0
+        if HAS_SMOOTHING:
+            zsum = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inb = cols < V
+            z = tl.load(z_row + cols, mask=inb, other=float("-inf")).to(tl.float32)
+            if SOFTCAP:   # c tanh(z / c); lanes past V stay -inf
+                z = tl.where(inb, _softcap(z, softcap), float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)   # lanes past V: exp(-inf) = 0
+            m = m_new
+            if HAS_SMOOTHING:
+                zsum += tl.where(inb, z, 0.0)
+        lse = m + tl.log(s)
+        zt = tl.load(z_row + t, mask=valid & in_range, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            zt = _softcap(zt, softcap)
+        loss = (1 - smoothing) * (lse - zt)
+        if HAS_SMOOTHING:   # only then: with a -inf logit (a vocabulary mask) the mean is -inf
+            loss += smoothing * (lse - tl.sum(zsum, 0) / V)
+        loss = tl.where(in_range, loss, float("nan"))
+        tl.store(Loss + row, tl.where(valid, loss, 0.0))
+        if WRITE_LSE:
+            tl.store(Lse + row, lse)
+    if COMPUTE_GRAD:
+        scale = tl.where(valid, tl.where(in_range, tl.load(Scale), float("nan")), 0.0)
+        g_row = G + row * stride_g
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inb = cols < V
+            z = tl.load(z_row + cols, mask=inb, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                z = _softcap(z, softcap)
+            g = tl.exp(z - lse) - tl.where(cols == t, 1 - smoothing, 0.0) - smoothing / V
+            if SOFTCAP:   # d(c tanh(z / c)) / dz = 1 - tanh^2
+                g = g * (1 - (z / softcap) * (z / softcap))
+            tl.store(g_row + cols, (g * scale).to(G.dtype.element_ty), mask=inb)
+
+
+def grad_scale(target: torch.Tensor, ignore_index: int, reduction: str):
+    """(#valid rows, the gradient's scale s as a 1-element fp32 tensor: 1/#valid for mean, 1 for sum);
+    kept on the device, so no host sync."""
+    valid = (target != ignore_index).sum()
+    scale = (1.0 / valid.float()) if reduction == "mean" else torch.ones((), device=target.device)
+    return valid, scale.reshape(1).to(torch.float32)
+
+
+def reduce(losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-row losses to the loss: their sum, divided by #valid for mean (0/0 = nan, as torch)."""
+    loss = losses.sum()
+    return loss / valid if reduction == "mean" else loss
+
+
+def rows(z, t, ignore_index, smoothing, scale, compute_grad, out=None, lse_out=None, lse=None, softcap=0.0):
+    """Per-row loss of the logits rows ``z`` (rows, V), contiguous along V. With ``compute_grad`` G
+    (module doc) is written into ``out``, by default over ``z`` itself. ``lse_out`` (rows,) fp32 receives
+    each row's log-sum-exp; a given ``lse`` makes it a gradient-only pass (the returned losses are then
+    not computed). ``softcap`` c > 0 reads c tanh(z / c) for z (module doc). Triton on CUDA, the PyTorch
+    reference on CPU."""
+    if not use_triton(z):
+        return _rows_reference(z, t, ignore_index, smoothing, scale, compute_grad, out, lse_out, lse, softcap)
+    loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
+    g = z if out is None else out
+    lse_buf = lse if lse is not None else lse_out
+    block = min(4096, next_pow2(z.shape[1]))
+    _ce_rows_kernel[(z.shape[0],)](z, t, loss, scale, g, lse_buf if lse_buf is not None else loss,
+                                   z.stride(0), g.stride(0), z.shape[1], ignore_index, float(smoothing),
+                                   float(softcap or 1.0), COMPUTE_GRAD=compute_grad,
+                                   WRITE_LSE=lse_out is not None and lse is None, LSE_GIVEN=lse is not None,
+                                   HAS_SMOOTHING=smoothing > 0, SOFTCAP=softcap > 0, BLOCK=block,
+                                   num_warps=8 if block >= 2048 else 4)
+    return loss
+
+
+# --------------------------------------------------------------------------------------------------
+# The chunked op
+# --------------------------------------------------------------------------------------------------
+
+
+def capped(z: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(z / softcap)`` computed in fp32 and rounded once to z's dtype; z itself when 0."""
+    return (softcap * torch.tanh(z.float() / softcap)).to(z.dtype) if softcap else z
+
+
+def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: float, reduction: str,
+                                 compute_grad: bool, return_logits: bool = False, softcap: float = 0.0,
+                                 chunk: Optional[int] = None):
+    """(loss, dx, dW, db, logits) as in the module doc; the gradients are empty tensors without
+    ``compute_grad``, ``logits`` (N, V) in the compute dtype only with ``return_logits`` (when the model
+    also returns them: the fp32 copy, log-softmax and gradient still never exist whole; softcapped where
+    ``softcap`` is given)."""
+    N, C = x.shape
+    V = w.shape[0]
+    chunk = chunk or chunk_rows(V, N)
+    valid, scale = grad_scale(target, ignore_index, reduction)
+    losses = torch.empty(N, device=x.device, dtype=torch.float32)
+    dx = torch.empty_like(x) if compute_grad else x.new_empty(0)
+    blocks = _dw_blocks(V, C) if compute_grad else []
+    dws = [torch.zeros(v1 - v0, C, device=x.device, dtype=torch.float32) for v0, v1 in blocks]
+    db = torch.zeros(V, device=x.device, dtype=torch.float32) if compute_grad and b is not None else w.new_empty(0)
+    logits = x.new_empty(N, V) if return_logits else x.new_empty(0)
+    zbuf = x.new_empty(min(chunk, N), V) if N else x.new_empty(0, V)   # one chunk of logits, reused
+    for s in range(0, N, chunk):
+        xc = x[s:s + chunk]
+        z = zbuf[:xc.shape[0]]
+        if b is not None:                                                     # (rows, V) compute dtype
+            torch.addmm(b, xc, w.t(), out=z)
+        else:
+            torch.mm(xc, w.t(), out=z)
+        if return_logits:
+            logits[s:s + chunk] = capped(z, softcap)
+        losses[s:s + chunk] = rows(z, target[s:s + chunk], ignore_index, smoothing, scale, compute_grad,
+                                   softcap=softcap)
+        if compute_grad:                                                      # z now holds G
+            torch.mm(z, w, out=dx[s:s + chunk])
+            for (v0, v1), acc in zip(blocks, dws):
+                _accumulate(acc, z[:, v0:v1].t(), xc)
+            if b is not None:
+                db += z.sum(0, dtype=torch.float32)
+    z = zbuf = None
+    if compute_grad:   # round block by block, freeing each fp32 block as soon as it is rounded
+        parts = []
+        while dws:
+            parts.append(dws.pop(0).to(w.dtype))
+        dw = torch.cat(parts) if len(parts) > 1 else parts[0]
+        parts = None
+    else:
+        dw = w.new_empty(0)
+    return (reduce(losses, valid, reduction), dx, dw, db.to(b.dtype) if db.numel() else db, logits)
+
+
+@torch.library.custom_op("opsmath::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], target: torch.Tensor,
+                            ignore_index: int, label_smoothing: float, reduction: str, compute_grad: bool,
+                            return_logits: bool = False, softcap: float = 0.0
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"opsmath::linear_cross_entropy takes reduction 'mean' or 'sum', got {reduction!r}")
+    if softcap < 0:
+        raise ValueError(f"opsmath::linear_cross_entropy takes a softcap >= 0 (0: none), got {softcap}")
+    return linear_cross_entropy_forward(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad,
+                                        return_logits, softcap)
+
+
+@linear_cross_entropy_op.register_fake
+def _(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad, return_logits=False, softcap=0.0):
+    loss = x.new_empty((), dtype=torch.float32)
+    logits = x.new_empty(x.shape[0], w.shape[0]) if return_logits else x.new_empty(0)
+    if not compute_grad:
+        return loss, x.new_empty(0), w.new_empty(0), w.new_empty(0), logits
+    db = b.new_empty(b.shape) if b is not None else w.new_empty(0)
+    return loss, torch.empty_like(x), torch.empty_like(w), db, logits
+
+
+def _setup_context(ctx, inputs, output):
+    x, w = inputs[0], inputs[1]
+    _, dx, dw, db, logits = output
+    ctx.return_logits = inputs[8] if len(inputs) > 8 else False
+    ctx.softcap = inputs[9] if len(inputs) > 9 else 0.0
+    # the returned logits can carry a gradient of their own (a z-loss, a distillation term): then
+    # dx += G_l W and dW += G_l^T x, so x and W are kept too (and the capped logits, for tanh's derivative)
+    kept = ((x, w, logits) if ctx.softcap else (x, w)) if ctx.return_logits else ()
+    ctx.save_for_backward(dx, dw, db, *kept)
+    ctx.has_bias = inputs[2] is not None
+    ctx.compute_grad = inputs[7]
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dloss, _ddx, _ddw, _ddb, dlogits):
+    first_order_only("linear_cross_entropy")
+    if not ctx.compute_grad:
+        raise RuntimeError("opsmath::linear_cross_entropy was called with compute_grad=False; "
+                           "it has no gradient to give")
+    dx, dw, db, *xw = ctx.saved_tensors
+    g = dloss.to(torch.float32) if dloss is not None else torch.zeros((), device=dx.device)
+    gx, gw = (dx * g).to(dx.dtype), (dw * g).to(dw.dtype)
+    gb = (db * g).to(db.dtype) if ctx.has_bias else None
+    if ctx.return_logits and dlogits is not None:   # (tracing may hand a zero gradient: still correct)
+        x, w, *y = xw
+        gl = dlogits.to(dx.dtype)
+        if ctx.softcap:   # through y = c tanh(z / c): dz = dy (1 - (y / c)^2)
+            gl = (dlogits.float() * (1 - (y[0].float() / ctx.softcap) ** 2)).to(dx.dtype)
+        gx = gx + gl @ w
+        gw = gw + (gl.t() @ x).to(gw.dtype)
+        if ctx.has_bias:
+            gb = gb + gl.sum(0, dtype=torch.float32).to(gb.dtype)
+    return gx, gw, gb, None, None, None, None, None, None, None
+
+
+linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(x, w, b=None, target=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+                         softcap=0.0):
+    """``F.cross_entropy(F.linear(x, w, b), target, ...)`` for 2-D ``x`` without the logits tensor; with
+    ``softcap`` c > 0, of ``c * tanh(F.linear(x, w, b) / c)``."""
+    need = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+    return linear_cross_entropy_op(x, w, b, target, ignore_index, label_smoothing, reduction, need, False,
+                                   softcap)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Op spec (src/opsmath/kernels/_spec.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _flops(x, w, *_):
+    """Three GEMMs of (N, K) x (K, V): logits, dX and dW."""
+    return 6 * x.shape[0] * x.shape[1] * w.shape[0]
+
+
+def _workspace(x, w, b, target, ignore_index, smoothing, reduction, compute_grad, return_logits=False,
+               softcap=0.0) -> int:
+    """Bytes the op's peak holds beyond its outputs' size: one chunk of logits in the compute dtype and,
+    where the weight is not fp32, dW's fp32 accumulator blocks less the rounded dW it returns (allocated
+    after the chunks; an fp32 weight's blocks are the returned dW)."""
+    N, C = x.shape
+    V = w.shape[0]
+    chunk = min(chunk_rows(V, N), N) * V * x.element_size()
+    return chunk + (V * C * (4 - w.element_size()) if compute_grad and w.dtype != torch.float32 else 0)
+
+
+def _exercise(dtype: torch.dtype) -> None:
+    t = torch.randint(0, 300, (8,))
+    for smoothing, softcap in ((0.0, 0.0), (0.1, 0.0), (0.0, 30.0)):
+        backward(linear_cross_entropy(leaf(8, 16, dtype=dtype), leaf(300, 16, dtype=dtype), leaf(300, dtype=dtype),
+                                      t, -100, smoothing, "mean", softcap))
+    with torch.no_grad():
+        linear_cross_entropy(leaf(8, 16, dtype=dtype), leaf(300, 16, dtype=dtype), None, t, -100, 0.0, "sum")
+
+
+# Inductor's own linear + cross-entropy is faster on the H200 (8192 tokens: 72.5 vs 87.7 ms at Gemma-2's
+# head with its softcap, 39.5 vs 45.5 ms at Llama-3's; BENCHMARKS.md, "The LM head's loss"), but it keeps
+# the whole (tokens x vocab) logits for backward, the largest activation of a long-sequence LM step:
+# under a memory budget the chunked op stays
+SPEC = register(OpSpec("linear_cross_entropy", ops=(torch.ops.opsmath.linear_cross_entropy.default,),
+                       flops=_flops, inductor_fuses_better=True, kept_under_budget=True, exercise=_exercise,
+                       workspace=_workspace,
+                       saves="dX and dW computed in forward; the logits are never kept"))

@@ -1,0 +1,123 @@
+"""Offload, the recompute plan's third choice: a kept activation goes to host memory after its last
+forward use and comes back before its first backward use, its copies beside the compute.
+
+opsmath marks the nodes of its plan's offloaded segments (``meta["custom"][OFFLOAD]``, which AOTAutograd
+copies onto every joint-graph node traced from them). After Inductor's partitioner has chosen what the
+forward saves, ``offload_async.place`` sends the marked saved tensors to pinned host memory on a transfer
+stream and brings them back ahead of their backward use (``offload_ops``), so the copies overlap the
+compute. (Inductor's own offload copies on the compute stream, and torch 2.11's side-stream variant fails
+or frees nothing before the forward's end: ``results/host_link-offload-*``.)
+
+Cost model: a copy costs ``EXPOSED_SHARE * 2 b / link`` (``link``: this machine's host-link bandwidth,
+measured once per process, ``host_link``; 55 GB/s each way on the H200 host). The share is measured: HF
+LLaMA 1.1B at a quarter of its activations with 0.90 GiB offloaded (35 ms of copies out and back) took
+13.6 ms more a step than the plan without offload while recomputing about 4 ms less
+(``results/recompute_overhead-llama-offload-20261203.*``): half the copy time showed. A copy is placed
+under compute only while the forward's compute after it covers the queue of copies by ``MARGIN``
+(``late``); one that cannot be is waited for at once and priced at its whole time, and the plan solved
+again with that price (``plan_choice._late_priced``).
+
+Only on the Inductor path (the CUDA default), on CUDA, and not under CUDA-graph replay (the host buffers
+are outside the graph's pool); the op-by-op path plans without offload.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+import torch.fx as fx
+
+OFFLOAD = "opsmath_offload"   # meta["custom"] key of a node whose saved output the plan sends to the host
+EXPOSED_SHARE = 0.5   # of a placed copy's out-and-back time, what the step measured of it (docstring)
+MARGIN = 3.0          # modelled compute per copy second before a copy counts as placed under it
+
+
+def available(example_inputs, how: str) -> bool:
+    """Offload applies: the graph runs on CUDA and goes to Inductor."""
+    return how == "tag" and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+
+
+def step_cost(nbytes: int, link: float, exposed: float | None = None) -> float:
+    """Modelled seconds an offload of ``nbytes`` adds: ``exposed`` of the copies' out-and-back time
+    (``EXPOSED_SHARE`` where the forward's compute covers them, or ``OPSMATH_OFFLOAD_EXPOSED`` to compare
+    other shares; 1 where it cannot: ``late``)."""
+    if exposed is None:
+        exposed = float(os.environ.get("OPSMATH_OFFLOAD_EXPOSED", EXPOSED_SHARE))
+    return exposed * 2 * nbytes / link
+
+
+def late(segs, picked, link: float) -> list:
+    """The picked offload steps (``"offload"``, ``"recompute+offload"``) whose copies, queued one after
+    another on the transfer stream from the end of their segments, would end after the forward's compute
+    (the segments' modelled ``cost``) by ``MARGIN``: copies the forward cannot cover, which
+    ``offload_async`` waits for at once (on the step's critical path)."""
+    ends, t = [], 0.0
+    for s in segs:
+        t += s.cost
+        ends.append(t)
+    busy, out = 0.0, []
+    for st in sorted((st for st in picked if st.sent), key=lambda st: st.j):
+        busy = max(ends[st.j], busy) + MARGIN * st.sent / link
+        if busy > t:
+            out.append(st)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def host_link(device: str = "cuda", nbytes: int = 64 * 2**20, reps: int = 3) -> float:
+    """Bytes per second of the slower direction between ``device`` and pinned host memory (Inductor's
+    offload copies into pinned buffers of the caching host allocator, non-blocking on the compute
+    stream): median of ``reps`` timed copies of ``nbytes`` after a warm-up."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for copy in (lambda: host.copy_(dev, non_blocking=True), lambda: dev.copy_(host, non_blocking=True)):
+        copy()
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            copy()
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        rates.append(nbytes / sorted(times)[reps // 2])
+    return min(rates)
+
+
+def _mark(n: fx.Node) -> None:
+    n.meta["custom"] = {**(n.meta.get("custom") or {}), OFFLOAD: True}
+
+
+def mark_offloaded(order: list[fx.Node], segs, offloaded: dict[int, str]) -> None:
+    """Mark what each offloaded segment keeps: all its nodes (``"kept"``: a kept segment sent to the host)
+    or the producers of its external inputs (``"inputs"``: a recomputed segment whose boundary tensors go
+    to the host)."""
+    for i, kind in offloaded.items():
+        nodes = order[segs[i].start:segs[i].end + 1]
+        if kind == "kept":
+            for n in nodes:
+                _mark(n)
+            continue
+        inside = set(nodes)
+        for n in nodes:
+            for x in n.all_input_nodes:
+                if x not in inside and x.op == "call_function":
+                    _mark(x)
+
+
+def link_for(example_inputs, how: str) -> float | None:
+    """Host-link bytes/s when the plan may offload (``available``, and ``OPSMATH_OFFLOAD`` is not ``0``),
+    else None."""
+    if not available(example_inputs, how) or os.environ.get("OPSMATH_OFFLOAD") == "0":
+        return None
+    return host_link(str(next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)))
+
+
+def _marked(n: fx.Node) -> bool:
+    return bool((n.meta.get("custom") or {}).get(OFFLOAD))
+
+
+def has_offload(gm: fx.GraphModule) -> bool:
+    return any(_marked(n) for n in gm.graph.nodes)

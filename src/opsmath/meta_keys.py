@@ -1,0 +1,5 @@
+"""Keys of ``node.meta`` (and of ``node.meta["custom"]``) that one pipeline stage writes and a later one
+reads. They live here, below every stage, so that no stage imports a later one for a string."""
+
+USER_REGION = "opsmath_checkpoint_region"   # meta["custom"]: an inlined checkpoint body's nodes (capture -> memory)
+FP8_WEIGHT = "fp8_weight_cast"              # placeholder meta: (weight placeholder's name, "q" or "s") (patterns -> runtime)

@@ -1,0 +1,87 @@
+"""Graph-wide passes before matching: spellings that hide a pattern from the rules, made plain.
+
+- ``drop_dead_code``: nodes nothing reads, whose absence nobody can observe, are erased, so dead code
+  (a debugging ``scores.clone()``) never counts as a reader that blocks a match.
+- ``einsums_as_matmuls``: a two-operand ``einsum`` that is a batched matrix product with its letters in
+  another order (``"bqhd,bkhd->bhqk"``, attention in (batch, seq, head, dim) layout) becomes
+  ``permute -> matmul -> permute``, the product in the ``(..., i, k) @ (..., k, j)`` form every rule reads
+  (``canonicalize.as_matmul``). Same arithmetic: ``einsum`` itself permutes and calls ``bmm``.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from opsmath.rewrite.canonicalize import aten, as_matmul
+
+
+def drop_dead_code(graph: fx.Graph) -> int:
+    """Erase the nodes nothing reads whose absence nobody can observe. Kept: anything impure (in-place and
+    ``out=`` ops, mutations of inputs, asserts, grad-mode and autocast switches: ``Node.is_impure``), every
+    op that draws random numbers (``nondeterministic_seeded``: a dead dropout still advances the generator,
+    as in eager) and every call that is not an ATen op. Returns how many were erased."""
+    erased = 0
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.users or node.is_impure():
+            continue
+        target = node.target
+        if not (isinstance(target, torch._ops.OpOverload) or target is operator.getitem) \
+                or torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
+            continue
+        graph.erase_node(node)
+        erased += 1
+    return erased
+
+
+def einsums_as_matmuls(ctx) -> int:
+    """Rewrite each two-operand einsum that is a permuted batched matmul (``_matmul_letters``); returns
+    how many. ``ctx`` is the ``RewriteContext`` (inserted nodes get their fake values)."""
+    done = 0
+    for node in list(ctx.graph.find_nodes(op="call_function", target=aten.einsum.default)):
+        letters = None if as_matmul(node) is not None else _matmul_letters(node)
+        if letters is None:
+            continue
+        (a, b), (sa, sb, out), (batch, i, k, j) = node.args[1], node.args[0].replace(" ", "").replace(
+            "->", ",").split(","), letters
+        with ctx.graph.inserting_before(node):
+            pa = _permuted(ctx, a, sa, batch + i + k, node)
+            pb = _permuted(ctx, b, sb, batch + k + j, node)
+            y = ctx.call(aten.matmul.default, (pa, pb), node)
+            y = _permuted(ctx, y, batch + i + j, out, node)
+        node.replace_all_uses_with(y)
+        ctx.graph.erase_node(node)
+        done += 1
+    return done
+
+
+def _matmul_letters(node: fx.Node) -> Optional[tuple[str, str, str, str]]:
+    """``(batch, i, k, j)`` letters when ``node`` is ``einsum(eq, [a, b])`` with ``eq`` a batched matmul in
+    any letter order: batch letters in both operands and the output, one ``i`` (a and output), one
+    contracted ``k`` (both operands, not the output), one ``j`` (b and output); else None."""
+    eq = node.args[0].replace(" ", "") if isinstance(node.args[0], str) else ""
+    ops = node.args[1] if len(node.args) > 1 else ()
+    if "..." in eq or "->" not in eq or len(ops) != 2 or not all(isinstance(x, fx.Node) for x in ops):
+        return None
+    lhs, out = eq.split("->")
+    if lhs.count(",") != 1:
+        return None
+    sa, sb = lhs.split(",")
+    if any(len(set(s)) != len(s) for s in (sa, sb, out)):
+        return None
+    batch = "".join(c for c in out if c in sa and c in sb)
+    i, k = set(sa) & set(out) - set(sb), set(sa) & set(sb) - set(out)
+    j = set(sb) & set(out) - set(sa)
+    if len(i) != 1 or len(k) != 1 or len(j) != 1 or len(sa) != len(batch) + 2 or len(sb) != len(batch) + 2 \
+            or len(out) != len(batch) + 2:
+        return None
+    return batch, i.pop(), k.pop(), j.pop()
+
+
+def _permuted(ctx, x: fx.Node, have: str, want: str, like: fx.Node) -> fx.Node:
+    """``x`` with dims labelled ``have`` reordered to ``want`` (``x`` itself when they agree)."""
+    if have == want:
+        return x
+    return ctx.call(aten.permute.default, (x, [have.index(c) for c in want]), like)

@@ -1,0 +1,339 @@
+"""The dynamo backend behind ``opsmath.optimize``: one captured graph in, the callable that runs it out.
+
+    dynamo graph -> split around eager regions (regions.py) -> for each piece:
+        pre-dispatch ATen (capture) -> patterns (match + replace) -> recompute plan -> GraphModule (emit)
+        -> Inductor on CUDA, op by op under autograd elsewhere
+
+Each piece is one ``GraphRecord`` of the report. Under a memory budget a piece's plan is checked against
+what its first steps measured and made again if needed (``replan.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from opsmath.kernels import SPECS
+
+from opsmath.memory.analysis import kernel_launches, partitioned_saved_bytes, saved_bytes_by_node, to_networkx
+from opsmath.capture.lower import lower_to_aten, static_inputs
+from opsmath.capture.guards import after_change, guarded
+from opsmath.rewrite.match import Decline, Match, run_patterns
+from opsmath.runtime import fp8_weights, offload_async
+from opsmath.memory import offload, weight_casts
+from opsmath.memory.budget import grad_bytes, resident_bytes
+from opsmath.memory.plan import clone_graph_module, plan_and_emit
+from opsmath.memory.replan import runner
+from opsmath.capture.regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
+                                     inline_checkpoint, route_checkpoints, split_around)
+
+log = logging.getLogger("opsmath")
+
+
+def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
+    """Inductor on the rewritten graph; ``cuda_graphs``: with CUDA-graph trees, as ``torch.compile``'s
+    ``mode="reduce-overhead"`` sets them up.
+
+    A graph with recompute tags (opsmath's plan, a user's checkpoint) bypasses AOTAutograd's cache: its
+    key is the graph's code, and node meta (where the tags live) is not part of it, so a tagged graph
+    would be served the partition of an identical graph compiled with other tags or none. Parameters are
+    static inputs, as in dynamo's graphs (``capture.static_inputs``)."""
+    from torch._inductor.compile_fx import compile_fx as inductor
+    tagged = any("recompute" in n.meta for n in gm.graph.nodes) or offload.has_offload(gm) \
+        or weight_casts.has_marks(gm)
+    static_inputs(gm)
+    offloading = offload_async.offloading(gm, example_inputs)
+    passes = [p for p in (weight_casts.joint_pass(gm, example_inputs),) if p]
+    patches = {"triton.cudagraphs": True} if cuda_graphs else {}
+    if passes:   # after any joint-graph pass already configured
+        patches["joint_custom_post_pass"] = functools.partial(
+            _joint_passes, [torch._inductor.config.joint_custom_post_pass, *passes])
+    with torch._functorch.config.patch(enable_autograd_cache=False) if tagged else contextlib.nullcontext(), \
+            offloading:
+        return inductor(gm, example_inputs, config_patches=patches or None)
+
+
+def _joint_passes(passes, graph) -> None:
+    """Joint-graph passes run in turn (``None`` entries skipped): Inductor's ``joint_custom_post_pass``."""
+    for p in passes:
+        if p is not None:
+            p(graph)
+
+
+# Families Inductor does better than opsmath's opaque op when it compiles the graph anyway (each op
+# spec's ``inductor_fuses_better``, its evidence beside it in src/opsmath/kernels/): skipped by default under
+# Inductor; ``patterns=[...]`` still applies them, and the op-by-op path (CPU, ``inductor=False``) keeps
+# them. Under a memory budget the families whose spec says ``kept_under_budget`` stay.
+INDUCTOR_FUSES_BETTER = {s.family for s in SPECS.values() if s.inductor_fuses_better}
+KEPT_UNDER_BUDGET = {s.family for s in SPECS.values() if s.kept_under_budget}
+
+
+@dataclass
+class GraphRecord:
+    """One captured graph variant: its code before and after rewriting and what changed."""
+    index: int
+    training: bool
+    input_shapes: list
+    before_code: str
+    after_code: str
+    before_ops: Counter
+    after_ops: Counter
+    matches: list[Match]
+    declines: list[Decline]
+    capture_seconds: float
+    launches: tuple = (None, None)          # forward kernel launches (estimate), before -> after
+    saved_bytes: tuple = (None, None)       # activation bytes saved for backward, before -> after
+    graph: Optional[fx.GraphModule] = field(default=None, repr=False)
+    before_nx: object = field(default=None, repr=False)   # networkx.DiGraph of the captured graph
+    calls: int = 0                          # how many times the graph ran (one graph can serve many modules)
+    last_run: int = 0                       # ``graph_runs`` at its latest call: which graphs ran in one step
+    step_peak: Optional[int] = None         # CUDA peak through the measured step's backward (replan.py)
+    plan: object = None                     # the recompute Plan under memory_budget (plan.py), if any
+    base: object = field(default=None, repr=False)       # the rewritten graph before planning (replan.py)
+    saved_by: object = field(default=None, repr=False)   # its saved bytes by node (analysis)
+    pending: object = field(default=None, repr=False)    # (plan, graph) to install at its next call
+    inductor: bool = False                  # whether the emitted graph was compiled by Inductor
+    inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
+    left_to_inductor: list = field(default_factory=list)   # families not applied: Inductor does them better
+    cuda_graphs: bool = False               # compiled for CUDA-graph replay (optimize(cuda_graphs=True))
+    dynamic: bool = False                   # symbolic sizes: one graph serves every value of a changing dim
+    static_only: list = field(default_factory=list)   # families not applied to it: they need static sizes
+    left_on_gpu: list = field(default_factory=list)   # rewritten here (op by op), left to Inductor on CUDA
+    source: object = field(default=None, repr=False)     # dynamo's graph, unrewritten (the fallback ladder)
+
+    def to_dict(self) -> dict:
+        return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
+                    before_ops=dict(self.before_ops), after_ops=dict(self.after_ops),
+                    matches=[m.to_dict() for m in self.matches], declines=[d.to_dict() for d in self.declines],
+                    capture_seconds=self.capture_seconds, calls=self.calls, launches=list(self.launches),
+                    saved_bytes=list(self.saved_bytes), plan=self.plan.to_dict() if self.plan else None,
+                    inductor=self.inductor, inductor_seconds=self.inductor_seconds,
+                    left_to_inductor=list(self.left_to_inductor), cuda_graphs=self.cuda_graphs,
+                    dynamic=self.dynamic, static_only=list(self.static_only), left_on_gpu=list(self.left_on_gpu),
+                    before_code=self.before_code, after_code=self.after_code)
+
+
+def op_counts(gm: fx.GraphModule) -> Counter:
+    """Histogram of call_function targets, named as GraphModule.code names them."""
+    c = Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            name = str(n.target) if isinstance(n.target, torch._ops.OpOverload) else getattr(n.target, "__name__", str(n.target))
+            c[name.replace(".default", "")] += 1
+    return c
+
+
+def make_backend(state, model: torch.nn.Module):
+    """The dynamo backend of ``optimize``: ``state`` is the model's ``OptimizeState``."""
+    def opsmath_backend(gm: fx.GraphModule, example_inputs):
+        # the user's saved-tensor hooks (save_on_cpu, offloading, byte counters) are for the run, not
+        # for capture's fake tensors: off while tracing, as dynamo's own AOTAutograd does. Pieces and
+        # checkpoint bodies compiled at their first call come back here too (inside a checkpoint's
+        # forward, tracing must not reach its hooks: the recompute would save a different count)
+        with hooks_off_while_tracing():
+            return _backend(gm, example_inputs)
+
+    def _backend(gm: fx.GraphModule, example_inputs):
+        regions = eager_nodes(gm)
+        _inline_checkpoints(state, gm, regions, _uses_inductor(state, example_inputs))
+        if not regions:
+            return compile_graph(state, model, gm, list(example_inputs))
+        # autograd Functions (compiled by Inductor where the graph is) and tensor hooks run as dynamo
+        # traced them, checkpoints as the user wrote them; the pieces between them and the checkpoints'
+        # bodies (which may hold regions of their own) go through this backend at their first call
+        state.eager_regions.extend(regions.values())
+        parent, pieces, alone = split_around(gm, set(regions))
+        for name in pieces:   # a second size: once with symbolic sizes (a budget plans each size exactly)
+            setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors,
+                                            symbolic=state.memory_budget is None))
+        if _uses_inductor(state, example_inputs):
+            compile_functions(parent, regions, alone, compile_fx, state.fallback_errors)
+        route_checkpoints(parent, opsmath_backend, state.fallback_errors)
+        return parent.forward
+    return opsmath_backend
+
+
+def _left_on_gpu(state, use_inductor: bool, matches) -> list[str]:
+    """Families rewritten in a graph run op by op because it is on the CPU, which a CUDA run (Inductor
+    on by default) would leave to Inductor: what a CPU report (``opsmath report``) must not promise."""
+    if use_inductor or state.inductor is not None or not state.default_patterns:
+        return []
+    return sorted({m.pattern for m in matches} & _left_to_inductor(state))
+
+
+def _left_to_inductor(state) -> set[str]:
+    """The families a graph Inductor compiles leaves to it by default (``patterns=`` not given)."""
+    return INDUCTOR_FUSES_BETTER - (KEPT_UNDER_BUDGET if state.memory_budget is not None else set())
+
+
+def _uses_inductor(state, example_inputs) -> bool:
+    """Whether the graph of these inputs is compiled by Inductor (``optimize(inductor=...)``; default:
+    when its tensors are on CUDA)."""
+    if state.inductor is not None:
+        return state.inductor
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+
+
+def _inline_checkpoints(state, gm: fx.GraphModule, regions: dict, use_inductor: bool) -> None:
+    """The user's checkpoint regions that can be inlined are, and are taken out of ``regions`` and
+    reported: under a memory budget untagged, for opsmath's plan to decide; without one, on a graph
+    Inductor compiles, tagged for recompute (the user's choice, kept inside one compiled graph, as
+    ``torch.compile`` does). Otherwise they run through ``run_checkpoint`` as written."""
+    if state.memory_budget is None and not use_inductor:
+        return
+    for node, region in list(regions.items()):
+        if region.kind != "checkpoint":
+            continue
+        region_id = next(_CHECKPOINT_IDS)
+        tag = None if state.memory_budget is not None else region_id
+        if inline_checkpoint(gm, node, tag, region=region_id if tag is None else None):
+            del regions[node]
+            reason = ("handed to the recompute plan (memory_budget): a candidate segment of its own"
+                      if tag is None else "compiled inline, recomputed in the compiled backward (as written)")
+            state.eager_regions.append(EagerRegion("checkpoint", region.location, region.code, reason))
+
+
+_CHECKPOINT_IDS = itertools.count(1)
+
+
+def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inputs: list):
+    """Lower, rewrite, plan and compile one graph (free of eager regions); record it in ``state``.
+    Returns the callable that runs it (and re-plans a memory budget at its first calls)."""
+    t0 = time.perf_counter()
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs
+              if not isinstance(t, torch.nn.Parameter)]
+    try:
+        captured = lower_to_aten(gm, example_inputs, {id(b) for b in model.buffers()},
+                                 sizes_seen=_sizes_seen(state, shapes))
+    except Exception as e:  # capture failure: run dynamo's graph unchanged rather than fail the step
+        msg = f"graph {len(state.graphs)}: lowering to ATen failed ({type(e).__name__}: {e}); running it unoptimized"
+        log.warning("opsmath: %s", msg)
+        state.fallback_errors.append(msg)
+        return gm.forward
+    before_code = captured.gm.code
+    before_ops = op_counts(captured.gm)
+    before_launches = kernel_launches(captured.gm)
+    # byte counts of a graph with symbolic sizes would be formulas: not analyzed (nor planned)
+    analyze = state.analyze and not captured.dynamic
+    # a graph with data-dependent sizes (a loop over experts) is slow to run on fake tensors and its
+    # byte counts would be bounds: the replacement (static sizes, once the loop is rewritten) is analyzed
+    data_dependent = analyze and any(free_unbacked_symbols(n.meta.get("val")) for n in captured.gm.graph.nodes)
+    before_by_node = saved_bytes_by_node(captured.gm, captured.requires_grad) \
+        if analyze and not data_dependent else None
+    before_saved = sum(before_by_node.values()) if before_by_node is not None else None
+    before_nx = to_networkx(captured.gm)
+    use_inductor = _uses_inductor(state, example_inputs)
+    patterns, left = state.patterns, set()
+    if use_inductor and state.default_patterns:
+        left = _left_to_inductor(state)
+        patterns = [p for p in patterns if p.name not in left]
+    static_only = sorted(p.name for p in patterns if not getattr(p, "dynamic_shapes", False)) \
+        if captured.dynamic else []
+    ctx = run_patterns(captured, [p for p in patterns if p.name not in static_only], state.skip, use_inductor,
+                       example_inputs, budget=state.memory_budget is not None)
+    # one fake-tensor liveness run serves both the report and the planner
+    by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
+        if analyze or (state.memory_budget is not None and not captured.dynamic) else None
+    after_saved = sum(by_node.values()) if by_node is not None and analyze else None
+    if before_by_node is not None and after_saved is not None:
+        for m in ctx.matches:
+            m.saved_delta = (sum(by_node.get(n, 0) for n in m.inserted)
+                             - sum(before_by_node.get(n, 0) for n in m.nodes))
+    plan = base = None
+    if state.memory_budget is not None:
+        if by_node is None:
+            log.warning("opsmath: graph %d could not be analyzed on fake tensors; no recompute planned "
+                        "for memory_budget=%r", len(state.graphs), state.memory_budget)
+        else:
+            # the plan may be made again after the first steps, on a fresh copy of the unplanned graph
+            base = clone_graph_module(ctx.gm)
+            # under Inductor the plan becomes recompute tags its partitioner must honor, and is made
+            # for what that partitioner saves (less than eager's saved set)
+            how = "tag" if use_inductor else "checkpoint"
+            partitioned = partitioned_saved_bytes(ctx.gm, fp8_weights.example_inputs(
+                state.weight_casts, ctx.gm, example_inputs)) if use_inductor else None
+            by_node = partitioned or by_node
+            plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model),
+                                 how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
+                                 link=None if state.cuda_graphs else offload.link_for(example_inputs, how),
+                                 grads=grad_bytes(ctx.gm, example_inputs))
+            plan.estimated_by = "Inductor's partition" if partitioned else "eager autograd"
+    record = GraphRecord(
+        index=len(state.graphs), training=model.training, input_shapes=shapes,
+        before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops, after_ops=op_counts(ctx.gm),
+        matches=ctx.matches, declines=ctx.declines,
+        capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
+        saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan,
+        left_to_inductor=sorted(p.name for p in state.patterns if p.name in left),
+        dynamic=captured.dynamic, static_only=static_only,
+        left_on_gpu=_left_on_gpu(state, use_inductor, ctx.matches))
+    record.source = gm
+    state.graphs.append(record)
+    fn = _finish(state, record, ctx.gm, example_inputs, use_inductor)
+    record.capture_seconds = time.perf_counter() - t0
+    return guarded(runner(state, record, fn, base, by_node, model, use_inductor, _finish),
+                   captured.buffer_guard(example_inputs),
+                   lambda args, names: after_change(state, record.index, names, gm.forward, None if captured.dynamic
+                                                    else lambda: compile_graph(state, model, gm, args)))
+
+
+def _sizes_seen(state, shapes: list) -> bool:
+    """Whether an earlier graph was captured for inputs of these tensor sizes (symbolic sizes dynamo passes
+    as extra int inputs left out): a recapture then comes from another change than the sizes."""
+    tensors = [s for s in shapes if isinstance(s, tuple)]
+    return any([s for s in r.input_shapes if isinstance(s, tuple)] == tensors for r in state.graphs)
+
+
+def _finish(state, record, gm, example_inputs, use_inductor):
+    """The callable that runs ``gm`` on the user's inputs: Inductor's compiled graph, or ``gm`` itself (op
+    by op), handed the FP8 weight copies ``gm`` takes (``fp8_weights``).
+
+    Where Inductor fails on the rewritten graph, the ladder falls back to what ``torch.compile`` does with
+    the same capture, Inductor on dynamo's graph as written (the rewrites and plan are then not applied:
+    each match becomes a declined row naming the failure); only if that fails too does the rewritten
+    graph run op by op."""
+    if not use_inductor:
+        return fp8_weights.with_copies(state.weight_casts, gm, gm)
+    try:
+        t1 = time.perf_counter()
+        fn = compile_fx(gm, fp8_weights.example_inputs(state.weight_casts, gm, example_inputs),
+                        cuda_graphs=state.cuda_graphs)
+        record.inductor, record.inductor_seconds = True, record.inductor_seconds + time.perf_counter() - t1
+        record.cuda_graphs = state.cuda_graphs
+        return fp8_weights.with_copies(state.weight_casts, gm, fn)
+    except Exception as e:  # the ladder: dynamo's graph through Inductor, then the rewritten graph op by op
+        failure = f"Inductor failed on the rewritten graph ({type(e).__name__}: {str(e)[:300]})"
+        log.info("opsmath: graph %d: %s", record.index, failure, exc_info=True)
+    if record.source is not None:
+        try:
+            fn = compile_fx(record.source, example_inputs, cuda_graphs=state.cuda_graphs)
+        except Exception as e:
+            log.info("opsmath: graph %d: Inductor failed on dynamo's graph too", record.index, exc_info=True)
+            failure += f"; on dynamo's graph too ({type(e).__name__}: {str(e)[:200]})"
+        else:
+            _not_applied(record, failure)
+            msg = f"graph {record.index}: {failure}; compiled dynamo's graph as torch.compile does, without rewrites"
+            log.warning("opsmath: %s", msg)
+            state.fallback_errors.append(msg)
+            record.inductor, record.cuda_graphs = True, state.cuda_graphs
+            return fn
+    msg = f"graph {record.index}: {failure}; running the rewritten graph op by op"
+    log.warning("opsmath: %s", msg)
+    state.fallback_errors.append(msg)
+    return fp8_weights.with_copies(state.weight_casts, gm, gm)
+
+
+def _not_applied(record, failure: str) -> None:
+    """``record``'s rewrites and plan did not reach the compiled graph: each match becomes a decline."""
+    record.declines = record.declines + [Decline(m.pattern, m.location, m.code, m.anchor, failure)
+                                         for m in record.matches]
+    record.matches, record.plan, record.after_code = [], None, record.before_code

@@ -1,0 +1,193 @@
+"""Where the offloaded activations' copies go in Inductor's forward and backward graphs, so that they run
+beside the compute instead of in front of it (the ops: ``offload_ops.py``).
+
+The plan marks the nodes whose saved outputs go to the host (``offload.OFFLOAD``). After AOTAutograd's
+partitioner has chosen what the forward saves, ``place`` rewrites both graphs:
+
+- **Forward.** Each marked saved tensor ``x`` of ``b`` bytes is copied out right after its last forward
+  use (``offload_start``) and the forward saves the host copy instead. The copies queue on one transfer
+  stream; copy k ends at ``e_k = max(s_k, e_{k-1}) + MARGIN * b_k / link``, where ``s_k`` is the modelled
+  time (``segments.node_cost`` summed along the graph) at its start. Its ``offload_wait`` goes before the
+  first node whose modelled time reaches ``e_k``: the compute stream waits for a copy only once the
+  compute since its start should have covered it, and ``x`` is freed there. A copy that cannot end before
+  the forward does is waited for at once (``Placed.late`` counts it): ``x`` is freed where the plan
+  counts it, and the copy is on the critical path, as the plan priced it (``offload.late``).
+- **Backward.** Each reload is issued (``reload_start``) after the last node whose modelled time is at
+  least ``MARGIN * b / link`` before its first use, and waited for (``reload_wait``) just before that use.
+
+Modelled times come from the plan's cost model (GEMM FLOPs, bytes moved), so the margin covers its error
+and the transfer stream's queueing in backward.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._prims_common import make_contiguous_strides_for
+
+from opsmath.runtime import offload_ops  # noqa: F401  (registers the ops)
+from opsmath.memory import offload
+from opsmath.memory.offload import MARGIN, _marked
+from opsmath.memory.segments import _nbytes, node_cost
+
+placements: list = []   # every Placed of this process, in compile order (the report and benchmarks read it)
+ops = torch.ops.opsmath
+
+
+@dataclass
+class Placed:
+    """What ``place`` did to one forward/backward pair."""
+    names: list = field(default_factory=list)   # the saved tensors sent to the host
+    nbytes: int = 0
+    late: int = 0        # of them, copies the forward cannot cover: waited for at once
+
+
+def _eligible(x, users_out: bool) -> bool:
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return (isinstance(v, torch.Tensor) and x.op == "call_function" and _marked(x) and not users_out
+            and _base(x).op != "placeholder" and all(isinstance(d, int) for d in (*v.shape, *v.stride())))
+
+
+def _base(x: fx.Node) -> fx.Node:
+    """The node whose memory ``x`` views (``x`` itself when it is not a view). A view of a graph input (a
+    weight's transpose saved for backward) frees nothing when sent: the input stays."""
+    while x.op == "call_function" and getattr(x.target, "is_view", False) and x.args and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    return x
+
+
+def _ends(order: list[fx.Node]) -> dict[fx.Node, float]:
+    """Modelled time at each node's end, from the graph's start."""
+    t, out = 0.0, {}
+    for n in order:
+        t += node_cost(n)
+        out[n] = t
+    return out
+
+
+def _fake(v: torch.Tensor, device, size=None, stride=None) -> torch.Tensor:
+    from torch._guards import detect_fake_mode
+    mode = detect_fake_mode([v])
+    with mode if mode is not None else contextlib.nullcontext():
+        return torch.empty_strided(size or v.shape, stride or make_contiguous_strides_for(v.shape), dtype=v.dtype,
+                                   device=device)
+
+
+def _set_val(n: fx.Node, v) -> None:
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+    n.meta["val"] = v
+    if isinstance(v, torch.Tensor):
+        n.meta["tensor_meta"] = _extract_tensor_metadata(v)
+
+
+def offload_forward(fw: fx.GraphModule, num_fwd_outputs: int, link: float) -> tuple[Placed, dict]:
+    """The forward half of ``place``: returns what it sent and, by saved name, (size, stride, device)."""
+    graph, placed, layouts = fw.graph, Placed(), {}
+    out = graph.find_nodes(op="output")[0]
+    outs = list(out.args[0])
+    order = list(graph.nodes)
+    pos, ends = {n: i for i, n in enumerate(order)}, _ends(order)
+    user_outs = set(outs[:num_fwd_outputs])
+    todo = []
+    for k in range(num_fwd_outputs, len(outs)):
+        x = outs[k]
+        if _eligible(x, x in user_outs) and x.name not in layouts:
+            users = [u for u in x.users if u is not out]
+            todo.append((pos[max(users, key=pos.get)] if users else pos[x], k, x))
+            layouts[x.name] = None
+    busy, swap = 0.0, {}
+    for last, k, x in sorted(todo, key=lambda r: r[0]):
+        v = x.meta["val"]
+        with graph.inserting_after(order[last]):
+            h = graph.call_function(ops.offload_start.default, (x,))
+        _set_val(h, _fake(v, "cpu"))
+        start = max(ends[order[last]], busy)
+        covered = start + MARGIN * _nbytes(x) / link
+        at = next((n for n in order[last + 1:] if ends[n] >= covered and n is not out), None)
+        late = at is None
+        if late:   # waited for at once, so x is freed where the plan counts it
+            busy, at = start, h.next
+        else:
+            busy = covered
+        with graph.inserting_before(at):
+            graph.call_function(ops.offload_wait.default, (h, x))
+        swap[x] = h
+        layouts[x.name] = (list(v.shape), list(v.stride()), v.device)
+        placed.names.append(x.name)
+        placed.nbytes += _nbytes(x)
+        placed.late += late
+    out.update_arg(0, tuple(swap.get(n, n) if i >= num_fwd_outputs else n for i, n in enumerate(outs)))
+    graph.lint()
+    fw.recompile()
+    return placed, {k: v for k, v in layouts.items() if v is not None}
+
+
+def reload_backward(bw: fx.GraphModule, layouts: dict, link: float) -> None:
+    """The backward half of ``place``: each offloaded input reloaded ahead of its first use."""
+    graph = bw.graph
+    order = list(graph.nodes)
+    pos, ends = {n: i for i, n in enumerate(order)}, _ends(order)
+    first_op = next(n for n in order if n.op != "placeholder")
+    for p in [n for n in order if n.op == "placeholder" and n.name in layouts]:
+        size, stride, device = layouts[p.name]
+        v = p.meta["val"]
+        _set_val(p, _fake(v, "cpu", list(v.shape)))
+        if not p.users:
+            continue
+        use = min(p.users, key=pos.get)
+        due = ends[use] - node_cost(use) - MARGIN * _nbytes(p) / link
+        before = [n for n in order[:pos[use]] if n.op != "placeholder" and ends[n] <= due]
+        anchor = before[-1] if before else None
+        after = anchor if anchor is not None and isinstance(anchor.meta.get("val"), torch.Tensor) else p
+        with graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(first_op):
+            y = graph.call_function(ops.reload_start.default, (p, after, size, stride, device))
+        _set_val(y, _fake(v, device, size, stride))
+        with graph.inserting_before(use):
+            graph.call_function(ops.reload_wait.default, (y,))
+        for u in list(p.users):
+            if u is not y:
+                u.replace_input_with(p, y)
+    graph.lint()
+    bw.recompile()
+
+
+def place(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, link: float) -> Placed:
+    """Rewrite a partitioned forward/backward pair (module docstring); returns what went to the host."""
+    placed, layouts = offload_forward(fw, num_fwd_outputs, link)
+    if layouts:
+        reload_backward(bw, layouts, link)
+    return placed
+
+
+@contextlib.contextmanager
+def partitioned_with_offload(link: float):
+    """Inside, Inductor's partition of a joint graph is followed by ``place`` (``placements`` gets each)."""
+    import torch._inductor.compile_fx as cfx
+    original = cfx.min_cut_rematerialization_partition
+
+    def partition(joint, inputs, *args, **kwargs):
+        fw, bw = original(joint, inputs, *args, **kwargs)
+        placements.append(place(fw, bw, kwargs["num_fwd_outputs"], link))
+        return fw, bw
+
+    cfx.min_cut_rematerialization_partition = partition
+    try:
+        yield
+    finally:
+        cfx.min_cut_rematerialization_partition = original
+
+
+def offloading(gm: fx.GraphModule, example_inputs):
+    """The context to compile ``gm`` in: when it has offloaded nodes, Inductor's partition followed by
+    ``place`` over this machine's link, and Inductor's peak-memory reordering off (it would
+    move the waits and reloads the placement chose); else a null context."""
+    if not offload.has_offload(gm):
+        return contextlib.nullcontext()
+    # off CUDA (tests) the copies are plain copies, and any link places them
+    link = offload.link_for(example_inputs, "tag") or 55e9
+    stack = contextlib.ExitStack()
+    stack.enter_context(partitioned_with_offload(link))
+    stack.enter_context(torch._inductor.config.patch(reorder_for_peak_memory=False))
+    return stack
