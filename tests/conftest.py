@@ -50,7 +50,51 @@ QUICK = {
 }
 
 
+# The GPU smoke subset (``OPSMATH_TEST_DEVICE=cuda python -m pytest -q -m gpu_smoke tests``, a few minutes on
+# one GPU; run it after every change to GPU code): every kernel forward and backward against its reference,
+# every rewrite family, Inductor with rewrites and a budget, and two real models trained beside eager.
+# test module::function -> substrings of the parametrization ids kept (the first test matching each).
+GPU_SMOKE = {
+    "test_kernel_attention::test_triton_matches_eager": ["", "alibi"],
+    "test_kernel_attention::test_softcap_matches_eager": [""],
+    "test_kernel_attention_window::test_window_matches_eager": [""],
+    "test_kernel_activations::test_swiglu_matches_eager": ["triton"],
+    "test_kernel_activations::test_bias_gelu_matches_eager": ["triton"],
+    "test_kernel_activations::test_scaled_softmax_matches_eager": ["triton"],
+    "test_kernel_cross_entropy::test_matches_eager": ["triton"],
+    "test_kernel_linear_cross_entropy::test_matches_eager": ["triton"],
+    "test_kernel_dropout_add_norm::test_triton_matches_eager": [""],
+    "test_kernel_grouped_mm::test_grouped_mm_matches_per_group_products": [""],
+    "test_kernel_grouped_mm::test_native_path_is_bf16_with_aligned_rows": [""],
+    "test_fp8_linear::test_fp8_linear_matches_its_quantized_reference_and_bf16": [""],
+    "test_fp8_linear::test_rowwise_fp8_linear_matches_its_reference_and_every_gradient": [""],
+    "test_fp8_weights::test_accumulation_reuses_copies_and_trains_as_casting_every_forward": [""],
+    "test_fp8_weights::test_fused_cast_is_quantize_bit_for_bit_on_odd_sizes": [""],
+    "test_optim_adamw::test_matches_torch_adamw_with_clip": ["triton"],
+    "test_optim_adamw::test_cuda_step_never_syncs_with_the_host": [""],
+    "test_optim_adamw_8bit::test_triton_8bit_step_matches_reference": [""],
+    "test_patterns_attention::test_spelling_is_rewritten_and_exact": [""],
+    "test_patterns_norms::test_norm_spelling_is_rewritten_and_exact": [""],
+    "test_patterns_activations::test_swiglu_fires_and_matches": [""],
+    "test_patterns_activations::test_bias_gelu_fires_and_matches": [""],
+    "test_patterns_activations::test_scaled_softmax_fires_and_matches": [""],
+    "test_patterns_linear_cross_entropy::test_fused_spellings_match_eager": [""],
+    "test_patterns_linear_cross_entropy::test_cross_entropy_on_given_logits_reads_them_in_their_dtype": [""],
+    "test_patterns_experts::test_cuda_bf16_experts_under_inductor_train_like_eager": [""],
+    "test_inductor::test_inductor_matches_eager_and_keeps_the_rewrites": [""],
+    "test_inductor::test_budget_becomes_recompute_tags_that_inductor_honors": [""],
+    "test_models::test_real_model_rewritten_and_matches_eager": ["[hf_llama_gqa_sdpa]", "[hf_mixtral_moe]"],
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    taken = set()
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in QUICK:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in QUICK:
             item.add_marker(pytest.mark.quick)
+        key = f"{module}::{getattr(item, 'originalname', item.name)}"
+        for part in GPU_SMOKE.get(key, ()):
+            if (key, part) not in taken and part in item.name:
+                taken.add((key, part))
+                item.add_marker(pytest.mark.gpu_smoke)

@@ -2,7 +2,8 @@
 same quantization in fp32 matmuls and against bf16, the per-layer decision with its reason, opt-in.
 
 FP8 is outside the tolerance rule: bounds here are the quantization's own error (e4m3 keeps 3 mantissa
-bits, e5m2 2), measured on CPU through PyTorch's FP8 ``_scaled_mm``."""
+bits, e5m2 2), measured on CPU against the dequantized product and, for the GEMMs themselves, on the GPU
+when there is one (``torch._scaled_mm``)."""
 import copy
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn as nn
 
 import opsmath
 from opsmath.kernels.fp8_linear import E4M3, fp8_linear, quantize, reference, underflow
+from conftest import DEVICE
 from tolerance import rel_err
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch without FP8 dtypes")
@@ -18,9 +20,9 @@ pytestmark = pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="tor
 
 def test_fp8_linear_matches_its_quantized_reference_and_bf16():
     torch.manual_seed(0)
-    x = torch.randn(3, 37, 64, dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(48, 64) / 8).to(torch.bfloat16).requires_grad_()
-    b = torch.randn(48, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(3, 37, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    w = (torch.randn(48, 64, device=DEVICE) / 8).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(48, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
     y = fp8_linear(x, w, b)
     assert rel_err(y.float(), reference(x, w, b).float()) < 1e-2            # the same quantization
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
@@ -36,11 +38,11 @@ def test_rowwise_fp8_linear_matches_its_reference_and_every_gradient():
     """Rowwise: forward against the same quantization in fp32, and each gradient against the GEMM it
     approximates, computed from the operands quantized as documented (dy per row and x, W per column)."""
     torch.manual_seed(0)
-    x = torch.randn(2, 35, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, 35, 64, dtype=torch.bfloat16, device=DEVICE)
     x[0, 3] *= 100                                                   # an outlier row: its own scale
     x.requires_grad_()
-    w = (torch.randn(48, 64) / 8).to(torch.bfloat16).requires_grad_()
-    b = torch.randn(48, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(48, 64, device=DEVICE) / 8).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(48, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
     y = fp8_linear(x, w, b, rowwise=True)
     assert rel_err(y.float(), reference(x, w, b, rowwise=True).float()) < 1e-2
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())

@@ -44,5 +44,5 @@ def test_explore_rewrites():
 def test_activation_memory():
     text, images = _run("03_activation_memory.ipynb")
     assert "prediction equals measurement: True" in text
-    assert "monotone: True" in text and "segments recomputed" in text
+    assert "monotone: True" in text and "segments planned" in text
     assert images >= 3 and "timeline peak within prediction: True" in text

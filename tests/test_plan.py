@@ -108,7 +108,7 @@ def test_recompute_leaves_loss_and_grads_identical_with_dropout():
 def test_report_shows_the_plan():
     _, _, rep = _run(0.6)
     text = rep.render(width=80)
-    assert "memory plan: budget 0.6" in text and "segments recomputed" in text
+    assert "memory plan: budget 0.6" in text and "segments planned" in text
     assert max(len(line) for line in text.splitlines()) <= 80
     assert rep.to_dict()["graphs"][0]["plan"]["chosen"]
 

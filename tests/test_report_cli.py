@@ -131,7 +131,7 @@ def test_cli_tune_needs_a_gpu_and_says_so():
 def test_cli_memory_budget_shows_the_plan_and_rejects_bad_budgets(capsys):
     assert cli.main(["report", "--example", "gpt", "--width", "100", "--memory-budget", "0.6"]) == 0
     out = capsys.readouterr().out
-    assert "memory plan: budget 0.6" in out and "segments recomputed" in out
+    assert "memory plan: budget 0.6" in out and "segments planned" in out
     for bad, says in (("lots", "cannot read memory_budget"), ("0.01", "smallest feasible")):
         with pytest.raises(SystemExit, match=says):
             cli.main(["report", "--example", "gpt", "--memory-budget", bad])

@@ -24,7 +24,8 @@ def plot(plan, ax=None, unconstrained_peak: bool = True):
     ax.axvline(split - 0.5, color="grey", linewidth=0.5)
     ax.set_xlabel("forward segments, then backward")
     ax.set_ylabel("MiB")
-    ax.set_title(f"memory plan: budget {plan.budget}, predicted peak {plan.predicted_peak / 2**20:.1f} MiB",
-                 fontsize=9)
+    bound = plan.predicted_peak / 2**20   # the plan's bound; the curve's top is what the step is expected to reach
+    ax.set_title(f"memory plan: budget {plan.budget}, peak {max(mib):.1f} MiB over the step"
+                 + (f" (bound {bound:.1f} MiB)" if round(bound, 1) != round(max(mib), 1) else ""), fontsize=9)
     ax.legend(fontsize=7)
     return ax

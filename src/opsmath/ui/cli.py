@@ -18,6 +18,10 @@ from pathlib import Path
 
 import torch
 
+from opsmath.examples import EXAMPLES
+
+_DESCRIPTION = "\n\n".join(part.replace("``", "") for part in __doc__.split("\n\n")[:2])
+
 
 def _load_factory(spec: str):
     if ":" not in spec:
@@ -37,9 +41,6 @@ def _load_factory(spec: str):
 
 def _build(args):
     if args.example:
-        from opsmath.examples import EXAMPLES
-        if args.example not in EXAMPLES:
-            raise SystemExit(f"unknown example {args.example!r}; choose from {sorted(EXAMPLES)}")
         return EXAMPLES[args.example]()
     made = _load_factory(args.target)()
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
@@ -127,13 +128,14 @@ def _tune(args) -> int:
 
 def main(argv=None) -> int:
     from opsmath import __version__
-    parser = argparse.ArgumentParser(prog="opsmath", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="opsmath", description=_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version",
                         version=f"opsmath {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="cmd")
     rp = sub.add_parser("report", help="optimize a model, run one training step on CPU, print the graph diff")
     rp.add_argument("target", nargs="?", help="<file.py>:<factory>")
-    rp.add_argument("--example", help="a bundled example: gpt, llama or dit")
+    rp.add_argument("--example", choices=sorted(EXAMPLES), help="a bundled example")
     rp.add_argument("--input-shape", help="random input shape when the factory returns only a model")
     rp.add_argument("--json", action="store_true", help="print the report as JSON")
     rp.add_argument("--width", type=int, default=None, help="terminal width (default: auto)")
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
                                                    "the step as a chart (.png, .svg, .pdf)")
     tp = sub.add_parser("tune", help="on a GPU: optimize a model, tune its rewritten ops, fill the cache")
     tp.add_argument("target", nargs="?", help="<file.py>:<factory>")
-    tp.add_argument("--example", help="a bundled example: gpt, llama or dit")
+    tp.add_argument("--example", choices=sorted(EXAMPLES), help="a bundled example")
     tp.add_argument("--input-shape", help="random input shape when the factory returns only a model")
     tp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="autocast dtype")
     tp.add_argument("--seed", type=int, default=0)

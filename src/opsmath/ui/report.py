@@ -43,6 +43,20 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}MiB" if n >= 2**20 else f"{n / 2**10:.0f}KiB"
 
 
+def _kind(p, i: int) -> str:
+    """What the plan does with segment ``i``: recomputed whole, selectively, offloaded, or only its casts."""
+    return ("recomputed" if i in p.chosen else "selective" if i in p.selective
+            else "offloaded" if i in p.offloaded else "weight copies")
+
+
+def _kinds(p) -> str:
+    """``2 recomputed, 2 selective``: how many segments the plan treats each way."""
+    counts = {}
+    for i in sorted({*p.chosen, *p.selective, *p.offloaded, *p.casts}):
+        counts[_kind(p, i)] = counts.get(_kind(p, i), 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in counts.items()) or "none"
+
+
 class Report(Rendered):
     """Everything ``optimize`` did to one model, across its captured graph variants."""
     text_width = 80
@@ -294,9 +308,10 @@ class Report(Rendered):
                       if p.expected_peak else ""))
         t.append(f"memory plan: budget {p.budget} (= {_mib(as_bytes)}, {share:.2f} of activations) | predicted "
                  f"peak {_mib(p.predicted_peak)}{how}\n", style="bold")
-        t.append(f"activations (as {p.estimated_by} saves them) {_mib(p.unconstrained)} -> {_mib(p.kept)}; {len(p.chosen)} of {len(p.segments)} "
-                 f"segments recomputed ({'measured' if p.measured_ops else 'modelled'} "
-                 f"+{p.recompute_seconds * 1e3:.2f} ms"
+        listed = sorted({*p.chosen, *p.selective, *p.offloaded, *p.casts})
+        t.append(f"activations (as {p.estimated_by} saves them) {_mib(p.unconstrained)} -> {_mib(p.kept)}; "
+                 f"{len(listed)} of {len(p.segments)} segments planned ({_kinds(p)}; "
+                 f"{'measured' if p.measured_ops else 'modelled'} +{p.recompute_seconds * 1e3:.2f} ms"
                  f"{' with the host copies' if p.offloaded else ''}); planned in "
                  f"{p.planning_seconds:.2f}s", style="magenta")
         if p.selective:
@@ -329,14 +344,14 @@ class Report(Rendered):
             t.append(f"\nre-planned after the first steps: {p.replanned}", style="yellow")
         if p.note:
             t.append(f"\n{p.note}", style="yellow")
-        listed = sorted({*p.chosen, *p.selective, *p.offloaded, *p.casts})
         for i in listed[:6]:
             s, where = p.segments[i], p.offloaded.get(i)
             what = (f"keeps {_mib(s.inputs)}" + ((" (attention outputs among them)" if i in p.gemms_recomputed else
                                                   " (GEMM outputs among them)") if i in p.selective else "")
                     if where is None else "in host memory" if where == "kept"
                     else f"its inputs ({_mib(s.inputs)}) in host memory")
-            t.append(f"\n  segment {i}: {p.ops.get(i) or f'nodes {s.start}-{s.end}'}, saves {_mib(s.saved)}, {what}"
+            t.append(f"\n  segment {i} ({_kind(p, i)}): {p.ops.get(i) or f'nodes {s.start}-{s.end}'}, "
+                     f"saves {_mib(s.saved)}, {what}"
                      + (f", recompute {s.cost * 1e3:.3f} ms" if i in p.chosen or i in p.selective else "")
                      + (f", weight copies {_mib(s.casts)} recomputed" if i in p.casts else ""))
         if len(listed) > 6:
