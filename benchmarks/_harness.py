@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: environment record, CUDA-event timing (median), peak memory, JSON out.
+"""Shared benchmark plumbing: environment record, CUDA-event timing (median), peak memory, JSON out, and
+the training-step variants' warm-up and interleaved timed rounds (``Stepper``, ``interleave``).
 
 Every benchmark runs opsmath and its anchors in one process on the same inputs (docs/design.md, Measuring).
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -14,7 +16,7 @@ import torch
 from opsmath.kernels.autotune import kernel_ms  # device time per kernel; profile_gap.py uses it from here too
 
 # A benchmark compiles one function for many shapes, dtypes and flags. Past dynamo's default of 8
-# recompiles a function silently runs eager: the 2026-11-29 dropout-add-norm torch.compile rows did.
+# recompiles a function silently runs eager, and its rows would time eager under a compiled label.
 torch._dynamo.config.recompile_limit = 256
 
 
@@ -61,3 +63,70 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     if torch.isnan(a).any():
         return float("nan")
     return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+class Stepper:
+    """One training-step variant, built and warmed up. ``timed_round`` adds the median of ``steps`` timed
+    steps to ``round_ms[accumulate]``, so that variants alternate round by round in one process
+    (``interleave``: A B A B) and the host's noise falls on all of them. Subclasses define ``step``, which
+    runs one optimizer step over ``accumulate`` micro-batches and returns the loss."""
+
+    def __init__(self, label: str, device: str):
+        self.label, self.device = label, device
+        self.round_ms, self.error = {}, None
+
+    def step(self, accumulate: int = 1):
+        raise NotImplementedError
+
+    def sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def warm_up(self):
+        """First step (capture + compile) timed, second untimed, third measured for the step's own peak
+        above the resident weights, gradients and optimizer state (``peak_gib``; 0 off CUDA)."""
+        t0 = time.perf_counter()
+        self.first_loss = self.step().item()
+        self.first_s = time.perf_counter() - t0
+        self.step()
+        self.sync()
+        self.peak_gib = 0.0
+        if self.device == "cuda":
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            self.step()
+            self.sync()
+            self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    def timed_round(self, steps: int, accumulate: int = 1):
+        ms = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.step(accumulate)
+            self.sync()
+            ms.append((time.perf_counter() - t0) * 1e3)
+        self.round_ms.setdefault(accumulate, []).append(statistics.median(ms))
+
+    def timing(self, accumulate: int = 1) -> dict:
+        """Median of the per-round medians, their spread and the rounds themselves."""
+        rounds = self.round_ms[accumulate]
+        return dict(ms=statistics.median(rounds), ms_min=min(rounds), ms_max=max(rounds), rounds=rounds)
+
+
+def interleave(variants: list, rounds: int, steps: int, accumulate=(1,), catch: bool = False, after_round=None):
+    """``rounds`` rounds, A B A B: in each, every variant runs ``timed_round(steps, k)`` for each ``k`` of
+    ``accumulate``; then ``after_round(i)`` if given. With ``catch``, a variant whose round raises keeps the
+    error in ``.error`` and sits out the later rounds; without, the error ends the run."""
+    live = list(variants)
+    for i in range(rounds):
+        for k in accumulate:
+            for v in live:
+                try:
+                    v.timed_round(steps, k)
+                except Exception as e:  # noqa: BLE001
+                    if not catch:
+                        raise
+                    v.error = f"{type(e).__name__}: {str(e)[:300]}"
+        live = [v for v in live if not getattr(v, "error", None)]
+        if after_round is not None:
+            after_round(i)

@@ -8,8 +8,8 @@ b and writes y; backward reads dy, a, b and writes da, db); bias-GELU 5 (forward
 backward reads dy, x, writes dx; the bias and its gradient are one row); scaled softmax with a padding
 bias of shape (M/128, 1, N) counted as 5 (x read, y written; y, dy read, dx written; the bias is small).
 
-    python benchmarks/activations.py [--quick]
-    python benchmarks/activations.py --smoke     # tiny, on CPU: checks the script, measures nothing
+    python -m benchmarks activations [--quick]
+    python -m benchmarks activations --smoke     # tiny, on CPU: checks the script, measures nothing
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import opsmath  # noqa: F401
 from opsmath.kernels.bias_gelu import bias_gelu
 from opsmath.kernels.swiglu import swiglu
-from _harness import bench, rel_err, write
+from benchmarks._harness import bench, rel_err, write
 
 
 def liger_swiglu():

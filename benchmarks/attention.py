@@ -5,7 +5,7 @@ halved when causal, by wall time (``ms``: what a lone call costs, host included)
 (``gpu_ms``: the kernels' sum, what the call costs in a step whose host runs ahead). Numerics: relative
 error of the output and dQ against an fp32 SDPA (math) run.
 
-    python benchmarks/attention.py [--quick] [--compile]
+    python -m benchmarks attention [--quick] [--compile]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import opsmath
 from opsmath.kernels.attention import attention_op
-from _harness import bench, rel_err, write
+from benchmarks._harness import bench, rel_err, write
 
 SHAPES = [(8, 16, 1024, 64), (4, 16, 2048, 128), (2, 16, 4096, 128), (1, 16, 8192, 128)]
 

@@ -19,7 +19,7 @@ Per case: ``--rounds`` rounds, each timing every variant once (``do_bench`` medi
 the row is the median and spread of the rounds, GPU kernel time (torch.profiler), and the output's and
 dQ's relative error against an fp32 reference.
 
-    python benchmarks/attention_variants.py [--kind softcap|window|alibi] [--rounds 5] [--cap 50]
+    python -m benchmarks attention_variants [--kind softcap|window|alibi] [--rounds 5] [--cap 50]
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from _harness import bench, kernel_ms, rel_err, write
+from benchmarks._harness import bench, kernel_ms, rel_err, write
 from opsmath.kernels.attention import attention_op
 from opsmath.kernels.attention.tuning import backend_for, eager_same_dtype
 

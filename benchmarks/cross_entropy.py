@@ -5,8 +5,8 @@ fp32 logits, 10% of targets ignore_index. Effective TB/s = minimal bytes (read t
 gradient: 2 N V elements) / time; peak above the inputs; numerics against float64 in the same run.
 Liger computes the gradient into the logits' own memory (in place), so its numerics run on a copy.
 
-    python benchmarks/cross_entropy.py
-    python benchmarks/cross_entropy.py --smoke     # tiny, on CPU: checks the script, measures nothing
+    python -m benchmarks cross_entropy
+    python -m benchmarks cross_entropy --smoke     # tiny, on CPU: checks the script, measures nothing
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import opsmath  # noqa: F401
 from opsmath.kernels.cross_entropy import cross_entropy
-from _harness import bench, rel_err, write
+from benchmarks._harness import bench, rel_err, write
 
 
 def eager(z, t):

@@ -15,7 +15,7 @@ every final parameter (relative 1e-3, the TF32-free fp32 spread of compiled vs e
 Variants: ``opsmath.optimize(cuda_graphs=True)``, ``torch.compile(mode="reduce-overhead")`` and plain
 ``opsmath.optimize`` (no CUDA graphs). A loop that raises is recorded with its error.
 
-    python benchmarks/cuda_graph_loops.py [--steps 6]
+    python -m benchmarks cuda_graph_loops [--steps 6]
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def main():
             print(f"{vname:32} {name:20} " + ("ok" if row["ok"] else "WRONG") +
                   f"  {row.get('error') or 'loss %.1e weights %.1e' % (row['loss_rel_err'], row['weight_rel_err'])}",
                   flush=True)
-    from _harness import write
+    from benchmarks._harness import write
     print("wrote", write("cuda_graph_loops", dict(steps=args.steps, rows=rows)))
 
 

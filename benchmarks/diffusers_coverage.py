@@ -3,7 +3,7 @@ rewrites, and the output and worst parameter-gradient error against eager, measu
 ``hf_coverage.py`` (relative, with an atol of 1e-3 of the largest gradient norm, for gradients that are
 zero in exact arithmetic such as a key projection's bias under softmax). Needs ``pip install diffusers``.
 
-    python benchmarks/diffusers_coverage.py
+    python -m benchmarks diffusers_coverage
 """
 import copy
 from collections import Counter
@@ -11,7 +11,7 @@ from collections import Counter
 import torch
 
 import opsmath
-from hf_coverage import worst_grad_error
+from benchmarks.hf_coverage import worst_grad_error
 
 
 def unet():

@@ -2,7 +2,7 @@
 ``--compile``), same inputs. Effective TB/s = minimal bytes / time, minimal bytes = 8 row-tensors
 (fwd reads x, residual and writes out, h; bwd reads dout, h and writes dx, dresidual).
 
-    python benchmarks/dropout_add_norm.py [--quick] [--compile]
+    python -m benchmarks dropout_add_norm [--quick] [--compile]
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import opsmath  # noqa: F401
 from opsmath.kernels.dropout_add_norm import dropout_add_norm_op
-from _harness import bench, rel_err, write
+from benchmarks._harness import bench, rel_err, write
 
 
 def eager(x, r, w, b, rms, p):

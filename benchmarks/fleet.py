@@ -21,9 +21,9 @@ A model or variant that fails is an error row; the fleet goes on. The JSON is wr
 and recipe, so a run cut short keeps what it measured. At the end, per recipe: the geometric mean of
 baseline / variant step time, and the rows whose peak is off the baseline's by more than 2%.
 
-    python benchmarks/fleet.py [--models llama,bert] [--recipes amp,bf16] [--rounds 5] [--steps 3]
+    python -m benchmarks fleet [--models llama,bert] [--recipes amp,bf16] [--rounds 5] [--steps 3]
         [--variants torch.compile,opsmath.optimize] [--tag NAME]
-    python benchmarks/fleet.py --smoke [--models gpt2,bert]   # tiny models on CPU: runs, measures nothing
+    python -m benchmarks fleet --smoke [--models gpt2,bert]   # tiny models on CPU: runs, measures nothing
 
 ``--smoke`` compares eager with opsmath (torch.compile's C++ compiles are slow on a CPU) unless
 ``--variants`` says otherwise, and writes its JSON to a temporary folder unless ``$OUT`` is set.
@@ -41,8 +41,8 @@ import time
 import torch
 
 import opsmath
-from _harness import write
-from hf_default_attention import Variant
+from benchmarks._harness import interleave, write
+from benchmarks.hf_default_attention import Variant
 
 DEC = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
            intermediate_size=2816, vocab_size=32000, max_position_embeddings=4096, attention_dropout=0.0)
@@ -195,9 +195,7 @@ def run(name, recipe, labels, rounds, steps, device, smoke) -> list[dict]:
             continue
         variants.append(v)
         print(f"{name} {recipe} {label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
-    for _ in range(rounds):     # A B A B: host noise falls on every variant
-        for v in variants:
-            v.timed_round(steps)
+    interleave(variants, rounds, steps)
     rows = [dict(info, **v.row()) for v in variants]
     base = next((r for r in rows if r["variant"] == "torch.compile"), rows[0] if rows else None)
     for r in rows:

@@ -7,8 +7,8 @@ initialization), opsmath FP8 from seed 0, and torchao float8 + compile from seed
 installed. Metric: the largest gap of 20-step means, FP8 vs bf16 seed 0, against the same gap between the
 two bf16 seeds (the row "bf16 seed 1"); both also over the last 100 steps. Writes ``results/fp8_curve-*.json`` and a PNG.
 
-    python benchmarks/fp8_curve.py [--model llama] [--steps 500] [--batch 2] [--seq 2048]
-    python benchmarks/fp8_curve.py --model gpt2 --batch 8 --seq 1024 --fp8-min-dim 768 --data-vocab 1024 --amp
+    python -m benchmarks fp8_curve [--model llama] [--steps 500] [--batch 2] [--seq 2048]
+    python -m benchmarks fp8_curve --model gpt2 --batch 8 --seq 1024 --fp8-min-dim 768 --data-vocab 1024 --amp
 
 ``--model gpt2`` is GPT-2-small as nanoGPT writes it (``opsmath.examples.GPT``, 12 x 768, vocab 50304,
 dropout off). Its GEMMs (768 wide) are below the per-layer FP8 rule's threshold, so with the rule as it is
@@ -28,9 +28,9 @@ import time
 import torch
 
 import opsmath
-from _harness import write
-from hf_default_attention import MODELS, build, torchao_float8
-from learning_curve import batches
+from benchmarks._harness import write
+from benchmarks.hf_default_attention import MODELS, build, torchao_float8
+from benchmarks.learning_curve import batches
 from opsmath.examples import GPT
 
 WINDOW = 20

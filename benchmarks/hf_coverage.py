@@ -4,7 +4,7 @@ gradient error ``||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||)`` (the a
 are zero in exact arithmetic, a key projection's bias under softmax, from reading as errors), and the
 attention declines with their reasons. Every model has 2 layers: ``attn 2`` is full coverage.
 
-    python benchmarks/hf_coverage.py [--more] [model ...]
+    python -m benchmarks hf_coverage [--more] [model ...]
 """
 import copy
 import sys

@@ -9,7 +9,7 @@ rounds of ``--steps`` timed steps each, A B A B. Per variant: median and spread 
 per-round median step time, GPU kernel time per step (torch.profiler, kernels only), the step's peak
 memory above what is resident before it (``max_memory_allocated``), and, for opsmath, what it rewrote.
 
-    python benchmarks/hf_default_attention.py [--models llama,neox,gemma2] [--recipe amp|bf16] [--rounds 5] [--steps 5] [--variants ...]
+    python -m benchmarks hf_default_attention [--models llama,neox,gemma2] [--recipe amp|bf16] [--rounds 5] [--steps 5] [--variants ...]
         [--gradient-checkpointing] [--accumulate 1,4]
 
 ``--accumulate``: micro-batches per optimizer step; with several, each round times every variant at each.
@@ -17,8 +17,6 @@ memory above what is resident before it (``max_memory_allocated``), and, for ops
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections import Counter
 
 import torch
@@ -26,7 +24,7 @@ import torch
 import opsmath
 import opsmath.patterns
 from opsmath.api import INDUCTOR_FUSES_BETTER
-from _harness import kernel_ms, write
+from benchmarks._harness import Stepper, interleave, kernel_ms, write
 
 GEMMA2_9B = dict(   # Gemma-2-9B's layers, 4 of them, its vocabulary cut to 32000
     hidden_size=3584, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
@@ -100,12 +98,15 @@ def build(name, device, checkpointing=False, attn=None, seed=0):
 RECIPE = ["amp"]   # "amp": fp32 weights, forward under bf16 autocast (HF Trainer bf16=True); "bf16": bf16 weights
 
 
-class Variant:
+class Variant(Stepper):
+    """A Hugging Face model and torch fused AdamW in ``RECIPE``, stepped on one batch (``Stepper``: warm-up
+    and timed rounds, alternated with the other variants by ``interleave``)."""
+
     def __init__(self, label, model, batch, device):
-        self.label, self.model, self.batch, self.device = label, model, batch, device
+        super().__init__(label, device)
+        self.model, self.batch = model, batch
         self.amp = RECIPE[0] == "amp"
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
-        self.times, self.round_ms = [], {}
 
     def step(self, accumulate: int = 1):
         """One optimizer step over ``accumulate`` micro-batches (the same batch each time)."""
@@ -117,37 +118,9 @@ class Variant:
         self.opt.zero_grad(set_to_none=True)
         return loss
 
-    def sync(self):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
-    def warm_up(self):
-        t0 = time.perf_counter()
-        self.first_loss = self.step().item()
-        self.first_s = time.perf_counter() - t0
-        self.step()
-        self.sync()
-        if self.device == "cuda":   # the step's own peak, above the resident weights, grads and state
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            self.step()
-            self.sync()
-            self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
-
-    def timed_round(self, steps, accumulate: int = 1):
-        ms = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            self.step(accumulate)
-            self.sync()
-            ms.append((time.perf_counter() - t0) * 1e3)
-        self.round_ms.setdefault(accumulate, []).append(statistics.median(ms))
-
     def row(self, accumulate: int = 1, tagged: bool = False):
-        rounds = self.round_ms[accumulate]
         r = dict(name=self.label + (f" (accumulate {accumulate})" if tagged else ""), accumulate=accumulate,
-                 recipe="fp32 weights, bf16 autocast" if self.amp else "bf16 weights",
-                 ms=statistics.median(rounds), ms_min=min(rounds), ms_max=max(rounds), rounds=rounds,
+                 recipe="fp32 weights, bf16 autocast" if self.amp else "bf16 weights", **self.timing(accumulate),
                  first_step_s=self.first_s, first_loss=self.first_loss)
         if self.device == "cuda":
             per = kernel_ms(lambda: self.step(accumulate), calls=3)
@@ -265,10 +238,7 @@ def run(name, rounds, steps, device, checkpointing=False, labels=("torch.compile
             print(f"{name} {label}: {e}", flush=True)
             variants = [v for v in variants if v.label != label]
             torch.cuda.empty_cache()
-    for _ in range(rounds):     # A B A B: host noise falls on both
-        for k in accumulate:
-            for v in variants:
-                v.timed_round(steps, k)
+    interleave(variants, rounds, steps, accumulate)
     rows = [v.row(k, len(accumulate) > 1 or k > 1) for k in accumulate for v in variants]
     for r in rows:   # against the first variant at the same accumulation
         r["speedup_vs_compile"] = next(b for b in rows if b["accumulate"] == r["accumulate"])["ms"] / r["ms"]

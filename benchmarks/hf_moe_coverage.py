@@ -3,7 +3,7 @@ implementation they offer: how many graphs opsmath captures (1: no break per exp
 experts (its notes, the experts rewrites, the declines), the loss difference to eager and the worst
 parameter gradient error ``||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||)``.
 
-    python benchmarks/hf_moe_coverage.py [model ...]
+    python -m benchmarks hf_moe_coverage [model ...]
 """
 import copy
 
@@ -11,7 +11,7 @@ import torch
 import transformers as T
 
 import opsmath
-from hf_coverage import main, worst_grad_error
+from benchmarks.hf_coverage import main, worst_grad_error
 
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128)

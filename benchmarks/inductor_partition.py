@@ -5,7 +5,7 @@ backend) or CUDA; no timing, so it answers "how much memory for how much recompu
 The model is ``examples.gpt`` (nanoGPT blocks, vocabulary 256: the blocks' economics, not the LM head's;
 under a budget the LM-head loss becomes opsmath's chunked op, whose GEMMs this count does not see).
 
-    python benchmarks/inductor_partition.py [--layers 4 --width 256 --heads 4 --seq 256 --batch 4] [--budgets none,0.75,0.5]
+    python -m benchmarks inductor_partition [--layers 4 --width 256 --heads 4 --seq 256 --batch 4] [--budgets none,0.75,0.5]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import opsmath
 from opsmath import examples
-from _harness import write
+from benchmarks._harness import write
 
 _GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 

@@ -7,7 +7,7 @@ Metric, stated with the result: with dropout off, the largest per-step relative 
 with dropout on, the largest difference of 20-step means, against eager's own step-to-step noise
 (mean |loss[t+1] - loss[t]|). Writes ``results/learning_curve-*.json`` and a PNG of the curves.
 
-    python benchmarks/learning_curve.py [--steps 200] [--smoke]
+    python -m benchmarks learning_curve [--steps 200] [--smoke]
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def main():
               f"diff {r['max_smoothed_diff']:.4f} vs eager step noise {noise:.4f}", flush=True)
     if args.smoke:
         return
-    from _harness import write
+    from benchmarks._harness import write
     path = write("learning_curve", dict(config=cfg, batch=[B, T], steps=steps, curves=result))
     print("wrote", path)
     try:

@@ -4,7 +4,7 @@ and Liger-Kernel's fused linear cross-entropy when installed, same inputs, bf16.
 memory allocated above the inputs during one fwd+bwd. Numerics: relative error of the loss and of
 dx / dW against an fp32 eager run.
 
-    python benchmarks/linear_cross_entropy.py [--shapes N,C,V;...] [--softcap 30] [--rounds 5]
+    python -m benchmarks linear_cross_entropy [--shapes N,C,V;...] [--softcap 30] [--rounds 5]
 
 ``--softcap c`` puts Gemma-2's final ``c * tanh(logits / c)`` in every variant (Liger is left out then).
 With ``--rounds`` > 1 the variants are timed A B C A B C and each row gives the median [min-max].
@@ -21,7 +21,7 @@ import opsmath  # noqa: F401
 from opsmath.kernels.cross_entropy import cross_entropy_op
 from opsmath.kernels.linear_cross_entropy import linear_cross_entropy_op
 import opsmath.kernels.linear_cross_entropy as lce
-from _harness import bench, kernel_ms, rel_err, write
+from benchmarks._harness import bench, kernel_ms, rel_err, write
 
 
 CAP = 0.0   # the final-logit softcap every variant applies (``--softcap``; Gemma-2 uses 30)

@@ -9,9 +9,9 @@ measured peak (``max_memory_allocated`` over a step after a warm-up step), predi
 median step time, overhead vs unconstrained opsmath. Then the longest sequence (B=1) whose step fits in
 8 GiB, for eager, eager + SDPA, per-block checkpoint and opsmath with ``memory_budget="8GiB"``.
 
-    python benchmarks/memory.py            # on the GPU
-    python benchmarks/memory.py --smoke    # tiny, on CPU: checks the script, measures nothing
-    python benchmarks/memory.py --model llama --no-long   # the 1.1B budget sweep
+    python -m benchmarks memory            # on the GPU
+    python -m benchmarks memory --smoke    # tiny, on CPU: checks the script, measures nothing
+    python -m benchmarks memory --model llama --no-long   # the 1.1B budget sweep
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 
 import opsmath
 from opsmath.memory.plan import InfeasibleBudget
-from _models import build, build_llama
+from benchmarks._models import build, build_llama
 
 
 def measure(model_fn, batch, device, amp, steps=3, warmup=1):
@@ -154,7 +154,7 @@ def main():
     def save(longest, tried):
         if args.smoke:
             return None
-        from _harness import write
+        from benchmarks._harness import write
         name = "memory" + ("-llama" if args.model == "llama" else "") + ("-long" if args.long_only else "")
         for r in rows:
             if r["ms"] and r.get("base_ms"):

@@ -14,8 +14,8 @@ under bf16 autocast, ``--recipe bf16``: bf16 weights):
 Per variant: median and spread of per-round median step times (``--rounds`` rounds of ``--steps``), GPU
 kernel time per step, the step's peak memory above what is resident, and for opsmath what it rewrote.
 
-    python benchmarks/moe.py [--models loop,mixtral] [--rounds 5] [--steps 3] [--variants ...] [--smoke]
-    python benchmarks/moe.py --curve 200 --models loop --batch 2 --seq 1024     # loss curves vs eager
+    python -m benchmarks moe [--models loop,mixtral] [--rounds 5] [--steps 3] [--variants ...] [--smoke]
+    python -m benchmarks moe --curve 200 --models loop --batch 2 --seq 1024     # loss curves vs eager
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import torch
 
 import opsmath
 from opsmath import examples
-from _harness import write
-from hf_default_attention import RECIPE, Variant
+from benchmarks._harness import interleave, write
+from benchmarks.hf_default_attention import RECIPE, Variant
 
 HF = {  # name: (transformers class, config class, config kwargs)
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
@@ -94,9 +94,7 @@ def run(name, rounds, steps, device, labels, B, T):
     for v in variants:
         v.warm_up()
         print(f"{name} {v.label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
-    for _ in range(rounds):     # A B A B: host noise falls on both
-        for v in variants:
-            v.timed_round(steps)
+    interleave(variants, rounds, steps)
     rows = [v.row() for v in variants]
     for r in rows:
         r["speedup_vs_first"] = rows[0]["ms"] / r["ms"]

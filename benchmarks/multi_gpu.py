@@ -1,11 +1,11 @@
 """Multi-GPU training with torchrun (NCCL on CUDA, gloo on CPU): DDP or FSDP2 around an opsmath-optimized
 model vs the same model under ``torch.compile`` + SDPA, and the single-device run it must equal.
 
-    torchrun --nproc_per_node=2 benchmarks/multi_gpu.py --model gpt2 --wrap ddp --variant opsmath
-    torchrun --nproc_per_node=2 benchmarks/multi_gpu.py --model llama --wrap fsdp --variant compile
-    torchrun --nproc_per_node=2 benchmarks/multi_gpu.py ... --steps 20 --check DIR     # + DCP checkpoint
-    python benchmarks/multi_gpu.py ... --single --check DIR     # 1 device, the concatenated batch: compare
-    python benchmarks/multi_gpu.py --smoke                      # 2 gloo processes on CPU, toy sizes
+    torchrun --nproc_per_node=2 -m benchmarks multi_gpu --model gpt2 --wrap ddp --variant opsmath
+    torchrun --nproc_per_node=2 -m benchmarks multi_gpu --model llama --wrap fsdp --variant compile
+    torchrun --nproc_per_node=2 -m benchmarks multi_gpu ... --steps 20 --check DIR     # + DCP checkpoint
+    python -m benchmarks multi_gpu ... --single --check DIR     # 1 device, the concatenated batch: compare
+    python -m benchmarks multi_gpu --smoke                      # 2 gloo processes on CPU, toy sizes
 
 Models: ``gpt2`` (GPT-2-small, 12x768, per-rank batch 8 x 1024, opsmath on hand-written attention,
 compile on SDPA) and ``llama`` (HF LLaMA 1.1B, per-rank batch 4 x 2048, SDPA for both); bf16 weights,
@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 
 import opsmath
-from _harness import write
+from benchmarks import ROOT, command
+from benchmarks._harness import write
 
 SIZES = {"gpt2": (8, 1024), "llama": (4, 2048), "tiny": (2, 32)}
 
 
 def build(name: str, variant: str, device: str):
-    from _models import GPT2_SMALL, build as gpt_build, hf_llama
+    from benchmarks._models import GPT2_SMALL, build as gpt_build, hf_llama
     from opsmath.examples import GPT
     torch.manual_seed(0)
     if name == "tiny":
@@ -234,14 +235,13 @@ def smoke():
     """torchrun-equivalent on CPU: 2 gloo ranks (DDP, then FSDP2) and the single-process check."""
     import subprocess
     import tempfile
-    here = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory() as d:
         for how in ("ddp", "fsdp"):
             out = os.path.join(d, how)
             common = ["--model", "tiny", "--wrap", how, "--steps", "3", "--check", out, "--smoke-child"]
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                            "--standalone", here, *common], check=True)
-            subprocess.run([sys.executable, here, *common, "--single"], check=True)
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                            "-m", "benchmarks", "multi_gpu", *common], cwd=ROOT, check=True)
+            subprocess.run(command("multi_gpu", *common, "--single"), cwd=ROOT, check=True)
 
 
 if __name__ == "__main__":

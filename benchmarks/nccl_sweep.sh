@@ -4,8 +4,8 @@
 # GPT-2-small: DDP and FSDP2, opsmath vs torch.compile + SDPA, the one-GPU baseline for scaling, and
 # the 2-rank vs 1-device parameter check with a DCP checkpoint; HF LLaMA 1.1B: FSDP2 both ways, opsmath
 # under a per-rank memory_budget. Runs that no longer fit in SECONDS (default 570) are skipped and say so.
-cd "$(dirname "$0")" || exit 1
-end=$((SECONDS + ${1:-570})); dest=${OUT:-results}; tmp=$(mktemp -d)
+cd "$(dirname "$0")/.." || exit 1   # the repository root: python -m benchmarks
+end=$((SECONDS + ${1:-570})); dest=${OUT:-benchmarks/results}; tmp=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 run() {  # label, most seconds, command...
   local label=$1 limit=$2; shift 2
@@ -32,12 +32,12 @@ for d in range(torch.cuda.device_count()):
     s.record(); [a @ a for _ in range(20)]; e.record(); torch.cuda.synchronize()
     print(f"cuda:{d} bf16 GEMM 8192^3: {20 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3) / 1e12:.0f} TFLOP/s", flush=True)
 PY
-T="python -m torch.distributed.run --standalone --nproc_per_node=2 multi_gpu.py"
+T="python -m torch.distributed.run --standalone --nproc_per_node=2 -m benchmarks multi_gpu"
 run gpt2-ddp-opsmath-check 100 $T --model gpt2 --wrap ddp --variant opsmath --check "$tmp/ck"
-run gpt2-1gpu-check 90 python multi_gpu.py --model gpt2 --variant opsmath --single --check "$tmp/ck"
+run gpt2-1gpu-check 90 python -m benchmarks multi_gpu --model gpt2 --variant opsmath --single --check "$tmp/ck"
 run gpt2-ddp-compile 75 $T --model gpt2 --wrap ddp --variant compile
 run gpt2-ddp-opsmath 75 $T --model gpt2 --wrap ddp --variant opsmath
-run gpt2-1gpu-opsmath 60 python multi_gpu.py --model gpt2 --variant opsmath --single --world 1
+run gpt2-1gpu-opsmath 60 python -m benchmarks multi_gpu --model gpt2 --variant opsmath --single --world 1
 run gpt2-fsdp-opsmath 75 $T --model gpt2 --wrap fsdp --variant opsmath
 run gpt2-fsdp-compile 75 $T --model gpt2 --wrap fsdp --variant compile
 run llama-fsdp-opsmath-budget 170 $T --model llama --wrap fsdp --variant opsmath --steps 10 --memory-budget 12GiB

@@ -14,7 +14,7 @@ measured copy bandwidth): fp32 with clip reads grads twice and reads+writes para
 ``--baseline FILE``: another AdamW class to time beside them (a file defining ``AdamW``, e.g. a
 previous commit's ``src/opsmath/optim/__init__.py`` with its kernels), built with ``max_grad_norm=1.0``.
 
-    python benchmarks/optimizer.py [--sets gpt2,llama] [--train] [--rounds 7] [--steps 10]
+    python -m benchmarks optimizer [--sets gpt2,llama] [--train] [--rounds 7] [--steps 10]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import time
 import torch
 
 from opsmath.optim import AdamW
-from _harness import kernel_ms, rel_err, write
+from benchmarks._harness import kernel_ms, rel_err, write
 
 COPY_TBPS = 4.13
 V, C, L, T = 50304, 768, 12, 1024
@@ -41,7 +41,7 @@ def gpt2_small_shapes():
 
 def llama_shapes():
     from transformers import LlamaForCausalLM
-    from _models import llama_config
+    from benchmarks._models import llama_config
     with torch.device("meta"):
         model = LlamaForCausalLM(llama_config())
     return [tuple(p.shape) for p in model.parameters()]
@@ -168,7 +168,7 @@ def numerics(shapes) -> dict:
 
 def train(args) -> list[dict]:
     """Whole GPT-2-small steps (compile + SDPA model, bf16 autocast), one model copy per optimizer."""
-    from _models import GPT2_SMALL, build
+    from benchmarks._models import GPT2_SMALL, build
     variants = {"torch fused + clip_grad_norm_": (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True), True),
                 "opsmath, clip inside": (lambda m: AdamW(m.parameters(), lr=1e-4, max_grad_norm=1.0), False),
                 "opsmath 8-bit state, clip inside": (

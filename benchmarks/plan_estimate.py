@@ -2,7 +2,7 @@
 partition on CUDA, eager autograd's saved set otherwise) against the bytes a real forward leaves
 allocated for its backward, on the same model (GPT-2-small or HF LLaMA 1.1B, bf16 autocast).
 
-    python benchmarks/plan_estimate.py [--model llama|gpt] [--budget 1.0] [--smoke]
+    python -m benchmarks plan_estimate [--model llama|gpt] [--budget 1.0] [--smoke]
 
 ``--budget 1.0`` plans without recompute, so the plan's count is the unconstrained one; a smaller
 fraction shows what the plan keeps against what stays allocated. Measured: ``memory_allocated`` after
@@ -15,8 +15,8 @@ import os
 import torch
 
 import opsmath
-from _harness import write
-from _models import build, build_llama
+from benchmarks._harness import write
+from benchmarks._models import build, build_llama
 
 
 def main():

@@ -5,7 +5,7 @@ the floor. A model whose plan meets 0.25 lists it as feasible. ``--inductor``: t
 Inductor (CPU, needs a C++ compiler), as on CUDA by default: the plan then counts what Inductor's
 partitioner saves, and the families Inductor fuses itself are left to it.
 
-    python benchmarks/plan_floors.py [--inductor] [name ...]
+    python -m benchmarks plan_floors [--inductor] [name ...]
 """
 import re
 import sys

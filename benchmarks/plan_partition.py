@@ -6,7 +6,7 @@ tagged graph saves (``analysis.partitioned_saved_bytes``, fake tensors). Each bu
 plan's cheap steps (weight copies, selective-free and selective-tensors runs) and without
 (``OPSMATH_CHEAP_STEPS=0``).
 
-    python benchmarks/plan_partition.py [--layers 16] [--budgets 0.5,0.25] [--batch 4] [--seq 2048]
+    python -m benchmarks plan_partition [--layers 16] [--budgets 0.5,0.25] [--batch 4] [--seq 2048]
 
 Writes ``plan_partition-<date>.json`` into ``$OUT`` (or benchmarks/results). A full forward never runs:
 the planning compile of Inductor up to its partition is the cost (about 15 s a plan at 16 layers).
@@ -17,8 +17,8 @@ import os
 import torch
 
 import opsmath
-from _harness import write
-from _models import build_llama
+from benchmarks._harness import write
+from benchmarks._models import build_llama
 from opsmath.memory import analysis
 from opsmath.runtime import backend
 

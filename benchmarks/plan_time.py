@@ -2,7 +2,7 @@
 B2 T128) at several depths and fractions, op by op on CPU, one step each; prints the first graph's
 ``plan.planning_seconds``, modelled recompute, kept share and the step's first-call time.
 
-    python benchmarks/plan_time.py [--cases 8:0.5,8:0.25,12:0.3,22:0.3]
+    python -m benchmarks plan_time [--cases 8:0.5,8:0.25,12:0.3,22:0.3]
 """
 import argparse
 import time

@@ -5,7 +5,7 @@ Variants are ``benchmarks/train.py``'s GPT-2-small ones (``--pair "torch.compile
 plus ``opsmath budget F`` (op by op, ``inductor=False``, memory_budget=F) and ``opsmath Inductor budget F``,
 which is how the recompute overhead of a memory budget is taken apart.
 
-    python benchmarks/profile_gap.py --pair "opsmath op-by-op,opsmath budget 0.5"
+    python -m benchmarks profile_gap --pair "opsmath op-by-op,opsmath budget 0.5"
 
 More than two variants: each later one is compared with the first. A variant with a memory budget
 also prints what its plan recomputes (the report's segment lines).
@@ -18,9 +18,9 @@ import time
 import torch
 
 import opsmath
-from _harness import kernel_ms
-from _models import GPT2_SMALL, build, gpt2_batch
-from train import variants
+from benchmarks._harness import kernel_ms
+from benchmarks._models import GPT2_SMALL, build, gpt2_batch
+from benchmarks.train import variants
 
 
 def make(name):
@@ -88,7 +88,7 @@ def main():
         diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
         for k, v in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.top]:
             print(f"  {v:+8.3f} ms  {k[:110]}")
-    from _harness import write
+    from benchmarks._harness import write
     print("wrote", write("profile_gap" + (f"-{args.tag}" if args.tag else ""), dict(
         variants={n: dict(host_ms=h, kernel_ms=sum(p.values()), peak_gib=pk, kernels=p, plans=pl)
                   for n, (p, h, pk, pl) in res.items()})))

@@ -5,7 +5,7 @@ no CUDA graphs, one torch.profiler trace of ``--steps`` steps per variant, one p
 A variant is ``BUDGET:EXPOSED``: the plan made with offload's copies priced at ``EXPOSED`` of their time
 (``OPSMATH_OFFLOAD_EXPOSED``; ``none`` plans without offload).
 
-    python benchmarks/profile_offload.py --variants 0.25:0.05,0.25:none
+    python -m benchmarks profile_offload --variants 0.25:0.05,0.25:none
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import os
 
 import torch
 
-from _harness import write
-from recompute_overhead import Variant
-from _models import gpt2_batch
+from benchmarks._harness import write
+from benchmarks.recompute_overhead import Variant
+from benchmarks._models import gpt2_batch
 
 
 def _intervals(events):
@@ -83,7 +83,7 @@ def main():
             v = Variant(spec, float(budget), False, batch, llama=True, offload=exposed != "none")
         finally:
             os.environ.pop("OPSMATH_OFFLOAD_EXPOSED", None)
-        v.timed(5)
+        v.timed_round(5)
         row = dict(variant=spec, wall_ms=v.wall[-1], host_ms=v.host[-1], step_peak_gib=v.step_peak_gib, **trace(v, args.steps))
         rows.append(row)
         print(row, flush=True)

@@ -6,7 +6,7 @@ import torch
 
 import opsmath
 from opsmath.examples import GPT
-from _harness import bench, write
+from benchmarks._harness import bench, write
 
 torch.manual_seed(0)
 B, T = 8, 1024

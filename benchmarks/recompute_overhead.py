@@ -12,7 +12,7 @@ budget, PyTorch's own lever, in the same rounds.
 * ``--cprofile``: the host's Python profile (cProfile, top functions by total time) of a few steps of
   one variant, to see where a host-bound step's time goes.
 
-    python benchmarks/recompute_overhead.py --budgets 0.5,0.25 --cprofile "budget 0.5"
+    python -m benchmarks recompute_overhead --budgets 0.5,0.25 --cprofile "budget 0.5"
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import time
 import torch
 
 import opsmath
-from _harness import kernel_ms, write
-from _models import GPT2_SMALL, build, build_llama, gpt2_batch
+from benchmarks._harness import interleave, kernel_ms, write
+from benchmarks._models import GPT2_SMALL, build, build_llama, gpt2_batch
 
 
 def _inductor_under(budget):
@@ -80,7 +80,8 @@ class Variant:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def timed(self, steps):
+    def timed_round(self, steps, accumulate=1):
+        """``steps`` steps, synchronized before and after each: their median wall and host (enqueue) ms."""
         wall, host = [], []
         for _ in range(steps):
             torch.cuda.synchronize()
@@ -122,6 +123,19 @@ def _built(label, *args, **kw):
         return None
 
 
+def host_profile(v: Variant) -> str:
+    """cProfile of three steps of ``v``: the 25 functions with the most time of their own."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(3):
+        v.step()
+    torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+    return s.getvalue()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budgets", default="0.5,0.25")
@@ -149,8 +163,8 @@ def main():
     batch = gpt2_batch(B=4, T=2048) if llama else gpt2_batch()
     if llama:   # token ids of LLaMA's vocabulary
         batch = tuple(t.remainder(32000) for t in batch)
-    # one reset for all variants: a reset per variant dropped the earlier variants' compiled code, which
-    # recompiled in the first timed round (the 2026-12-02 run's 96 ms round)
+    # one reset for all variants: a reset per variant drops the earlier variants' compiled code, which
+    # would then recompile in the first timed round
     torch._dynamo.reset()
     budgets = [b for b in args.budgets.split(",") if b]
     specs = [("no budget", None, False, "all")] + [(f"budget {b}", float(b), False, "all") for b in budgets
@@ -173,10 +187,9 @@ def main():
                             None, False, batch, llama, anchor=f)
                      for f in [1.0] + [float(b) for b in args.anchors.split(",")]]
     variants = [v for v in variants if v is not None]
-    for i in range(args.rounds):   # A B A B: the host's noise falls on every variant
-        for v in variants:
-            v.timed(args.steps)
-        print(f"round {i}: " + ", ".join(f"{v.name} {v.wall[-1]:.2f}" for v in variants), flush=True)
+    interleave(variants, args.rounds, args.steps,   # A B A B: the host's noise falls on every variant
+               after_round=lambda i: print(f"round {i}: " + ", ".join(f"{v.name} {v.wall[-1]:.2f}" for v in variants),
+                                           flush=True))
     rows = [v.row() for v in variants]
     base = {cg: next((r for r in rows if r["name"] == "no budget" + cg), None) for cg in ("", " + CUDA graphs")}
     base["torch.compile"] = next((r for r in rows if r["name"] == "torch.compile"), None)
@@ -195,15 +208,7 @@ def main():
     print("offload placements:", out["placements"], flush=True)
     for v in variants:
         if v.name == args.cprofile:
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(3):
-                v.step()
-            torch.cuda.synchronize()
-            pr.disable()
-            s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
-            out["cprofile"] = s.getvalue()
+            out["cprofile"] = host_profile(v)
             print(out["cprofile"])
     print("wrote", write("recompute_overhead" + ("-llama" if llama else ""), out))
 

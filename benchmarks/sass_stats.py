@@ -7,10 +7,10 @@ thread, shared memory and how many programs fit on one SM at once (its registers
 slots). It measures no time: it tells where a kernel spends instructions and occupancy before device time
 is spent (BENCHMARKS.md's kernel static analysis section uses it for bias-GELU and dropout-add-norm).
 
-    python benchmarks/sass_stats.py --op bias_gelu --dtype bf16 --width 8192 [--config 0] [--tanh]
-    python benchmarks/sass_stats.py --op dropout_add_norm --width 1024 --config 3
-    python benchmarks/sass_stats.py --op attention --width 64          # width = head dim
-    python benchmarks/sass_stats.py --op cross_entropy --width 50304   # width = vocabulary
+    python -m benchmarks sass_stats --op bias_gelu --dtype bf16 --width 8192 [--config 0] [--tanh]
+    python -m benchmarks sass_stats --op dropout_add_norm --width 1024 --config 3
+    python -m benchmarks sass_stats --op attention --width 64          # width = head dim
+    python -m benchmarks sass_stats --op cross_entropy --width 50304   # width = vocabulary
 
 ``--config i`` forces the tuner's i-th candidate launch configuration (each kernel of the op takes the
 i-th of its own list, modulo its length).
@@ -25,6 +25,9 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+
+from benchmarks import ROOT, command
+
 
 def record(op: str, dtype: str, width: int, config: int, tanh: bool) -> list:
     """Run in a child process with the interpreter on: the op's launches as records."""
@@ -112,10 +115,10 @@ def main():
         return
     if os.environ.get("TRITON_INTERPRET") == "1":   # compiling needs real kernels: start again without it
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OPSMATH_TRITON_ON_CPU")}
-        raise SystemExit(subprocess.run([sys.executable, __file__, *sys.argv[1:]], env=env).returncode)
+        raise SystemExit(subprocess.run(command("sass_stats", *sys.argv[1:]), cwd=ROOT, env=env).returncode)
     env = dict(os.environ, TRITON_INTERPRET="1", OPSMATH_TRITON_ON_CPU="1")
-    child = subprocess.run([sys.executable, __file__, "--record", *sys.argv[1:]], env=env, capture_output=True,
-                           text=True)
+    child = subprocess.run(command("sass_stats", "--record", *sys.argv[1:]), cwd=ROOT, env=env,
+                           capture_output=True, text=True)
     if child.returncode:
         raise SystemExit(child.stderr[-3000:])
     rows = [stats(r) for r in json.loads(child.stdout.strip().splitlines()[-1])]

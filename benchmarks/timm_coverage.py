@@ -4,7 +4,7 @@ measured as in ``hf_coverage.py`` (gradients relative, with an atol of 1e-3 of t
 buffers such as BatchNorm running statistics likewise: a running mean of normalized inputs is ~1e-9, where
 a plain relative error would be noise). Needs ``pip install timm``.
 
-    python benchmarks/timm_coverage.py [model ...] [--size 224]
+    python -m benchmarks timm_coverage [model ...] [--size 224]
 """
 import argparse
 import copy
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import opsmath
-from hf_coverage import worst_grad_error
+from benchmarks.hf_coverage import worst_grad_error
 
 MODELS = ["vit_small_patch16_224", "deit_tiny_patch16_224", "beit_base_patch16_224", "eva02_tiny_patch14_224",
           "swin_tiny_patch4_window7_224", "swinv2_cr_tiny_224", "maxvit_tiny_tf_224", "coatnet_0_rw_224",

@@ -13,39 +13,35 @@ them). Per variant: median of the per-round medians and their spread [min-max], 
 (torch.profiler), tokens/s, the step's peak. The first loss of every variant is printed: same init and
 data, so they agree to bf16 noise.
 
-    python benchmarks/train.py [--gpt] [--gpt6] [--llama] [--rounds 5] [--steps 3] [--only NAME,NAME]
+    python -m benchmarks train [--gpt] [--gpt6] [--llama] [--rounds 5] [--steps 3] [--only NAME,NAME]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections import Counter
 
 import torch
 
 import opsmath
 import opsmath.optim
-from _harness import kernel_ms
-from _models import GPT2_SMALL, build, hf_llama
+from benchmarks._harness import Stepper, interleave, kernel_ms, write
+from benchmarks._models import GPT2_SMALL, build, hf_llama
 
 GPT_6x512 = dict(GPT2_SMALL, n_layer=6, n_embd=512, n_head=8, block_size=512)
 
 
-class Runner:
-    """One variant, built and warmed up; ``timed_round`` adds the median of ``steps`` timed steps, so
-    that variants can alternate round by round (A B A B) in one process and host noise falls on all."""
+class Runner(Stepper):
+    """One variant: its model and optimizer from their factories, stepped on one batch (``Stepper``: warm-up
+    and timed rounds, alternated with the other variants by ``interleave``)."""
 
     def __init__(self, name, make_model, make_opt, batch, amp):
-        self.name, (self.args, self.kwargs), self.amp = name, batch, amp
-        self.dev = self.args[0].device.type
-        self.sync = torch.cuda.synchronize if self.dev == "cuda" else (lambda: None)
+        (self.args, self.kwargs), self.amp = batch, amp
+        super().__init__(name, self.args[0].device.type)
         self.model = make_model()
         self.opt = make_opt(self.model)
-        self.round_ms, self.error = [], None
 
-    def step(self):
-        with torch.autocast(self.dev, dtype=torch.bfloat16, enabled=self.amp):
+    def step(self, accumulate: int = 1):
+        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.amp):
             out = self.model(*self.args, **self.kwargs)
         loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
@@ -53,38 +49,13 @@ class Runner:
         self.opt.zero_grad(set_to_none=True)
         return loss
 
-    def warm_up(self):
-        """First step (capture + compile) timed, second untimed, third measured for its peak memory."""
-        t0 = time.perf_counter()
-        self.first_loss = self.step().item()
-        self.first_s = time.perf_counter() - t0
-        self.step()
-        self.sync()
-        self.peak_gib = 0.0
-        if self.dev == "cuda":
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            self.step()
-            self.sync()
-            self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
-
-    def timed_round(self, steps):
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            self.step()
-            self.sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-        self.round_ms.append(statistics.median(times))
-
     def row(self):
         if self.error:
-            return dict(name=self.name, error=self.error)
-        ms = statistics.median(self.round_ms)
-        row = dict(name=self.name, ms=ms, ms_min=min(self.round_ms), ms_max=max(self.round_ms),
-                   rounds=self.round_ms, tok_s=self.args[0].numel() / ms * 1e3, step_peak_gib=self.peak_gib,
+            return dict(name=self.label, error=self.error)
+        row = dict(name=self.label, **self.timing())
+        row.update(tok_s=self.args[0].numel() / row["ms"] * 1e3, step_peak_gib=self.peak_gib,
                    first_step_s=self.first_s, first_loss=self.first_loss)
-        if self.dev == "cuda":
+        if self.device == "cuda":
             row["gpu_ms"] = sum(kernel_ms(self.step, calls=3).values())
         target = getattr(self.model, "_orig_mod", self.model)
         if hasattr(target, "_opsmath"):
@@ -111,18 +82,11 @@ def run(kind, dev, batch, amp, rounds, steps, only):
             runners.append(r)
             print(f"{name:34} first step {r.first_s:6.1f} s, loss {r.first_loss:.4f}", flush=True)
         except Exception as e:
-            failed = Runner.__new__(Runner)
-            failed.name, failed.error = name, f"{type(e).__name__}: {str(e)[:300]}"
+            failed = Runner.__new__(Runner)   # a row with the error only
+            failed.label, failed.error = name, f"{type(e).__name__}: {str(e)[:300]}"
             runners.append(failed)
             print(f"{name:34} {failed.error}", flush=True)
-    live = [r for r in runners if not r.error]
-    for _ in range(rounds):
-        for r in live:
-            try:
-                r.timed_round(steps)
-            except Exception as e:
-                r.error = f"{type(e).__name__}: {str(e)[:300]}"
-        live = [r for r in live if not r.error]
+    interleave([r for r in runners if not r.error], rounds, steps, catch=True)
     rows = [r.row() for r in runners]
     for row in rows:
         print(f"{row['name']:34} " + (f"{row['ms']:8.2f} ms [{row['ms_min']:.2f}-{row['ms_max']:.2f}] "
@@ -195,7 +159,6 @@ def main():
         out[kind] = dict(batch=[B, T], rounds=args.rounds, steps=args.steps,
                          rows=run(kind, dev, batch, amp, args.rounds, args.steps, only))
         if not args.smoke:   # after each model: a run cut short keeps what it measured
-            from _harness import write
             print("wrote", write("train-" + "-".join(kinds), out), flush=True)
 
 

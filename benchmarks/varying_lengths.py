@@ -7,7 +7,7 @@ time, per-step times (capture and compile included, so the steps that recompile 
 unoptimized calls are recorded. Phase 2 (warm): the variants alternate over ``--rounds`` rounds of the
 same sequence (A B A B); per round the sequence's total time, median and spread over rounds.
 
-    python benchmarks/varying_lengths.py [--steps 30] [--rounds 3] [--model 1b|4layer|bloom4|tiny]
+    python -m benchmarks varying_lengths [--steps 30] [--rounds 3] [--model 1b|4layer|bloom4|tiny]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 import torch
 
 import opsmath
-from _harness import write
+from benchmarks._harness import interleave, write
 
 CONFIGS = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
@@ -60,6 +60,18 @@ def run_sequence(model, opt, batches, sync):
     return times
 
 
+class Sequence:
+    """A variant's model and optimizer, warm: a timed round trains on the first ``steps`` batches of the
+    sequence and adds their total seconds to ``row["warm_total_s"]`` (``interleave`` alternates the variants)."""
+
+    def __init__(self, model, opt, row, batches, sync):
+        self.model, self.opt, self.row, self.batches, self.sync = model, opt, row, batches, sync
+
+    def timed_round(self, steps, accumulate=1):
+        times = run_sequence(self.model, self.opt, self.batches[:steps], self.sync)
+        self.row.setdefault("warm_total_s", []).append(sum(times))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -95,13 +107,11 @@ def main():
                                     attention=sum(m.pattern == "attention" for m in g.matches))
                                for g in rep.graphs], unoptimized_calls=rep.unoptimized_calls,
                        fallbacks=rep.fallback_errors)
-        variants[label] = (model, opt, row)
+        variants[label] = Sequence(model, opt, row, batches, sync)
         print(f"{label:18} cold: {sum(cold):7.1f} s for {len(lengths)} steps ({len(set(lengths))} lengths); "
               f"steps over 1 s: {[round(t, 1) for t in cold if t > 1]} {row.get('graphs', '')}", flush=True)
-    for _ in range(args.rounds):     # warm, A B A B
-        for model, opt, row in variants.values():
-            row.setdefault("warm_total_s", []).append(sum(run_sequence(model, opt, batches, sync)))
-    rows = [row for _, _, row in variants.values()]
+    interleave(list(variants.values()), args.rounds, len(batches))     # warm, A B A B
+    rows = [v.row for v in variants.values()]
     for r in rows:
         r["warm_median_s"] = statistics.median(r["warm_total_s"])
         r["ms_per_step"] = r["warm_median_s"] / len(lengths) * 1e3

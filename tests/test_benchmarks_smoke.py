@@ -1,5 +1,6 @@
-"""The GPU benchmark scripts run end to end at toy size on CPU (``--smoke``): device time is scarce, so a
-script that would crash there is caught here. They measure nothing in this mode and write no results."""
+"""The GPU benchmarks run end to end at toy size on CPU (``python -m benchmarks NAME --smoke``): device time
+is scarce, so a benchmark that would crash there is caught here. They measure nothing in this mode and write
+no results."""
 import os
 import subprocess
 import sys
@@ -8,41 +9,53 @@ import pytest
 
 pytestmark = pytest.mark.slow   # left out of the quick run (README: -m "not slow")
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
 @pytest.mark.parametrize("args", [
-    ["train.py", "--smoke"],
-    ["hf_default_attention.py", "--smoke"],
-    ["varying_lengths.py", "--smoke"],
-    ["varying_lengths.py", "--smoke", "--model", "bloom4"],
-    ["activations.py", "--smoke"],
-    ["cross_entropy.py", "--smoke"],
-    ["learning_curve.py", "--smoke"],
-    ["fp8_curve.py", "--smoke"],
-    ["fp8_curve.py", "--smoke", "--model", "gpt2", "--fp8-min-dim", "16", "--data-vocab", "64", "--no-torchao", "--amp"],
-    ["memory.py", "--smoke", "--quick", "--paths", "op-by-op", "--lengths", "64,128"],
-    ["memory.py", "--smoke", "--model", "llama", "--no-long", "--no-anchors", "--paths", "op-by-op",
+    ["train", "--smoke"],
+    ["hf_default_attention", "--smoke"],
+    ["varying_lengths", "--smoke"],
+    ["varying_lengths", "--smoke", "--model", "bloom4"],
+    ["activations", "--smoke"],
+    ["cross_entropy", "--smoke"],
+    ["learning_curve", "--smoke"],
+    ["fp8_curve", "--smoke"],
+    ["fp8_curve", "--smoke", "--model", "gpt2", "--fp8-min-dim", "16", "--data-vocab", "64", "--no-torchao", "--amp"],
+    ["memory", "--smoke", "--quick", "--paths", "op-by-op", "--lengths", "64,128"],
+    ["memory", "--smoke", "--model", "llama", "--no-long", "--no-anchors", "--paths", "op-by-op",
      "--fractions", "0.5"],
-    ["inductor_partition.py", "--smoke"],
-    ["sass_stats.py", "--op", "dropout_add_norm", "--width", "256", "--config", "1"],
-    ["dynamic_guards.py", "--inductor", "0"],
-    ["moe.py", "--smoke", "--variants", "torch.compile,opsmath.optimize"],
-    ["moe.py", "--smoke", "--curve", "3"],
-    ["multi_gpu.py", "--smoke"],
+    ["inductor_partition", "--smoke"],
+    ["sass_stats", "--op", "dropout_add_norm", "--width", "256", "--config", "1"],
+    ["moe", "--smoke", "--variants", "torch.compile,opsmath.optimize"],
+    ["moe", "--smoke", "--curve", "3"],
+    ["multi_gpu", "--smoke"],
 ], ids=lambda a: a[0])
 def test_benchmark_script_smoke(args, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), OPSMATH_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, *args], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_every_benchmark_listed_by_family():
+    """``python -m benchmarks`` lists every module under a family of its own, with its docstring's first line."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-4000:]
+    sys.path.insert(0, ROOT)
+    from benchmarks import FAMILIES, names, summary
+    listed = [n for mods in FAMILIES.values() for n in mods]
+    assert sorted(listed) == names(), (sorted(set(names()) - set(listed)), sorted(set(listed) - set(names())))
+    assert "other:" not in r.stdout
+    for n in names():
+        assert summary(n) and f"  {n} " in r.stdout, n
 
 
 def test_exposed_communication_from_a_trace():
     """multi_gpu.py's exposed NCCL time: kernels read from a Chrome trace, NCCL time not covered by any
     compute kernel (compute intervals merged first)."""
-    import sys
-    sys.path.insert(0, BENCH)
-    from multi_gpu import kernels_of, overlap_ms
+    sys.path.insert(0, ROOT)
+    from benchmarks.multi_gpu import kernels_of, overlap_ms
     trace = {"traceEvents": [
         {"cat": "kernel", "name": "ampere_gemm", "ts": 0, "dur": 100},
         {"cat": "kernel", "name": "triton_fused", "ts": 80, "dur": 40},        # merged: 0-120

@@ -13,8 +13,8 @@ import torch
 import opsmath
 from opsmath.runtime import cudagraphs
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import cuda_graph_loops as loops  # noqa: E402
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+from benchmarks import cuda_graph_loops as loops  # noqa: E402
 
 
 def _pool_of(tensors, monkeypatch):

@@ -1,5 +1,5 @@
-"""benchmarks/fleet.py runs end to end at toy size on CPU (``--smoke``): every model and recipe asked for
-gets its rows in the JSON, none an error row. It measures nothing in this mode."""
+"""``python -m benchmarks fleet`` runs end to end at toy size on CPU (``--smoke``): every model and recipe
+asked for gets its rows in the JSON, none an error row. It measures nothing in this mode."""
 import glob
 import json
 import os
@@ -10,14 +10,14 @@ import pytest
 
 pytestmark = pytest.mark.slow   # about 40 s on two cores (README: -m "not slow" leaves it out)
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 MODELS = ["gpt2", "bert", "mixtral"]   # a decoder with a graph break, a padded encoder, experts
 
 
 def test_fleet_smoke_rows_for_both_recipes(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), OPSMATH_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "fleet.py", "--smoke", "--models", ",".join(MODELS)], cwd=BENCH, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "fleet", "--smoke", "--models", ",".join(MODELS)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     (path,) = glob.glob(str(tmp_path / "fleet-*-smoke-*.json"))
     out = json.load(open(path))
