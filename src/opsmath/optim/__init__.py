@@ -18,6 +18,11 @@ unscaling/skip, optional fp32 master weights and optional 8-bit moments fused in
   the step updates the master and writes the rounded parameter in the same pass.
 * ``state_bits=8``: both moments stored block-wise quantized (``src/opsmath/kernels/adamw_8bit.py``): 2 bytes of
   state per parameter instead of 8 (fp32) or 4 (bf16).
+* ``in_backward=True``: each parameter is updated inside backward as soon as its gradient is final, and
+  its ``.grad`` freed, so no full set of gradients is ever alive (``src/opsmath/optim/in_backward.py``);
+  ``step()`` then has nothing left to do. Exact with respect to the same optimizer stepping after
+  backward; ``max_grad_norm``, gradient accumulation and ``GradScaler`` need every gradient first and
+  raise a clear error instead.
 * ``torch.amp.GradScaler``: the optimizer declares ``_step_supports_amp_scaling``, so the scaler hands it
   ``grad_scale`` and ``found_inf``; gradients are unscaled inside the kernel and a step with inf/NaN
   gradients changes nothing (parameters, moments and step counts stay).
@@ -41,6 +46,7 @@ from opsmath.kernels._common import use_triton
 from opsmath.kernels.adamw import (Gate, MultiTensor, adamw_reference, adamw_triton, global_grad_norm_reference,
                                    grad_sumsq_triton, group_table)
 
+from opsmath.optim.in_backward import InBackward
 from opsmath.optim.state import TrackedState, plain, tracked
 
 _Q8_KEYS = ("exp_avg_q", "exp_avg_sq_q", "exp_avg_max", "exp_avg_sq_max")
@@ -51,7 +57,7 @@ class AdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  max_grad_norm: float | None = None, master_weights: bool = False, state_bits: int = 32,
-                 skip_nonfinite: bool = False,
+                 skip_nonfinite: bool = False, in_backward: bool = False, bucket_bytes: int = 2**25,
                  amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
         for name, flag in (("amsgrad", amsgrad), ("maximize", maximize), ("differentiable", differentiable)):
             if flag:
@@ -65,6 +71,9 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid betas {betas}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+        if in_backward and max_grad_norm is not None:
+            raise ValueError("in_backward=True updates each parameter before the global gradient norm exists; "
+                             "max_grad_norm needs it: clip with in_backward=False")
         if state_bits not in (8, 32):
             raise ValueError(f"state_bits must be 32 (moments in fp32, or the parameter's dtype) or 8, got {state_bits}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
@@ -75,8 +84,15 @@ class AdamW(torch.optim.Optimizer):
         self.max_grad_norm, self.skip_nonfinite = max_grad_norm, skip_nonfinite
         self.last_grad_norm: torch.Tensor | None = None
         self.skipped_steps: torch.Tensor | int = 0
-        self._plan: _Plan | None = None
-        self._plan_key: tuple = ()
+        self._plans: dict = {}      # parameters stepped together -> (what the tables depend on, _Plan)
+        self._in_backward = InBackward(self._step_entries, bucket_bytes) if in_backward else None
+        for gi, group in enumerate(self.param_groups if in_backward else ()):
+            self._in_backward.watch(gi, group["params"])
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if getattr(self, "_in_backward", None) is not None:
+            self._in_backward.watch(len(self.param_groups) - 1, self.param_groups[-1]["params"])
 
     # ---- state ---------------------------------------------------------------------------------
     def _state_for(self, p: torch.Tensor, group: dict) -> dict:
@@ -123,7 +139,7 @@ class AdamW(torch.optim.Optimizer):
             for k, v in saved.get(i, {}).items():
                 if k != "step" and isinstance(v, torch.Tensor) and v.dtype != self.state[p][k].dtype:
                     self.state[p][k] = v.to(p.device, copy=True)
-        self._plan, self._plan_key = None, ()
+        self._plans.clear()
 
     # ---- step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -132,23 +148,35 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._in_backward is not None:
+            self._in_backward.flush()
+            self._in_backward.check_step(self)
         entries = [(gi, p) for gi, group in enumerate(self.param_groups) for p in group["params"]
                    if p.grad is not None]
-        if not entries:
-            return loss
-        if self._key(entries) != self._plan_key or self._plan is None:
+        if entries:
+            self._step_entries(entries)
+        return loss
+
+    def _step_entries(self, entries: list) -> None:
+        """Update ``[(group index, parameter)]`` with their gradients, through launch tables cached per set
+        of parameters stepped together (all of them, or one in-backward bucket)."""
+        ids = tuple(id(p) for _, p in entries)
+        key = self._key(entries)
+        key_plan = self._plans.get(ids)
+        if key_plan is None or key_plan[0] != key:
             for gi, p in entries:
                 if p.grad.is_sparse:
                     raise RuntimeError("opsmath.optim.AdamW does not support sparse gradients")
-            self._plan = _Plan([(self.param_groups[gi], gi, p, self._state_for(p, self.param_groups[gi]))
-                                for gi, p in entries])
-            self._plan_key = self._key(entries)   # with the state entries just made
-        self.last_grad_norm, taken = self._plan.run(self.param_groups, self.max_grad_norm, self.skip_nonfinite,
-                                                    getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+            plan = _Plan([(self.param_groups[gi], gi, p, self._state_for(p, self.param_groups[gi]))
+                          for gi, p in entries])
+            if len(self._plans) > 256:
+                self._plans.clear()
+            key_plan = self._plans[ids] = (self._key(entries), plan)   # with the state entries just made
+        self.last_grad_norm, taken = key_plan[1].run(self.param_groups, self.max_grad_norm, self.skip_nonfinite,
+                                                     getattr(self, "grad_scale", None),
+                                                     getattr(self, "found_inf", None))
         if self.skip_nonfinite and self.max_grad_norm is not None:
             self.skipped_steps = self.skipped_steps + (1 - taken)
-        return loss
-
 
     def _key(self, entries) -> tuple:
         """What the launch tables depend on: the parameters, their gradients' dtypes, the groups' constants,

@@ -1,0 +1,105 @@
+"""``opsmath.optim.AdamW(in_backward=True)``: every parameter updated inside backward equals
+``torch.optim.AdamW`` stepping after it, no ``.grad`` is left, and what needs every gradient first
+(clipping, accumulation, GradScaler) is a clear error."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opsmath
+from opsmath.optim import AdamW
+
+from conftest import DEVICE
+
+
+def _model(device="cpu"):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(13, 37), nn.GELU(), nn.LayerNorm(37), nn.Linear(37, 29), nn.ReLU(),
+                         nn.Linear(29, 5)).to(device)
+
+
+def _groups(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0, lr=2e-3)]
+
+
+def _batch(i, device):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(8, 13, generator=g).to(device), torch.randn(8, 5, generator=g).to(device)
+
+
+def _train(model, opt, steps, device, check_grads_freed=False):
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))   # lr changes between steps
+    for i in range(steps):
+        x, y = _batch(i, device)
+        loss = ((model(x) - y) ** 2).mean() * 10
+        loss.backward()
+        if check_grads_freed:
+            assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 2**25])   # a launch per parameter, or one per backward
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_in_backward_equals_torch_adamw_and_frees_every_grad(path, bucket_bytes, request):
+    if path == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    device = DEVICE if path == "triton" else "cpu"
+    ref_model, our_model = _model(device), _model(device)
+    ref = torch.optim.AdamW(_groups(ref_model), lr=1e-3, betas=(0.9, 0.95))
+    ours = AdamW(_groups(our_model), lr=1e-3, betas=(0.9, 0.95), in_backward=True, bucket_bytes=bucket_bytes)
+    _train(ref_model, ref, 4, device)
+    _train(our_model, ours, 4, device, check_grads_freed=True)
+    for a, b in zip(our_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    sd, sd_ref = ours.state_dict(), ref.state_dict()
+    for i, st in sd_ref["state"].items():
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(sd["state"][i][k], st[k], rtol=1e-5, atol=1e-7)
+
+
+def test_in_backward_under_optimize_equals_eager():
+    """The hooks fire on the parameters of an optimized model (compiled backward) as on eager ones."""
+    eager_model = _model()
+    our_model = opsmath.optimize(copy.deepcopy(eager_model))
+    ref = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    ours = AdamW(our_model.parameters(), lr=1e-3, in_backward=True)
+    _train(eager_model, ref, 3, "cpu")
+    _train(our_model, ours, 3, "cpu", check_grads_freed=True)
+    for a, b in zip(our_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_what_needs_every_gradient_first_is_a_clear_error():
+    model = _model()
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        AdamW(model.parameters(), in_backward=True, max_grad_norm=1.0)
+
+    opt = AdamW(model.parameters(), in_backward=True)
+    for i in range(2):                       # two backward passes, then one step: accumulation
+        x, y = _batch(i, "cpu")
+        ((model(x) - y) ** 2).mean().backward()
+    with pytest.raises(RuntimeError, match="accumulation"):
+        opt.step()
+
+    x, y = _batch(3, "cpu")
+    ((model(x) - y) ** 2).mean().backward()
+    opt.grad_scale = torch.ones(())          # what torch.amp.GradScaler.step hands a fused optimizer
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        opt.step()
+
+
+def test_param_group_added_later_is_stepped_in_backward():
+    model = _model()
+    first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+    opt = AdamW(first, lr=1e-3, in_backward=True)
+    opt.add_param_group(dict(params=rest))
+    x, y = _batch(0, "cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    ((model(x) - y) ** 2).mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
