@@ -207,7 +207,7 @@ def attention_flops(q, k, v=None, bias=None, *rest):
     """QK^T and PV over the (i, j) pairs the kernels compute, 2 FLOPs per multiply-add: B*H x Sq x Sk x D
     each, causal about half of it (S (S + 1) / 2 pairs), causal with a window of w < S keys w S - w (w - 1) / 2.
     Takes the arguments of either graph op of the family: ``opsmath.attention`` (q, k, v, bias, mask,
-    mask_fill, is_causal, ..., window at position 11) or ``attention_tuning.sdpa`` (q, k, v, bias,
+    mask_fill, is_causal, ..., window at position 11) or ``tuning.sdpa`` (q, k, v, bias,
     is_causal, ...: a bool in fifth place, where the other has a mask tensor or None)."""
     B, H, Sq, D = q.shape
     if rest and isinstance(rest[0], bool):
@@ -242,9 +242,9 @@ def exercise(dtype: torch.dtype) -> None:
 
 # Up to this head dim opsmath's kernel measured faster than Inductor's compiled chain on softcapped attention:
 # H200, bf16, causal, cap 50, fwd+bwd (BENCHMARKS.md, attention with logit softcapping): D256 (B4 H8 S2048)
-# 1.45 ms in its 128x64 tiles against 1.73 ms compiled (``attention_config_sweep``); at D128 it wins 1.95x
+# 1.45 ms in its 128x64 tiles against 1.73 ms compiled (``results/attention_config_sweep-*``); at D128 it wins 1.95x
 # (S2048) and 2.92x (S4096). Above it (not measured) the rewrite leaves softcapped attention to Inductor;
 # op by op it keeps it.
 SOFTCAP_INDUCTOR_HEAD_DIM = 256
 
-# the family's op spec (registered in attention_tuning.py, which also defines its vendor stand-in op)
+# the family's op spec (registered in tuning.py, which also defines its vendor stand-in op)

@@ -6,8 +6,8 @@ A configuration is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; its cache name
 The three kernels (forward, dQ, dK/dV: ``KERNELS``) are separate launches, so each may run its own
 configuration: the tuner stores, beside its choice, the fastest configuration of each kernel as it
 measured them (op ``"attention_tiles"``, name ``tiles_name``), and a launch reads its kernel's. On the
-H200 at D256 with a softcap the three best differ (``benchmarks/attention_config_sweep.py``): forward
-64x32 w4 s2, dQ 64x32 w4 s1 / 64x64 w4 s2, dK/dV 128x64 w8 s1, 7.7% (B1 H16 S8192) and 8.1% (B4 H8
+H200 at D256 with a softcap the three best differ (``benchmarks/results/attention_config_sweep-d256-*``):
+forward 64x32 w4 s2, dQ 64x32 w4 s1 / 64x64 w4 s2, dK/dV 128x64 w8 s1, 7.7% (B1 H16 S8192) and 8.1% (B4 H8
 S2048) less kernel time than the best single configuration.
 """
 from __future__ import annotations
@@ -22,15 +22,15 @@ import torch
 
 from opsmath.kernels.autotune import cached
 
-OWN_ONLY = " own-only"   # key suffix of choices made without the vendor kernels (attention_tuning.choose)
+OWN_ONLY = " own-only"   # key suffix of choices made without the vendor kernels (tuning.choose)
 KERNELS = {"fwd": "_attn_fwd", "dq": "_attn_bwd_dq", "dkdv": "_attn_bwd_dkdv"}   # launch: Triton kernel name
 TILES = "attention_tiles"   # the autotune op under which each bucket's per-kernel configurations are stored
 
 
 # Block configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) the tuner measures, by padded head dim;
 # the first is the default. Pruned by hand to shapes that fit Hopper's shared memory at that head dim.
-# D256 from sweeps of 20 (``benchmarks/attention_config_sweep.py``, H200, causal, softcap 50, each kernel's
-# GPU time): at B1 H16 S8192 the forward runs fastest in 64x32 w4 s2 (2.01 ms; 128x64 w8 s1 2.48), dQ in
+# D256 from sweeps of 20 (``benchmarks/results/attention_config_sweep-d256-*``, H200, causal, softcap 50,
+# each kernel's GPU time): at B1 H16 S8192 the forward runs fastest in 64x32 w4 s2 (2.01 ms; 128x64 w8 s1 2.48), dQ in
 # 64x32 w4 s1 (2.50) and 64x64 w4 s2 (2.66; the fastest at B4 H8 S2048), dK/dV in 128x64 w8 s1 (3.60; 64x32
 # w4 s2 4.77); 128x32 w8 s2 stays (the third fwd+bwd at B4 H8 S2048, 1.74 ms); 128x64 s2, 128x32 s1 and
 # 128x128 s1 do not fit in 227 KiB. The default is fast in every kernel, 64x32 w4 s2; 64x32 w4 s1 also

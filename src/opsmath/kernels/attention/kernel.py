@@ -368,7 +368,7 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
     common = dict(HAS_BIAS=has_bias, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal), WINDOW=window > 0,
                   HAS_DROPOUT=dropout_p > 0, SOFTCAP=bool(softcap), PRECISION=launch_precision(q))
 
-    def tiles(kernel):   # each kernel its own configuration (attention_configs.launch_cfg)
+    def tiles(kernel):   # each kernel its own configuration (configs.launch_cfg)
         BM, BN, BD, warps, stages = launch_cfg(q, D, key, kernel)
         return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)

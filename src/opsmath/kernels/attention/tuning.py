@@ -18,7 +18,7 @@ the inputs and passes ``accurate_backends`` (docs/design.md's rule against an fp
 gradients). The winner is stored by ``src/opsmath/kernels/autotune.py`` (per GPU, versions, dtype and shape
 bucket; persisted) and returned as ``"opsmath"`` or ``"sdpa_flash"`` / ``"sdpa_cudnn"`` /
 ``"sdpa_efficient"``; when opsmath's kernel wins in a configuration ``opsmath:BMxBNwWsS``, its launches
-read that configuration back from the cache (``attention_configs.launch_cfg``), and where its three
+read that configuration back from the cache (``configs.launch_cfg``), and where its three
 kernels measured fastest in different configurations, each kernel's own (op ``attention_tiles``).
 ``sdpa(...)`` is what the emitted graph calls for a vendor choice.
 """

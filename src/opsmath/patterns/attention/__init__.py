@@ -1,7 +1,7 @@
 """Attention: ``matmul -> [scale | bias | mask]* -> softmax -> [cast] -> [dropout] -> matmul`` to
 ``opsmath::attention``.
 
-Anchored on every last-dim softmax (the chain is read by ``_attention_chain.py``) and on every
+Anchored on every last-dim softmax (the chain is read by ``chain.py``) and on every
 ``scaled_dot_product_attention`` call. The score modifications are composed into the kernel's
 canonical form ``where(mask, fill, scale * Q K^T + bias)`` (see ``src/opsmath/kernels/attention/__init__.py``); constant
 masks (a sliced ``tril`` buffer, HF's arange-built masks) that equal ``j > i`` become ``is_causal``, and
@@ -97,7 +97,7 @@ class AttentionRule(Rule):
         with ctx.graph.inserting_before(pv):
             q, k, v = _operands(ctx, sm, plan)
             bias, mask = _bias(ctx, sm, plan), _mask(ctx, sm, plan)
-            if plan.sink is not None:   # one more key and a dummy query row (_attention_sinks)
+            if plan.sink is not None:   # one more key and a dummy query row (sinks.py)
                 q, k, v = with_sink(ctx, sm, q, k, v, plan.sink, plan.scale)
                 bias, mask = (pad_for_sink(ctx, sm, x, plan.scores[-1]) for x in (bias, mask))
             seed = ctx.dropout_seed(plan.dropout_p, q, sm)
@@ -143,7 +143,7 @@ def _operands(ctx: RewriteContext, sm: fx.Node, plan: Plan) -> tuple:
     if plan.k_needs_transpose:
         k = ctx.call(aten.transpose.int, (k, -2, -1), sm)
     q, k, v = (ctx.cast(x, cdt, sm) for x in (q, k, v))
-    for t in plan.q_scales:   # a score row's scale is its query's (``_attention_chain._tensor_scale``)
+    for t in plan.q_scales:   # a score row's scale is its query's (``chain._tensor_scale``)
         q = ctx.call(aten.mul.Tensor, (q, ctx.cast(t, cdt, sm)), sm)
     d, dv = shape(plan.q)[-1], shape(plan.v)[-1]
     if dv < d:

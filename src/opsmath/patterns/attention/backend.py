@@ -2,7 +2,7 @@
 
 Matching and emitting are pure: the rule always emits ``opsmath::attention`` and marks the node with
 its match (``meta[MATCH]``). Once every rule has run, ``choose_backends`` asks the tuner
-(``kernels.attention_tuning.backend_for``, which measures the candidates on the GPU for these shapes and
+(``kernels.attention.tuning.backend_for``, which measures the candidates on the GPU for these shapes and
 caches the answer) and, where an SDPA backend measured fastest, replaces the op by that backend's call
 (the mask and bias folded into one additive ``attn_mask``). The report's match says what was chosen.
 On CPU the tuner always answers ``"opsmath"``.

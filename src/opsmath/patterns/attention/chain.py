@@ -117,7 +117,7 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def _windows_merged(cur: fx.Node):
     """Swin's shifted-window mask: ``view(view(S, (A, W, H, N, N)) + m, (A*W, H, N, N))``, the scores of
     A images x W windows split per window, a (1, W|1, H|1, N, N) bias ``m`` added, merged back. Returns
-    (S, the bias op with ``m`` 5-D, folded to 4-D at emission: ``_attention_plan.bias_shape``), a reason,
+    (S, the bias op with ``m`` 5-D, folded to 4-D at emission: ``plan.bias_shape``), a reason,
     or None for any other op."""
     x = cur.args[0] if cur.args else None
     if cur.target not in _VIEWS or len(shape(cur)) != 4 or not isinstance(x, fx.Node) \

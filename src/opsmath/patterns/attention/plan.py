@@ -42,16 +42,16 @@ class Plan:
     dropout_p: float = 0.0
     nodes: list = field(default_factory=list)    # chain nodes, in graph order
     scores: tuple = ()                # the scores' shape (..., Sq, Sk)
-    flat_rows: bool = False           # scores from (B*H)-row operands (_attention_flat): biases unflattened
+    flat_rows: bool = False           # scores from (B*H)-row operands (flat.py): biases unflattened
     flat_out: bool = False            # P V over (B*H) rows: the 4-D output is flattened back
-    sink: Optional[fx.Node] = None    # attention sinks: a logit per head in the softmax (_attention_sinks)
+    sink: Optional[fx.Node] = None    # attention sinks: a logit per head in the softmax (sinks.py)
     q_scales: list = field(default_factory=list)   # tensors (..., 1) the scores' rows are multiplied by
     autocast: bool = False            # an SDPA call whose fp32 operands autocast cast (float biases too)
 
 
 def bias_shape(plan: Plan, b: fx.Node) -> tuple:
     """A bias's shape as the 4-D scores see it: (B*H)-row biases of a flattened chain as (B, H, ...); a
-    5-D per-window bias (1, W|1, H|1, N, N) of Swin's split scores (``_attention_chain._windows_merged``)
+    5-D per-window bias (1, W|1, H|1, N, N) of Swin's split scores (``chain._windows_merged``)
     as (A*W|1, H|1, N, N)."""
     s = shape(b)
     if plan.flat_rows and flat_bias_rows(b, plan.scores[1]):
@@ -133,7 +133,7 @@ def finish_plan(ctx, plan: Plan) -> Union[str, Plan]:
 
 def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
     """Masks/biases equal to the ``j > i`` pattern become ``is_causal`` (block skipping): constant ones,
-    and masks built from index comparisons of symbolic length (``_attention_masks``), alone or combined
+    and masks built from index comparisons of symbolic length (``masks.py``), alone or combined
     with a sliding window (``plan.window``) and other conditions (which stay a mask)."""
     def const(x):
         return constant_value(ctx.gm, x, ctx.constants)

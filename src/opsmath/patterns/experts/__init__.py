@@ -19,7 +19,7 @@ routed (token, slot) pairs, with the same routing, weights and sums:
 
 Constraints (else the loop stays as written, the report says why): the experts are routed by
 consecutive constants from one index tensor; every expert computes the same function of its rows
-(``_experts_body.py``); each adds into one fresh accumulator (``zeros``, ``zeros_like``) by
+(``body.py``); each adds into one fresh accumulator (``zeros``, ``zeros_like``) by
 ``out[tok] += c``, ``out.index_put_((tok,), c, accumulate=True)`` or ``index_add(_)``, read by nothing
 before the loop ends. ``out[tok] += c`` keeps one write per repeated token, so it is rewritten only when
 the routing comes from ``topk`` (distinct experts per token). Rows whose index falls outside the experts
