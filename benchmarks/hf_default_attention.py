@@ -75,6 +75,11 @@ MODELS = {  # name: (transformers class, config kwargs, batch, sequence)
     # HF's eager attention as BLOOM writes it
     "bloom": ("BloomForCausalLM", "BloomConfig", dict(
         hidden_size=2048, n_layer=8, n_head=16, vocab_size=32000, hidden_dropout=0.0, attention_dropout=0.0), 4, 2048),
+    # the same 1.1B at a small batch: activations small beside the 4.4 GB of fp32 gradients, the step's
+    # peak in backward (what AdamW(in_backward=True) lowers)
+    "llama_b1": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096), 1, 512),
     "tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=256), 2, 32),
@@ -106,7 +111,7 @@ class Variant(Stepper):
         super().__init__(label, device)
         self.model, self.batch = model, batch
         self.amp = RECIPE[0] == "amp"
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+        self.opt = OPTIMIZERS.get(label, _torch_adamw)(model.parameters(), device)
 
     def step(self, accumulate: int = 1):
         """One optimizer step over ``accumulate`` micro-batches (the same batch each time)."""
@@ -138,6 +143,17 @@ class Variant(Stepper):
             r["graphs"], r["fallbacks"] = len(rep.graphs), rep.fallback_errors
             r["kept_as_written"] = [e.to_dict() for e in rep.eager_regions]
         return r
+
+
+def _torch_adamw(params, device):
+    return torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
+
+
+OPTIMIZERS = {  # label: the optimizer its variant steps with (else torch's fused AdamW)
+    "opsmath.optimize + opsmath AdamW": lambda params, device: opsmath.optim.AdamW(params, lr=1e-5),
+    "opsmath.optimize + opsmath AdamW(in_backward)":
+        lambda params, device: opsmath.optim.AdamW(params, lr=1e-5, in_backward=True),
+}
 
 
 def torchao_float8(model):
@@ -184,6 +200,7 @@ VARIANTS = {  # label: (wrap the built model, attn_implementation or None for th
     "opsmath.optimize(fp8=rowwise) + CUDA graphs": (
         lambda m: opsmath.optimize(m, fp8="rowwise", cuda_graphs=True), None),
     "torchao float8 + torch.compile": (torchao_float8, None),
+    **{label: (opsmath.optimize, None) for label in OPTIMIZERS},
     FP8_ALONE: (lambda m: SharedInputThresholdOff(opsmath.optimize(m, fp8=True, cuda_graphs=True)), None),
 }
 # built after the first variant's warm-up, under an absolute memory_budget at the first variant's total
@@ -266,6 +283,7 @@ def main():
                     help="micro-batches per optimizer step; a list (1,4) times each variant at each, interleaved")
     ap.add_argument("--recipe", choices=["amp", "bf16"], default="amp",
                     help="amp: fp32 weights under bf16 autocast (what most users run); bf16: bf16 weights")
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = ap.parse_args()
     RECIPE[0] = args.recipe
@@ -280,7 +298,7 @@ def main():
         if not args.smoke:
             tag = ("-checkpointed" if args.gradient_checkpointing else "") + ("-" + n if n in ("gemma2", "gemma2_9b", "gemma2_9b_8k", "gemma2_9b_v256k", "gpt_oss", "bloom") else "") \
                 + ("-fp8" if any("fp8" in v for v in args.variants.split(",")) else "") \
-                + ("-accumulate" if max(ks) > 1 else "") + ("-amp" if args.recipe == "amp" else "")
+                + ("-accumulate" if max(ks) > 1 else "") + ("-amp" if args.recipe == "amp" else "") + (f"-{args.tag}" if args.tag else "")
             print("wrote", write("hf_default_attention" + tag, out), flush=True)
 
 
