@@ -71,6 +71,14 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _token_padded(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 (tokens, features) operand of dW = gᵀ x with zero rows appended up to a multiple of 16 tokens:
+    ``_scaled_mm`` on CUDA wants its inner dimension a multiple of 16, and the token count (batch x
+    sequence) is whatever the batch is; a zero row adds nothing to the sum. (Byte 0 is +0 in e4m3 and e5m2.)"""
+    pad = -t.shape[0] % 16
+    return torch.nn.functional.pad(t.view(torch.uint8), (0, 0, 0, pad)).view(t.dtype) if pad else t
+
+
 class FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, b, rowwise: bool = False, wq=None, sw=None):
@@ -106,15 +114,16 @@ class FP8Linear(torch.autograd.Function):
                 dx = _scaled_mm(gq, _col_major(wq), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
             if ctx.needs_input_grad[1]:
                 gq, sg = quantize(g, E4M3, 0)
-                dw = _scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg.reshape(-1).unsqueeze(1), scale_b=sx,
-                                      out_dtype=ctx.dtype)
+                dw = _scaled_mm(_token_padded(gq).t().contiguous(), _col_major(_token_padded(xq)),
+                                scale_a=sg.reshape(-1).unsqueeze(1), scale_b=sx, out_dtype=ctx.dtype)
         else:
             xq, sx, wq, sw = ctx.saved_tensors
             gq, sg = quantize(g, E5M2)
             if ctx.needs_input_grad[0]:
                 dx = _scaled_mm(gq, _col_major(wq), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
             if ctx.needs_input_grad[1]:
-                dw = _scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=sg, scale_b=sx, out_dtype=ctx.dtype)
+                dw = _scaled_mm(_token_padded(gq).t().contiguous(), _col_major(_token_padded(xq)), scale_a=sg,
+                                scale_b=sx, out_dtype=ctx.dtype)
         if dx is not None:
             dx = dx.reshape(ctx.shape)
         if dw is not None:
