@@ -15,3 +15,30 @@ def test_hf_trainer_recipe_trains_with_the_rewrites():
     report = main(steps=3)
     assert report.count("attention") == 2 and report.count("dropout_add_norm") == 4
     assert len(report.graphs) == 1 and report.graphs[0].calls == 3 and not report.fallback_errors
+
+
+def test_lightning_recipe_trains_with_the_rewrites():
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    report = runpy.run_path(os.path.join(EXAMPLES, "lightning_module.py"))["main"](steps=3)
+    assert report.count("attention") == 2 and report.count("dropout_add_norm") == 4
+    assert len(report.graphs) == 1 and report.graphs[0].calls == 3 and not report.fallback_errors
+
+
+def test_accelerate_recipe_accumulates_with_the_rewrites():
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    report = runpy.run_path(os.path.join(EXAMPLES, "accelerate_loop.py"))["main"](steps=3, accumulate=2)
+    assert report.count("attention") == 2 and report.count("dropout_add_norm") == 4
+    assert len(report.graphs) == 1 and report.graphs[0].calls == 6 and not report.fallback_errors
+
+
+def test_grad_scaler_recipe_trains_as_eager():
+    """fp16 autocast + GradScaler + opsmath's fused AdamW: the losses of eager's same loop, step by step."""
+    pytest.importorskip("transformers")
+    main = runpy.run_path(os.path.join(EXAMPLES, "grad_scaler_loop.py"))["main"]
+    report, losses = main(steps=4)
+    _, eager = main(steps=4, optimized=False)
+    assert report.count("attention") == 2 and not report.fallback_errors
+    for a, b in zip(losses, eager):
+        assert abs(a - b) <= 2e-3 * abs(b)
