@@ -58,3 +58,26 @@ def test_a_sliding_window_is_not_causal():
     both = gm.graph.call_function(aten.logical_and.default, (causal, window))
     assert not is_causal_index_mask(both, removes=False, Sq=S, Sk=S)
     assert key_minus_query(both) is None
+
+
+def _fill_graph(shared: bool):
+    """``zeros(S, S).masked_fill_(triu(ones, 1), -inf)`` (nn.MultiheadAttention's bool-mask-to-bias), with the
+    zeros also read by another op when ``shared``."""
+    g = fx.Graph()
+    ones = g.call_function(aten.ones.default, ([S, S],), {"dtype": torch.bool})
+    mask = g.call_function(aten.triu.default, (ones, 1))
+    zeros = g.call_function(aten.zeros.default, ([S, S],))
+    other = g.call_function(aten.add.Tensor, (zeros, 1.0)) if shared else None
+    fill = g.call_function(aten.masked_fill_.Scalar, (zeros, mask, float("-inf")))
+    g.output((fill, other) if shared else fill)
+    return fx.GraphModule(torch.nn.Module(), g), fill
+
+
+def test_an_in_place_fill_is_a_constant_only_when_nothing_else_reads_its_target():
+    from opsmath.rewrite.canonicalize import constant_value
+    gm, fill = _fill_graph(shared=False)
+    value = constant_value(gm, fill, {})
+    assert value is not None and torch.equal(value, torch.zeros(S, S).masked_fill(torch.ones(S, S).triu(1).bool(),
+                                                                                  float("-inf")))
+    gm, fill = _fill_graph(shared=True)
+    assert constant_value(gm, fill, {}) is None

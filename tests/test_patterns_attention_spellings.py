@@ -1,10 +1,16 @@
-"""Attention spellings found in third-party model code: a debugging copy of the scores nothing reads, and
-einsum in (batch, seq, head, dim) layout. Rewritten and exact (models and helpers: ``test_patterns_attention``)."""
+"""Attention spellings found in third-party model code: a debugging copy of the scores nothing reads,
+einsum in (batch, seq, head, dim) layout, and ``nn.MultiheadAttention`` with a boolean ``triu`` mask. Rewritten and exact (models and helpers: ``test_patterns_attention``)."""
+import copy
+
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+import opsmath
+
 from test_patterns_attention import D, T, AttnModel, _compare, _inputs
+from tolerance import rel_err
 
 
 def dead_debug_clone(q, k, v, m):
@@ -33,3 +39,33 @@ def test_held_out_spelling_is_rewritten_and_exact(name):
     rep = _compare(AttnModel(fn), *_inputs())
     assert rep.count("attention") == 1, rep.render(width=120)
     assert rep.matches[0].details["causal"] == causal
+
+
+class TriuMaskedMHA(nn.Module):
+    """``nn.MultiheadAttention`` given the boolean causal mask built in ``forward`` (True = not attended), which it
+    turns into a bias with ``zeros_like(mask).masked_fill_(mask, -inf)``: read as causal, not as a T x T bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        T_ = x.shape[1]
+        mask = torch.triu(torch.ones(T_, T_, dtype=torch.bool, device=x.device), diagonal=1)
+        return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+def test_multihead_attention_with_a_triu_bool_mask_is_causal_and_exact():
+    torch.manual_seed(0)
+    model, x = TriuMaskedMHA(), torch.randn(2, 19, 32)
+    eager, opt = copy.deepcopy(model), opsmath.optimize(model)
+    y1, y2 = opt(x), eager(x)
+    w = torch.randn_like(y1)
+    (y1 * w).sum().backward()
+    (y2 * w).sum().backward()
+    assert rel_err(y1, y2) < 1e-5
+    for p1, p2 in zip(opt.parameters(), eager.parameters()):
+        assert rel_err(p1.grad, p2.grad) < 1e-4
+    rep = opsmath.report(opt)
+    assert rep.count("attention") == 1 and rep.matches[0].details["causal"], rep.render(width=120)
+    assert not rep.matches[0].details["has_bias"]

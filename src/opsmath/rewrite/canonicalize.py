@@ -281,11 +281,24 @@ def only_users_in(node: fx.Node, allowed: set) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
+_FILLS = {aten.masked_fill_.Scalar, aten.fill_.Scalar}
+
+
+def _private_fill(n: fx.Node) -> bool:
+    """An in-place fill whose target nothing else reads or writes: ``zeros_like(m).masked_fill_(m, -inf)``,
+    how ``nn.MultiheadAttention`` turns a boolean mask into a bias. Its value is then that of the
+    out-of-place op, and no mutation outside the evaluated nodes can change it."""
+    if n.target not in _FILLS or not isinstance(n.args[0], fx.Node) or len(n.args[0].users) != 1:
+        return False
+    return not any(isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable for u in n.users)
+
+
 def constant_value(gm: fx.GraphModule, node, constants: dict[str, torch.Tensor], limit: int = 200):
     """Evaluate ``node`` to a real tensor when it depends only on tensor factories, ``get_attr``
     constants and module buffers (``constants``, by placeholder name). Returns None otherwise.
 
-    Factories with device arguments are evaluated on CPU: only the value is wanted.
+    Factories with device arguments are evaluated on CPU: only the value is wanted. The one kind of
+    in-place op evaluated is a fill of a tensor nothing else uses (``_private_fill``).
     """
     if not isinstance(node, fx.Node):
         return node
@@ -300,7 +313,8 @@ def constant_value(gm: fx.GraphModule, node, constants: dict[str, torch.Tensor],
         if n.op not in ("placeholder", "get_attr", "call_function"):
             return None
         if n.op == "call_function" and (not isinstance(n.target, torch._ops.OpOverload)
-                                        or n.target._schema.is_mutable and n.target is not aten.detach_.default):
+                                        or n.target._schema.is_mutable and n.target is not aten.detach_.default
+                                        and not _private_fill(n)):
             return None
         if len(seen) > limit:
             return None
