@@ -42,3 +42,18 @@ def test_grad_scaler_recipe_trains_as_eager():
     assert report.count("attention") == 2 and not report.fallback_errors
     for a, b in zip(losses, eager):
         assert abs(a - b) <= 2e-3 * abs(b)
+
+
+def test_torchtune_style_recipe_compiles_each_layer_and_steps_in_backward():
+    """Per-layer ``compile(backend="opsmath")`` with the optimizer inside backward trains as eager with torch's
+    AdamW after backward (losses and weights), each layer's attention rewritten."""
+    pytest.importorskip("transformers")
+    main = runpy.run_path(os.path.join(EXAMPLES, "torchtune_style.py"))["main"]
+    model, losses, report = main(steps=3)
+    eager, eager_losses, _ = main(steps=3, optimized=False)
+    assert report.count("attention") == 1 and not report.fallback_errors
+    assert all(p.grad is None for p in model.parameters())
+    for a, b in zip(losses, eager_losses):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert (p - q).abs().max() <= 1e-4

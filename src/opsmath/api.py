@@ -372,8 +372,24 @@ def state_of(model) -> OptimizeState:
 
 
 def _state_of_compiled(compiled):
-    """The state of ``torch.compile(module, backend="opsmath")``'s result, or None."""
-    from torch._dynamo.eval_frame import innermost_backend
-    ctx = getattr(compiled, "dynamo_ctx", None)
-    callback = getattr(ctx, "callback", None)
-    return getattr(innermost_backend(callback), "_opsmath_state", None) if callback is not None else None
+    """The state of ``torch.compile(module, backend="opsmath")``'s result, or of a module compiled in place
+    with ``module.compile(backend="opsmath")`` (per-layer compilation, as torchtune does), or None."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext, innermost_backend
+    for fn in (compiled, getattr(compiled, "_compiled_call_impl", None)):
+        ctx = getattr(fn, "dynamo_ctx", None)
+        # a compiled function keeps its dynamo context in its closure
+        cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+        ctx = ctx or next((c for c in cells if isinstance(c, _TorchDynamoContext)), None)
+        callback = getattr(ctx, "callback", None)
+        state = getattr(innermost_backend(callback), "_opsmath_state", None) if callback is not None else None
+        if state is not None:
+            return state
+    return None
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
