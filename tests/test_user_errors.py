@@ -33,3 +33,25 @@ def test_user_error_reads_as_eagers():
     assert "x @ self.w" in "".join(got[-3:])                  # at the user's line
     assert len("".join(got).splitlines()) <= 2 * len("".join(eager).splitlines()) + 10
     assert "During handling of the above exception" not in "".join(got)
+
+
+class Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(10, 8), nn.Embedding(16, 8)
+
+    def forward(self, ids, pos):
+        return (self.tok(ids) + self.pos(pos)).sum()   # pos past 16: the user's mistake
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes need Python 3.11")
+def test_error_inside_the_captured_graph_names_the_users_line():
+    """An out-of-range position after capture raises inside fx's generated code; the error carries the user's
+    line (this file's ``forward``) as a note."""
+    opt = opsmath.optimize(Positions(), inductor=False)
+    ids, pos = torch.randint(0, 10, (2, 8)), torch.arange(8).expand(2, 8)
+    opt(ids, pos).backward()
+    with pytest.raises(IndexError) as info:
+        opt(ids, pos + 20)
+    notes = getattr(info.value, "__notes__", [])
+    assert any("test_user_errors.py" in n and "self.pos(pos)" in n for n in notes), notes

@@ -253,3 +253,22 @@ def _user_frames(trace: str) -> list[tuple[str, str, str]]:
         if not _internal(path):
             frames.append((path, lineno, lines[i + 1].strip() if i + 1 < len(lines) else ""))
     return frames
+
+
+def note_source(exc: BaseException) -> None:
+    """Name the user's line in an error raised inside a captured graph run op by op. Its traceback ends in
+    fx's generated code (``<eval_with_key>``), not in the user's file; the generated line gives the node
+    (fx's line map), the node's stack trace the user's line, added to the error as a note (Python 3.11+)."""
+    tb = exc.__traceback__
+    while tb is not None and hasattr(exc, "add_note"):
+        code = tb.tb_frame.f_code
+        gm = tb.tb_frame.f_locals.get("self")
+        if code.co_filename.startswith("<eval_with_key>") and isinstance(gm, fx.GraphModule):
+            index = (getattr(gm, "_lineno_map", None) or {}).get(tb.tb_lineno - code.co_firstlineno)
+            nodes = list(gm.graph.nodes)
+            if index is not None and index < len(nodes):
+                loc, line = source_location(nodes[index])
+                if loc != "<unknown>":
+                    exc.add_note(f"opsmath: raised by the captured graph's {nodes[index].target} from {loc}: {line}")
+            return
+        tb = tb.tb_next

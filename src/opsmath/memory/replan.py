@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from opsmath.capture.lower import note_source
 from opsmath.memory.budget import STEP_SLACK, grad_bytes, resident_bytes, step_peak
 from opsmath.memory.plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
 
@@ -70,13 +71,17 @@ def runner(state, record, fn, base, by_node, model, use_inductor, finish):
             if g is not None:
                 record.graph, record.after_code = g, g.code
                 fn = finish(state, record, g, args_, use_inductor)
-        if watched and record.calls < 3:   # measure the step about to run
-            start[0], record.step_peak = start_peak(args), None
-            out = fn(*args)
-            if start[0] is not None:
-                measure_to_backward_end(state, record, out, args)
-            return out
-        return fn(*args)
+        try:
+            if watched and record.calls < 3:   # measure the step about to run
+                start[0], record.step_peak = start_peak(args), None
+                out = fn(*args)
+                if start[0] is not None:
+                    measure_to_backward_end(state, record, out, args)
+                return out
+            return fn(*args)
+        except Exception as e:
+            note_source(e)
+            raise
     return run
 
 
