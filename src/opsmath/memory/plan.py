@@ -122,6 +122,11 @@ class Plan:
         return sum(self.segments[i].saved if k == "kept" else self.segments[i].inputs
                    for i, k in self.offloaded.items())
 
+    def planned(self) -> list[int]:
+        """The segments the plan acts on, in order: recomputed whole or selectively, their weight copies
+        recomputed, or offloaded."""
+        return sorted({*self.chosen, *self.selective, *self.offloaded, *self.casts})
+
     def timeline(self) -> list[tuple[str, int, int]]:
         """Predicted memory over the step at segment granularity: ``(phase, segment, bytes)``.
 

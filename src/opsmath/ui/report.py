@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections import Counter
 
 from rich.console import Group
 from rich.panel import Panel
@@ -51,9 +52,7 @@ def _kind(p, i: int) -> str:
 
 def _kinds(p) -> str:
     """``2 recomputed, 2 selective``: how many segments the plan treats each way."""
-    counts = {}
-    for i in sorted({*p.chosen, *p.selective, *p.offloaded, *p.casts}):
-        counts[_kind(p, i)] = counts.get(_kind(p, i), 0) + 1
+    counts = Counter(_kind(p, i) for i in p.planned())
     return ", ".join(f"{n} {k}" for k, n in counts.items()) or "none"
 
 
@@ -308,7 +307,7 @@ class Report(Rendered):
                       if p.expected_peak else ""))
         t.append(f"memory plan: budget {p.budget} (= {_mib(as_bytes)}, {share:.2f} of activations) | predicted "
                  f"peak {_mib(p.predicted_peak)}{how}\n", style="bold")
-        listed = sorted({*p.chosen, *p.selective, *p.offloaded, *p.casts})
+        listed = p.planned()
         t.append(f"activations (as {p.estimated_by} saves them) {_mib(p.unconstrained)} -> {_mib(p.kept)}; "
                  f"{len(listed)} of {len(p.segments)} segments planned ({_kinds(p)}; "
                  f"{'measured' if p.measured_ops else 'modelled'} +{p.recompute_seconds * 1e3:.2f} ms"
