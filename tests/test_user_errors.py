@@ -55,3 +55,56 @@ def test_error_inside_the_captured_graph_names_the_users_line():
         opt(ids, pos + 20)
     notes = getattr(info.value, "__notes__", [])
     assert any("test_user_errors.py" in n and "self.pos(pos)" in n for n in notes), notes
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.softmax(self.lin(x), dim=-1).sum()
+
+
+def test_ctrl_c_during_capture_is_taken_when_the_graph_is_done(monkeypatch):
+    """A SIGINT in the middle of opsmath's compile does not cut it: the compile finishes, then the call raises
+    KeyboardInterrupt; the handler is the default again and the next call trains as eager does."""
+    import os
+    import signal
+
+    import opsmath.runtime.backend as backend
+    done = []
+    real = backend.compile_graph
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)     # delivered now, between two bytecodes of ours
+        out = real(*args, **kwargs)
+        done.append(True)                       # reached: the interrupt did not cut the compile
+        return out
+
+    monkeypatch.setattr(backend, "compile_graph", interrupted)
+    torch.manual_seed(0)
+    ref, x = Tiny(), torch.randn(4, 8)
+    opt = opsmath.optimize(Tiny(), inductor=False)
+    opt.load_state_dict(ref.state_dict())
+    with pytest.raises(KeyboardInterrupt):
+        opt(x)
+    assert done and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.setattr(backend, "compile_graph", real)
+    opt(x).backward()
+    ref(x).backward()
+    for a, b in zip(opt.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_a_users_own_sigint_handler_is_left_alone():
+    import signal
+
+    from opsmath.capture.interrupts import interrupts_deferred
+    mine = lambda signum, frame: None   # noqa: E731
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        with interrupts_deferred():
+            assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)

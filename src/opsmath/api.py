@@ -37,6 +37,7 @@ from opsmath.runtime.cudagraphs import CUDA_GRAPHS_NOTE, guard_for
 from opsmath.runtime.fp8_weights import WeightCasts
 from opsmath.memory.plan import InfeasibleBudget, check_step_share, parse_budget
 from opsmath.memory.replan import rebalance
+from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.capture.regions import EagerRegion, graph_breaks, note_graph_breaks
 
 log = logging.getLogger("opsmath")
@@ -273,7 +274,8 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
             patches["capture_dynamic_output_shape_ops"] = True
         if inductor is False or (inductor is None and not _on_cuda(model)):
             patches["optimize_ddp"] = False
-        with _dynamo_settings(patches):
+        # the first capture (dynamo's tracing included) takes Ctrl-C at its end (capture/interrupts.py)
+        with _dynamo_settings(patches), interrupts_deferred() if not state.graphs else contextlib.nullcontext():
             breaks, runs, captured = graph_breaks(), state.graph_runs, len(state.graphs)
             state.step_start = runs
             try:

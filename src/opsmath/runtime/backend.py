@@ -27,6 +27,7 @@ from opsmath.kernels import SPECS
 from opsmath.memory.analysis import kernel_launches, partitioned_saved_bytes, saved_bytes_by_node, to_networkx
 from opsmath.capture.lower import lower_to_aten, static_inputs
 from opsmath.capture.guards import after_change, guarded
+from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite.match import Decline, Match, run_patterns
 from opsmath.runtime import fp8_weights, offload_async
 from opsmath.memory import offload, weight_casts
@@ -139,7 +140,7 @@ def make_backend(state, model: torch.nn.Module):
         # for capture's fake tensors: off while tracing, as dynamo's own AOTAutograd does. Pieces and
         # checkpoint bodies compiled at their first call come back here too (inside a checkpoint's
         # forward, tracing must not reach its hooks: the recompute would save a different count)
-        with hooks_off_while_tracing():
+        with hooks_off_while_tracing(), interrupts_deferred():
             return _backend(gm, example_inputs)
 
     def _backend(gm: fx.GraphModule, example_inputs):
