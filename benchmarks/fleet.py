@@ -94,6 +94,22 @@ MODELS = {  # name: (model class, config class, config, its tiny overrides, inpu
         dict(DEC_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
              shared_expert_intermediate_size=64), "lm", LM, LM_TINY),
 }
+# ~1B members of the coverage harness at their default settings, run when named (not in the default list):
+# OLMo-2-1B's and Qwen3-1.7B's shapes (hf_coverage's held-out families: q/k norms, tied embeddings) and timm's
+# ViT-g/14 (timm_coverage; "timm:" builds with timm.create_model, the loss taken outside the model)
+AT_1B = {
+    "olmo2_1b": ("Olmo2ForCausalLM", "Olmo2Config", dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, intermediate_size=8192,
+        vocab_size=100352, max_position_embeddings=4096, attention_dropout=0.0), DEC_TINY, "lm", LM, LM_TINY),
+    "qwen3_1b7": ("Qwen3ForCausalLM", "Qwen3Config", dict(
+        hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=6144, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True,
+        attention_dropout=0.0), dict(DEC_TINY, head_dim=16), "lm", LM, LM_TINY),
+    "vit_g_timm": ("timm:vit_giant_patch14_224", None, dict(num_classes=1000),
+                   dict(embed_dim=64, depth=2, num_heads=4, img_size=32, patch_size=8, num_classes=10),
+                   "timm_image", dict(B=32), dict(B=2)),
+}
+ALL = {**MODELS, **AT_1B}
 RECIPES = ("amp", "bf16")
 VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m}
 EXTRA = {"num_labels", "decoder_start_token_id"}   # config attributes the config classes take as **kwargs
@@ -104,8 +120,10 @@ def config(name: str, smoke: bool) -> dict:
     """The config kwargs of ``name``; every key must be a parameter of the config class (transformers
     5 accepts unknown keys silently, so a misspelt one would change nothing), but for ``EXTRA``."""
     import transformers
-    _, cfg_cls, cfg, tiny, *_ = MODELS[name]
+    _, cfg_cls, cfg, tiny, *_ = ALL[name]
     cfg = dict(cfg, **tiny) if smoke else dict(cfg)
+    if cfg_cls is None:   # timm: create_model checks its own keyword arguments
+        return cfg
     unknown = set(cfg) - set(inspect.signature(getattr(transformers, cfg_cls).__init__).parameters) - EXTRA
     if unknown:
         raise TypeError(f"{cfg_cls} has no parameters {sorted(unknown)}")
@@ -114,22 +132,26 @@ def config(name: str, smoke: bool) -> dict:
 
 def build(name: str, recipe: str, device: str, smoke: bool) -> torch.nn.Module:
     import transformers
-    cls, cfg_cls, *_ = MODELS[name]
+    cls, cfg_cls, *_ = ALL[name]
     torch.manual_seed(0)
-    model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**config(name, smoke)))  # default attention
+    if cls.startswith("timm:"):
+        import timm
+        model = TimmLoss(timm.create_model(cls[5:], pretrained=False, **config(name, smoke)))
+    else:   # default attention
+        model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**config(name, smoke)))
     dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
     return model.to(device=device, dtype=dtype).train()
 
 
 def inputs(name: str, model: torch.nn.Module, device: str, smoke: bool) -> tuple[dict, str]:
     """One fixed batch for ``name`` (the same for every variant) and its shape in words."""
-    _, _, _, _, kind, shape, tiny_shape = MODELS[name]
+    _, _, _, _, kind, shape, tiny_shape = ALL[name]
     cfg, shape, g = config(name, smoke), tiny_shape if smoke else shape, torch.Generator().manual_seed(0)
     B, T = shape["B"], shape.get("T")
-    if kind == "image":
-        size, dtype = cfg["image_size"], next(model.parameters()).dtype
+    if kind in ("image", "timm_image"):
+        size, dtype = cfg.get("image_size", cfg.get("img_size", 224)), next(model.parameters()).dtype
         batch = dict(pixel_values=torch.randn(B, 3, size, size, generator=g).to(dtype),
-                     labels=torch.randint(0, cfg["num_labels"], (B,), generator=g))
+                     labels=torch.randint(0, cfg.get("num_labels", cfg.get("num_classes")), (B,), generator=g))
         words = f"B{B} 3x{size}x{size}"
     else:
         ids = torch.randint(1, cfg["vocab_size"], (B, T), generator=g)
@@ -148,6 +170,18 @@ def inputs(name: str, model: torch.nn.Module, device: str, smoke: bool) -> tuple
     return batch, words
 
 
+class TimmLoss(torch.nn.Module):
+    """A timm classifier and the loss a training loop takes on its logits (the step reads a tensor output as
+    the loss, an HF output's ``.loss`` otherwise)."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, pixel_values, labels):
+        return torch.nn.functional.cross_entropy(self.net(pixel_values), labels)
+
+
 class FleetVariant(Variant):
     """hf_default_attention's variant (warm-up, timed rounds, row) with a recipe: ``amp`` runs the forward
     under bf16 autocast, the backward and the optimizer outside it."""
@@ -158,7 +192,8 @@ class FleetVariant(Variant):
 
     def step(self, accumulate: int = 1):
         with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.recipe == "amp"):
-            loss = self.model(**self.batch).loss
+            out = self.model(**self.batch)
+            loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -249,7 +284,7 @@ def free(device: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default=",".join(MODELS), help=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(MODELS), help=",".join(ALL))
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--variants", default=None, help=f"of {','.join(VARIANTS)}; the first is the baseline unless "
                     "torch.compile is there (default: torch.compile,opsmath.optimize; --smoke: eager,opsmath.optimize)")
@@ -262,7 +297,7 @@ def main():
     args = ap.parse_args()
     models, recipes = args.models.split(","), args.recipes.split(",")
     labels = (args.variants or ("eager," if args.smoke else "torch.compile,") + "opsmath.optimize").split(",")
-    bad = sorted(set(models) - set(MODELS)) + sorted(set(recipes) - set(RECIPES)) + sorted(set(labels) - set(VARIANTS))
+    bad = sorted(set(models) - set(ALL)) + sorted(set(recipes) - set(RECIPES)) + sorted(set(labels) - set(VARIANTS))
     if bad:
         ap.error(f"unknown models, recipes or variants {bad}")
     device = "cpu" if args.smoke else "cuda"
