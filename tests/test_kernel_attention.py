@@ -260,3 +260,27 @@ def test_wide_head_tiles_match_eager_with_a_softcap(cfg, triton_on_cpu, device):
     ref = _run(_softcapped_eager(2.0), args, torch.float64)
     for name, f, e, r in zip(["out", "dq", "dk", "dv"], fused, eager, ref):
         assert_rule(f, e, r, atol=1e-5, name=f"{name} {cfg}")
+
+
+@pytest.mark.parametrize("setting", ["new_api_tf32", "new_api_ieee", "legacy_tf32", "global_tf32"])
+def test_tf32_setting_read_from_either_api(setting):
+    """HF Trainer / Accelerate set TF32 through the new API; reading the legacy ``allow_tf32`` then raises
+    (the attention kernel's launch did, under ``Trainer(bf16=True)``). Either spelling is read."""
+    from opsmath.kernels._common import tf32_matmuls
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("torch without the fp32_precision API")
+    want = setting != "new_api_ieee"
+    try:
+        if setting == "legacy_tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+        elif setting == "global_tf32":
+            torch.backends.fp32_precision = "tf32"
+        else:
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            torch.backends.cuda.matmul.fp32_precision = "tf32" if want else "ieee"
+        assert tf32_matmuls() is want
+    finally:   # the legacy write sets the matmul precision ("ieee"): reset it first
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.fp32_precision = "none"
+        torch.backends.cuda.matmul.fp32_precision = "none"
+    assert tf32_matmuls() is False and torch.backends.cuda.matmul.allow_tf32 is False

@@ -47,6 +47,20 @@ def first_order_only(family: str) -> None:
                            f"eager: optimize(model, skip=[{family!r}]), or every family: patterns=[].")
 
 
+def tf32_matmuls() -> bool:
+    """Whether fp32 CUDA matmuls may run in TF32, as cuBLAS would: the matmul setting of the new API
+    (``torch.backends.cuda.matmul.fp32_precision``, which also reflects the legacy ``allow_tf32``), then the
+    global ``torch.backends.fp32_precision``. The legacy flag is read only on a torch without the new API:
+    once anything set the new one (HF Trainer / Accelerate do), reading ``allow_tf32`` raises."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(matmul.allow_tf32)
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when the Triton kernel should run for a tensor on ``t``'s device."""
     if t.is_cuda:

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from opsmath.kernels._common import tf32_matmuls
 from opsmath.kernels.autotune import cached
 
 OWN_ONLY = " own-only"   # key suffix of choices made without the vendor kernels (tuning.choose)
@@ -153,7 +154,7 @@ def launch_precision(q: torch.Tensor):
     inputs: Triton's default (the option only concerns fp32)."""
     if q.dtype != torch.float32:
         return None
-    return "tf32" if q.is_cuda and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return "tf32" if q.is_cuda and tf32_matmuls() else "ieee"
 
 
 def bias_mask_args(q, k, bias, mask):
