@@ -1,12 +1,13 @@
 """HF ``Trainer`` with opsmath: ``optimize`` the model before handing it to the Trainer.
 
-    python examples/hf_trainer.py            # a tiny LLaMA, 3 steps on CPU; on a GPU: bf16=True, fp32 weights
+    python examples/hf_trainer.py            # a tiny LLaMA, 3 steps, bf16=True (fp32 weights; CPU or GPU)
 
 ``optimize`` goes on the model, before ``Trainer(...)``: the Trainer moves it, wraps it (DDP, or FSDP through
 Accelerate) and calls it as a plain module, so the captured graphs are opsmath's. Leave ``torch_compile``
 off in ``TrainingArguments``: opsmath compiles already (with ``torch_compile=True`` the Trainer would wrap
 the optimized module in ``torch.compile``, which skips opsmath's frame). ``bf16=True`` is the usual recipe:
-fp32 weights under bf16 autocast, which opsmath rewrites as autocast computes (docs/design.md).
+fp32 weights under bf16 autocast, which opsmath rewrites as autocast computes (docs/design.md). Accelerate
+enters that autocast inside ``model.forward``; opsmath captures the region and runs the graph under it.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def main(steps: int = 3, size: str = "tiny") -> opsmath.Report:
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
-            output_dir=out, per_device_train_batch_size=4, max_steps=steps, learning_rate=1e-4, bf16=cuda,
+            output_dir=out, per_device_train_batch_size=4, max_steps=steps, learning_rate=1e-4, bf16=True,
             use_cpu=not cuda, report_to=[], logging_steps=1, save_strategy="no", dataloader_num_workers=0)
         transformers.Trainer(model=model, args=args, train_dataset=data).train()
     report = opsmath.report(model)

@@ -4,6 +4,7 @@ On a machine without CUDA, Triton kernels run in its interpreter (``TRITON_INTER
 Triton is imported). ``OPSMATH_TEST_DEVICE=cuda`` runs the device-parametrized tests on the GPU.
 """
 import os
+import sys
 
 import torch
 
@@ -35,6 +36,8 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+    if "accelerate.state" in sys.modules:   # one AcceleratorState per process: each test sets its own
+        sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
 
 
 # The quick subset (``python -m pytest -q -m quick tests``, a few minutes on two cores): unit tests of the

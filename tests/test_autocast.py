@@ -91,3 +91,53 @@ def test_float64_loss_head_declines_the_fp32_fused_loss():
     rep = opsmath.report(opt)
     assert not any(m.pattern in ("linear_cross_entropy", "cross_entropy") for m in rep.matches)
     assert any("float64" in d.reason for d in rep.declines if d.pattern == "linear_cross_entropy")
+
+
+def _accelerate_wrapped(model):
+    """What ``Accelerator(mixed_precision="bf16").prepare(model)`` does (HF ``Trainer(bf16=True)``): the
+    instance's ``forward`` runs under autocast, its outputs converted to fp32."""
+    accelerate = pytest.importorskip("accelerate")
+    return accelerate.Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+
+
+def test_autocast_entered_inside_forward_as_accelerate_does():
+    """Accelerate wraps ``model.forward`` in autocast, so the region is inside the captured graph: it is
+    hoisted around the graph, which then gets the rewrites and the training of autocast around the call."""
+    torch.manual_seed(0)
+    model, ids = MODELS["llama"](), torch.randint(0, 128, (2, 16))
+    ref, eager = copy.deepcopy(model), _accelerate_wrapped(copy.deepcopy(model))
+    around = opsmath.optimize(copy.deepcopy(model))
+    _step(around, ids, amp=True)
+    opt = _accelerate_wrapped(opsmath.optimize(copy.deepcopy(model)))
+    l_ref, l_eager, l_opt = _step(ref, ids, False), _step(eager, ids, False), _step(opt, ids, False)
+    assert _rewrites(opt) == _rewrites(around) and _rewrites(opt)["attention"] == 2
+    assert not any("autocast" in e for e in opt._opsmath.fallback_errors)
+    assert abs(l_opt.double() - l_ref) <= 2 * abs(l_eager.double() - l_ref) + 1e-2 * abs(l_ref)
+    for (n, p_opt), p_eager, p_ref in zip(opt.named_parameters(), eager.parameters(), ref.parameters()):
+        assert rel_err(p_opt.grad, p_ref.grad) <= 2 * rel_err(p_eager.grad, p_ref.grad) + 1e-2, n
+
+
+class HalfUnderAutocast(torch.nn.Module):
+    """autocast entered for part of the forward only: the rules cannot see its casts."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.norm, self.out = torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.inp(x)
+        return self.out(self.norm(h + x)).float().sum()
+
+
+def test_autocast_for_part_of_forward_leaves_the_graph_unrewritten_and_says_so():
+    torch.manual_seed(0)
+    model, x = HalfUnderAutocast(), torch.randn(4, 8, 32)
+    eager, opt = copy.deepcopy(model), opsmath.optimize(copy.deepcopy(model))
+    torch.testing.assert_close(opt(x), eager(x))
+    opt(x).backward(), eager(x).backward()
+    for p_opt, p_eager in zip(opt.parameters(), eager.parameters()):
+        torch.testing.assert_close(p_opt.grad, p_eager.grad)
+    rep = opsmath.report(opt)
+    assert not rep.matches
+    assert any("autocast is entered inside" in e for e in opt._opsmath.fallback_errors)

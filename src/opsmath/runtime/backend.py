@@ -26,6 +26,7 @@ from opsmath.kernels import SPECS
 
 from opsmath.memory.analysis import kernel_launches, partitioned_saved_bytes, saved_bytes_by_node, to_networkx
 from opsmath.capture.lower import lower_to_aten, static_inputs
+from opsmath.capture.autocast import autocast_inside, hoist_whole_region
 from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite.match import Decline, Match, run_patterns
@@ -141,7 +142,11 @@ def make_backend(state, model: torch.nn.Module):
         # checkpoint bodies compiled at their first call come back here too (inside a checkpoint's
         # forward, tracing must not reach its hooks: the recompute would save a different count)
         with hooks_off_while_tracing(), interrupts_deferred():
-            return _backend(gm, example_inputs)
+            region = hoist_whole_region(gm)   # Accelerate's autocast around model.forward (capture/autocast.py)
+            if region is None:
+                return _backend(gm, example_inputs)
+            with region.context():
+                return region.wrap(_backend(gm, example_inputs))
 
     def _backend(gm: fx.GraphModule, example_inputs):
         regions = eager_nodes(gm)
@@ -234,6 +239,11 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     before_nx = to_networkx(captured.gm)
     use_inductor = _uses_inductor(state, example_inputs)
     patterns, left = state.patterns, set()
+    if autocast_inside(gm):
+        patterns = []
+        state.fallback_errors.append(f"graph {len(state.graphs)}: autocast is entered inside the captured code "
+                                     "for part of it; the graph is left unrewritten (autocast around the call, "
+                                     "or around the whole forward, is rewritten)")
     if use_inductor and state.default_patterns:
         left = _left_to_inductor(state)
         patterns = [p for p in patterns if p.name not in left]
