@@ -1,5 +1,5 @@
 """Attention spellings found in third-party model code: a debugging copy of the scores nothing reads,
-einsum in (batch, seq, head, dim) layout, and ``nn.MultiheadAttention`` with a boolean ``triu`` mask. Rewritten and exact (models and helpers: ``test_patterns_attention``)."""
+einsum in (batch, seq, head, dim) layout, ``.type_as(scores)`` after the softmax, and ``nn.MultiheadAttention`` with a boolean ``triu`` mask. Rewritten and exact (models and helpers: ``test_patterns_attention``)."""
 import copy
 
 import pytest
@@ -29,7 +29,15 @@ def einsum_bqhd(q, k, v, m):
     return out.transpose(1, 2)
 
 
-HELD_OUT = {"dead_debug_clone": (dead_debug_clone, True), "einsum_bqhd": (einsum_bqhd, False)}
+def softmax_type_as_scores(q, k, v, m):
+    """fairseq / ESM: ``softmax(scores, dtype=float32).type_as(scores)`` (the scores read for their dtype)."""
+    att = torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)) * D ** -0.5
+    probs = F.softmax(att, dim=-1, dtype=torch.float32).type_as(att)
+    return torch.bmm(probs, v.flatten(0, 1)).view(q.shape)
+
+
+HELD_OUT = {"dead_debug_clone": (dead_debug_clone, True), "einsum_bqhd": (einsum_bqhd, False),
+            "softmax_type_as_scores": (softmax_type_as_scores, False)}
 
 
 @pytest.mark.parametrize("name", list(HELD_OUT))

@@ -54,7 +54,19 @@ class UpcastRMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
 
 
+class NormalizeRMSNorm(nn.Module):
+    """x-transformers' RMSNorm: ``F.normalize(x, dim=-1) * sqrt(D) * (g + offset)``."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.g, self.scale = nn.Parameter(torch.rand(n) + 0.5), n ** 0.5
+
+    def forward(self, x):
+        return F.normalize(x, dim=-1) * self.scale * (self.g + 0.0)
+
+
 NORMS = {
+    "normalize_rmsnorm": (lambda: NormalizeRMSNorm(C), "rms"),
     "upcast_rms_norm": (lambda: UpcastRMSNorm(C), "rms"),
     "layernorm": (lambda: nn.LayerNorm(C), "layer"),
     "layernorm_no_affine": (lambda: nn.LayerNorm(C, elementwise_affine=False), "layer"),
@@ -154,3 +166,39 @@ def test_norm_of_a_narrowed_residual_sum_is_declined_with_the_reason():
     rep = _check(M(), torch.randn(2, 5, C))
     assert rep.count("dropout_add_norm") == 0
     assert any("rounded to torch.bfloat16 before the norm" in d.reason for d in rep.declines), rep.declines
+
+
+def test_normalize_scaled_otherwise_is_declined_with_the_reason():
+    """``F.normalize(h) * g`` without sqrt(D) is not an RMS norm: declined, named."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.g = nn.Linear(C, C), nn.Parameter(torch.rand(C) + 0.5)
+
+        def forward(self, x):
+            return F.normalize(x + self.f(x), dim=-1) * 2.0 * self.g
+
+    torch.manual_seed(0)
+    rep = _check(M(), torch.randn(2, 5, C))
+    assert rep.count("dropout_add_norm") == 0
+    assert any("not sqrt(48)" in d.reason for d in rep.declines), rep.declines
+
+
+@pytest.mark.parametrize("width", [48, 37])
+def test_normalize_rmsnorm_on_zero_and_odd_rows_matches_eager(width):
+    """An all-zero residual row (F.normalize gives 0) and an odd width: forward and gradients as eager."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.norm = nn.Linear(width, width), NormalizeRMSNorm(width)
+
+        def forward(self, x, r):
+            return self.norm(r + self.f(x))
+
+    torch.manual_seed(0)
+    model = M()
+    x, r = torch.randn(3, 7, width), torch.randn(3, 7, width)
+    with torch.no_grad():   # row (0, 0): the residual cancels the branch exactly
+        r[0, 0] = -model.f(x[0, 0])
+    rep = optimized_matches_eager(model, x, r)
+    assert rep.count("dropout_add_norm") == 1

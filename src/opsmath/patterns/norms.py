@@ -9,6 +9,15 @@ Three norm spellings are anchors, each fed by a residual ``add`` whose operands 
       hf = h.to(float32);  r = rsqrt(mean(hf**2 | hf*hf, -1, keepdim=True) + eps)
       out = weight * (hf * r).to(h.dtype)          (casts and the weight optional, either operand order)
 
+* RMSNorm through ``F.normalize`` (x-transformers' ``RMSNorm`` / ``SimpleRMSNorm``)::
+
+      out = F.normalize(h, dim=-1) * sqrt(D) [* weight]  =  h sqrt(D) / max(||h||, e)
+
+  read as ``rms_norm`` with eps' = e^2 / D: ``h / sqrt(||h||^2 / D + e^2 / D) = h sqrt(D) / sqrt(||h||^2 + e^2)``.
+  The two differ by the factor ``sqrt(||h||^2 + e^2) / max(||h||, e)``, 1 within fp32 rounding unless
+  ``||h|| < 1e3 e`` (e = 1e-12 by default); an all-zero row gives 0 either way. Another scale than sqrt(D)
+  is a different function: declined with that reason.
+
 Dropout is optional (either add operand may be a dropout with no other user); pre-LN and post-LN
 orders are the same graph shape. When later code also reads the residual sum ``h`` (pre-LN
 transformers keep it as the residual stream), those uses are rewired to the op's ``h`` output.
@@ -64,10 +73,13 @@ def _residual_add(h) -> Optional[tuple[fx.Node, fx.Node, float, Optional[fx.Node
 
 class DropoutAddNormRule(Rule):
     name = "dropout_add_norm"
-    anchors = (aten.layer_norm.default, aten.rms_norm.default, aten.rsqrt.default)
+    anchors = (aten.layer_norm.default, aten.rms_norm.default, aten.rsqrt.default, aten.linalg_vector_norm.default)
 
     def match(self, ctx: RewriteContext, n: fx.Node) -> Union[None, str, _Plan]:
-        plan = self._handwritten_rms(n) if is_op(n, {aten.rsqrt.default}) else self._library_norm(n)
+        if is_op(n, {aten.linalg_vector_norm.default}):
+            plan = _normalize_rms(n)
+        else:
+            plan = self._handwritten_rms(n) if is_op(n, {aten.rsqrt.default}) else self._library_norm(n)
         return plan if plan is None or isinstance(plan, str) else self._check_order(ctx, plan)
 
     def anchor_for(self, n: fx.Node, plan) -> fx.Node:
@@ -178,6 +190,53 @@ def _insert_op(ctx: RewriteContext, plan: _Plan) -> tuple[fx.Node, fx.Node]:
     res = call(torch.ops.opsmath.dropout_add_norm.default,
                (x, r, plan.weight, plan.bias, plan.is_rms, plan.eps, plan.dropout_p, seed, dtype(plan.out)))
     return call(operator.getitem, (res, 0)), call(operator.getitem, (res, 1))
+
+
+def _normalize_rms(n: fx.Node) -> Union[None, str, _Plan]:
+    """``F.normalize(h, dim=-1) * sqrt(D) [* w]`` anchored at its ``linalg_vector_norm`` ``n`` (module
+    docstring: eps' = e^2 / D), h a residual sum read through exact casts; None if it is not this spelling."""
+    a = list(n.args) + [None] * 4
+    hf, nd = a[0], len(shape(a[0]))
+    dims = a[2] if isinstance(a[2], (list, tuple)) else None
+    if a[1] not in (2, 2.0) or not dims or [d % nd for d in dims] != [nd - 1] or not a[3] or len(n.users) != 1:
+        return None
+    clamp = next(iter(n.users))
+    if not is_op(clamp, {aten.clamp_min.default}) or not isinstance(clamp.args[1], (int, float)) \
+            or len(clamp.users) != 1:
+        return None
+    grow = next(iter(clamp.users))
+    div = next(iter(grow.users)) if is_op(grow, {aten.expand_as.default, aten.expand.default}) \
+        and len(grow.users) == 1 else grow
+    if not is_op(div, {aten.div.Tensor}) or div.args[1] is not (grow if div is not grow else clamp) \
+            or div.args[0] is not hf:
+        return None
+    width = shape(hf)[-1]
+    chain, cur, weight, scale = [], div, None, None
+    while len(cur.users) == 1:
+        u = next(iter(cur.users))
+        other = u.args[1] if u.args[0] is cur else u.args[0]
+        if is_op(u, {aten.mul.Tensor}) and isinstance(other, (int, float)) and scale is None:
+            scale = float(other)
+        elif is_op(u, {aten.mul.Tensor}) and isinstance(other, fx.Node) and shape(other) == (width,) \
+                and weight is None:
+            weight = other
+        elif not is_cast(u):
+            break
+        chain.append(u)
+        cur = u
+    h = strip_casts(hf)
+    res = _residual_add(h)
+    if res is None:
+        return None
+    if scale is None or abs(scale - width ** 0.5) > 1e-6 * width ** 0.5:
+        return f"F.normalize scaled by {scale}, not sqrt({width}): not an RMS norm"
+    casts = _casts_of_h(hf, hf)
+    if casts and not _widens(h, hf):
+        return f"the residual sum is rounded to {dtype(hf)} before the norm (the fused op reads it in {dtype(h)})"
+    x, resid, p, drop = res
+    internal = [d for d in (drop,) if d is not None] + [n, clamp] + ([grow] if grow is not div else []) + [div]
+    return _Plan(h=h, x=x, residual=resid, dropout_p=p, weight=weight, bias=None, eps=float(clamp.args[1]) ** 2 / width,
+                 is_rms=True, out=cur, internal=internal + chain, h_casts=casts)
 
 
 def _rms_statistic(r: fx.Node):

@@ -21,7 +21,7 @@ from opsmath.kernels._common import new_seed, new_seeds
 
 from opsmath.rewrite.canonicalize import aten, dtype, private_temporary
 from opsmath.capture.lower import Captured, source_location, split_size_calls
-from opsmath.rewrite.normalize import drop_dead_code, einsums_as_matmuls
+from opsmath.rewrite.normalize import drop_dead_code, einsums_as_matmuls, type_as_casts
 from opsmath.rewrite.unmatched import flag_unmatched
 
 log = logging.getLogger("opsmath")
@@ -233,9 +233,11 @@ def inplace_on_private_temporary(n: fx.Node) -> bool:
 
 
 def normalize(ctx: RewriteContext) -> None:
-    """The graph-wide passes before matching (``normalize.py``): dead code out, einsums as matmuls."""
+    """The graph-wide passes before matching (``normalize.py``): dead code out, einsums as matmuls,
+    ``type_as`` as a cast."""
     drop_dead_code(ctx.graph)
     einsums_as_matmuls(ctx)
+    type_as_casts(ctx)
 
 
 def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = None,

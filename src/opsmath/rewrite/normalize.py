@@ -6,6 +6,9 @@
   another order (``"bqhd,bkhd->bhqk"``, attention in (batch, seq, head, dim) layout) becomes
   ``permute -> matmul -> permute``, the product in the ``(..., i, k) @ (..., k, j)`` form every rule reads
   (``canonicalize.as_matmul``). Same arithmetic: ``einsum`` itself permutes and calls ``bmm``.
+- ``type_as_casts``: ``x.type_as(t)`` reads ``t`` only for its dtype (fairseq/ESM's
+  ``softmax(scores, dtype=float32).type_as(scores)``); as ``x.to(t.dtype)`` it no longer counts as a use of
+  ``t`` (the scores), which would block the attention match. Same value; kept where the devices differ.
 """
 from __future__ import annotations
 
@@ -85,3 +88,20 @@ def _permuted(ctx, x: fx.Node, have: str, want: str, like: fx.Node) -> fx.Node:
     if have == want:
         return x
     return ctx.call(aten.permute.default, (x, [have.index(c) for c in want]), like)
+
+
+def type_as_casts(ctx) -> int:
+    """Replace each ``aten.type_as(x, t)`` whose operands share a device with ``aten.to.dtype(x, t.dtype)``;
+    returns how many."""
+    done = 0
+    for node in list(ctx.graph.find_nodes(op="call_function", target=aten.type_as.default)):
+        x, t = node.args
+        vx, vt = x.meta.get("val"), t.meta.get("val")
+        if not (isinstance(vx, torch.Tensor) and isinstance(vt, torch.Tensor)) or vx.device != vt.device:
+            continue
+        with ctx.graph.inserting_before(node):
+            cast = ctx.call(aten.to.dtype, (x, vt.dtype), node)
+        node.replace_all_uses_with(cast)
+        ctx.graph.erase_node(node)
+        done += 1
+    return done
