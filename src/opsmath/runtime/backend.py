@@ -238,15 +238,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     before_saved = sum(before_by_node.values()) if before_by_node is not None else None
     before_nx = to_networkx(captured.gm)
     use_inductor = _uses_inductor(state, example_inputs)
-    patterns, left = state.patterns, set()
-    if autocast_inside(gm):
-        patterns = []
-        state.fallback_errors.append(f"graph {len(state.graphs)}: autocast is entered inside the captured code "
-                                     "for part of it; the graph is left unrewritten (autocast around the call, "
-                                     "or around the whole forward, is rewritten)")
-    if use_inductor and state.default_patterns:
-        left = _left_to_inductor(state)
-        patterns = [p for p in patterns if p.name not in left]
+    patterns, left = _patterns_for(state, gm, use_inductor)
     static_only = sorted(p.name for p in patterns if not getattr(p, "dynamic_shapes", False)) \
         if captured.dynamic else []
     ctx = run_patterns(captured, [p for p in patterns if p.name not in static_only], state.skip, use_inductor,
@@ -295,6 +287,21 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
                    captured.buffer_guard(example_inputs),
                    lambda args, names: after_change(state, record.index, names, gm.forward, None if captured.dynamic
                                                     else lambda: compile_graph(state, model, gm, args)))
+
+
+def _patterns_for(state, gm: fx.GraphModule, use_inductor: bool) -> tuple[list, set]:
+    """The families to run on ``gm`` and those left to Inductor. None where autocast is entered for part of
+    the graph (``capture/autocast.py``): the rules could not see its casts."""
+    patterns, left = state.patterns, set()
+    if autocast_inside(gm):
+        patterns = []
+        state.fallback_errors.append(f"graph {len(state.graphs)}: autocast is entered inside the captured code "
+                                     "for part of it; the graph is left unrewritten (autocast around the call, "
+                                     "or around the whole forward, is rewritten)")
+    if use_inductor and state.default_patterns:
+        left = _left_to_inductor(state)
+        patterns = [p for p in patterns if p.name not in left]
+    return patterns, left
 
 
 def _sizes_seen(state, shapes: list) -> bool:
