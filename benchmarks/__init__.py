@@ -17,7 +17,7 @@ FAMILIES = {  # family: its modules, in the order the listing shows them
     "memory": ["memory", "recompute_overhead", "plan_estimate"],
     "planner (CPU)": ["plan_partition", "inductor_partition", "plan_floors", "plan_time"],
     "numerics": ["learning_curve", "fp8_curve"],
-    "coverage (CPU)": ["hf_coverage", "hf_moe_coverage", "timm_coverage", "diffusers_coverage"],
+    "coverage (CPU)": ["hf_coverage", "hf_moe_coverage", "timm_coverage", "diffusers_coverage", "library_coverage"],
     "multi-GPU": ["multi_gpu"],
     "tools": ["profile_step", "profile_gap", "profile_offload", "sass_stats"],
 }

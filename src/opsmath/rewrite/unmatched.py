@@ -9,10 +9,14 @@ the rules do not read (a model library's own idiom) is visible in the report ins
   squares, ``F.normalize``'s vector norm) whose input, through casts and views, is an ``add`` of two
   tensors of its shape (a residual sum);
 - cross_entropy: a ``cross_entropy_loss`` or ``nll_loss``, or a last-dim ``log_softmax`` read by a
-  ``gather`` (a hand-written loss).
+  ``gather`` (a hand-written loss);
+- swiglu: a gated MLP's activation left as written: ``silu`` or ``gelu`` of a linear whose result is
+  multiplied by another tensor of its shape (GEGLU: the fused op is silu-gated).
 Families the user skipped or left to Inductor are not walked for.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -20,6 +24,7 @@ import torch.fx as fx
 from opsmath.rewrite.canonicalize import MATMULS, SOFTMAXES, VIEWS, aten, dropout_info, is_cast, is_op, shape
 
 _NORMS = {aten.layer_norm.default, aten.rms_norm.default, aten.rsqrt.default, aten.linalg_vector_norm.default}
+_SPLITS = {aten.split.Tensor, aten.chunk.default, aten.split_with_sizes.default, aten.unbind.int}
 _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
 
 
@@ -45,7 +50,23 @@ def _candidate(node: fx.Node):
     if is_op(node, {aten.log_softmax.int, aten._log_softmax.default}) and _last_dim(node, node.args[1]) \
             and any(is_op(u, {aten.gather.default}) for u in _through(node)):
         return "cross_entropy", "log_softmax over the classes, picked by gather (a hand-written loss)"
+    if is_op(node, {aten.silu.default, aten.gelu.default}) and _gates(node):
+        act = node.target.__name__.split('.')[0]
+        return "swiglu", f"{act}-gated product of two projections" + ("; the fused op is silu-gated" * (act == "gelu"))
     return None
+
+
+def _gates(node: fx.Node) -> bool:
+    """``act(x) * y`` with ``y`` of the activation's shape, ``x`` a linear's or matmul's output (or a chunk of
+    one: a fused gate-and-up projection)."""
+    x = _source(node.args[0])
+    if x.target is operator.getitem and is_op(x.args[0], _SPLITS):
+        x = _source(x.args[0].args[0])
+    if not is_op(x, MATMULS | {aten.linear.default}):
+        return False
+    return any(is_op(u, {aten.mul.Tensor}) and all(isinstance(t, fx.Node) and t.meta.get("val") is not None
+                                                  and shape(t) == shape(node) for t in u.args)
+               for u in _through(node))
 
 
 def _last_dim(node: fx.Node, dim) -> bool:
