@@ -73,8 +73,7 @@ def test_ctrl_c_during_capture_is_taken_when_the_graph_is_done(monkeypatch):
     import signal
 
     import opsmath.runtime.backend as backend
-    done = []
-    real = backend.compile_graph
+    done, real = [], backend.compile_graph
 
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)     # delivered now, between two bytecodes of ours
@@ -82,14 +81,19 @@ def test_ctrl_c_during_capture_is_taken_when_the_graph_is_done(monkeypatch):
         done.append(True)                       # reached: the interrupt did not cut the compile
         return out
 
-    monkeypatch.setattr(backend, "compile_graph", interrupted)
     torch.manual_seed(0)
     ref, x = Tiny(), torch.randn(4, 8)
     opt = opsmath.optimize(Tiny(), inductor=False)
     opt.load_state_dict(ref.state_dict())
-    with pytest.raises(KeyboardInterrupt):
-        opt(x)
-    assert done and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's default handler, as in a user's script (a pytest-xdist worker ignores SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(backend, "compile_graph", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            opt(x)
+        assert done and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
     monkeypatch.setattr(backend, "compile_graph", real)
     opt(x).backward()
     ref(x).backward()

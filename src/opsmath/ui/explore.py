@@ -92,8 +92,8 @@ class Exploration(Rendered):
             if c.graph == graph:
                 for n in c.nodes:
                     color[n] = "tab:red" if c.enabled else "tab:gray"
-        if candidate is not None:
-            keep = set(self.candidates[candidate].nodes)
+        if candidate is not None:   # nodes the pre-matching passes inserted (a type_as read as a cast) are not drawn
+            keep = {n for n in self.candidates[candidate].nodes if n in g}
             for _ in range(hops):
                 keep |= {m for n in keep for m in (*g.predecessors(n), *g.successors(n))}
             g = g.subgraph(keep)
