@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks._harness import write
+from benchmarks._harness import kernel_ms, write
 
 
 class StepClock:
@@ -74,13 +74,8 @@ def train_round(trainer) -> None:
 
 
 def kernel_ms_per_step(trainer, steps: int) -> float:
-    """GPU kernel time per step over one ``train()`` of ``steps`` steps (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        train_round(trainer)
-        torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
-    return total_us / 1e3 / steps
+    """GPU kernel time per step over one ``train()`` of ``steps`` steps (``_harness.kernel_ms``)."""
+    return sum(kernel_ms(lambda: train_round(trainer), calls=1).values()) / steps
 
 
 def main():
