@@ -107,9 +107,9 @@ class DropoutAddNormRule(Rule):
             return "normalizes over more than the last dim"
         if eps is None or not isinstance(eps, (int, float)):
             return "eps is not a constant"
-        casts = _casts_of_h(inp, inp)
-        if casts and not _widens(h, inp):
-            return f"the residual sum is rounded to {dtype(inp)} before the norm (the fused op reads it in {dtype(h)})"
+        casts = _exact_casts(h, inp)
+        if isinstance(casts, str):
+            return casts
         x, r, p, drop = res
         return _Plan(h=h, x=x, residual=r, dropout_p=p, weight=weight, bias=bias, eps=float(eps),
                      is_rms=is_rms, out=n, internal=[d for d in (drop,) if d is not None] + [n], h_casts=casts)
@@ -230,9 +230,9 @@ def _normalize_rms(n: fx.Node) -> Union[None, str, _Plan]:
         return None
     if scale is None or abs(scale - width ** 0.5) > 1e-6 * width ** 0.5:
         return f"F.normalize scaled by {scale}, not sqrt({width}): not an RMS norm"
-    casts = _casts_of_h(hf, hf)
-    if casts and not _widens(h, hf):
-        return f"the residual sum is rounded to {dtype(hf)} before the norm (the fused op reads it in {dtype(h)})"
+    casts = _exact_casts(h, hf)
+    if isinstance(casts, str):
+        return casts
     x, resid, p, drop = res
     internal = [d for d in (drop,) if d is not None] + [n, clamp] + ([grow] if grow is not div else []) + [div]
     return _Plan(h=h, x=x, residual=resid, dropout_p=p, weight=weight, bias=None, eps=float(clamp.args[1]) ** 2 / width,
@@ -289,6 +289,15 @@ def _rms_scaling(r: fx.Node, hf: fx.Node):
                 continue
         break
     return normed, scaled, weight, chain, cur
+
+
+def _exact_casts(h: fx.Node, read: fx.Node) -> Union[list, str]:
+    """The casts from the residual sum ``h`` to the norm's input ``read`` (part of the pattern), or the
+    decline reason when one of them rounds h (the fused op reads h itself)."""
+    casts = _casts_of_h(read, read)
+    if casts and not _widens(h, read):
+        return f"the residual sum is rounded to {dtype(read)} before the norm (the fused op reads it in {dtype(h)})"
+    return casts
 
 
 def _widens(h: fx.Node, cast: fx.Node) -> bool:
