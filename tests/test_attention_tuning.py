@@ -136,6 +136,25 @@ def test_accuracy_check_admits_exact_backends_and_rejects_wrong_ones(monkeypatch
     assert vendor.accurate_backends(run, q, k, v, bias, mask, None, dout) == ["exact"]
 
 
+def test_accuracy_check_runs_on_the_first_check_len_positions(monkeypatch):
+    """The check's fp32 reference is T^2: past ``CHECK_LEN`` queries and keys it runs on the first ones
+    (the causal structure anchored at 0 unchanged), bias and mask cut alike; a wrong backend still fails."""
+    monkeypatch.setattr(vendor, "BACKENDS", {"exact": None, "noisy": None})
+    monkeypatch.setattr(vendor, "CHECK_LEN", 8)
+    q, k, v, bias, mask, causal, scale = inputs(CASES[4], torch.float32, "cpu")   # 33 positions, bias, mask
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    seen = []
+
+    def run(name, q, k, v, bias, mask, vbias, p):
+        seen.append((q.shape[-2], k.shape[-2], bias.shape[-2:], mask.shape[-2:]))
+        if name == "eager":
+            return vendor.eager_same_dtype(q, k, v, bias, mask, float("-inf"), causal, scale)
+        out = attention_reference(q, k, v, bias, mask, float("-inf"), causal, scale, p, 0)[0]
+        return out * 1.01 if name == "noisy" else out
+    assert vendor.accurate_backends(run, q, k, v, bias, mask, None, torch.randn_like(q)) == ["exact"]
+    assert set(seen) == {(8, 8, (8, 8), (8, 8))}
+
+
 def test_choose_stores_each_kernels_fastest_configuration(tmp_path, monkeypatch, triton_on_cpu):
     """The tuner times each block configuration's three kernels (stand-in profiles here; every candidate
     still runs) and stores, beside its choice, each kernel's fastest configuration; launches read them."""
