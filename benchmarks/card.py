@@ -2,7 +2,7 @@
 caps what the caching allocator may hold (reserved memory, fragmentation included) at the card's size,
 and the model trains ``--steps`` steps under ``memory_budget`` = the card (or ``--budget``). **Recipe: AMP**
 (fp32 weights, bf16 autocast). Per step: wall ms, the allocated and reserved memory after each phase
-(forward, backward, optimizer), the allocator's retries (cache freed to make room) and out-of-memory
+(forward, backward, optimizer) and each phase's peaks, the allocator's retries (cache freed to make room) and out-of-memory
 count; an out-of-memory or an infeasible budget ends the row, with the step it happened at. A row
 without a card (``none``) runs first on the whole GPU: the unconstrained step the overhead is read
 against (sequential rows: the cap is per process).
@@ -11,13 +11,14 @@ against (sequential rows: the cap is per process).
     python -m benchmarks card --model llama --cards none,16GiB,12GiB --optimizers torch,opsmath-8bit
     python -m benchmarks card --smoke                                     # CPU: checks the script
 
-``--history`` records the allocator's history through step 1 and writes the largest allocations alive
-at its peak, grouped by the source line that made them (what step 1 holds beyond the plan's model).
+``--history N`` records the allocator's history through step N and writes the largest allocations alive
+at its peak, grouped by the source line that made them (what the step holds beyond the plan's model).
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 
@@ -67,6 +68,7 @@ def memory(device: str) -> dict:
         return {}
     torch.cuda.synchronize()
     s = torch.cuda.memory_stats()
+    torch.cuda.reset_peak_memory_stats()   # each phase's peak apart (opsmath resets too, at steps 1-2)
     return dict(allocated=s.get("allocated_bytes.all.current", 0), reserved=s.get("reserved_bytes.all.current", 0),
                 peak_allocated=s.get("allocated_bytes.all.peak", 0), peak_reserved=s.get("reserved_bytes.all.peak", 0),
                 retries=s.get("num_alloc_retries", 0), ooms=s.get("num_ooms", 0))
@@ -122,21 +124,23 @@ def train(args, model_name: str, card: int | None, opt_name: str, device: str) -
             opt.zero_grad(set_to_none=True)
             phases["optimizer"] = memory(device)
             return loss, phases
+        memory(device)
         for i in range(args.steps):
-            if i == 0 and args.history and device == "cuda":
+            if i + 1 == args.history and device == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=500000)
             t0 = time.perf_counter()
             loss, phases = step()
             if device == "cuda":
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - t0) * 1e3
-            if i == 0 and args.history and device == "cuda":
-                row["step1_owners"] = peak_owners(torch.cuda.memory._snapshot())
+            if i + 1 == args.history and device == "cuda":
+                row["history_owners"] = peak_owners(torch.cuda.memory._snapshot())
                 torch.cuda.memory._record_memory_history(enabled=None)
-            row["steps"].append(dict(step=i + 1, ms=ms, loss=loss.item(), **phases))
-            print(f"  {model_name} card={card} {opt_name} step {i + 1}: {ms:.1f} ms "
-                  + " ".join(f"{k} {v.get('allocated', 0) / 2**30:.2f}/{v.get('reserved', 0) / 2**30:.2f}"
-                             for k, v in phases.items()), flush=True)
+            peak = max((v.get("peak_allocated", 0) for v in phases.values()), default=0)
+            held = max((v.get("peak_reserved", 0) for v in phases.values()), default=0)
+            row["steps"].append(dict(step=i + 1, ms=ms, loss=loss.item(), peak=peak, peak_reserved=held, **phases))
+            print(f"  {model_name} card={card} {opt_name} step {i + 1}: {ms:.1f} ms, peak {peak / 2**30:.2f} GiB, "
+                  f"reserved {held / 2**30:.2f} GiB, retries {phases['optimizer'].get('retries', 0)}", flush=True)
         later = [s["ms"] for s in row["steps"][3:]] or [s["ms"] for s in row["steps"]]
         row["ms"] = statistics.median(later)
         if device == "cuda":
@@ -147,8 +151,8 @@ def train(args, model_name: str, card: int | None, opt_name: str, device: str) -
                         for g in opsmath.report(model).graphs if g.plan is not None]
         row["report"] = str(opsmath.report(model))[-4000:]
     except (torch.OutOfMemoryError, InfeasibleBudget) as e:
-        if args.history and device == "cuda" and not row["steps"]:   # what step 1 held when it failed
-            row["step1_owners"] = peak_owners(torch.cuda.memory._snapshot())
+        if args.history == len(row["steps"]) + 1 and device == "cuda":   # what the step held when it failed
+            row["history_owners"] = peak_owners(torch.cuda.memory._snapshot())
         row["error"] = f"{type(e).__name__} at step {len(row['steps']) + 1}: {str(e)[:600]}"
         e.__traceback__ = None
         print(f"  {model_name} card={card} {opt_name}: {row['error']}", flush=True)
@@ -157,8 +161,8 @@ def train(args, model_name: str, card: int | None, opt_name: str, device: str) -
         gc.collect()
         if device == "cuda":
             torch.cuda.memory._record_memory_history(enabled=None)
-            row["max_reserved"] = max((p["reserved"] for s in row["steps"] for p in s.values()
-                                       if isinstance(p, dict) and "reserved" in p), default=None)
+            row["max_reserved"] = max((s["peak_reserved"] for s in row["steps"]), default=None)
+            row["max_peak"] = max((s["peak"] for s in row["steps"]), default=None)
             torch.cuda.empty_cache()
         torch._dynamo.reset()
     return row
@@ -171,20 +175,21 @@ def main():
     ap.add_argument("--budget", default=None, help="memory_budget (default: the card's size)")
     ap.add_argument("--optimizers", default="torch", help=f"comma-separated, of {sorted(OPTIMIZERS)}")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--expandable", action="store_true", help="the allocator's expandable segments")
-    ap.add_argument("--history", action="store_true", help="what is alive at step 1's peak")
+    ap.add_argument("--no-expandable", action="store_true",
+                    help="OPSMATH_EXPANDABLE_SEGMENTS=0: the allocator as it was (opsmath turns expandable segments on)")
+    ap.add_argument("--history", type=int, default=0, help="what is alive at this step's peak (1: the first)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.smoke:
         args.steps = min(args.steps, 3)
-    if args.expandable and device == "cuda":
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    if args.no_expandable:
+        os.environ["OPSMATH_EXPANDABLE_SEGMENTS"] = "0"
     cards = [None if c in ("none", "") else int(parse_budget(c)[1]) for c in args.cards.split(",")]
     rows = [train(args, args.model, card, o, device) for card in cards for o in args.optimizers.split(",")]
     name = f"card-{args.model}" + (f"-{args.tag}" if args.tag else "")
-    path = write(name, dict(rows=rows, recipe="amp", expandable_segments=args.expandable,
+    path = write(name, dict(rows=rows, recipe="amp", expandable_segments=not args.no_expandable,
                             command="python -m benchmarks card " + " ".join(__import__("sys").argv[1:])))
     for r in rows:
         print(f"{r['model']} card {r['card']} {r['optimizer']}: {r.get('ms', '-')} ms, GPU {r.get('gpu_ms', '-')}, "

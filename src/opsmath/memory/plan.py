@@ -90,6 +90,9 @@ class Plan:
     modelled: tuple = (0, 0)    # the model's peak at the end of the forward and over the step, no error added
     share: float | None = None  # a fraction's share for this graph, where the step's other graphs moved it
     measured_ops: int = 0       # forward ops whose recompute cost is their time measured on the GPU
+    to_come: int = 0            # optimizer state in ``resident`` that the first step does not hold yet
+    first_margin: int = 0       # bytes step 1 held back for the model's error before measuring it (replan.py)
+    allocator: str = ""         # what the caching allocator was set to for the budget (budget.py), if anything
 
     def target(self, resident: int | None = None) -> int:
         """The budget in bytes of the whole step with ``resident`` bytes resident (default: the plan's):
@@ -172,6 +175,7 @@ class Plan:
                     offloaded_bytes=self.offloaded_bytes, link=self.link, estimated_by=self.estimated_by, grads=self.grads,
                     expected_peak=self.expected_peak, excess=self.excess, timed=self.timed,
                     head_excess=self.head_excess, modelled=list(self.modelled), measured_ops=self.measured_ops,
+                    to_come=self.to_come, first_margin=self.first_margin, allocator=self.allocator,
                     timeline=[list(t) for t in self.timeline()])
 
 

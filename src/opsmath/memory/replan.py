@@ -6,6 +6,9 @@ what the real step holds beyond the activations it counts (the loss's chunk of l
 workspaces, the allocator's rounding), here called the model's *error*: measured peak - modelled peak.
 While a graph is watched (its first ``WATCH_CALLS`` calls):
 
+* call 1 (``first_plan``), on CUDA: the plan counts the optimizer state the first ``step()`` will
+  allocate (``opsmath.optim.footprint``) and holds ``FIRST_STEP_MARGIN`` of a byte budget's headroom
+  back for the model's error, which no step has measured yet, so that step 1 fits too.
 * call 2: the resident bytes are measured again and, on CUDA, step 1's peaks (``max_memory_allocated``)
   in two windows, ``measure_to_backward_end``: from the reset at call 1 to the start of the step's
   backward, and from there (reset again) to the backward's end. The first optimizer step, which
@@ -16,7 +19,9 @@ While a graph is watched (its first ``WATCH_CALLS`` calls):
   backward's error (``Plan.excess``, held at every point) and a margin of ``REPLAN_MARGIN``, and the
   forward's error beyond it held at the end of the forward alone (``Plan.head_excess``: the loss's
   workspace, 0.52 GiB on LLaMA 1.1B, which the timeline of a byte budget would otherwise take off every
-  point of the backward too); its predicted peak counts both.
+  point of the backward too); its predicted peak counts both. A plan that held a first-step margin back
+  is made again where the margin was more than step 1 needed (the slack is spent), and where the
+  optimizer's state came out smaller than counted.
 * call 3: step 2 ran the final plan; if its peak still went over the budget, the plan is tightened once.
 * later calls: the resident bytes alone (optimizer state appears only after k micro-batches under
   gradient accumulation).
@@ -36,12 +41,16 @@ from typing import Optional
 import torch
 
 from opsmath.capture.lower import note_source
-from opsmath.memory.budget import STEP_SLACK, grad_bytes, resident_bytes, step_peak
+from opsmath.memory.budget import STEP_SLACK, _size, grad_bytes, resident_bytes, step_peak
 from opsmath.memory.plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
 
 log = logging.getLogger("opsmath")
 
 REPLAN_MARGIN = 0.02
+# step 1's plan holds this share of a byte budget's headroom (the budget less the resident bytes) back for
+# what the model of the step does not count, until step 1 has measured it (H200, GPT-2-small B1 T65536
+# under "8GiB": 1.21 GiB of 5.3 GiB, 23%: the loss's and attention backward's workspaces, fp32 gradients)
+FIRST_STEP_MARGIN = 0.25
 # calls of a graph during which its plan is re-checked against the resident bytes: with gradient
 # accumulation over k micro-batches the optimizer state appears only after call k
 WATCH_CALLS = 16
@@ -114,10 +123,11 @@ def _step_peaks(record, args) -> tuple:
     return record.step_peak if record.step_peak is not None else (max_allocated(args), None)
 
 
-def _above(plan, errors: tuple) -> int:
-    """How far the measured step (``errors``, from ``_errors``) went above ``plan``'s predicted peak."""
+def _above(plan, errors: tuple, modelled: tuple | None = None) -> int:
+    """How far the measured step (``errors``, from ``_errors``) went above ``plan``'s predicted peak
+    (its model ``modelled``, default ``plan.modelled``)."""
     every, head = errors
-    f, b = plan.modelled
+    f, b = modelled or plan.modelled
     predicted = max(b, f + plan.head_excess) + plan.excess
     return max(b + every, f + every + head) - predicted
 
@@ -131,6 +141,12 @@ def _errors(modelled: tuple, peaks: tuple) -> tuple[int, int]:
         return max(0, forward - modelled[1]), 0
     excess = max(0, backward - modelled[1])
     return excess, max(0, forward - modelled[0] - excess)
+
+
+def measures(args) -> bool:
+    """Whether the steps of a graph with inputs ``args`` are measured (on CUDA): ``first_plan`` holds a
+    margin back only for an error that step 1 will measure."""
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in args)
 
 
 def start_peak(args) -> Optional[int]:
@@ -172,12 +188,16 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     if measured is not None:
         old.measured_peak = measured
     carries = measured is not None and _carries_error(state, record, since)
-    errors = _errors(old.modelled, peaks) if carries else (0, 0)
-    error = _above(old, errors)
+    # step 1 ran before the optimizer state that its plan counted existed
+    ahead = old.to_come if peaks[0] is not None and record.calls == 2 else 0
+    modelled = (old.modelled[0] - ahead, old.modelled[1] - ahead)
+    errors = _errors(modelled, peaks) if carries else (0, 0)
+    error = _above(old, errors, modelled)
     slack = int(0.01 * old.target())
     # the errors are the model's, not the plan's: a loose plan hides the forward end's error under its
-    # backward peak (error 0), and the tighter plan made when the resident bytes grow meets it
-    excess = errors if carries else (old.excess, old.head_excess)
+    # backward peak (error 0), and the tighter plan made when the resident bytes grow meets it; a graph
+    # that does not carry the step's error had none to hold back
+    excess = errors if carries else (0 if old.first_margin else old.excess, old.head_excess)
     fraction = parse_budget(state.memory_budget)[0] == "fraction"
     if fraction and record.pending is not None:   # planned again with its whole step known (``rebalance``)
         (plan, g), record.pending = record.pending, None
@@ -185,8 +205,9 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
         plan.replanned = "the whole step planned again after its first call"
         follow(plan, resident, excess)
         return g
-    grew = resident > old.resident + slack and not fraction
-    if fraction or (not grew and error <= slack):
+    moved = abs(resident - old.resident) > slack and not fraction
+    spend = bool(old.first_margin) and measured is not None and error < -slack   # held back more than needed
+    if fraction or (not moved and not spend and error <= slack):
         follow(old, resident, errors if fraction and carries else None)
         return None
     goal = old.target(resident)
@@ -195,11 +216,42 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
            + (f"resident {old.resident / 2**20:.1f} -> {resident / 2**20:.1f} MiB at call {record.calls}"
               if resident != old.resident else f"call {record.calls}"))
     if measured is not None:
+        why += f"; step 1 held {old.first_margin / 2**20:.1f} MiB back for the model's error" if old.first_margin else ""
         why += (f"; step 1 measured {measured / 2**20:.1f} MiB, {abs(error) / 2**20:.1f} MiB "
                 f"{'over' if error >= 0 else 'under'} the model"
                 + (f", {errors[1] / 2**20:.1f} MiB more at the end of the forward alone" if errors[1] else "")
                 + (", taken off the budget" if held else ", within 1% of the budget"))
     return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args, held)
+
+
+def first_plan(gm, by_node, budget, resident: int, to_come: int, measured: bool, **kw):
+    """The plan of a graph's first call (``plan_and_emit``'s arguments; ``resident`` counts ``to_come``
+    bytes of optimizer state that step 1 will not hold yet). Where step 1 will be measured (``measured``:
+    CUDA), a byte budget is planned for ``FIRST_STEP_MARGIN`` of its headroom less, held as the plan's
+    ``excess`` in its predicted peak until ``recheck`` replaces it by the measured error; where that
+    leaves no feasible plan, for the lowest budget that is feasible, the margin what is left. A budget
+    that even the resident bytes and the least the activations can keep exceed raises InfeasibleBudget
+    before the first step, naming the optimizer state it counted."""
+    kind, value = parse_budget(budget)
+    margin = int(FIRST_STEP_MARGIN * max(0, value - resident)) if kind == "bytes" and measured else 0
+    try:
+        try:
+            plan = plan_and_emit(gm, by_node, value - margin if margin else budget, resident, **kw)
+        except InfeasibleBudget as e:
+            if not margin or e.floor >= value:
+                raise
+            margin = max(0, int(value) - e.floor - int(0.001 * value))
+            plan = plan_and_emit(gm, by_node, value - margin, resident, **kw)
+    except InfeasibleBudget as e:
+        if not to_come:
+            raise
+        raise InfeasibleBudget(f"{e}; the resident bytes count {_size(to_come)} of optimizer state that its first "
+                               "step allocates (opsmath.optim.AdamW(state_bits=8) holds 2 bytes a parameter)",
+                               e.floor) from None
+    plan.budget, plan.to_come, plan.first_margin = budget, to_come, margin
+    plan.excess, plan.predicted_peak = margin, plan.predicted_peak + margin
+    plan.expected_peak = plan.expected_peak and plan.expected_peak + margin
+    return plan
 
 
 def follow(plan, resident: int, errors: tuple | None = None) -> None:

@@ -46,6 +46,7 @@ from opsmath.kernels._common import use_triton
 from opsmath.kernels.adamw import (Gate, MultiTensor, adamw_reference, adamw_triton, global_grad_norm_reference,
                                    grad_sumsq_triton, group_table)
 
+from opsmath.optim import footprint
 from opsmath.optim.in_backward import InBackward
 from opsmath.optim.state import TrackedState, plain, tracked
 
@@ -88,6 +89,7 @@ class AdamW(torch.optim.Optimizer):
         self._in_backward = InBackward(self._step_entries, bucket_bytes) if in_backward else None
         for gi, group in enumerate(self.param_groups if in_backward else ()):
             self._in_backward.watch(gi, group["params"])
+        footprint.LIVE.add(self)   # the memory planner reads its state's layout before the first step
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

@@ -31,10 +31,10 @@ from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite.match import Decline, Match, run_patterns
 from opsmath.runtime import fp8_weights, offload_async
-from opsmath.memory import offload, weight_casts
-from opsmath.memory.budget import grad_bytes, resident_bytes
-from opsmath.memory.plan import clone_graph_module, plan_and_emit
-from opsmath.memory.replan import runner
+from opsmath.memory import offload, replan, weight_casts
+from opsmath.memory.budget import expandable_segments, grad_bytes, optimizer_state_to_come, resident_bytes
+from opsmath.memory.plan import clone_graph_module
+from opsmath.memory.replan import first_plan, runner
 from opsmath.capture.regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
                                      inline_checkpoint, route_checkpoints, split_around)
 
@@ -265,11 +265,14 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             partitioned = partitioned_saved_bytes(ctx.gm, fp8_weights.example_inputs(
                 state.weight_casts, ctx.gm, example_inputs)) if use_inductor else None
             by_node = partitioned or by_node
-            plan = plan_and_emit(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model),
-                                 how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
-                                 link=None if state.cuda_graphs else offload.link_for(example_inputs, how),
-                                 grads=grad_bytes(ctx.gm, example_inputs))
+            to_come = optimizer_state_to_come(example_inputs, model, any(r.calls > 1 for r in state.graphs))
+            plan = first_plan(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model) + to_come,
+                              to_come, replan.measures(example_inputs),
+                              how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
+                              link=None if state.cuda_graphs else offload.link_for(example_inputs, how),
+                              grads=grad_bytes(ctx.gm, example_inputs))
             plan.estimated_by = "Inductor's partition" if partitioned else "eager autograd"
+            plan.allocator = expandable_segments(example_inputs, state.memory_budget, state.cuda_graphs)
     record = GraphRecord(
         index=len(state.graphs), training=model.training, input_shapes=shapes,
         before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops, after_ops=op_counts(ctx.gm),

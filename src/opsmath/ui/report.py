@@ -296,7 +296,8 @@ class Report(Rendered):
     def _plan_text(p) -> Text:
         t = Text()
         as_bytes, share = p.budget_both_units()
-        beyond = f" + measured beyond the model {_mib(p.excess)}" if p.excess else ""
+        beyond = (f" + held back for step 1's error, not yet measured {_mib(p.first_margin)}" if p.first_margin
+                  else f" + measured beyond the model {_mib(p.excess)}" if p.excess else "")
         at_end = f"; {_mib(p.head_excess)} more at the end of the forward (the loss's workspace)" if p.head_excess else ""
         if p.timed:   # a byte budget, planned against the gradients' timing
             how = (f" on the step's timeline (resident {_mib(p.resident - sum(p.grads))}, kept {_mib(p.kept)}, "
@@ -307,6 +308,9 @@ class Report(Rendered):
                       if p.expected_peak else ""))
         t.append(f"memory plan: budget {p.budget} (= {_mib(as_bytes)}, {share:.2f} of activations) | predicted "
                  f"peak {_mib(p.predicted_peak)}{how}\n", style="bold")
+        if p.to_come or p.allocator:
+            t.append((f"resident counts {_mib(p.to_come)} of optimizer state that the first step allocates"
+                      if p.to_come else "") + ("; " if p.to_come and p.allocator else "") + p.allocator + "\n")
         listed = p.planned()
         t.append(f"activations (as {p.estimated_by} saves them) {_mib(p.unconstrained)} -> {_mib(p.kept)}; "
                  f"{len(listed)} of {len(p.segments)} segments planned ({_kinds(p)}; "

@@ -1,0 +1,102 @@
+"""A byte budget held from the first step (``replan.first_plan``), on CPU with CUDA's measurement stood
+in for: the first plan counts the optimizer state that its step lacks and holds a margin back for the
+error no step has measured yet; the second call spends what the margin held back beyond the measured
+error; a budget the resident bytes already exceed is an error before the first step, naming the state.
+And ``opsmath.optim.footprint``: each optimizer layout's bytes before its state exists."""
+import copy
+
+import pytest
+import torch
+
+import opsmath
+from opsmath import examples
+from opsmath.memory import replan
+from opsmath.memory.plan import InfeasibleBudget
+from opsmath.optim import footprint
+from opsmath.runtime import backend
+
+
+def test_state_to_come_per_layout():
+    """torch's AdamW assumed (two moments in the parameter's dtype); opsmath's AdamW read: 32-bit,
+    8-bit (codes + fp32 block maxima), fp32 master for 16-bit; nothing once the state exists, nothing for
+    a frozen parameter."""
+    a, b = torch.nn.Parameter(torch.zeros(300)), torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
+    frozen = torch.nn.Parameter(torch.zeros(7), requires_grad=False)
+    assert footprint.state_to_come([a, b, frozen]) == (2 * 300 * 4 + 2 * 10 * 2,) * 2
+    q8 = opsmath.optim.AdamW([a], state_bits=8)
+    master = opsmath.optim.AdamW([b], master_weights=True)
+    assert footprint.state_to_come([a, b]) == (2 * 300 + 2 * 4 * 2 + 12 * 10, 0)
+    a.grad = torch.ones_like(a)
+    q8.step()
+    assert footprint.state_to_come([a, b]) == (12 * 10, 0)
+    del q8, master
+
+
+def _probe():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    ref = copy.deepcopy(model)
+    probe = opsmath.optimize(copy.deepcopy(model), memory_budget=1.0)
+    probe(*batch).backward()
+    p = opsmath.report(probe).graphs[0].plan
+    torch._dynamo.reset()
+    return model, ref, batch, p
+
+
+def _as_on_cuda(monkeypatch, state, error, opt_model):
+    """Steps measured as on CUDA: ``state`` bytes of optimizer state to come at the first call, resident
+    from the second on; each step peaks ``error`` above its plan's model of a step without the state."""
+    real, calls = replan.resident_bytes, []
+    monkeypatch.setattr(backend, "optimizer_state_to_come", lambda args, model, stepped: 0 if stepped else state)
+    monkeypatch.setattr(replan, "measures", lambda args: True)
+    monkeypatch.setattr(replan, "resident_bytes", lambda args, model: real(args, model) + state)
+
+    def peak(args):
+        p = opsmath.report(opt_model[0]).graphs[0].plan
+        calls.append(1)
+        ahead = p.to_come if len(calls) <= 2 else 0   # step 1 (two windows) ran without the state
+        return max(p.modelled) - ahead + error
+    monkeypatch.setattr(replan, "start_peak", lambda args: 0)
+    monkeypatch.setattr(replan, "max_allocated", peak)
+
+
+def test_first_step_counts_the_state_and_holds_a_margin_then_spends_it(monkeypatch):
+    model, ref, batch, p = _probe()
+    state, error = int(0.3 * p.unconstrained), int(0.02 * p.unconstrained)
+    budget = int(p.resident + state + 0.8 * p.unconstrained)
+    holder = [None]
+    _as_on_cuda(monkeypatch, state, error, holder)
+    opt = holder[0] = opsmath.optimize(model, memory_budget=budget)
+    opt(*batch).backward()
+    first = opsmath.report(opt).graphs[0].plan
+    assert first.to_come == state and first.resident >= p.resident + state
+    assert first.first_margin == int(replan.FIRST_STEP_MARGIN * (budget - first.resident))
+    assert first.predicted_peak <= budget and first.excess == first.first_margin
+    assert max(first.modelled) - state + error <= budget   # what step 1 measured: under the budget
+    model.zero_grad()
+    opt(*batch).backward()
+    second = opsmath.report(opt).graphs[0].plan
+    assert second is not first and "held" in second.replanned
+    assert second.first_margin == 0 and second.excess >= error and second.predicted_peak <= budget
+    assert second.kept + second.transient > first.kept + first.transient   # the slack spent: less recompute
+    model.zero_grad()
+    torch.manual_seed(3)
+    loss = opt(*batch)
+    loss.backward()
+    torch.manual_seed(3)
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_budget_the_optimizer_state_exceeds_fails_before_the_first_step(monkeypatch):
+    model, ref, batch, p = _probe()
+    state = 4 * p.resident
+    holder = [None]
+    _as_on_cuda(monkeypatch, state, 0, holder)
+    opt = holder[0] = opsmath.optimize(model, memory_budget=int(p.resident + 0.9 * p.unconstrained))
+    with pytest.raises(InfeasibleBudget, match="optimizer state that its first step allocates"):
+        opt(*batch)
