@@ -58,9 +58,10 @@ def build(cfg, device, variant, shared_mask=False):
     if shared_mask:
         T = cfg["block_size"]
         model.wpe = torch.nn.Embedding(T, cfg["n_embd"]).to(device)
-        tril = torch.ones(T, T, dtype=torch.bool, device=device).tril().view(1, 1, T, T)
-        for b in model.h:
-            b.attn.bias = tril       # the same tensor in every layer (a buffer of each)
+        if variant != "sdpa":   # (4 GiB at T 65536, twice while built: none for the SDPA model)
+            tril = torch.ones(T, T, dtype=torch.bool, device=device).tril().view(1, 1, T, T)
+            for b in model.h:
+                b.attn.bias = tril       # the same tensor in every layer (a buffer of each)
     if variant == "per_block_checkpoint":
         model.h = torch.nn.ModuleList([PerBlockCheckpoint(b) for b in model.h])
     elif variant == "sdpa":

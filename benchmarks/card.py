@@ -2,7 +2,7 @@
 caps what the caching allocator may hold (reserved memory, fragmentation included) at the card's size,
 and the model trains ``--steps`` steps under ``memory_budget`` = the card (or ``--budget``). **Recipe: AMP**
 (fp32 weights, bf16 autocast). Per step: wall ms, the allocated and reserved memory after each phase
-(forward, backward, optimizer) and each phase's peaks, the allocator's retries (cache freed to make room) and out-of-memory
+(forward, backward, optimizer) and the step's peaks, the allocator's retries (cache freed to make room) and out-of-memory
 count; an out-of-memory or an infeasible budget ends the row, with the step it happened at. A row
 without a card (``none``) runs first on the whole GPU: the unconstrained step the overhead is read
 against (sequential rows: the cap is per process).
@@ -67,8 +67,7 @@ def memory(device: str) -> dict:
     if device != "cuda":
         return {}
     torch.cuda.synchronize()
-    s = torch.cuda.memory_stats()
-    torch.cuda.reset_peak_memory_stats()   # each phase's peak apart (opsmath resets too, at steps 1-2)
+    s = torch.cuda.memory_stats()   # read, never reset here: opsmath measures steps 1-2 on the same statistic
     return dict(allocated=s.get("allocated_bytes.all.current", 0), reserved=s.get("reserved_bytes.all.current", 0),
                 peak_allocated=s.get("allocated_bytes.all.peak", 0), peak_reserved=s.get("reserved_bytes.all.peak", 0),
                 retries=s.get("num_alloc_retries", 0), ooms=s.get("num_ooms", 0))
@@ -124,8 +123,9 @@ def train(args, model_name: str, card: int | None, opt_name: str, device: str) -
             opt.zero_grad(set_to_none=True)
             phases["optimizer"] = memory(device)
             return loss, phases
-        memory(device)
         for i in range(args.steps):
+            if device == "cuda":   # each step's peak apart (opsmath resets at the same point at steps 1-2)
+                torch.cuda.reset_peak_memory_stats()
             if i + 1 == args.history and device == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=500000)
             t0 = time.perf_counter()
