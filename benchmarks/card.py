@@ -147,6 +147,9 @@ def train(args, model_name: str, card: int | None, opt_name: str, device: str) -
             def one():
                 step()
             row["gpu_ms"] = sum(kernel_ms(one).values())
+        if device == "cuda":   # whether the allocator's segments are expandable (opsmath turns them on)
+            segs = torch.cuda.memory_snapshot()
+            row["segments"] = dict(total=len(segs), expandable=sum(1 for g in segs if g.get("is_expandable")))
         row["plans"] = [{k: v for k, v in g.plan.to_dict().items() if k != "timeline"}
                         for g in opsmath.report(model).graphs if g.plan is not None]
         row["report"] = str(opsmath.report(model))[-4000:]

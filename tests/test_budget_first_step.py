@@ -100,3 +100,21 @@ def test_a_budget_the_optimizer_state_exceeds_fails_before_the_first_step(monkey
     opt = holder[0] = opsmath.optimize(model, memory_budget=int(p.resident + 0.9 * p.unconstrained))
     with pytest.raises(InfeasibleBudget, match="optimizer state that its first step allocates"):
         opt(*batch)
+
+
+def test_reserved_beyond_allocated_is_held_too(monkeypatch):
+    """The allocator reserved ``gap`` beyond the allocated peak in step 1: the re-plan takes it off the
+    budget beside the model's error, so the budget holds in reserved memory."""
+    model, ref, batch, p = _probe()
+    state, error, gap = int(0.3 * p.unconstrained), int(0.02 * p.unconstrained), int(0.1 * p.unconstrained)
+    budget = int(p.resident + state + 0.8 * p.unconstrained)
+    holder = [None]
+    _as_on_cuda(monkeypatch, state, error, holder)
+    monkeypatch.setattr(replan, "_gap", lambda args, allocated: gap)
+    opt = holder[0] = opsmath.optimize(model, memory_budget=budget)
+    opt(*batch).backward()
+    model.zero_grad()
+    opt(*batch).backward()
+    second = opsmath.report(opt).graphs[0].plan
+    assert "reserved beyond the allocated peak" in second.replanned
+    assert second.excess >= error + gap and second.predicted_peak <= budget

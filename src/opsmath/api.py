@@ -67,6 +67,7 @@ class OptimizeState:
     step_start: int = 0                     # graph_runs when the current model call began
     rebalanced: bool = False                # the step's graphs are planned again at their next call
     forward_peak: Optional[int] = None      # CUDA peak up to the current backward's start (replan.py)
+    forward_gap: int = 0                    # reserved beyond that peak, in the same window (replan.py)
     unoptimized_calls: int = 0              # model calls that ran none of them (e.g. past the recompile limit)
     trained_inputs: set = field(default_factory=set)   # input signatures of calls with gradients on
     eager_inference_calls: int = 0          # no-grad calls at other inputs, run eagerly (_inference_left_eager)

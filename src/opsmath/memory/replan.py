@@ -82,7 +82,7 @@ def runner(state, record, fn, base, by_node, model, use_inductor, finish):
                 fn = finish(state, record, g, args_, use_inductor)
         try:
             if watched and record.calls < 3:   # measure the step about to run
-                start[0], record.step_peak = start_peak(args), None
+                start[0], record.step_peak, record.step_gap = start_peak(args), None, 0
                 out = fn(*args)
                 if start[0] is not None:
                     measure_to_backward_end(state, record, out, args)
@@ -99,7 +99,8 @@ def measure_to_backward_end(state, record, out, args) -> None:
     when the step's backward starts (at the first graph it reaches, which resets the peak statistic
     there, once per backward: every graph of the step shares the reading), the second when that backward
     ends. A hook on the first output that needs a gradient queues the end's callback; gradients pass
-    through unchanged."""
+    through unchanged. ``record.step_gap``: what the allocator reserved beyond the allocated peak in
+    either window (fragmentation, and blocks cached from before the step), which a budget holds too."""
     outs = out if isinstance(out, (list, tuple)) else [out]
     t = next((o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is not None), None)
     if t is None:
@@ -108,13 +109,24 @@ def measure_to_backward_end(state, record, out, args) -> None:
     def at_backward(grad):
         if state.forward_peak is None:   # the first graph this backward reaches
             state.forward_peak = max_allocated(args)
+            state.forward_gap = _gap(args, state.forward_peak)
             start_peak(args)
-        forward = state.forward_peak
+        forward, gap = state.forward_peak, state.forward_gap
 
         def done():
-            record.step_peak, state.forward_peak = (forward, max_allocated(args)), None
+            backward = max_allocated(args)
+            record.step_peak, state.forward_peak = (forward, backward), None
+            record.step_gap = max(gap, _gap(args, backward))
         torch.autograd.Variable._execution_engine.queue_callback(done)
     t.register_hook(at_backward)
+
+
+def _gap(args, allocated) -> int:
+    """Reserved beyond ``allocated`` at the peak of the window measured now (0 off CUDA)."""
+    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
+    if not cuda or allocated is None:
+        return 0
+    return max(0, torch.cuda.max_memory_reserved(cuda[0].device) - allocated)
 
 
 def _step_peaks(record, args) -> tuple:
@@ -191,7 +203,9 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
     # step 1 ran before the optimizer state that its plan counted existed
     ahead = old.to_come if peaks[0] is not None and record.calls == 2 else 0
     modelled = (old.modelled[0] - ahead, old.modelled[1] - ahead)
+    gap = getattr(record, "step_gap", 0) if carries else 0   # the budget holds in reserved memory
     errors = _errors(modelled, peaks) if carries else (0, 0)
+    errors = (errors[0] + gap, errors[1])
     error = _above(old, errors, modelled)
     slack = int(0.01 * old.target())
     # the errors are the model's, not the plan's: a loose plan hides the forward end's error under its
@@ -220,6 +234,7 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
         why += (f"; step 1 measured {measured / 2**20:.1f} MiB, {abs(error) / 2**20:.1f} MiB "
                 f"{'over' if error >= 0 else 'under'} the model"
                 + (f", {errors[1] / 2**20:.1f} MiB more at the end of the forward alone" if errors[1] else "")
+                + (f", {gap / 2**20:.1f} MiB reserved beyond the allocated peak" if gap else "")
                 + (", taken off the budget" if held else ", within 1% of the budget"))
     return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args, held)
 
@@ -274,15 +289,18 @@ def tighten(state, record, base, by_node, args, model, use_inductor, peak_before
     peaks = _step_peaks(record, args) if peak_before is not None else (None, None)
     if peaks[0] is None:
         return None
+    gap = getattr(record, "step_gap", 0)   # reserved beyond allocated: the budget holds there
     old, measured = record.plan, max(peaks[0], peaks[1] or 0)
     old.measured_peak = measured
+    measured += gap
     goal = old.target()
     if measured <= goal or not _carries_error(state, record, since) \
             or parse_budget(state.memory_budget)[0] == "fraction":   # a share of the activations: kept
         return None
-    why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB, "
-           f"{(measured - goal) / 2**20:.1f} MiB over the budget: tightened")
-    return _plan_again(state, record, base, by_node, goal, _errors(old.modelled, peaks), resident_bytes(args, model),
+    why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB"
+           f"{' reserved' if gap else ''}, {(measured - goal) / 2**20:.1f} MiB over the budget: tightened")
+    every, head = _errors(old.modelled, peaks)
+    return _plan_again(state, record, base, by_node, goal, (every + gap, head), resident_bytes(args, model),
                        use_inductor, why, peaks, args, True)
 
 
@@ -325,7 +343,7 @@ def _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor
     except InfeasibleBudget as e:
         raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
                                f"{record.calls - 1} ({why}): {e}", e.floor) from None
-    plan.estimated_by, plan.budget = record.plan.estimated_by, state.memory_budget
+    plan.estimated_by, plan.budget, plan.allocator = record.plan.estimated_by, state.memory_budget, record.plan.allocator
     plan.excess, plan.predicted_peak = every, plan.predicted_peak + every
     plan.expected_peak = plan.expected_peak and plan.expected_peak + every
     plan.replanned = why
