@@ -1,4 +1,4 @@
-"""A byte budget held from the first step (``replan.first_plan``), on CPU with CUDA's measurement stood
+"""A byte budget held from the first step (``opsmath.memory.first_plan``), on CPU with CUDA's measurement stood
 in for: the first plan counts the optimizer state that its step lacks and holds a margin back for the
 error no step has measured yet; the second call spends what the margin held back beyond the measured
 error; a budget the resident bytes already exceed is an error before the first step, naming the state.
@@ -10,7 +10,7 @@ import torch
 
 import opsmath
 from opsmath import examples
-from opsmath.memory import replan
+from opsmath.memory import first_plan, replan
 from opsmath.memory.plan import InfeasibleBudget
 from opsmath.optim import footprint
 from opsmath.runtime import backend
@@ -71,7 +71,7 @@ def test_first_step_counts_the_state_and_holds_a_margin_then_spends_it(monkeypat
     opt(*batch).backward()
     first = opsmath.report(opt).graphs[0].plan
     assert first.to_come == state and first.resident >= p.resident + state
-    assert first.first_margin == int(replan.FIRST_STEP_MARGIN * (budget - first.resident))
+    assert first.first_margin == int(first_plan.FIRST_STEP_MARGIN * (budget - first.resident))
     assert first.predicted_peak <= budget and first.excess == first.first_margin
     assert max(first.modelled) - state + error <= budget   # what step 1 measured: under the budget
     model.zero_grad()

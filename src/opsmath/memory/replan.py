@@ -6,7 +6,7 @@ what the real step holds beyond the activations it counts (the loss's chunk of l
 workspaces, the allocator's rounding), here called the model's *error*: measured peak - modelled peak.
 While a graph is watched (its first ``WATCH_CALLS`` calls):
 
-* call 1 (``first_plan``), on CUDA: the plan counts the optimizer state the first ``step()`` will
+* call 1 (``opsmath.memory.first_plan``), on CUDA: the plan counts the optimizer state the first ``step()`` will
   allocate (``opsmath.optim.footprint``) and holds ``FIRST_STEP_MARGIN`` of a byte budget's headroom
   back for the model's error, which no step has measured yet, so that step 1 fits too.
 * call 2: the resident bytes are measured again and, on CUDA, step 1's peaks (``max_memory_allocated``)
@@ -41,16 +41,12 @@ from typing import Optional
 import torch
 
 from opsmath.capture.lower import note_source
-from opsmath.memory.budget import STEP_SLACK, _size, grad_bytes, resident_bytes, step_peak
+from opsmath.memory.budget import STEP_SLACK, grad_bytes, resident_bytes, step_peak
 from opsmath.memory.plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
 
 log = logging.getLogger("opsmath")
 
 REPLAN_MARGIN = 0.02
-# step 1's plan holds this share of a byte budget's headroom (the budget less the resident bytes) back for
-# what the model of the step does not count, until step 1 has measured it (H200, GPT-2-small B1 T65536
-# under "8GiB": 1.21 GiB of 5.3 GiB, 23%: the loss's and attention backward's workspaces, fp32 gradients)
-FIRST_STEP_MARGIN = 0.25
 # calls of a graph during which its plan is re-checked against the resident bytes: with gradient
 # accumulation over k micro-batches the optimizer state appears only after call k
 WATCH_CALLS = 16
@@ -237,36 +233,6 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
                 + (f", {gap / 2**20:.1f} MiB reserved beyond the allocated peak" if gap else "")
                 + (", taken off the budget" if held else ", within 1% of the budget"))
     return _plan_again(state, record, base, by_node, goal, excess, resident, use_inductor, why, peaks, args, held)
-
-
-def first_plan(gm, by_node, budget, resident: int, to_come: int, measured: bool, **kw):
-    """The plan of a graph's first call (``plan_and_emit``'s arguments; ``resident`` counts ``to_come``
-    bytes of optimizer state that step 1 will not hold yet). Where step 1 will be measured (``measured``:
-    CUDA), a byte budget is planned for ``FIRST_STEP_MARGIN`` of its headroom less, held as the plan's
-    ``excess`` in its predicted peak until ``recheck`` replaces it by the measured error; where that
-    leaves no feasible plan, for the lowest budget that is feasible, the margin what is left. A budget
-    that even the resident bytes and the least the activations can keep exceed raises InfeasibleBudget
-    before the first step, naming the optimizer state it counted."""
-    kind, value = parse_budget(budget)
-    margin = int(FIRST_STEP_MARGIN * max(0, value - resident)) if kind == "bytes" and measured else 0
-    try:
-        try:
-            plan = plan_and_emit(gm, by_node, value - margin if margin else budget, resident, **kw)
-        except InfeasibleBudget as e:
-            if not margin or e.floor >= value:
-                raise
-            margin = max(0, int(value) - e.floor - int(0.001 * value))
-            plan = plan_and_emit(gm, by_node, value - margin, resident, **kw)
-    except InfeasibleBudget as e:
-        if not to_come:
-            raise
-        raise InfeasibleBudget(f"{e}; the resident bytes count {_size(to_come)} of optimizer state that its first "
-                               "step allocates (opsmath.optim.AdamW(state_bits=8) holds 2 bytes a parameter)",
-                               e.floor) from None
-    plan.budget, plan.to_come, plan.first_margin = budget, to_come, margin
-    plan.excess, plan.predicted_peak = margin, plan.predicted_peak + margin
-    plan.expected_peak = plan.expected_peak and plan.expected_peak + margin
-    return plan
 
 
 def follow(plan, resident: int, errors: tuple | None = None) -> None:

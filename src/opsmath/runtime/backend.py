@@ -34,7 +34,8 @@ from opsmath.runtime import fp8_weights, offload_async
 from opsmath.memory import offload, replan, weight_casts
 from opsmath.memory.budget import expandable_segments, grad_bytes, optimizer_state_to_come, resident_bytes
 from opsmath.memory.plan import clone_graph_module
-from opsmath.memory.replan import first_plan, runner
+from opsmath.memory.first_plan import first_plan
+from opsmath.memory.replan import runner
 from opsmath.capture.regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
                                      inline_checkpoint, route_checkpoints, split_around)
 

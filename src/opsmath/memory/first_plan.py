@@ -1,0 +1,47 @@
+"""The plan of a graph's first call: a byte budget that holds from step 1.
+
+Step 1 runs before anything has measured it: the optimizer state its first ``step()`` allocates does not
+exist yet, and neither does the model's error (``opsmath.memory.replan``: workspaces, fp32 gradients,
+the allocator's rounding). On CUDA the plan counts the state to come (``opsmath.optim.footprint``, in
+``resident``) and holds a margin of the budget's headroom back for the error; ``replan.recheck`` replaces
+both by what step 1 measured at the graph's second call.
+"""
+from __future__ import annotations
+
+from opsmath.memory.budget import InfeasibleBudget, _size, parse_budget
+from opsmath.memory.plan import plan_and_emit
+
+# step 1's plan holds this share of a byte budget's headroom (the budget less the resident bytes) back for
+# what the model of the step does not count, until step 1 has measured it (H200, GPT-2-small B1 T65536
+# under "8GiB": 1.21 GiB of 5.3 GiB, 23%: the loss's and attention backward's workspaces, fp32 gradients)
+FIRST_STEP_MARGIN = 0.25
+
+
+def first_plan(gm, by_node, budget, resident: int, to_come: int, measured: bool, **kw):
+    """The plan of a graph's first call (``plan_and_emit``'s arguments; ``resident`` counts ``to_come``
+    bytes of optimizer state that step 1 will not hold yet). Where step 1 will be measured (``measured``:
+    CUDA), a byte budget is planned for ``FIRST_STEP_MARGIN`` of its headroom less, held as the plan's
+    ``excess`` in its predicted peak until ``recheck`` replaces it by the measured error; where that
+    leaves no feasible plan, for the lowest budget that is feasible, the margin what is left. A budget
+    that even the resident bytes and the least the activations can keep exceed raises InfeasibleBudget
+    before the first step, naming the optimizer state it counted."""
+    kind, value = parse_budget(budget)
+    margin = int(FIRST_STEP_MARGIN * max(0, value - resident)) if kind == "bytes" and measured else 0
+    try:
+        try:
+            plan = plan_and_emit(gm, by_node, value - margin if margin else budget, resident, **kw)
+        except InfeasibleBudget as e:
+            if not margin or e.floor >= value:
+                raise
+            margin = max(0, int(value) - e.floor - int(0.001 * value))
+            plan = plan_and_emit(gm, by_node, value - margin, resident, **kw)
+    except InfeasibleBudget as e:
+        if not to_come:
+            raise
+        raise InfeasibleBudget(f"{e}; the resident bytes count {_size(to_come)} of optimizer state that its first "
+                               "step allocates (opsmath.optim.AdamW(state_bits=8) holds 2 bytes a parameter)",
+                               e.floor) from None
+    plan.budget, plan.to_come, plan.first_margin = budget, to_come, margin
+    plan.excess, plan.predicted_peak = margin, plan.predicted_peak + margin
+    plan.expected_peak = plan.expected_peak and plan.expected_peak + margin
+    return plan
