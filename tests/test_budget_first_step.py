@@ -118,3 +118,56 @@ def test_reserved_beyond_allocated_is_held_too(monkeypatch):
     second = opsmath.report(opt).graphs[0].plan
     assert "reserved beyond the allocated peak" in second.replanned
     assert second.excess >= error + gap and second.predicted_peak <= budget
+
+
+def test_auto_state_bits_lever():
+    """``state_bits="auto"``: the lever offers 32-bit minus 8-bit bytes while the state is to come, and
+    its switch makes the group 8-bit; fixed ``state_bits`` offer nothing."""
+    a, b = torch.nn.Parameter(torch.zeros(1000)), torch.nn.Parameter(torch.zeros(500))
+    auto, fixed = opsmath.optim.AdamW([a], state_bits="auto"), opsmath.optim.AdamW([b])
+    saved, switch = footprint.eight_bit_lever([a, b])
+    assert saved == 8 * 1000 - (2 * 1000 + 8 * 4)
+    switch()
+    assert auto.param_groups[0]["state_bits"] == 8 and fixed.param_groups[0]["state_bits"] == 32
+    assert footprint.eight_bit_lever([a, b]) == (0, None)
+    with pytest.raises(ValueError, match="'auto'"):
+        opsmath.optim.AdamW([b], state_bits=16)
+
+
+def test_a_budget_only_8bit_state_meets_is_met_with_it(monkeypatch):
+    """A byte budget below resident + 32-bit moments: an optimizer with ``state_bits="auto"`` is made 8-bit
+    before its first step, the report says so with the bytes saved, and training matches eager with the
+    same 8-bit optimizer."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = examples.gpt(batch_size=1, seq_len=64, n_layer=4, dropout=0.0)
+    ref = copy.deepcopy(model)
+    probe = opsmath.optimize(copy.deepcopy(model), memory_budget=1.0)
+    probe(*batch).backward()
+    p = opsmath.report(probe).graphs[0].plan
+    torch._dynamo.reset()
+    n = sum(q.numel() for q in model.parameters())
+    state8 = 2 * n + 8 * sum(-(-q.numel() // 256) for q in model.parameters())
+    budget = int(p.resident + 6 * n + 0.1 * p.unconstrained)   # 32-bit: 0.1 of the activations left
+    monkeypatch.setattr(backend, "optimizer_state_to_come",
+                        lambda args, m, stepped: 0 if stepped else footprint.state_to_come(m.parameters())[0])
+    monkeypatch.setattr(replan, "measures", lambda args: True)
+    opt_model = opsmath.optimize(model, memory_budget=budget)
+    adam = opsmath.optim.AdamW(model.parameters(), lr=1e-3, state_bits="auto")
+    ref_adam = opsmath.optim.AdamW(ref.parameters(), lr=1e-3, state_bits=8)
+    plans = []
+    for _ in range(2):
+        for m, o in ((opt_model, adam), (ref, ref_adam)):
+            m(*batch).backward()
+            o.step()
+            o.zero_grad()
+        plans.append(opsmath.report(opt_model).graphs[0].plan)
+    first = plans[0]
+    assert adam.param_groups[0]["state_bits"] == 8 and "8-bit" in first.optimizer
+    assert first.to_come == state8 and first.predicted_peak <= budget
+    assert "made 8-bit" in plans[1].optimizer and "made 8-bit" in str(opsmath.report(opt_model))
+    assert all("exp_avg_q" in adam.state[q] for q in model.parameters())
+    # the recomputed step's gradients equal eager's to fp32 rounding, which can move a moment across one
+    # 8-bit code: an update apart by up to a tenth of lr (1e-3)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)

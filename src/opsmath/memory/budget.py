@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from opsmath.optim.footprint import state_to_come
+from opsmath.optim.footprint import eight_bit_lever, state_to_come
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -97,6 +97,12 @@ def optimizer_state_to_come(example_inputs: list, model: torch.nn.Module, steppe
     are a model without optimizer state at every call."""
     cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     return state_to_come(model.parameters())[0] if cuda and not stepped else 0
+
+
+def optimizer_lever(model: torch.nn.Module, to_come: int) -> tuple:
+    """What the first plan may trade for a budget it cannot meet: 8-bit state for the optimizers that
+    allow it (``eight_bit_lever``), while their state is still to come (``to_come`` counted)."""
+    return eight_bit_lever(model.parameters()) if to_come else (0, None)
 
 
 def grad_bytes(gm, example_inputs: list) -> dict[str, int]:

@@ -17,31 +17,52 @@ from opsmath.memory.plan import plan_and_emit
 FIRST_STEP_MARGIN = 0.25
 
 
-def first_plan(gm, by_node, budget, resident: int, to_come: int, measured: bool, **kw):
+def first_plan(gm, by_node, budget, resident: int, to_come: int, measured: bool, lever=(0, None), **kw):
     """The plan of a graph's first call (``plan_and_emit``'s arguments; ``resident`` counts ``to_come``
     bytes of optimizer state that step 1 will not hold yet). Where step 1 will be measured (``measured``:
     CUDA), a byte budget is planned for ``FIRST_STEP_MARGIN`` of its headroom less, held as the plan's
     ``excess`` in its predicted peak until ``recheck`` replaces it by the measured error; where that
-    leaves no feasible plan, for the lowest budget that is feasible, the margin what is left. A budget
-    that even the resident bytes and the least the activations can keep exceed raises InfeasibleBudget
-    before the first step, naming the optimizer state it counted."""
+    leaves no feasible plan, for the lowest budget that is feasible, the margin what is left.
+
+    A budget that even the resident bytes and the least the activations can keep exceed is met, where
+    ``lever`` offers it (``opsmath.optim.footprint.eight_bit_lever``: optimizers with
+    ``state_bits="auto"``), with 8-bit optimizer state, the plan's ``optimizer`` saying so; else it raises
+    InfeasibleBudget before the first step, naming the optimizer state it counted."""
+    try:
+        plan = _with_margin(gm, by_node, budget, resident, measured, **kw)
+    except InfeasibleBudget as e:
+        saved, switch = lever
+        try:
+            if not saved:
+                raise
+            plan = _with_margin(gm, by_node, budget, resident - saved, measured, **kw)
+        except InfeasibleBudget:
+            if not to_come:
+                raise e from None
+            raise InfeasibleBudget(f"{e}; the resident bytes count {_size(to_come)} of optimizer state that its "
+                                   "first step allocates (opsmath.optim.AdamW(state_bits=8) holds 2 bytes a "
+                                   "parameter)", e.floor) from None
+        switch()
+        to_come -= saved
+        plan.optimizer = (f"optimizer state made 8-bit (state_bits='auto'): {_size(saved)} saved; at 32 bits the "
+                          f"budget needs {_size(e.floor)}")
+    plan.budget, plan.to_come = budget, to_come
+    plan.excess, plan.predicted_peak = plan.first_margin, plan.predicted_peak + plan.first_margin
+    plan.expected_peak = plan.expected_peak and plan.expected_peak + plan.first_margin
+    return plan
+
+
+def _with_margin(gm, by_node, budget, resident: int, measured: bool, **kw):
+    """``plan_and_emit`` for ``budget`` less the first-step margin where it applies, or less what is left
+    of it where the whole margin leaves no feasible plan; ``plan.first_margin``: the margin held."""
     kind, value = parse_budget(budget)
     margin = int(FIRST_STEP_MARGIN * max(0, value - resident)) if kind == "bytes" and measured else 0
     try:
-        try:
-            plan = plan_and_emit(gm, by_node, value - margin if margin else budget, resident, **kw)
-        except InfeasibleBudget as e:
-            if not margin or e.floor >= value:
-                raise
-            margin = max(0, int(value) - e.floor - int(0.001 * value))
-            plan = plan_and_emit(gm, by_node, value - margin, resident, **kw)
+        plan = plan_and_emit(gm, by_node, value - margin if margin else budget, resident, **kw)
     except InfeasibleBudget as e:
-        if not to_come:
+        if not margin or e.floor >= value:
             raise
-        raise InfeasibleBudget(f"{e}; the resident bytes count {_size(to_come)} of optimizer state that its first "
-                               "step allocates (opsmath.optim.AdamW(state_bits=8) holds 2 bytes a parameter)",
-                               e.floor) from None
-    plan.budget, plan.to_come, plan.first_margin = budget, to_come, margin
-    plan.excess, plan.predicted_peak = margin, plan.predicted_peak + margin
-    plan.expected_peak = plan.expected_peak and plan.expected_peak + margin
+        margin = max(0, int(value) - e.floor - int(0.001 * value))
+        plan = plan_and_emit(gm, by_node, value - margin, resident, **kw)
+    plan.first_margin = margin
     return plan

@@ -93,6 +93,7 @@ class Plan:
     to_come: int = 0            # optimizer state in ``resident`` that the first step does not hold yet
     first_margin: int = 0       # bytes step 1 held back for the model's error before measuring it (replan.py)
     allocator: str = ""         # what the caching allocator was set to for the budget (budget.py), if anything
+    optimizer: str = ""         # the optimizer state's form the budget chose (first_plan.py), if it chose one
 
     def target(self, resident: int | None = None) -> int:
         """The budget in bytes of the whole step with ``resident`` bytes resident (default: the plan's):
@@ -176,6 +177,7 @@ class Plan:
                     expected_peak=self.expected_peak, excess=self.excess, timed=self.timed,
                     head_excess=self.head_excess, modelled=list(self.modelled), measured_ops=self.measured_ops,
                     to_come=self.to_come, first_margin=self.first_margin, allocator=self.allocator,
+                    optimizer=self.optimizer,
                     timeline=[list(t) for t in self.timeline()])
 
 

@@ -310,6 +310,7 @@ def _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor
         raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
                                f"{record.calls - 1} ({why}): {e}", e.floor) from None
     plan.estimated_by, plan.budget, plan.allocator = record.plan.estimated_by, state.memory_budget, record.plan.allocator
+    plan.optimizer = record.plan.optimizer
     plan.excess, plan.predicted_peak = every, plan.predicted_peak + every
     plan.expected_peak = plan.expected_peak and plan.expected_peak + every
     plan.replanned = why

@@ -17,7 +17,9 @@ unscaling/skip, optional fp32 master weights and optional 8-bit moments fused in
 * ``master_weights=True``: 16-bit parameters get an fp32 master copy and fp32 moments in the state;
   the step updates the master and writes the rounded parameter in the same pass.
 * ``state_bits=8``: both moments stored block-wise quantized (``src/opsmath/kernels/adamw_8bit.py``): 2 bytes of
-  state per parameter instead of 8 (fp32) or 4 (bf16).
+  state per parameter instead of 8 (fp32) or 4 (bf16). ``state_bits="auto"``: 32 unless a model's byte
+  ``memory_budget`` cannot be met with it; the memory planner then makes it 8 before the first step and
+  its report says so, with the bytes saved (``src/opsmath/optim/footprint.py``).
 * ``in_backward=True``: each parameter is updated inside backward as soon as its gradient is final, and
   its ``.grad`` freed, so no full set of gradients is ever alive (``src/opsmath/optim/in_backward.py``);
   ``step()`` then has nothing left to do. Exact with respect to the same optimizer stepping after
@@ -57,7 +59,7 @@ class AdamW(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 max_grad_norm: float | None = None, master_weights: bool = False, state_bits: int = 32,
+                 max_grad_norm: float | None = None, master_weights: bool = False, state_bits: int | str = 32,
                  skip_nonfinite: bool = False, in_backward: bool = False, bucket_bytes: int = 2**25,
                  amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
         for name, flag in (("amsgrad", amsgrad), ("maximize", maximize), ("differentiable", differentiable)):
@@ -75,8 +77,9 @@ class AdamW(torch.optim.Optimizer):
         if in_backward and max_grad_norm is not None:
             raise ValueError("in_backward=True updates each parameter before the global gradient norm exists; "
                              "max_grad_norm needs it: clip with in_backward=False")
-        if state_bits not in (8, 32):
-            raise ValueError(f"state_bits must be 32 (moments in fp32, or the parameter's dtype) or 8, got {state_bits}")
+        if state_bits not in (8, 32, "auto"):
+            raise ValueError("state_bits must be 32 (moments in fp32, or the parameter's dtype), 8 or 'auto' "
+                             f"(8 where a memory budget needs it), got {state_bits!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
                         foreach=foreach, capturable=capturable, differentiable=False, fused=fused,
                         decoupled_weight_decay=True, master_weights=master_weights, state_bits=state_bits)

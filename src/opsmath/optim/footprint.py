@@ -16,6 +16,9 @@ asks here what will be resident by then:
   counted twice at the first step, for the same reason harmlessly.
 
 The ``step`` counters (one scalar per parameter) are left out.
+
+``eight_bit_lever``: what the groups with ``state_bits="auto"`` would save as 8-bit state, and the switch
+the planner throws when a byte budget needs it (``opsmath.memory.first_plan``).
 """
 from __future__ import annotations
 
@@ -33,20 +36,26 @@ def _numel(p: torch.Tensor) -> int:
     return (p.to_local() if hasattr(p, "to_local") else p).numel()
 
 
-def layout_bytes(p: torch.Tensor, group: dict) -> int:
-    """State bytes opsmath's AdamW allocates for ``p`` under ``group``'s settings."""
+def layout_bytes(p: torch.Tensor, group: dict, bits=None) -> int:
+    """State bytes opsmath's AdamW allocates for ``p`` under ``group``'s settings (``bits``: as if its
+    ``state_bits`` were that; "auto" is 32 until the planner decides)."""
     n = _numel(p)
-    if group.get("state_bits", 32) == 8:
-        return 2 * n + 2 * 4 * -(-n // QBLOCK)
-    if group.get("master_weights", False) and p.dtype != torch.float32:
-        return 12 * n
-    return 2 * n * p.element_size()
+    master = group.get("master_weights", False) and p.dtype != torch.float32   # an fp32 copy, fp32 moments
+    if (bits or group.get("state_bits", 32)) == 8:
+        moments = 2 * n + 2 * 4 * -(-n // QBLOCK)
+    else:
+        moments = 2 * n * (4 if master else p.element_size())
+    return moments + (4 * n if master else 0)
+
+
+def _owners() -> dict:
+    return {id(p): (opt, g) for opt in list(LIVE) for g in opt.param_groups for p in g["params"]}
 
 
 def state_to_come(params) -> tuple[int, int]:
     """``(bytes, assumed)``: the optimizer state the first ``step()`` will allocate for ``params``, and
     the part of it assumed (parameters no opsmath optimizer holds: AdamW's two moments)."""
-    owner = {id(p): (opt, g) for opt in list(LIVE) for g in opt.param_groups for p in g["params"]}
+    owner = _owners()
     total = assumed = 0
     for p in params:
         if not (isinstance(p, torch.Tensor) and p.requires_grad):
@@ -58,3 +67,21 @@ def state_to_come(params) -> tuple[int, int]:
         elif not dict.get(hit[0].state, p):   # a defaultdict: ``get`` creates nothing
             total += layout_bytes(p, hit[1])
     return total, assumed
+
+
+def eight_bit_lever(params) -> tuple[int, object]:
+    """``(bytes saved, switch)``: what 8-bit moments would save over the state to come of ``params`` held
+    by ``state_bits="auto"`` groups of opsmath AdamW optimizers, and a callable that makes those groups 8-bit
+    (before any of their state exists: nothing is converted). ``(0, None)`` where there are none."""
+    owner, saved, groups = _owners(), 0, {}
+    for p in params:
+        hit = owner.get(id(p)) if isinstance(p, torch.Tensor) and p.requires_grad else None
+        if hit is None or hit[1].get("state_bits") != "auto" or dict.get(hit[0].state, p):
+            continue
+        saved += layout_bytes(p, hit[1]) - layout_bytes(p, hit[1], bits=8)
+        groups[id(hit[1])] = hit[1]
+
+    def switch():
+        for g in groups.values():
+            g["state_bits"] = 8
+    return (saved, switch) if saved > 0 else (0, None)

@@ -32,7 +32,8 @@ from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite.match import Decline, Match, run_patterns
 from opsmath.runtime import fp8_weights, offload_async
 from opsmath.memory import offload, replan, weight_casts
-from opsmath.memory.budget import expandable_segments, grad_bytes, optimizer_state_to_come, resident_bytes
+from opsmath.memory.budget import (expandable_segments, grad_bytes, optimizer_lever, optimizer_state_to_come,
+                                   resident_bytes)
 from opsmath.memory.plan import clone_graph_module
 from opsmath.memory.first_plan import first_plan
 from opsmath.memory.replan import runner
@@ -268,7 +269,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             by_node = partitioned or by_node
             to_come = optimizer_state_to_come(example_inputs, model, any(r.calls > 1 for r in state.graphs))
             plan = first_plan(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model) + to_come,
-                              to_come, replan.measures(example_inputs),
+                              to_come, replan.measures(example_inputs), lever=optimizer_lever(model, to_come),
                               how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
                               link=None if state.cuda_graphs else offload.link_for(example_inputs, how),
                               grads=grad_bytes(ctx.gm, example_inputs))

@@ -308,9 +308,11 @@ class Report(Rendered):
                       if p.expected_peak else ""))
         t.append(f"memory plan: budget {p.budget} (= {_mib(as_bytes)}, {share:.2f} of activations) | predicted "
                  f"peak {_mib(p.predicted_peak)}{how}\n", style="bold")
-        if p.to_come or p.allocator:
-            t.append((f"resident counts {_mib(p.to_come)} of optimizer state that the first step allocates"
-                      if p.to_come else "") + ("; " if p.to_come and p.allocator else "") + p.allocator + "\n")
+        said = [f"resident counts {_mib(p.to_come)} of optimizer state that the first step allocates"] \
+            if p.to_come else []
+        said += [x for x in (p.optimizer, p.allocator) if x]
+        if said:
+            t.append("; ".join(said) + "\n")
         listed = p.planned()
         t.append(f"activations (as {p.estimated_by} saves them) {_mib(p.unconstrained)} -> {_mib(p.kept)}; "
                  f"{len(listed)} of {len(p.segments)} segments planned ({_kinds(p)}; "
