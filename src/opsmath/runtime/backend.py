@@ -267,7 +267,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
             partitioned = partitioned_saved_bytes(ctx.gm, fp8_weights.example_inputs(
                 state.weight_casts, ctx.gm, example_inputs)) if use_inductor else None
             by_node = partitioned or by_node
-            to_come = optimizer_state_to_come(example_inputs, model, any(r.calls > 1 for r in state.graphs))
+            to_come = optimizer_state_to_come(example_inputs, model, any(r.calls > 1 and r.training for r in state.graphs))
             plan = first_plan(ctx.gm, by_node, state.memory_budget, resident_bytes(example_inputs, model) + to_come,
                               to_come, replan.measures(example_inputs), lever=optimizer_lever(model, to_come),
                               how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
