@@ -14,7 +14,7 @@ FAMILIES = {  # family: its modules, in the order the listing shows them
     "kernels": ["attention", "attention_variants", "linear_cross_entropy", "cross_entropy", "dropout_add_norm",
                 "activations", "optimizer"],
     "training steps": ["train", "hf_default_attention", "hf_trainer", "moe", "fleet", "varying_lengths", "cuda_graph_loops"],
-    "memory": ["memory", "recompute_overhead", "plan_estimate"],
+    "memory": ["memory", "card", "recompute_overhead", "plan_estimate"],
     "planner (CPU)": ["plan_partition", "inductor_partition", "plan_floors", "plan_time"],
     "numerics": ["learning_curve", "fp8_curve"],
     "coverage (CPU)": ["hf_coverage", "hf_moe_coverage", "timm_coverage", "diffusers_coverage", "library_coverage"],
