@@ -100,14 +100,22 @@ def split_around(gm: fx.GraphModule, keep: set[fx.Node]) -> tuple[fx.GraphModule
         if not alone:
             lowered.add(part)
         prev_alone = alone
+    parent, names = split_by(gm, ids, keep, lowered)
+    alone = {n: f"submod_{ids[n]}" for n in keep if hasattr(parent, f"submod_{ids[n]}")}
+    return parent, names, alone
+
+
+def split_by(gm: fx.GraphModule, ids: dict, keep: set[fx.Node], lowered: set[int]) -> tuple[fx.GraphModule, list[str]]:
+    """``gm`` split into a parent calling submodule ``submod_<ids[n]>`` for each node, in the original
+    order (index values copied into the pieces that read them: ``recompute_in_pieces``). Returns the
+    parent and the names of the pieces of ``lowered`` that compute something."""
     recompute_in_pieces(gm, ids, keep)
     parent = split_module(gm, None, lambda n: ids[n], keep_original_order=True)
     names = [f"submod_{p}" for p in sorted(lowered) if hasattr(parent, f"submod_{p}")]
     for name in names:   # pieces keep dynamo's graph id: their parameters stay static inputs (capture.py)
         if "dynamo_compile_id" in gm.meta:
             getattr(parent, name).meta["dynamo_compile_id"] = gm.meta["dynamo_compile_id"]
-    alone = {n: f"submod_{ids[n]}" for n in keep if hasattr(parent, f"submod_{ids[n]}")}
-    return parent, [s for s in names if _computes(getattr(parent, s))], alone
+    return parent, [s for s in names if _computes(getattr(parent, s))]
 
 
 # ops whose value is not a function of their arguments alone (random draws, uninitialized memory) or

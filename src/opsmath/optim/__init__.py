@@ -21,7 +21,9 @@ unscaling/skip, optional fp32 master weights and optional 8-bit moments fused in
   ``memory_budget`` cannot be met with it; the memory planner then makes it 8 before the first step and
   its report says so, with the bytes saved (``src/opsmath/optim/footprint.py``).
 * ``in_backward=True``: each parameter is updated inside backward as soon as its gradient is final, and
-  its ``.grad`` freed, so no full set of gradients is ever alive (``src/opsmath/optim/in_backward.py``);
+  its ``.grad`` freed, so no full set of gradients is ever alive (``src/opsmath/optim/in_backward.py``; under
+  ``opsmath.optimize`` with Inductor the model is then captured one graph per block, whose backward each
+  returns its block's gradients: ``src/opsmath/runtime/blocks.py``);
   ``step()`` then has nothing left to do. Exact with respect to the same optimizer stepping after
   backward; ``max_grad_norm``, gradient accumulation and ``GradScaler`` need every gradient first and
   raise a clear error instead.

@@ -85,3 +85,10 @@ def eight_bit_lever(params) -> tuple[int, object]:
         for g in groups.values():
             g["state_bits"] = 8
     return (saved, switch) if saved > 0 else (0, None)
+
+
+def steps_in_backward(params) -> bool:
+    """Whether an opsmath AdamW with ``in_backward=True`` holds any of ``params``."""
+    owner = _owners()
+    return any(getattr(hit[0], "_in_backward", None) is not None
+               for p in params if (hit := owner.get(id(p))) is not None)

@@ -30,7 +30,7 @@ from opsmath.capture.autocast import autocast_inside, hoist_whole_region
 from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite.match import Decline, Match, run_patterns
-from opsmath.runtime import fp8_weights, offload_async
+from opsmath.runtime import blocks, fp8_weights, offload_async
 from opsmath.memory import offload, replan, weight_casts
 from opsmath.memory.budget import (expandable_segments, grad_bytes, optimizer_lever, optimizer_state_to_come,
                                    resident_bytes)
@@ -154,7 +154,15 @@ def make_backend(state, model: torch.nn.Module):
         regions = eager_nodes(gm)
         _inline_checkpoints(state, gm, regions, _uses_inductor(state, example_inputs))
         if not regions:
-            return compile_graph(state, model, gm, list(example_inputs))
+            parts = blocks.split_blocks(gm) if blocks.wanted(model) else None
+            if parts is None:
+                return compile_graph(state, model, gm, list(example_inputs))
+            parent, pieces = parts   # one graph per block: its gradients are final at its backward's end
+            for name in pieces:
+                setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors,
+                                                symbolic=state.memory_budget is None))
+            state.notes.append(f"{len(pieces)} graphs, one per block: the optimizer steps inside backward")
+            return parent.forward
         # autograd Functions (compiled by Inductor where the graph is) and tensor hooks run as dynamo
         # traced them, checkpoints as the user wrote them; the pieces between them and the checkpoints'
         # bodies (which may hold regions of their own) go through this backend at their first call
