@@ -215,7 +215,10 @@ def recheck(state, record, base, by_node, args, model, use_inductor, peak_before
         plan.replanned = "the whole step planned again after its first call"
         follow(plan, resident, excess)
         return g
-    moved = abs(resident - old.resident) > slack and not fraction
+    # grown at any watched call; shrunk at call 2 only (the state counted for step 1 was more than the
+    # optimizer allocated), so resident bytes that come and go cannot re-plan (recompile) call after call
+    moved = not fraction and (resident > old.resident + slack
+                              or (record.calls == 2 and resident < old.resident - slack))
     spend = bool(old.first_margin) and measured is not None and error < -slack   # held back more than needed
     if fraction or (not moved and not spend and error <= slack):
         follow(old, resident, errors if fraction and carries else None)
