@@ -171,3 +171,31 @@ def test_a_budget_only_8bit_state_meets_is_met_with_it(monkeypatch):
     # 8-bit code: an update apart by up to a tenth of lr (1e-3)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_a_parameter_some_optimizer_stepped_has_no_state_to_come():
+    """torch's global step hook records the parameters of each optimizer's first step: their state
+    exists (in the allocated bytes), so nothing is assumed for them any more."""
+    a = torch.nn.Parameter(torch.zeros(10))
+    assert footprint.state_to_come([a]) == (80, 80)
+    opt = torch.optim.SGD([a], lr=0.1)
+    a.grad = torch.ones_like(a)
+    opt.step()
+    assert footprint.state_to_come([a]) == (0, 0)
+
+
+def test_auto_state_bits_resumes_as_the_budget_chose():
+    """A checkpoint of a group the budget made 8-bit loads into ``state_bits="auto"`` as 8-bit: its state
+    is not decoded to 32-bit moments at the next step."""
+    a = torch.nn.Parameter(torch.randn(300))
+    opt = opsmath.optim.AdamW([a], state_bits="auto")
+    footprint.eight_bit_lever([a])[1]()
+    a.grad = torch.ones_like(a)
+    opt.step()
+    b = torch.nn.Parameter(a.detach().clone())
+    resumed = opsmath.optim.AdamW([b], state_bits="auto")
+    resumed.load_state_dict(opt.state_dict())
+    assert resumed.param_groups[0]["state_bits"] == 8
+    b.grad = torch.ones_like(b)
+    resumed.step()
+    assert "exp_avg_q" in resumed.state[b] and "exp_avg" not in resumed.state[b]

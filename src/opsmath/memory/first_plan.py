@@ -36,12 +36,13 @@ def first_plan(gm, by_node, budget, resident: int, to_come: int, measured: bool,
             if not saved:
                 raise
             plan = _with_margin(gm, by_node, budget, resident - saved, measured, **kw)
-        except InfeasibleBudget:
+        except InfeasibleBudget as last:
             if not to_come:
                 raise e from None
+            hint = (f"; with 8-bit state it needs about {_size(last.floor)}" if last is not e
+                    else " (opsmath.optim.AdamW(state_bits=8) holds 2 bytes a parameter)")
             raise InfeasibleBudget(f"{e}; the resident bytes count {_size(to_come)} of optimizer state that its "
-                                   "first step allocates (opsmath.optim.AdamW(state_bits=8) holds 2 bytes a "
-                                   "parameter)", e.floor) from None
+                                   f"first step allocates{hint}", e.floor) from None
         switch()
         to_come -= saved
         plan.optimizer = (f"optimizer state made 8-bit (state_bits='auto'): {_size(saved)} saved; at 32 bits the "
@@ -63,6 +64,10 @@ def _with_margin(gm, by_node, budget, resident: int, measured: bool, **kw):
         if not margin or e.floor >= value:
             raise
         margin = max(0, int(value) - e.floor - int(0.001 * value))
-        plan = plan_and_emit(gm, by_node, value - margin, resident, **kw)
+        try:
+            plan = plan_and_emit(gm, by_node, value - margin, resident, **kw)
+        except InfeasibleBudget:   # the floor is an estimate: the budget itself, no margin, last
+            margin = 0
+            plan = plan_and_emit(gm, by_node, budget, resident, **kw)
     plan.first_margin = margin
     return plan

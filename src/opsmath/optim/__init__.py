@@ -134,12 +134,15 @@ class AdamW(torch.optim.Optimizer):
         """torch's loader casts state tensors to the parameter's dtype; fp32 masters, moments and block
         maxima of 16-bit parameters and the 8-bit codes keep the dtype they were saved in, so a save/load
         round trip loses nothing. How this optimizer stores state (``master_weights``, ``state_bits``)
-        stays as constructed: the loaded state is converted to it at the next step."""
+        stays as constructed: the loaded state is converted to it at the next step; ``state_bits="auto"``
+        takes 8 from a checkpoint whose group a memory budget had made 8-bit."""
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         storage = [{k: g[k] for k in ("master_weights", "state_bits")} for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for g, keep in zip(self.param_groups, storage):
+        for g, keep, saved_g in zip(self.param_groups, storage, state_dict["param_groups"]):
+            if keep["state_bits"] == "auto" and saved_g.get("state_bits") == 8:   # the budget chose 8: kept
+                keep = dict(keep, state_bits=8)
             g.update(keep)
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):

@@ -9,7 +9,9 @@ asks here what will be resident by then:
   ``QBLOCK`` elements (``state_bits=8``); an fp32 master and fp32 moments, 12 bytes, for a 16-bit
   parameter with ``master_weights``; else two moments in the parameter's dtype. Nothing where its state
   already exists (it is in the allocated bytes).
-* any other parameter that needs a gradient: ``torch.optim.AdamW``'s two moments in its dtype, assumed.
+* any other parameter that needs a gradient and that no optimizer has stepped yet (torch's global
+  step hook records the parameters of each optimizer's first step): ``torch.optim.AdamW``'s two moments
+  in its dtype, assumed.
   It is the common case and the larger of the usual ones (SGD with momentum holds one moment, plain SGD
   none); a smaller state leaves slack that the plan spends from the second step on
   (``opsmath.memory.replan``). A resumed optimizer whose state was loaded before the first call is
@@ -25,10 +27,27 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from opsmath.kernels.adamw_8bit import QBLOCK
 
 LIVE: "weakref.WeakSet" = weakref.WeakSet()
+_STEPPED_OPTIMIZERS: "weakref.WeakSet" = weakref.WeakSet()
+STEPPED: set[int] = set()   # ids of the parameters some optimizer has stepped (while they live): state exists
+
+
+def _record_step(optimizer, args, kwargs) -> None:
+    """torch's global post-step hook: an optimizer's first step records its parameters (by id, dropped
+    when the parameter is freed: tensors compare elementwise, so no weak set of them)."""
+    if optimizer not in _STEPPED_OPTIMIZERS:
+        _STEPPED_OPTIMIZERS.add(optimizer)
+        for p in (p for g in optimizer.param_groups for p in g["params"]):
+            if id(p) not in STEPPED:
+                STEPPED.add(id(p))
+                weakref.finalize(p, STEPPED.discard, id(p))
+
+
+register_optimizer_step_post_hook(_record_step)
 
 
 def _numel(p: torch.Tensor) -> int:
@@ -61,6 +80,8 @@ def state_to_come(params) -> tuple[int, int]:
         if not (isinstance(p, torch.Tensor) and p.requires_grad):
             continue
         hit = owner.get(id(p))
+        if hit is None and id(p) in STEPPED:
+            continue
         if hit is None:
             n = 2 * _numel(p) * p.element_size()
             total, assumed = total + n, assumed + n

@@ -154,7 +154,7 @@ def make_backend(state, model: torch.nn.Module):
         regions = eager_nodes(gm)
         _inline_checkpoints(state, gm, regions, _uses_inductor(state, example_inputs))
         if not regions:
-            parts = blocks.split_blocks(gm) if blocks.wanted(model) else None
+            parts = blocks.split_blocks(gm) if blocks.wanted(model, state.memory_budget) else None
             if parts is None:
                 return compile_graph(state, model, gm, list(example_inputs))
             parent, pieces = parts   # one graph per block: its gradients are final at its backward's end

@@ -10,7 +10,8 @@ its block's gradients, which are applied and freed before the next block's backw
 
 Nodes outside any block (embeddings, the final norm, the head and the loss) join the block before them
 (before the first block: the first); a block's partition never goes back (a running maximum), so the
-pieces run in the graph's order. A graph with fewer than two blocks is not split. The cost: Inductor
+pieces run in the graph's order. A graph with fewer than two blocks is not split, nor one under a byte
+``memory_budget`` (planned per graph against the whole step's bytes). The cost: Inductor
 fuses nothing across a block boundary (a residual add and the next norm), and each block is compiled
 on its own.
 """
@@ -22,8 +23,12 @@ from typing import Optional
 import torch.fx as fx
 
 from opsmath.capture.regions import split_by
+from opsmath.memory.budget import parse_budget
 from opsmath.optim.footprint import steps_in_backward
 from opsmath.rewrite.match import module_paths
+
+
+PIECE = "opsmath_block_piece"   # GraphModule.meta key of a block's piece: never split again
 
 
 def block_of(node: fx.Node) -> Optional[str]:
@@ -36,14 +41,19 @@ def block_of(node: fx.Node) -> Optional[str]:
     return None
 
 
-def wanted(model) -> bool:
-    """Whether ``model``'s parameters are stepped inside backward (``opsmath.optim.footprint``)."""
-    return steps_in_backward(model.parameters())
+def wanted(model, budget) -> bool:
+    """Whether ``model``'s parameters are stepped inside backward (``opsmath.optim.footprint``) and no
+    byte ``budget`` is set: a byte budget plans each graph against the whole step's bytes, which
+    per-block graphs would each take for their own (a fraction's share is held across graphs)."""
+    return steps_in_backward(model.parameters()) and (budget is None or parse_budget(budget)[0] == "fraction")
 
 
 def split_blocks(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, list[str]]]:
     """``(parent, names of its pieces that compute)``: ``gm`` split at its blocks, in order; None where it
-    holds fewer than two."""
+    holds fewer than two, or is itself such a piece (whose copied index values, ``recompute_in_pieces``,
+    still name the block that computed them first)."""
+    if gm.meta.get(PIECE):
+        return None
     order, ids, part = {}, {}, 0
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output", "get_attr"):
@@ -55,4 +65,7 @@ def split_blocks(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, list[str]
         ids[n] = part
     if len(order) < 2:
         return None
-    return split_by(gm, ids, set(), set(ids.values()))
+    parent, names = split_by(gm, ids, set(), set(ids.values()))
+    for name in names:
+        getattr(parent, name).meta[PIECE] = True
+    return parent, names
