@@ -25,6 +25,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     ["memory", "--smoke", "--quick", "--paths", "op-by-op", "--lengths", "64,128"],
     ["memory", "--smoke", "--model", "llama", "--no-long", "--no-anchors", "--paths", "op-by-op",
      "--fractions", "0.5"],
+    ["card", "--smoke", "--cards", "8GiB", "--steps", "2"],
     ["inductor_partition", "--smoke"],
     ["sass_stats", "--op", "dropout_add_norm", "--width", "256", "--config", "1"],
     ["moe", "--smoke", "--variants", "torch.compile,opsmath.optimize"],
