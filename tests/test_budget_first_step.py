@@ -3,17 +3,17 @@ in for: the first plan counts the optimizer state that its step lacks and holds 
 error no step has measured yet; the second call spends what the margin held back beyond the measured
 error; a budget the resident bytes already exceed is an error before the first step, naming the state.
 And ``opsmath.optim.footprint``: each optimizer layout's bytes before its state exists."""
-import copy
 
 import pytest
 import torch
 
 import opsmath
-from opsmath import examples
 from opsmath.memory import first_plan, replan
 from opsmath.memory.plan import InfeasibleBudget
 from opsmath.optim import footprint
 from opsmath.runtime import backend
+
+from test_replan import _assert_same_step, _probed_gpt
 
 
 def test_state_to_come_per_layout():
@@ -30,18 +30,6 @@ def test_state_to_come_per_layout():
     q8.step()
     assert footprint.state_to_come([a, b]) == (12 * 10, 0)
     del q8, master
-
-
-def _probe():
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
-    ref = copy.deepcopy(model)
-    probe = opsmath.optimize(copy.deepcopy(model), memory_budget=1.0)
-    probe(*batch).backward()
-    p = opsmath.report(probe).graphs[0].plan
-    torch._dynamo.reset()
-    return model, ref, batch, p
 
 
 def _as_on_cuda(monkeypatch, state, error, opt_model):
@@ -62,7 +50,7 @@ def _as_on_cuda(monkeypatch, state, error, opt_model):
 
 
 def test_first_step_counts_the_state_and_holds_a_margin_then_spends_it(monkeypatch):
-    model, ref, batch, p = _probe()
+    model, ref, batch, p = _probed_gpt()
     state, error = int(0.3 * p.unconstrained), int(0.02 * p.unconstrained)
     budget = int(p.resident + state + 0.8 * p.unconstrained)
     holder = [None]
@@ -81,19 +69,11 @@ def test_first_step_counts_the_state_and_holds_a_margin_then_spends_it(monkeypat
     assert second.first_margin == 0 and second.excess >= error and second.predicted_peak <= budget
     assert second.kept + second.transient > first.kept + first.transient   # the slack spent: less recompute
     model.zero_grad()
-    torch.manual_seed(3)
-    loss = opt(*batch)
-    loss.backward()
-    torch.manual_seed(3)
-    ref_loss = ref(*batch)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    _assert_same_step(opt, ref, batch)
 
 
 def test_a_budget_the_optimizer_state_exceeds_fails_before_the_first_step(monkeypatch):
-    model, ref, batch, p = _probe()
+    model, ref, batch, p = _probed_gpt()
     state = 4 * p.resident
     holder = [None]
     _as_on_cuda(monkeypatch, state, 0, holder)
@@ -105,7 +85,7 @@ def test_a_budget_the_optimizer_state_exceeds_fails_before_the_first_step(monkey
 def test_reserved_beyond_allocated_is_held_too(monkeypatch):
     """The allocator reserved ``gap`` beyond the allocated peak in step 1: the re-plan takes it off the
     budget beside the model's error, so the budget holds in reserved memory."""
-    model, ref, batch, p = _probe()
+    model, ref, batch, p = _probed_gpt()
     state, error, gap = int(0.3 * p.unconstrained), int(0.02 * p.unconstrained), int(0.1 * p.unconstrained)
     budget = int(p.resident + state + 0.8 * p.unconstrained)
     holder = [None]
@@ -138,14 +118,7 @@ def test_a_budget_only_8bit_state_meets_is_met_with_it(monkeypatch):
     """A byte budget below resident + 32-bit moments: an optimizer with ``state_bits="auto"`` is made 8-bit
     before its first step, the report says so with the bytes saved, and training matches eager with the
     same 8-bit optimizer."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, batch = examples.gpt(batch_size=1, seq_len=64, n_layer=4, dropout=0.0)
-    ref = copy.deepcopy(model)
-    probe = opsmath.optimize(copy.deepcopy(model), memory_budget=1.0)
-    probe(*batch).backward()
-    p = opsmath.report(probe).graphs[0].plan
-    torch._dynamo.reset()
+    model, ref, batch, p = _probed_gpt(batch_size=1)
     n = sum(q.numel() for q in model.parameters())
     state8 = 2 * n + 8 * sum(-(-q.numel() // 256) for q in model.parameters())
     budget = int(p.resident + 6 * n + 0.1 * p.unconstrained)   # 32-bit: 0.1 of the activations left

@@ -35,12 +35,12 @@ def _measure_phases(monkeypatch, forward, backward):
     monkeypatch.setattr(replan, "max_allocated", lambda args: forward() if phase["now"] == "forward" else backward())
 
 
-def _probed_gpt():
+def _probed_gpt(batch_size=4):
     """(model, its copy for eager, batch, the plan of the model under ``memory_budget=1.0``): the
     unconstrained step's numbers, to set a byte budget below them."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model, batch = examples.gpt(batch_size=4, seq_len=64, n_layer=4, dropout=0.0)
+    model, batch = examples.gpt(batch_size=batch_size, seq_len=64, n_layer=4, dropout=0.0)
     ref = copy.deepcopy(model)
     probe = opsmath.optimize(copy.deepcopy(model), memory_budget=1.0)
     probe(*batch).backward()

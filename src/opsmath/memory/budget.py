@@ -71,6 +71,11 @@ class InfeasibleBudget(ValueError):
         self.floor = floor
 
 
+def cuda_device(tensors) -> "torch.device | None":
+    """The device of the first CUDA tensor among ``tensors`` (a graph's inputs), None off CUDA."""
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
+
+
 def resident_bytes(example_inputs: list, model: torch.nn.Module) -> int:
     """What stays resident through the step. On CUDA: everything allocated now (weights or their
     FSDP shards, optimizer state, inputs) plus the gradients backward will allocate. On CPU: the model's
@@ -95,8 +100,8 @@ def optimizer_state_to_come(example_inputs: list, model: torch.nn.Module, steppe
     ``step()`` will allocate (``opsmath.optim.footprint``), which the resident bytes of step 1 lack, so
     that a plan counting it holds at step 1 for what step 2 holds. 0 off CUDA, where the resident bytes
     are a model without optimizer state at every call."""
-    cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    return state_to_come(model.parameters())[0] if cuda and not stepped else 0
+    on_cuda = cuda_device(example_inputs) is not None
+    return state_to_come(model.parameters())[0] if on_cuda and not stepped else 0
 
 
 def optimizer_lever(model: torch.nn.Module, to_come: int) -> tuple:
@@ -156,7 +161,7 @@ def expandable_segments(example_inputs: list, budget, cuda_graphs: bool) -> str:
     New segments from here on; left as the user set it where ``PYTORCH_CUDA_ALLOC_CONF`` names it, and
     off with ``OPSMATH_EXPANDABLE_SEGMENTS=0``; not beside ``cuda_graphs`` (their private pools) nor for a
     fraction. Returns what the report says ("" when nothing changed)."""
-    if cuda_graphs or parse_budget(budget)[0] != "bytes" or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+    if cuda_graphs or parse_budget(budget)[0] != "bytes" or cuda_device(example_inputs) is None:
         return ""
     if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") \
             or os.environ.get("OPSMATH_EXPANDABLE_SEGMENTS", "1") == "0":

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from opsmath.capture.lower import note_source
-from opsmath.memory.budget import STEP_SLACK, grad_bytes, resident_bytes, step_peak
+from opsmath.memory.budget import STEP_SLACK, cuda_device, grad_bytes, resident_bytes, step_peak
 from opsmath.memory.plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
 
 log = logging.getLogger("opsmath")
@@ -119,10 +119,10 @@ def measure_to_backward_end(state, record, out, args) -> None:
 
 def _gap(args, allocated) -> int:
     """Reserved beyond ``allocated`` at the peak of the window measured now (0 off CUDA)."""
-    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
-    if not cuda or allocated is None:
+    device = cuda_device(args)
+    if device is None or allocated is None:
         return 0
-    return max(0, torch.cuda.max_memory_reserved(cuda[0].device) - allocated)
+    return max(0, torch.cuda.max_memory_reserved(device) - allocated)
 
 
 def _step_peaks(record, args) -> tuple:
@@ -154,23 +154,23 @@ def _errors(modelled: tuple, peaks: tuple) -> tuple[int, int]:
 def measures(args) -> bool:
     """Whether the steps of a graph with inputs ``args`` are measured (on CUDA): ``first_plan`` holds a
     margin back only for an error that step 1 will measure."""
-    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in args)
+    return cuda_device(args) is not None
 
 
 def start_peak(args) -> Optional[int]:
     """Where a step's peak measurement starts (the graph's first and second calls): CUDA's peak statistic
     is reset (``reset_peak_memory_stats``), so the step is measured even when something earlier in the
     process peaked higher; ``optimize`` documents this. None off CUDA."""
-    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
-    if not cuda:
+    device = cuda_device(args)
+    if device is None:
         return None
-    torch.cuda.reset_peak_memory_stats(cuda[0].device)
-    return torch.cuda.memory_allocated(cuda[0].device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def max_allocated(args) -> Optional[int]:
-    cuda = [t for t in args if isinstance(t, torch.Tensor) and t.is_cuda]
-    return torch.cuda.max_memory_allocated(cuda[0].device) if cuda else None
+    device = cuda_device(args)
+    return torch.cuda.max_memory_allocated(device) if device is not None else None
 
 
 def _carries_error(state, record, since: int) -> bool:
