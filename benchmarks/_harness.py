@@ -130,3 +130,43 @@ def interleave(variants: list, rounds: int, steps: int, accumulate=(1,), catch: 
         live = [v for v in live if not getattr(v, "error", None)]
         if after_round is not None:
             after_round(i)
+
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def host_breakdown(step, steps: int = 3, top: int = 20) -> dict:
+    """Where the host time of a step goes: per step, the wall time with the GPU synchronized at the end,
+    the kernel launches and host syncs (torch.profiler's CUDA runtime events), the ops with the most
+    CPU self time (``ops``), and the Python functions with the most own time (cProfile, ``python``; run
+    without the profiler). A host-bound step is one whose wall time outruns its kernels (``gpu_ms``)."""
+    import cProfile
+    import pstats
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    events = prof.key_averages()
+    count = {e.key: e.count / steps for e in events}
+    ops = sorted(((e.key, e.self_cpu_time_total / steps / 1e3, e.count / steps) for e in events),
+                 key=lambda kv: -kv[1])[:top]
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    for _ in range(steps):
+        step()
+    sync()
+    pr.disable()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    stats = pstats.Stats(pr).stats   # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    py = sorted(((f"{os.path.basename(k[0])}:{k[1]}({k[2]})", v[2] * 1e3 / steps, v[1] / steps)
+                 for k, v in stats.items()), key=lambda kv: -kv[1])[:top]
+    return dict(wall_ms_profiled=wall, python_calls=sum(v[1] for v in stats.values()) / steps,
+                launches=sum(count.get(k, 0) for k in LAUNCHES),
+                syncs=sum(c for k, c in count.items() if "Synchronize" in k or k == "aten::item"),
+                ops=[dict(name=n, self_cpu_ms=round(ms, 3), calls=c) for n, ms, c in ops],
+                python=[dict(name=n, own_ms=round(ms, 3), calls=c) for n, ms, c in py])

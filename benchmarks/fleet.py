@@ -22,7 +22,7 @@ and recipe, so a run cut short keeps what it measured. At the end, per recipe: t
 baseline / variant step time, and the rows whose peak is off the baseline's by more than 2%.
 
     python -m benchmarks fleet [--models llama,bert] [--recipes amp,bf16] [--rounds 5] [--steps 3]
-        [--variants torch.compile,opsmath.optimize] [--tag NAME]
+        [--variants torch.compile,opsmath.optimize] [--tag NAME] [--host]
     python -m benchmarks fleet --smoke [--models gpt2,bert]   # tiny models on CPU: runs, measures nothing
 
 ``--smoke`` compares eager with opsmath (torch.compile's C++ compiles are slow on a CPU) unless
@@ -41,7 +41,7 @@ import time
 import torch
 
 import opsmath
-from benchmarks._harness import interleave, write
+from benchmarks._harness import host_breakdown, interleave, write
 from benchmarks.hf_default_attention import Variant
 
 DEC = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
@@ -208,9 +208,10 @@ class FleetVariant(Variant):
         return r
 
 
-def run(name, recipe, labels, rounds, steps, device, smoke) -> list[dict]:
+def run(name, recipe, labels, rounds, steps, device, smoke, host=False) -> list[dict]:
     """The rows of one model under one recipe: every variant built from one seed, warmed up, then timed
-    in interleaved rounds. A variant that fails to build or warm up is an error row."""
+    in interleaved rounds. A variant that fails to build or warm up is an error row. ``host``: each row
+    also gets where its step's host time goes (``_harness.host_breakdown``)."""
     torch._dynamo.reset()
     with torch.device("meta"):   # the parameter count and the inputs' dtype, nothing allocated
         probe = build(name, recipe, "meta", smoke)
@@ -235,6 +236,10 @@ def run(name, recipe, labels, rounds, steps, device, smoke) -> list[dict]:
     base = next((r for r in rows if r["variant"] == "torch.compile"), rows[0] if rows else None)
     for r in rows:
         r["baseline"], r["ms_ratio"] = base["variant"], r["ms"] / base["ms"]
+        if host:
+            v = next(v for v in variants if v.label == r["variant"])
+            r["host"] = host_breakdown(v.step)
+            print(host_line(r), flush=True)
         if "step_peak_gib" in r:
             r["peak_ratio"] = r["step_peak_gib"] / max(base["step_peak_gib"], 1e-9)
         print(line(r), flush=True)
@@ -252,6 +257,15 @@ def line(r: dict) -> str:
         out += (f" {r['rewrites']} declines {r['declines']} graphs {r['graphs']}"
                 f" fallbacks {len(r['fallbacks'])}")
     return out
+
+
+def host_line(r: dict) -> str:
+    h = r["host"]
+    ops = ", ".join(f"{o['name']} {o['self_cpu_ms']:.2f}" for o in h["ops"][:8])
+    py = ", ".join(f"{o['name']} {o['own_ms']:.2f}" for o in h["python"][:8])
+    return (f"  host {r['variant']}: {h['wall_ms_profiled']:.2f} ms/step under cProfile, {h['launches']:.0f} "
+            f"launches, {h['syncs']:.0f} syncs, {h['python_calls']:.0f} Python calls\n    ops (self CPU ms): {ops}"
+            f"\n    Python (own ms): {py}")
 
 
 def summary(rows: list[dict], recipes) -> dict:
@@ -293,6 +307,7 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="start no model/recipe after this many seconds (an error row each): the summary still prints")
+    ap.add_argument("--host", action="store_true", help="also profile where each row's host time goes")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script, measures nothing")
     args = ap.parse_args()
     models, recipes = args.models.split(","), args.recipes.split(",")
@@ -316,7 +331,7 @@ def main():
                 continue
             try:
                 payload["configs"][model] = config(model, args.smoke)
-                rows += run(model, recipe, labels, args.rounds, args.steps, device, args.smoke)
+                rows += run(model, recipe, labels, args.rounds, args.steps, device, args.smoke, args.host)
             except Exception as e:  # noqa: BLE001
                 rows.append(dict(model=model, recipe=recipe, variant=None, error=f"{type(e).__name__}: {e}"[:2000]))
                 print(line(rows[-1]), flush=True)
