@@ -61,11 +61,34 @@ def tf32_matmuls() -> bool:
     return precision == "tf32"
 
 
+_TRACED = (torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """True when the Triton kernel should run for a tensor on ``t``'s device."""
+    """True when the Triton kernel should run for a tensor on ``t``'s device. Triton's interpreter (CPU)
+    cannot run on fake or functional tensors: a ``triton_op`` traced there takes the reference, whose
+    outputs have the same shapes and dtypes."""
     if t.is_cuda:
         return True
-    return os.environ.get("OPSMATH_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+    return os.environ.get("OPSMATH_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1" \
+        and not isinstance(t, _TRACED)
+
+
+def traced_on_cuda(op) -> None:
+    """Keep a ``torch.library.triton_op`` opaque where its Triton kernels do not run. AOTAutograd traces
+    into a ``triton_op`` (its FunctionalTensorMode rule), so that Inductor launches the kernels from its
+    own code; on CPU the function computes the PyTorch reference instead, and traced into, its
+    intermediates (attention's S x S scores) would become values Inductor saves for backward. There it
+    stays one op, as a custom op would."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    decompose = op._torch_dispatch_fns[FunctionalTensorMode]
+
+    def rule(mode, func, types, args, kwargs):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if tensors and all(t.is_cuda for t in tensors):
+            return decompose(mode, func, types, args, kwargs)
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+    op.register_torch_dispatch(FunctionalTensorMode, rule)
 
 
 def new_seeds(like: torch.Tensor, n: int) -> torch.Tensor:
@@ -116,12 +139,16 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def dropout_keep(seed: int, offsets: torch.Tensor, p: float) -> torch.Tensor:
-    """Boolean keep-mask for int64 ``offsets`` (any shape): True where the element survives dropout."""
+def dropout_keep(seed, offsets: torch.Tensor, p: float) -> torch.Tensor:
+    """Boolean keep-mask for int64 ``offsets`` (any shape): True where the element survives dropout.
+    ``seed``: an int, or a one-element int64 tensor (read on the device, so that a traced reference
+    never reads it on the host)."""
     offsets = offsets.to(torch.int64)
     lo = offsets & _M32
     hi = (offsets >> 32) & _M32
-    key = _fmix32((_mul32(hi, 0x9E3779B9) + int(seed)) & _M32)
+    if isinstance(seed, torch.Tensor):
+        seed = seed.to(device=offsets.device, dtype=torch.int64).reshape(())
+    key = _fmix32((_mul32(hi, 0x9E3779B9) + seed) & _M32)
     h = _fmix32(lo ^ key)
     u = (h >> 8).to(torch.float32) * (2.0**-24)
     return u >= p

@@ -34,7 +34,8 @@ from typing import Optional
 
 import torch
 
-from opsmath.kernels._common import check_seed, dropout_keep, first_order_only, flat_offsets, new_seed, use_triton
+from opsmath.kernels._common import (check_seed, dropout_keep, first_order_only, flat_offsets, new_seed, traced_on_cuda,
+                                     use_triton)
 from opsmath.kernels.attention.kernel import attention_backward_triton, attention_forward_triton
 from opsmath.kernels._spec import backward, leaf
 from opsmath.kernels.attention.configs import configs_for, forced_config
@@ -72,7 +73,7 @@ def _reference_probs(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p
         s = s.masked_fill(left, float("-inf"))
         masked = masked | left
     p = torch.softmax(s, dim=-1).masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)   # SDPA's rows: 0
-    keep = dropout_keep(int(seed), flat_offsets(p.shape, q.device), dropout_p) if dropout_p > 0 else None
+    keep = dropout_keep(seed, flat_offsets(p.shape, q.device), dropout_p) if dropout_p > 0 else None
     pd = p * keep / (1.0 - dropout_p) if keep is not None else p
     return s, p, pd, keep, masked, kf, vf, dcap
 
@@ -116,7 +117,12 @@ def _attention_reference_backward(dout, q, k, v, bias, mask, mask_fill, is_causa
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("opsmath::attention", mutates_args=())
+# ``triton_op``s, not opaque custom ops: on CUDA Inductor traces into them (each function is also its own
+# fake kernel) and launches the Triton kernels from its generated code, as it does its own, so a compiled
+# step pays none of the custom op's Python dispatch per call (measured on the H200 at 0.19 ms forward and
+# 0.5 ms backward per layer of host time, the fleet's Mistral and T5 rows); op by op, and on CPU (the
+# reference, ``traced_on_cuda``), they run as any custom op.
+@torch.library.triton_op("opsmath::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                  mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
                  dropout_p: float, seed: Optional[torch.Tensor], softcap: float = 0.0, window: int = 0
@@ -131,13 +137,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Option
     return out.contiguous(), stats.contiguous()
 
 
-@attention_op.register_fake
-def _(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap=0.0, window=0):
-    B, H, Sq, D = q.shape
-    return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq, 2), dtype=torch.float32)
-
-
-@torch.library.custom_op("opsmath::attention_backward", mutates_args=())
+@torch.library.triton_op("opsmath::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, stats: torch.Tensor, bias: Optional[torch.Tensor],
                           mask: Optional[torch.Tensor], mask_fill: float, is_causal: bool, scale: float,
@@ -152,14 +152,6 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if dbias is None:
         dbias = q.new_empty((0,), dtype=torch.float32)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias.contiguous()
-
-
-@attention_backward_op.register_fake
-def _(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, bias_grad, softcap=0.0,
-      window=0):
-    B, H, Sq, _ = q.shape
-    dbias = q.new_empty((B, H, Sq, k.shape[2]) if bias_grad else (0,), dtype=torch.float32)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx, inputs, output):
@@ -185,6 +177,8 @@ def _backward(ctx, dout, dstats):
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+traced_on_cuda(attention_op)
+traced_on_cuda(attention_backward_op)
 
 
 def attention(q, k, v, bias=None, mask=None, mask_fill=float("-inf"), is_causal=False, scale=None,

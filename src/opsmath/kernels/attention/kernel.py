@@ -6,6 +6,7 @@ launched by ``attention_forward_triton`` / ``attention_backward_triton``.
 from __future__ import annotations
 
 import torch
+from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
@@ -344,7 +345,7 @@ def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, d
     b, m, bs, ms, has_bias = bias_mask_args(q, k, bias, mask)
     BM, BN, BD, warps, stages = launch_cfg(q, D, bucket(q, k, bias, mask, is_causal, dropout_p, softcap, window), "fwd")
     grid = (triton.cdiv(Sq, BM), B * H)
-    _attn_fwd[grid](q, k, v, b, m, out, stats, seed_arg(seed, q, dropout_p),
+    wrap_triton(_attn_fwd)[grid](q, k, v, b, m, out, stats, seed_arg(seed, q, dropout_p),
                     *q.stride(), *k.stride(), *v.stride(), *bs, *ms, *out.stride(),
                     H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p),
                     int(window), HAS_BIAS=has_bias, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
@@ -374,12 +375,12 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
     strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)
     seed_t = seed_arg(seed, q, dropout_p)
     t = tiles("dq")
-    _attn_bwd_dq[(triton.cdiv(Sq, t["BLOCK_M"]), B * H)](   # first: it writes delta, which the dK/dV kernel reads
+    wrap_triton(_attn_bwd_dq)[(triton.cdiv(Sq, t["BLOCK_M"]), B * H)](   # first: it writes delta, which the dK/dV kernel reads
         q, k, v, b, m, dout, out, stats, delta, dq, dbias, seed_t, *strides,
         H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
         BIAS_GRAD=bias_grad, **common, **t)
     t = tiles("dkdv")
-    _attn_bwd_dkdv[(triton.cdiv(Sk, t["BLOCK_N"]), B * Hkv)](
+    wrap_triton(_attn_bwd_dkdv)[(triton.cdiv(Sk, t["BLOCK_N"]), B * Hkv)](
         q, k, v, b, m, dout, stats, delta, dk, dv, seed_t, *strides,
         Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
         **common, **t)
