@@ -131,6 +131,15 @@ def _query_block(H, REP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
+def _fp32(scale, softcap, mask_fill, p_drop):
+    """The float arguments in fp32, however the launcher typed them: Inductor, launching the kernels from its
+    own code, passes Python floats as fp64 (and a 1.0 as a constant), which would carry fp64 through the
+    loops."""
+    return (tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32), tl.cast(mask_fill, tl.float32),
+            tl.cast(p_drop, tl.float32))
+
+
+@triton.jit
 def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
               sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
@@ -138,6 +147,7 @@ def _attn_fwd(Q, K, V, Bias, Mask, Out, Stats, Seed,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    scale, softcap, mask_fill, p_drop = _fp32(scale, softcap, mask_fill, p_drop)
     pid_m, pid_bh, b, h, g, rows, offs_n, offs_d = _query_block(H, REP, BLOCK_M, BLOCK_N, BLOCK_D)
     seed = load_seed(Seed, HAS_DROPOUT)
     dmask = offs_d < D
@@ -209,6 +219,7 @@ def _attn_bwd_dkdv(Q, K, V, Bias, Mask, DO, Stats, Delta, DK, DV, Seed,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (kv block, batch, kv head); loops over the REP query heads sharing it (GQA),
     so dK/dV are summed in registers with no atomics. dO/dK/dV/Q share Q's contiguous layout."""
+    scale, softcap, mask_fill, p_drop = _fp32(scale, softcap, mask_fill, p_drop)
     pid_n = tl.program_id(0)
     seed = load_seed(Seed, HAS_DROPOUT)
     pid_bg = tl.program_id(1)
@@ -302,6 +313,7 @@ def _attn_bwd_dq(Q, K, V, Bias, Mask, DO, Out, Stats, Delta, DQ, DBias, Seed,
                  HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    scale, softcap, mask_fill, p_drop = _fp32(scale, softcap, mask_fill, p_drop)
     pid_m, pid_bh, b, h, g, rows, offs_n, offs_d = _query_block(H, REP, BLOCK_M, BLOCK_N, BLOCK_D)
     seed = load_seed(Seed, HAS_DROPOUT)
     qmask = (rows[:, None] < SQ) & (offs_d[None, :] < D)
