@@ -41,6 +41,7 @@ import time
 import torch
 
 import opsmath
+from opsmath.kernels import autotune
 from benchmarks._harness import host_breakdown, interleave, write
 from benchmarks.hf_default_attention import Variant
 
@@ -199,12 +200,23 @@ class FleetVariant(Variant):
         self.opt.zero_grad(set_to_none=True)
         return loss
 
+    def warm_up(self):
+        """The harness's warm-up; for opsmath also where its first step went (``first_parts``)."""
+        tuned = dict(autotune.SPENT)
+        super().warm_up()
+        if hasattr(self.model, "_opsmath"):
+            graphs = opsmath.report(self.model).graphs
+            self.first_parts = dict(
+                tuning_s=autotune.SPENT["seconds"] - tuned["seconds"], tuned=autotune.SPENT["tuned"] - tuned["tuned"],
+                capture_s=sum(g.capture_seconds for g in graphs), inductor_s=sum(g.inductor_seconds for g in graphs))
+
     def row(self, accumulate: int = 1, tagged: bool = False):
         r = super().row()
         r.pop("accumulate"), r.pop("recipe", None)
         r = dict(variant=r.pop("name"), recipe=self.recipe, **r)
         if hasattr(self.model, "_opsmath"):
             r["declines"] = len(opsmath.report(self.model).declines)
+            r["first_parts"] = self.first_parts   # capture_s includes tuning and Inductor (inductor_s)
         return r
 
 
@@ -254,8 +266,10 @@ def line(r: dict) -> str:
            f"peak {r.get('step_peak_gib', 0):6.2f} GiB first {r['first_step_s']:6.1f} s loss {r['first_loss']:.4f} "
            f"ms x{r['ms_ratio']:.3f} peak x{r.get('peak_ratio', float('nan')):.3f} vs {r['baseline']}")
     if "rewrites" in r:
+        p = r["first_parts"]
         out += (f" {r['rewrites']} declines {r['declines']} graphs {r['graphs']}"
-                f" fallbacks {len(r['fallbacks'])}")
+                f" fallbacks {len(r['fallbacks'])}; first step: capture {p['capture_s']:.1f} s (tuning"
+                f" {p['tuning_s']:.1f} s, {p['tuned']} choices; Inductor {p['inductor_s']:.1f} s)")
     return out
 
 

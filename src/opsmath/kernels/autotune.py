@@ -32,6 +32,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -46,6 +47,7 @@ log = logging.getLogger("opsmath")
 _LOCK = threading.Lock()
 _MEMORY: dict[tuple[str, str, str], str] = {}   # (machine, op, key) -> choice, this process
 _WARNED: set[str] = set()                      # cache files already reported malformed, this process
+SPENT = {"seconds": 0.0, "tuned": 0}   # this process: seconds spent measuring candidates, choices measured
 METRIC = "kernel time"   # what choices are ranked by (``measure``); choices ranked otherwise are not reused
 
 
@@ -273,7 +275,7 @@ def _pick_local(op, key, candidates, measure_fn, skip=None) -> str:
     if cached and cached["choice"] in candidates:
         _MEMORY[(machine, op, key)] = cached["choice"]
         return cached["choice"]
-    times, errors, skipped = {}, {}, []
+    times, errors, skipped, t0 = {}, {}, [], time.perf_counter()
     with _progress(f"tuning {op} [{key}]", len(candidates)) as advance:
         for name, fn in candidates.items():
             if skip is not None and skip(name, dict(times)):
@@ -286,9 +288,10 @@ def _pick_local(op, key, candidates, measure_fn, skip=None) -> str:
             advance()
     if not times:
         raise RuntimeError(f"every candidate failed for {op} [{key}]: {errors}")
-    choice = min(times, key=times.get)
+    choice, spent = min(times, key=times.get), time.perf_counter() - t0
+    SPENT["seconds"], SPENT["tuned"] = SPENT["seconds"] + spent, SPENT["tuned"] + 1
     store(op, key, dict(choice=choice, ms={k: round(v, 5) for k, v in times.items()}, errors=errors,
-                        **(dict(skipped=skipped) if skipped else {})), machine)
+                        seconds=round(spent, 2), **(dict(skipped=skipped) if skipped else {})), machine)
     _MEMORY[(machine, op, key)] = choice
     log.info("opsmath: %s [%s] -> %s (%s)", op, key, choice, times)
     return choice
