@@ -111,13 +111,27 @@ class forced_config:
         _FORCED[0] = self.prev
 
 
+def size_hint(n) -> int:
+    """A size as an int. A symbolic size (the op traced into a graph whose lengths change, as a
+    ``triton_op`` is under Inductor) counts as its example value, so that choosing tiles adds no guard on
+    it (a guard would make the graph recompile for every length); an unbacked one as ``UNBACKED``."""
+    if isinstance(n, torch.SymInt):
+        hint = n.node.hint
+        return int(hint) if hint is not None else UNBACKED
+    return int(n)
+
+
+UNBACKED = 4096   # the length a size known only at run time is tuned for
+
+
 def bucket_key(q, k, has_bias: bool, has_mask: bool, is_causal: bool, dropout_p: float, softcap: float = 0.0,
                window: int = 0) -> str:
     """dtype, exact head dim and head grouping, batch*heads and lengths rounded up to powers of 2, flags."""
-    B, H, Sq, D = q.shape
+    B, H, Sq, D = (size_hint(n) for n in q.shape)
+    Hkv, Sk = size_hint(k.shape[1]), size_hint(k.shape[2])
     p2 = (lambda n: 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-    return (f"{str(q.dtype).replace('torch.', '')} D={D} H/Hkv={H // k.shape[1]} B*H<={p2(B * H)} "
-            f"Sq<={p2(Sq)} Sk<={p2(k.shape[2])} causal={int(is_causal)} bias={int(has_bias)} "
+    return (f"{str(q.dtype).replace('torch.', '')} D={D} H/Hkv={H // Hkv} B*H<={p2(B * H)} "
+            f"Sq<={p2(Sq)} Sk<={p2(Sk)} causal={int(is_causal)} bias={int(has_bias)} "
             f"mask={int(has_mask)} dropout={int(dropout_p > 0)}" + (" softcap=1" if softcap else "")
             + (f" window={window}" if window else ""))
 
