@@ -100,23 +100,34 @@ LOAD_STEPS = 16    # calls of each MoE layer whose expert load is kept
 class ExpertLoad:
     """Tokens routed to each of ``experts`` experts over the last ``LOAD_STEPS`` calls of one rewritten
     MoE layer: a [LOAD_STEPS, experts] ring of the grouped GEMM's ``offs`` on their device, written by a
-    device copy (no host sync); read (one sync) when a report asks. Under CUDA-graph replay the copies
-    replay into the slot of the captured call, so the ring then shows one step."""
+    device copy (no host sync) into the slot a device-side call counter names, so that CUDA-graph replays,
+    which repeat the captured kernels but not the Python around them, fill successive slots as eager calls
+    do; read (one sync) when a report asks."""
 
     def __init__(self, experts: int, where: str):
-        self.experts, self.where, self.calls, self.ring = experts, where, 0, None
+        self.experts, self.where, self.ring, self.count = experts, where, None, None
 
     def record(self, offs: torch.Tensor) -> None:
         if self.ring is None or self.ring.device != offs.device:
             self.ring = torch.zeros(LOAD_STEPS, self.experts, dtype=torch.int32, device=offs.device)
-        self.ring[self.calls % LOAD_STEPS].copy_(offs)
-        self.calls += 1
+            self.count = torch.zeros((), dtype=torch.int64, device=offs.device)
+        slot = torch.remainder(self.count, LOAD_STEPS).reshape(1)
+        self.ring.index_copy_(0, slot, offs.reshape(1, -1).to(torch.int32))
+        self.count.add_(1)
+
+    @property
+    def calls(self) -> int:
+        """Calls recorded, replays included (one host sync)."""
+        return 0 if self.count is None else int(self.count.item())
 
     def counts(self) -> torch.Tensor:
-        """[n, experts] int64 on the CPU: tokens per expert in each of the last n <= LOAD_STEPS calls."""
-        if self.ring is None:
+        """[n, experts] int64 on the CPU, oldest first: tokens per expert in each of the last n <=
+        LOAD_STEPS calls."""
+        n = self.calls
+        if n == 0:
             return torch.zeros(0, self.experts, dtype=torch.int64)
-        ends = self.ring[: min(self.calls, LOAD_STEPS)].to("cpu", torch.int64)
+        ends = self.ring.to("cpu", torch.int64)
+        ends = torch.roll(ends, -(n % LOAD_STEPS), 0) if n > LOAD_STEPS else ends[:n]
         return torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1]))
 
 
