@@ -12,16 +12,25 @@ Inductor then lowers it with its own templates), else ``opsmath::grouped_mm``, o
 Caveats:
 - ``torch._grouped_mm`` leaves rows past ``offs[G-1]`` undefined (NaN on CPU); ``opsmath::grouped_mm``
   writes zeros there. Callers mask such rows (``src/opsmath/patterns/experts/__init__.py`` does when routing can leave any).
-- ``opsmath::grouped_mm`` reads ``offs`` on the host (one device sync per call on CUDA): it is the
-  safe path for fp32/fp16 and unaligned sizes, not the fast one. Inductor treats it as opaque.
+- ``opsmath::grouped_mm`` takes fp32, fp16 and unaligned sizes. For 16-bit operands on CUDA (and in
+  Triton's interpreter) its Triton kernels find each row tile's group from ``offs`` on the device: no host
+  sync (fp32: see ``TRITON_DTYPES``). Row tiles of
+  ``BLOCK_M`` are laid out group after group (``cdiv(size_g, BLOCK_M)`` each, at most ``S / BLOCK_M + G``
+  in all, the grid's bound); the weight gradient runs one program per (group, K block, N block) over
+  that group's rows. Elsewhere it is one ``mm`` per group, reading ``offs`` on the host. Inductor treats
+  it as opaque. fp32 products run in TF32 only where the user allowed TF32 matmuls, as cuBLAS would.
 - Backward: ``dx = grouped(dy, w^T)``; ``dw[g] = x_g^T dy_g``, zero for an empty group.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from opsmath.kernels._common import first_order_only
+from opsmath.kernels._common import first_order_only, tf32_matmuls, use_triton
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 
 
 def native(dtype: torch.dtype, k: int, n: int) -> bool:
@@ -36,8 +45,108 @@ def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
+@triton.jit
+def _group_of_tile(Offs, pid, G, BM: tl.constexpr, GP: tl.constexpr):
+    """(group, its first row, its end row, first row of this tile) of row tile ``pid``; group ``G`` past
+    the last tile. Tiles of ``BM`` rows are laid out group after group."""
+    gs = tl.arange(0, GP)
+    last = tl.load(Offs + G - 1)
+    ends = tl.where(gs < G, tl.load(Offs + gs, mask=gs < G, other=0), last)
+    starts = tl.where(gs < G, tl.load(Offs + gs - 1, mask=(gs >= 1) & (gs < G), other=0), last)
+    tiles = (ends - starts + BM - 1) // BM
+    before = tl.cumsum(tiles, 0) - tiles                       # tiles of the groups before each
+    g = tl.sum(((before + tiles) <= pid).to(tl.int32), 0)       # the first group whose tiles reach past pid
+    pick = gs == g
+    start, end = tl.sum(tl.where(pick, starts, 0), 0), tl.sum(tl.where(pick, ends, 0), 0)
+    return g, end, start + (pid - tl.sum(tl.where(pick, before, 0), 0)) * BM
+
+
+@triton.jit
+def _grouped_fwd(X, W, Offs, Y, K, N, G, sxm, sxk, swg, swk, swn, sym, syn, PRECISION: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr):
+    """``Y[r] = X[r] @ W[g]`` for the rows of one row tile, one ``BN`` block of columns."""
+    g, end, row0 = _group_of_tile(Offs, tl.program_id(0), G, BM, GP)
+    if g < G:
+        rows, cols = row0 + tl.arange(0, BM), tl.program_id(1) * BN + tl.arange(0, BN)
+        rmask, cmask = rows < end, cols < N
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            a = tl.load(X + rows[:, None].to(tl.int64) * sxm + ks[None, :] * sxk,
+                        mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
+            b = tl.load(W + g.to(tl.int64) * swg + ks[:, None] * swk + cols[None, :] * swn,
+                        mask=(ks[:, None] < K) & cmask[None, :], other=0.0)
+            acc += tl.dot(a, b, input_precision=PRECISION)
+        tl.store(Y + rows[:, None].to(tl.int64) * sym + cols[None, :] * syn, acc.to(Y.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _grouped_wgrad(X, DY, Offs, DW, K, N, sxm, sxk, sdm, sdn, swg, swk, swn, PRECISION: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``DW[g] = X_g^T DY_g`` for one (group, K block, N block): a loop over the group's rows."""
+    g = tl.program_id(0)
+    start = tl.load(Offs + g - 1, mask=g > 0, other=0)
+    end = tl.load(Offs + g)
+    ks, cols = tl.program_id(1) * BK + tl.arange(0, BK), tl.program_id(2) * BN + tl.arange(0, BN)
+    kmask, cmask = ks < K, cols < N
+    acc = tl.zeros([BK, BN], tl.float32)
+    for m0 in range(start, end, BM):
+        rows = m0 + tl.arange(0, BM)
+        rmask = rows < end
+        a = tl.load(X + rows[None, :].to(tl.int64) * sxm + ks[:, None] * sxk, mask=kmask[:, None] & rmask[None, :],
+                    other=0.0)
+        b = tl.load(DY + rows[:, None].to(tl.int64) * sdm + cols[None, :] * sdn, mask=rmask[:, None] & cmask[None, :],
+                    other=0.0)
+        acc += tl.dot(a, b, input_precision=PRECISION)
+    tl.store(DW + g.to(tl.int64) * swg + ks[:, None] * swk + cols[None, :] * swn, acc.to(DW.dtype.element_ty),
+             mask=kmask[:, None] & cmask[None, :])
+
+
+# The dtypes the Triton kernels take on CUDA: 16-bit, on tensor cores. fp32 (HF's fallback GEMM with fp32
+# weights, kept fp32 as eager runs it) stays one cuBLAS ``mm`` per group until the kernels' fp32 tiles are
+# measured against it; the kernels compute fp32 too (tests run them so).
+TRITON_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _on_triton(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return use_triton(x) and x.dtype == w.dtype and x.dtype in TRITON_DTYPES
+
+
+def _precision(x: torch.Tensor):
+    """fp32: TF32 only where the user allowed TF32 matmuls (as cuBLAS would); 16-bit: Triton's default."""
+    if x.dtype != torch.float32:
+        return None
+    return "tf32" if x.is_cuda and tf32_matmuls() else "ieee"
+
+
+def grouped_forward_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``y[r] = x[r] @ w[g]`` (``w`` [G, K, N], any strides: ``w.transpose(1, 2)`` computes dx), zeros past
+    the last group; no host read of ``offs``."""
+    (S, K), G, N = x.shape, w.shape[0], w.shape[2]
+    y = x.new_zeros(S, N)
+    if S and N:
+        grid = (triton.cdiv(S, BLOCK_M) + G, triton.cdiv(N, BLOCK_N))
+        _grouped_fwd[grid](x, w, offs, y, K, N, G, *x.stride(), *w.stride(), *y.stride(), PRECISION=_precision(x),
+                           BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, GP=max(16, triton.next_power_of_2(G)))
+    return y
+
+
+def weight_grad_triton(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``dw[g] = x_g^T dy_g`` ([G, K, N], x's dtype); zero for an empty group."""
+    G, K, N = offs.shape[0], x.shape[1], dy.shape[1]
+    dw = x.new_empty(G, K, N)
+    if G and K and N:
+        grid = (G, triton.cdiv(K, BLOCK_K), triton.cdiv(N, BLOCK_N))
+        _grouped_wgrad[grid](x, dy, offs, dw, K, N, *x.stride(), *dy.stride(), *dw.stride(), PRECISION=_precision(x),
+                             BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    return dw
+
+
 @torch.library.custom_op("opsmath::grouped_mm", mutates_args=())
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if _on_triton(x, w):
+        return grouped_forward_triton(x, w, offs)
     out = x.new_zeros(x.shape[0], w.shape[2])
     for g, (s, e) in enumerate(_bounds(offs)):
         if e > s:
@@ -53,6 +162,8 @@ def _(x, w, offs):
 @torch.library.custom_op("opsmath::grouped_mm_weight_grad", mutates_args=())
 def weight_grad_loop(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``dw[g] = x_g^T dy_g`` ([G, K, N]); zero for an empty group."""
+    if _on_triton(x, dy):
+        return weight_grad_triton(x, dy, offs)
     dw = x.new_zeros(offs.shape[0], x.shape[1], dy.shape[1])
     for g, (s, e) in enumerate(_bounds(offs)):
         if e > s:
@@ -164,10 +275,11 @@ def _flops(x, w, offs):
 
 
 def _exercise(dtype):
-    x, w = leaf(6, 8, dtype=dtype), leaf(2, 8, 8, dtype=dtype)
-    backward(grouped_mm(x, w, torch.tensor([2, 6], dtype=torch.int32)))
+    for n in (8, 12):   # bf16: torch._grouped_mm, then (12: unaligned) the Triton kernels; fp32: per group
+        x, w = leaf(6, 8, dtype=dtype), leaf(2, 8, n, dtype=dtype)
+        backward(grouped_mm(x, w, torch.tensor([2, 6], dtype=torch.int32)))
 
 
 SPEC = register(OpSpec("experts", ops=(torch.ops.opsmath.grouped_mm.default, torch.ops.aten._grouped_mm.default),
-                       flops=_flops, exercise=_exercise, triton=False, profile=("grouped GEMM", ("grouped", "cutlass")),
+                       flops=_flops, exercise=_exercise, profile=("grouped GEMM", ("grouped", "cutlass")),
                        saves="the sorted token rows and the stacked expert weights"))
