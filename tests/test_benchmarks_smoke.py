@@ -4,6 +4,7 @@ no results. Each runs through ``benchmarks.__main__.main`` inside the test's pro
 spent 5-10 s of a two-core machine importing torch and transformers again), as a fresh process would run
 it: the ``benchmarks`` modules imported anew, and the environment, ``sys.argv``, ``torch.compile`` and
 torch's compiler settings restored afterwards."""
+import inspect
 import os
 import subprocess
 import sys
@@ -46,15 +47,31 @@ def test_benchmark_script_smoke(args, tmp_path, monkeypatch):
 CONFIGS = (torch._dynamo.config, torch._functorch.config, torch._inductor.config)
 
 
+def module_settings() -> dict:
+    """What a benchmark may rebind in opsmath's and torch's modules for the rest of its process:
+    UPPER_CASE settings (``fp8_curve --fp8-min-dim``: the fp8 rule's ``MIN_DIM``) and functions or
+    classes (``inductor_partition`` wraps torch's partitioner), by module."""
+    return {m: {k: v for k, v in vars(m).items() if k.isupper() or inspect.isroutine(v) or inspect.isclass(v)}
+            for name, m in list(sys.modules.items())
+            if m is not None and name.split(".")[0] in ("opsmath", "torch")}
+
+
+def restore(settings: dict) -> None:
+    for module, saved in settings.items():
+        for k, v in saved.items():
+            if vars(module).get(k) is not v:
+                setattr(module, k, v)
+
+
 def run_in_process(args, monkeypatch):
     """``python -m benchmarks *args`` from the repository root, in this process: its exit code. The
     ``benchmarks`` submodules are imported anew (their module-level settings apply, as in a new process)
-    and dropped after; the environment and compiler settings are put back as they were."""
+    and dropped after; the environment, compiler settings and module settings are put back as they were."""
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(ROOT)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(torch, "compile", torch.compile)   # ``--smoke`` wraps it (benchmarks/__main__.py)
-    env, configs = dict(os.environ), [c.get_config_copy() for c in CONFIGS]
+    env, configs, settings = dict(os.environ), [c.get_config_copy() for c in CONFIGS], module_settings()
 
     def drop_submodules():
         for name in [m for m in sys.modules if m.startswith("benchmarks.")]:
@@ -72,6 +89,7 @@ def run_in_process(args, monkeypatch):
         for config, saved in zip(CONFIGS, configs):
             now = config.get_config_copy()
             config.load_config({k: v for k, v in saved.items() if now[k] != v})
+        restore(settings)
 
 
 def test_every_benchmark_listed_by_family():
