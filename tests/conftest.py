@@ -106,14 +106,50 @@ GPU_SMOKE = {
 }
 
 
+# The longest tests (module::function, longest first: about 25-210 s each on two busy cores), run first so
+# that no worker starts one near the end while the other has run dry (pyproject.toml: ``--dist loadgroup``
+# hands out the tests one by one in this order, a worker holding at most three ahead).
+HEAVY_FIRST = [
+    "test_plan_tensors::test_each_candidate_frees_what_it_counts_within_the_tolerance_rule",
+    "test_offload::test_hf_llama_under_autocast_offloads_its_activations_not_its_weights",
+    "test_weight_casts::test_hugging_face_models_under_autocast_budgets_train_as_without",
+    "test_plan_selective::test_selective_plan_is_chosen_and_exact",
+    "test_distributed::test_ddp_under_inductor_matches_single_process",
+    "test_plan_models::test_gpt2_plans_a_quarter_of_its_activations_across_its_two_graphs",
+    "test_optim_in_backward::test_under_inductor_each_block_is_a_graph_of_its_own",
+    "test_notebooks::test_activation_memory",
+    "test_offload::test_inductor_offload_trains_exactly_as_eager",
+    "test_fleet_smoke::test_fleet_smoke_rows_for_both_recipes",
+    "test_inductor::test_plan_under_inductor_is_made_for_what_its_partitioner_saves",
+    "test_inductor::test_budget_becomes_recompute_tags_that_inductor_honors",
+    "test_inductor::test_second_call_replan_recompiles_with_new_tags",
+    "test_benchmarks_smoke::test_benchmark_script_smoke",
+    "test_plan_models::test_a_graph_above_its_share_is_planned_at_its_floor_when_the_step_stays_close",
+    "test_cuda_graph_loops::test_parameters_reach_inductor_as_static_inputs",
+    "test_plan_selective::test_gemms_selective_plan_is_chosen_and_exact",
+    "test_replan::test_fraction_one_recomputes_nothing",
+    "test_plan_models::test_a_graph_far_above_its_share_still_names_its_floor",
+    "test_optim_adamw_8bit::test_500_step_loss_curve_within_fp32_seed_noise",
+    "test_notebooks::test_explore_rewrites",
+    "test_models::test_triton_path_end_to_end",
+    "test_plan::test_fraction_budgets_are_honored_and_monotone",
+]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {key: i for i, key in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(_key(item), len(rank)))   # stable: the rest keep their order
     taken = set()
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if module in QUICK:
             item.add_marker(pytest.mark.quick)
-        key = f"{module}::{getattr(item, 'originalname', item.name)}"
+        key = _key(item)
         for part in GPU_SMOKE.get(key, ()):
             if (key, part) not in taken and part in item.name:
                 taken.add((key, part))
                 item.add_marker(pytest.mark.gpu_smoke)
+
+
+def _key(item) -> str:
+    return f"{item.module.__name__.rsplit('.', 1)[-1]}::{getattr(item, 'originalname', item.name)}"
