@@ -84,6 +84,8 @@ GPU_SMOKE = {
     "test_kernel_dropout_add_norm::test_triton_matches_eager": [""],
     "test_kernel_grouped_mm::test_grouped_mm_matches_per_group_products": [""],
     "test_kernel_grouped_mm::test_native_path_is_bf16_with_aligned_rows": [""],
+    "test_kernel_grouped_mm::test_triton_grouped_mm_matches_per_group_products": ["37-24-40", "50-30-18"],
+    "test_expert_load::test_cuda_graph_replays_fill_successive_slots": [""],
     "test_fp8_linear::test_fp8_linear_matches_its_quantized_reference_and_bf16": [""],
     "test_fp8_linear::test_rowwise_fp8_linear_matches_its_reference_and_every_gradient": [""],
     "test_fp8_weights::test_accumulation_reuses_copies_and_trains_as_casting_every_forward": [""],
