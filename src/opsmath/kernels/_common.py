@@ -61,6 +61,14 @@ def tf32_matmuls() -> bool:
     return precision == "tf32"
 
 
+def launch_precision(t: torch.Tensor):
+    """``tl.dot``'s ``input_precision`` for operands like ``t``: fp32 exact ("ieee") unless the user allowed
+    TF32 matmuls, as cuBLAS would; 16-bit: Triton's default (the option only concerns fp32)."""
+    if t.dtype != torch.float32:
+        return None
+    return "tf32" if t.is_cuda and tf32_matmuls() else "ieee"
+
+
 _TRACED = (torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
 
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from opsmath.kernels._common import first_order_only, tf32_matmuls, use_triton
+from opsmath.kernels._common import first_order_only, launch_precision, use_triton
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
@@ -113,13 +113,6 @@ def _on_triton(x: torch.Tensor, w: torch.Tensor) -> bool:
     return use_triton(x) and x.dtype == w.dtype and x.dtype in TRITON_DTYPES
 
 
-def _precision(x: torch.Tensor):
-    """fp32: TF32 only where the user allowed TF32 matmuls (as cuBLAS would); 16-bit: Triton's default."""
-    if x.dtype != torch.float32:
-        return None
-    return "tf32" if x.is_cuda and tf32_matmuls() else "ieee"
-
-
 def grouped_forward_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``y[r] = x[r] @ w[g]`` (``w`` [G, K, N], any strides: ``w.transpose(1, 2)`` computes dx), zeros past
     the last group; no host read of ``offs``."""
@@ -127,7 +120,7 @@ def grouped_forward_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor)
     y = x.new_zeros(S, N)
     if S and N:
         grid = (triton.cdiv(S, BLOCK_M) + G, triton.cdiv(N, BLOCK_N))
-        _grouped_fwd[grid](x, w, offs, y, K, N, G, *x.stride(), *w.stride(), *y.stride(), PRECISION=_precision(x),
+        _grouped_fwd[grid](x, w, offs, y, K, N, G, *x.stride(), *w.stride(), *y.stride(), PRECISION=launch_precision(x),
                            BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, GP=max(16, triton.next_power_of_2(G)))
     return y
 
@@ -138,7 +131,7 @@ def weight_grad_triton(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) ->
     dw = x.new_empty(G, K, N)
     if G and K and N:
         grid = (G, triton.cdiv(K, BLOCK_K), triton.cdiv(N, BLOCK_N))
-        _grouped_wgrad[grid](x, dy, offs, dw, K, N, *x.stride(), *dy.stride(), *dw.stride(), PRECISION=_precision(x),
+        _grouped_wgrad[grid](x, dy, offs, dw, K, N, *x.stride(), *dy.stride(), *dw.stride(), PRECISION=launch_precision(x),
                              BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
     return dw
 

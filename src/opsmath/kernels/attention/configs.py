@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 
-from opsmath.kernels._common import tf32_matmuls
 from opsmath.kernels.autotune import cached
 
 OWN_ONLY = " own-only"   # key suffix of choices made without the vendor kernels (tuning.choose)
@@ -161,14 +160,6 @@ def bucket(q, k, bias, mask, is_causal, dropout_p, softcap=0.0, window=0) -> Opt
     if not q.is_cuda:
         return None
     return bucket_key(q, k, bias is not None, mask is not None, is_causal, dropout_p, softcap, window)
-
-
-def launch_precision(q: torch.Tensor):
-    """fp32 inputs: exact ("ieee") unless the user allowed tf32 matmuls, as eager would; 16-bit
-    inputs: Triton's default (the option only concerns fp32)."""
-    if q.dtype != torch.float32:
-        return None
-    return "tf32" if q.is_cuda and tf32_matmuls() else "ieee"
 
 
 def bias_mask_args(q, k, bias, mask):

@@ -10,8 +10,8 @@ from torch.library import wrap_triton
 import triton
 import triton.language as tl
 
-from opsmath.kernels._common import keep_mask, load_seed, seed_arg
-from opsmath.kernels.attention.configs import bias_mask_args, bucket, launch_cfg, launch_precision
+from opsmath.kernels._common import keep_mask, launch_precision, load_seed, seed_arg
+from opsmath.kernels.attention.configs import bias_mask_args, bucket, launch_cfg
 
 
 @triton.jit
