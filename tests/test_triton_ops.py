@@ -18,17 +18,21 @@ def _fwd_bwd(fn, inputs, weight):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (96, 0.0), (0, 30.0)], ids=["causal", "window", "softcap"])
-def test_attention_kernels_launch_from_inductor_code_and_match(window, softcap):
+@pytest.mark.parametrize("window,softcap,masked", [(0, 0.0, False), (96, 0.0, False), (0, 30.0, False), (0, 0.0, True)],
+                         ids=["causal", "window", "softcap", "bool-mask"])
+def test_attention_kernels_launch_from_inductor_code_and_match(window, softcap, masked):
+    """A bool padding mask reaches the kernels as bytes (torch 2.11's Inductor cannot lower a bool bitcast)."""
     from torch._inductor.utils import run_and_get_code
     torch.manual_seed(window)
     B, H, Hkv, S, D = 2, 4, 2, 333, 64   # GQA, a length no tile divides
     q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     weight = torch.randn(B, H, S, D, device="cuda")
+    mask = (torch.arange(S, device="cuda") >= torch.tensor([S, S - 100], device="cuda")[:, None])[:, None, None]
+    mask = mask if masked else None   # (B, 1, 1, S): the second row's last 100 keys padded
 
     def op(q, k, v):
-        return attention_op(q, k, v, None, None, float("-inf"), True, D ** -0.5, 0.0, None, softcap, window)[0]
+        return attention_op(q, k, v, None, mask, float("-inf"), True, D ** -0.5, 0.0, None, softcap, window)[0]
 
     torch._dynamo.reset()
     compiled = torch.compile(op, backend="inductor")
@@ -39,7 +43,7 @@ def test_attention_kernels_launch_from_inductor_code_and_match(window, softcap):
     by_op = _fwd_bwd(op, (q, k, v), weight)
 
     def eager(q, k, v):
-        return eager_same_dtype(q, k, v, None, None, float("-inf"), True, D ** -0.5, 0.0, 0, softcap=softcap,
+        return eager_same_dtype(q, k, v, None, mask, float("-inf"), True, D ** -0.5, 0.0, 0, softcap=softcap,
                                 window=window)
     same = _fwd_bwd(eager, (q, k, v), weight)
     ref = _fwd_bwd(eager, (q.double(), k.double(), v.double()), weight.double())

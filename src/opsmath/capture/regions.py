@@ -142,6 +142,8 @@ def _pure(n: fx.Node) -> bool:
     name = _name(n)
     if getattr(n.target, "__module__", None) in ("_operator", "operator"):
         return name not in _INPLACE_OPERATORS
+    if name.startswith("__") and name.endswith("__"):   # a Tensor operator method (dynamo's ``__eq__`` in
+        return name[2:-2] not in _INPLACE_OPERATORS      # torch 2.11 where 2.13 records ``operator.eq``)
     return not (name.startswith("_") or name.endswith("_") or any(w in name for w in _IMPURE))
 
 
