@@ -208,6 +208,7 @@ class FleetVariant(Variant):
             graphs = opsmath.report(self.model).graphs
             self.first_parts = dict(
                 tuning_s=autotune.SPENT["seconds"] - tuned["seconds"], tuned=autotune.SPENT["tuned"] - tuned["tuned"],
+                tuning_first_calls_s=autotune.SPENT["first_calls"] - tuned["first_calls"],
                 capture_s=sum(g.capture_seconds for g in graphs), inductor_s=sum(g.inductor_seconds for g in graphs))
 
     def row(self, accumulate: int = 1, tagged: bool = False):
@@ -269,7 +270,8 @@ def line(r: dict) -> str:
         p = r["first_parts"]
         out += (f" {r['rewrites']} declines {r['declines']} graphs {r['graphs']}"
                 f" fallbacks {len(r['fallbacks'])}; first step: capture {p['capture_s']:.1f} s (tuning"
-                f" {p['tuning_s']:.1f} s, {p['tuned']} choices; Inductor {p['inductor_s']:.1f} s)")
+                f" {p['tuning_s']:.1f} s, {p['tuned']} choices, {p.get('tuning_first_calls_s', 0):.1f} s of it first"
+                f" calls; Inductor {p['inductor_s']:.1f} s)")
     return out
 
 

@@ -21,7 +21,8 @@ database that many processes share (DDP ranks under one home directory):
 ``pick(op, key, candidates)`` measures each candidate (a zero-argument callable running the op's
 forward and backward) by its GPU kernel time per call (``measure``: torch.profiler, falling back to
 ``triton.testing.do_bench``'s median wall time), skips candidates that raise, and shows a transient rich
-progress bar on a terminal when tuning is under way.
+progress bar on a terminal when tuning is under way. An entry keeps where the tuning time went:
+``seconds`` in all, and per candidate ``took``: [its first call (a Triton kernel's compile), its timing].
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ log = logging.getLogger("opsmath")
 _LOCK = threading.Lock()
 _MEMORY: dict[tuple[str, str, str], str] = {}   # (machine, op, key) -> choice, this process
 _WARNED: set[str] = set()                      # cache files already reported malformed, this process
-SPENT = {"seconds": 0.0, "tuned": 0}   # this process: seconds spent measuring candidates, choices measured
+# this process: seconds spent measuring candidates, choices measured, and of those seconds the
+# candidates' first calls (where Triton compiles)
+SPENT = {"seconds": 0.0, "tuned": 0, "first_calls": 0.0}
 METRIC = "kernel time"   # what choices are ranked by (``measure``); choices ranked otherwise are not reused
 
 
@@ -275,26 +278,39 @@ def _pick_local(op, key, candidates, measure_fn, skip=None) -> str:
     if cached and cached["choice"] in candidates:
         _MEMORY[(machine, op, key)] = cached["choice"]
         return cached["choice"]
-    times, errors, skipped, t0 = {}, {}, [], time.perf_counter()
+    times, errors, skipped, took, t0 = {}, {}, [], {}, time.perf_counter()
     with _progress(f"tuning {op} [{key}]", len(candidates)) as advance:
         for name, fn in candidates.items():
             if skip is not None and skip(name, dict(times)):
                 skipped.append(name)
             else:
-                try:
+                marks = [time.perf_counter()]
+                try:   # the first call apart: a Triton candidate compiles there
+                    _synced(fn)
+                    marks.append(time.perf_counter())
                     times[name] = measure_fn(fn)
                 except Exception as e:  # a backend that rejects these inputs is not a candidate
                     errors[name] = f"{type(e).__name__}: {str(e)[:160]}"
+                marks += [time.perf_counter()] * (3 - len(marks))
+                took[name] = [round(b - a, 2) for a, b in zip(marks, marks[1:])]
             advance()
     if not times:
         raise RuntimeError(f"every candidate failed for {op} [{key}]: {errors}")
     choice, spent = min(times, key=times.get), time.perf_counter() - t0
     SPENT["seconds"], SPENT["tuned"] = SPENT["seconds"] + spent, SPENT["tuned"] + 1
+    SPENT["first_calls"] += sum(t[0] for t in took.values())
     store(op, key, dict(choice=choice, ms={k: round(v, 5) for k, v in times.items()}, errors=errors,
-                        seconds=round(spent, 2), **(dict(skipped=skipped) if skipped else {})), machine)
+                        seconds=round(spent, 2), took=took, **(dict(skipped=skipped) if skipped else {})), machine)
     _MEMORY[(machine, op, key)] = choice
     log.info("opsmath: %s [%s] -> %s (%s)", op, key, choice, times)
     return choice
+
+
+def _synced(fn: Callable[[], object]) -> None:
+    """``fn()``, waited for on the GPU when CUDA is in use."""
+    fn()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 class _progress:

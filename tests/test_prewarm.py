@@ -1,0 +1,47 @@
+"""Tuning workers (``kernels/prewarm.py``): jobs run in worker processes whose Triton launches only
+compile; a job that fails or a host without workers costs nothing but the in-process compile."""
+import os
+
+import pytest
+import torch
+
+from opsmath.kernels import prewarm
+
+
+def launches_only_compile() -> tuple[bool, int]:
+    """A worker job: whether Triton's launch only compiles there (its initializer replaces it), its pid."""
+    from triton.runtime.jit import JITFunction
+    return getattr(JITFunction.run, "opsmath_compile_only", False), os.getpid()
+
+
+def fails() -> None:
+    raise ValueError("no such configuration")
+
+
+def test_no_workers_off_cuda_or_when_turned_off(monkeypatch):
+    assert prewarm.workers(torch.device("cpu")) == 0
+    assert prewarm.start([(fails, ())], torch.device("cpu")) == [None]
+    assert prewarm.wait(None) is False
+    monkeypatch.delenv("OPSMATH_TUNE_WORKERS", raising=False)   # opt-in
+    assert prewarm.workers(torch.device("cuda", 0)) == 0
+    monkeypatch.setenv("OPSMATH_TUNE_WORKERS", "0")
+    assert prewarm.workers(torch.device("cuda", 0)) == 0
+
+
+def test_workers_compile_only_and_a_failed_job_is_only_a_miss(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(prewarm, "workers", lambda device: 1)
+    try:
+        ok, bad = prewarm.start([(launches_only_compile, ()), (fails, ())], torch.device("cpu"))
+        assert prewarm.wait(ok) and prewarm.wait(bad) is False
+        compile_only, pid = ok.result()
+        assert compile_only and pid != os.getpid()
+        from triton.runtime.jit import JITFunction
+        assert not getattr(JITFunction.run, "opsmath_compile_only", False)   # this process launches as ever
+        pending = prewarm.Pending(torch.device("cpu"), {"a": (launches_only_compile, ()), "b": (fails, ())})
+        assert pending.ready(None) is False and pending.ready("a") and pending.ready("a") is False
+        assert pending.ready("b") is False
+    finally:
+        workers = list(prewarm._WORKERS)
+        prewarm.stop()
+    assert prewarm._POOL[0] is None and workers and all(p.poll() is not None for p in workers)
