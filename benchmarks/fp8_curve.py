@@ -121,9 +121,18 @@ def main():
     if args.smoke:
         args.model, args.steps, args.batch, args.seq = ("gpt2-tiny" if args.model == "gpt2" else "tiny"), 40, 2, 32
     vocab = args.data_vocab or {"gpt2": 50304, "gpt2-tiny": 256}.get(args.model) or MODELS[args.model][2]["vocab_size"]
+    from opsmath.patterns import fp8_linear as rule
+    thresholds = rule.MIN_DIM, rule.SHARED_MIN_DIM
     if args.fp8_min_dim is not None:
-        from opsmath.patterns import fp8_linear as rule
         rule.MIN_DIM = rule.SHARED_MIN_DIM = args.fp8_min_dim
+    try:
+        run(args, device, vocab)
+    finally:   # the rule's thresholds as they were (a run inside another process leaves them unchanged)
+        rule.MIN_DIM, rule.SHARED_MIN_DIM = thresholds
+
+
+def run(args, device, vocab):
+    """The runs of ``args.runs`` (and torchao's), each trained and summarized as it ends."""
     data = batches(min(args.steps, 200), args.batch, args.seq, vocab, device)
     # the comparison first, the noise level next: a run cut short by --budget-s keeps the FP8 curve
     runs = {label: RUNS[label] for label in args.runs.split(",")}

@@ -10,6 +10,7 @@ under a budget the LM-head loss becomes opsmath's chunked op, whose GEMMs this c
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch._functorch.partitioners as partitioners
@@ -23,9 +24,11 @@ from benchmarks._harness import write
 _GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
+@contextlib.contextmanager
 def _capture_partitions(store: list):
-    """Wrap the min-cut partitioner so every (forward, backward, number of user outputs) lands in ``store``."""
-    orig = partitioners.min_cut_rematerialization_partition
+    """Wrap the min-cut partitioner so every (forward, backward, number of user outputs) lands in ``store``;
+    torch's functions are put back on leaving."""
+    orig, orig_fx = partitioners.min_cut_rematerialization_partition, compile_fx.min_cut_rematerialization_partition
 
     def wrapped(joint, inputs, **kw):
         fw, bw = orig(joint, inputs, **kw)
@@ -33,6 +36,11 @@ def _capture_partitions(store: list):
         return fw, bw
     partitioners.min_cut_rematerialization_partition = wrapped
     compile_fx.min_cut_rematerialization_partition = wrapped
+    try:
+        yield store
+    finally:
+        partitioners.min_cut_rematerialization_partition = orig
+        compile_fx.min_cut_rematerialization_partition = orig_fx
 
 
 def saved_bytes(fw, n_user: int) -> int:
@@ -59,20 +67,9 @@ def gemm_flops(gm) -> float:
     return total
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--budgets", default="none,0.75,0.5,0.35")
-    ap.add_argument("--smoke", action="store_true", help="tiny, nothing written")
-    args = ap.parse_args()
-    if args.smoke:
-        args.layers, args.width, args.seq, args.batch, args.budgets = 1, 32, 16, 2, "none,0.9"
-    store: list = []
-    _capture_partitions(store)
+def sweep(args, store: list) -> list[dict]:
+    """One row per budget of ``args.budgets`` (an infeasible one printed and left out), ``store`` filled by
+    the partitioner as each step compiles."""
     rows = []
     for text in args.budgets.split(","):
         budget = None if text == "none" else float(text)
@@ -94,6 +91,23 @@ def main():
                          planned_unconstrained=plan.unconstrained if plan else None,
                          modelled_recompute_s=plan.recompute_seconds if plan else 0.0,
                          segments=len(plan.chosen) if plan else 0))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--budgets", default="none,0.75,0.5,0.35")
+    ap.add_argument("--smoke", action="store_true", help="tiny, nothing written")
+    args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.width, args.seq, args.batch, args.budgets = 1, 32, 16, 2, "none,0.9"
+    with _capture_partitions([]) as store:
+        rows = sweep(args, store)
     base = rows[0]
     print(f"GPT {args.layers}x{args.width} ({args.heads} heads), B{args.batch} T{args.seq}, Inductor on {'CUDA' if torch.cuda.is_available() else 'CPU'}")
     print(f"{'budget':>7} {'saved MiB':>9} {'planned kept':>12} {'bwd GFLOP':>9} {'recomputed GEMM':>15} {'segments':>8}")
