@@ -135,6 +135,7 @@ HEAVY_FIRST = [
     "test_notebooks::test_explore_rewrites",
     "test_models::test_triton_path_end_to_end",
     "test_plan::test_fraction_budgets_are_honored_and_monotone",
+    "test_attention_configs::test_every_block_configuration_fits_hopper_shared_memory",
 ]
 
 

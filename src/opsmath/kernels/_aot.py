@@ -92,3 +92,8 @@ def compile_record(record: dict, target=None):
     attrs = {(i,): [["tt.divisibility", 16]] for i in record.get("div16", [])}
     src = ASTSource(fn=fn, signature=record["signature"], constexprs=consts, attrs=attrs)
     return triton.compile(src, target=target or GPUTarget("cuda", 90, 32), options=record["options"])
+
+
+def shared_bytes(record: dict, target=None) -> int:
+    """Bytes of shared memory one record's kernel uses per block, compiled for ``target`` (default sm_90)."""
+    return compile_record(record, target).metadata.shared
