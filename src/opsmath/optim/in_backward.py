@@ -7,11 +7,11 @@ share a launch: they wait in a bucket of at most ``bucket_bytes`` of gradients, 
 and at the end of the backward (an autograd engine callback), so the gradients alive at once stay within
 about one bucket.
 
-Where gradients arrive one by one (op by op, or a step of several graphs) the saving is real. Under a
-graph compiled by Inductor it is not yet: AOTAutograd's compiled backward returns every gradient at once,
-so they are all alive before the first hook runs (HF LLaMA 1.1B, AMP, on the H200: the step peak 3.35 GiB
-at B1 T512 and 11.69 GiB at B4 T2048 with and without; BENCHMARKS.md). Closing it takes the update inside
-the compiled backward, or the backward split by layer.
+Where gradients arrive one by one (op by op, or a step of several graphs) the saving is real. A graph
+compiled by Inductor returns every gradient of its backward at once, so ``opsmath.optimize`` splits a
+model stepped this way into one graph per block (``runtime/blocks.py``): HF LLaMA 1.1B, AMP, on the
+H200, the step peak fell from 3.35 to 2.35 GiB at B1 T512 (the host-bound step took longer: 16 graphs)
+and from 11.69 to 11.22 GiB at B4 T2048, where activations set the peak (BENCHMARKS.md).
 
 The update of each parameter is AdamW's with the gradient it has at that moment, so a backward followed
 by ``step()`` equals ``torch.optim.AdamW``'s step exactly (the same kernels or reference ops). What needs
