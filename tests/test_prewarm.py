@@ -8,10 +8,11 @@ import torch
 from opsmath.kernels import prewarm
 
 
-def launches_only_compile() -> tuple[bool, int]:
-    """A worker job: whether Triton's launch only compiles there (its initializer replaces it), its pid."""
+def launches_only_compile() -> tuple[bool, int, str]:
+    """A worker job: whether Triton's launch only compiles there (its initializer replaces it), its pid,
+    and the Triton cache it compiles into."""
     from triton.runtime.jit import JITFunction
-    return getattr(JITFunction.run, "opsmath_compile_only", False), os.getpid()
+    return getattr(JITFunction.run, "opsmath_compile_only", False), os.getpid(), os.environ.get("TRITON_CACHE_DIR")
 
 
 def fails() -> None:
@@ -31,11 +32,14 @@ def test_no_workers_off_cuda_or_when_turned_off(monkeypatch):
 def test_workers_compile_only_and_a_failed_job_is_only_a_miss(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setattr(prewarm, "workers", lambda device: 1)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/first")
     try:
         ok, bad = prewarm.start([(launches_only_compile, ()), (fails, ())], torch.device("cpu"))
         assert prewarm.wait(ok) and prewarm.wait(bad) is False
-        compile_only, pid = ok.result()
-        assert compile_only and pid != os.getpid()
+        compile_only, pid, cache = ok.result()
+        assert compile_only and pid != os.getpid() and cache == "/tmp/first"
+        monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/later")   # as Inductor's first compile sets it
+        assert prewarm.start([(launches_only_compile, ())], torch.device("cpu"))[0].result()[1:] == (pid, "/tmp/later")
         from triton.runtime.jit import JITFunction
         assert not getattr(JITFunction.run, "opsmath_compile_only", False)   # this process launches as ever
         pending = prewarm.Pending(torch.device("cpu"), {"a": (launches_only_compile, ()), "b": (fails, ())})

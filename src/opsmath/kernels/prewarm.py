@@ -40,6 +40,9 @@ WAIT_S = 60.0         # the longest the tuner waits for a job before compiling t
 _POOL: list = [None]  # the thread pool that feeds the workers
 _WORKERS: list = []   # every worker process started
 _LOCAL = threading.local()
+# where Triton keeps compiled kernels: sent with every job, as this process has it then (Inductor sets
+# TRITON_CACHE_DIR at its first compile, after the workers may have started)
+CACHE_ENV = ("TRITON_CACHE_DIR", "TRITON_HOME")
 
 
 def workers(device: torch.device) -> int:
@@ -70,7 +73,8 @@ def _compile_only() -> None:
 
 
 def serve() -> None:
-    """A worker's loop: read pickled ``(fn, args)`` jobs from stdin until it closes, answer each with a
+    """A worker's loop: read pickled ``(fn, args, env)`` jobs from stdin until it closes (``env``: the
+    ``CACHE_ENV`` variables to run it under), answer each with a
     pickled ``(True, what fn returned)`` or ``(False, the error)`` on the original stdout (anything the
     jobs print goes to stderr)."""
     replies = os.fdopen(os.dup(1), "wb")
@@ -78,9 +82,14 @@ def serve() -> None:
     _compile_only()
     while True:
         try:
-            fn, args = pickle.load(sys.stdin.buffer)
+            fn, args, env = pickle.load(sys.stdin.buffer)
         except EOFError:
             return
+        for k, v in env.items():   # the tuner's cache location now (Inductor sets one at its first compile)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         try:
             reply = (True, fn(*args))
         except Exception as e:   # reported to the tuner, which compiles the candidate itself
@@ -99,7 +108,7 @@ def _run(fn: Callable, args: tuple):
             [sys.executable, "-c", "from opsmath.kernels.prewarm import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         _WORKERS.append(proc)
-    pickle.dump((fn, args), proc.stdin)
+    pickle.dump((fn, args, {k: os.environ.get(k) for k in CACHE_ENV}), proc.stdin)
     proc.stdin.flush()
     ok, result = pickle.load(proc.stdout)
     if not ok:
