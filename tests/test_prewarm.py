@@ -49,3 +49,29 @@ def test_workers_compile_only_and_a_failed_job_is_only_a_miss(monkeypatch):
         workers = list(prewarm._WORKERS)
         prewarm.stop()
     assert prewarm._POOL[0] is None and workers and all(p.poll() is not None for p in workers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_tuner_loads_what_the_workers_compiled(monkeypatch, tmp_path):
+    """Own-only attention tuning (a window: no vendor) on cold caches with two workers: the default
+    configuration compiles in this process, every other one loads from Triton's disk cache (its first
+    call, ``took[name][0]``, a fraction of the default's compile)."""
+    import json
+
+    from opsmath.kernels import autotune
+    from opsmath.kernels.attention.tuning import choose
+    monkeypatch.setenv("OPSMATH_TUNE_WORKERS", "2")
+    monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path / "opsmath"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+    try:
+        choose((2, 4, 333, 64), (2, 2, 333, 64), torch.bfloat16, torch.device("cuda"), None, None, float("-inf"),
+               True, 0.125, 0.0, vendors=False, window=96)
+    finally:
+        prewarm.stop()
+    entries = [e for ops in json.loads((tmp_path / "opsmath" / "tuning.json").read_text()).values()
+               for e in ops.get("attention", {}).values()]
+    took = entries[0]["took"]
+    assert len(took) >= 3 and not entries[0]["errors"], entries
+    default = took["opsmath"][0]
+    assert all(t[0] < 0.3 * default for name, t in took.items() if name != "opsmath"), took
