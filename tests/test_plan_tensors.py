@@ -9,42 +9,30 @@ import torch
 
 import opsmath
 from opsmath.memory import analysis
-from opsmath.runtime import backend
 from opsmath.memory.plan import clone_graph_module
 from opsmath.memory.plan_choice import choose
 from opsmath.memory.plan_emit import tag_recompute
 from opsmath.memory.plan_solve import Step, conflicts, credited
 from opsmath.memory.segments import Segment, forward_order, runs_of, segments_of
 from opsmath.memory.selective import finer, held_inputs, saved_index, saved_storages, is_compute
-from test_weight_casts import step
+from test_weight_casts import captured, compiled_grads, shares_capture, untagged_grads
 from tolerance import assert_rule
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                reason="Inductor on CPU needs a C++ compiler")
 
 
-def _grads(graph, inputs, autocast=True):
-    params = [t for t in inputs if isinstance(t, torch.nn.Parameter)]
-    for p in params:
-        p.grad = None
-    with torch.autocast(params[0].device.type, dtype=torch.bfloat16, enabled=autocast):
-        out = backend.compile_fx(clone_graph_module(graph), list(inputs))(*inputs)
-    (out[0] if isinstance(out, (tuple, list)) else out).backward()
-    return [p.grad.clone() for p in params]
-
-
 @needs_cxx
+@shares_capture
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_each_candidate_frees_what_it_counts_within_the_tolerance_rule(monkeypatch, device):
+def test_each_candidate_frees_what_it_counts_within_the_tolerance_rule(device):
     """On an autocast LM (fp32 weights, LLaMA MLP blocks) every nested candidate of every block's run:
     the partition of the tagged graph saves the unplanned bytes less the candidate's saving (GEMM
     outputs and their weights' copies among what it frees); the largest one recomputes a GEMM, and its
     gradients hold the tolerance rule against the untagged step's, both measured against fp32."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    monkeypatch.setattr(backend.offload, "link_for", lambda *a: None)   # on CUDA offload is a choice too
-    found = {}
-    _, optimized, _ = step(1.0, monkeypatch, found, device)
+    _, optimized, found = captured(device)   # offload off: on CUDA it is a choice too
     saved, inputs = found["saved"], found["inputs"]
     graph = opsmath.report(optimized).graphs[0].graph
     order = forward_order(graph)
@@ -75,9 +63,9 @@ def test_each_candidate_frees_what_it_counts_within_the_tolerance_rule(monkeypat
     gm = clone_graph_module(graph)
     tag_recompute(gm, [best], [], [0])
     # a GEMM recomputed inside Inductor's backward graph rounds its bf16 output apart from the forward's
-    # (as a whole recompute does): the tolerance rule against the step in fp32
-    ref = _grads(graph, inputs, autocast=False)
-    for k, (a, b) in enumerate(zip(_grads(gm, inputs), _grads(graph, inputs))):
+    # (as a whole recompute does): the tolerance rule against the step in fp32 (op by op)
+    ref = compiled_grads(graph, inputs, autocast=False, compiled=False)
+    for k, (a, b) in enumerate(zip(compiled_grads(gm, inputs), untagged_grads(device), strict=True)):
         assert_rule(a, b, ref[k], name=f"parameter {k}")
 
 
@@ -103,13 +91,12 @@ def test_a_step_is_dropped_where_another_recomputes_what_it_reads():
 
 
 @needs_cxx
-def test_a_whole_recompute_frees_its_inputs_count_where_they_are_saved_anyway(monkeypatch):
+@shares_capture
+def test_a_whole_recompute_frees_its_inputs_count_where_they_are_saved_anyway():
     """A whole recompute keeps its inputs for the recompute; a block's residual is saved anyway for the norm
     that reads it, counted at its producer already. ``held_inputs`` takes those out of the run's inputs: the
     partition of the run tagged alone frees exactly the credited saving (CPU), more than the run as counted."""
-    monkeypatch.setattr(backend.offload, "link_for", lambda *a: None)
-    found = {}
-    _, optimized, _ = step(1.0, monkeypatch, found)
+    _, optimized, found = captured()
     saved, inputs = found["saved"], found["inputs"]
     graph = opsmath.report(optimized).graphs[0].graph
     order = forward_order(graph)

@@ -1,6 +1,7 @@
 """The recompute plan's cheapest bytes under autocast (Inductor path, CPU): parameters' low-precision
 copies (``weight_casts``) and the cheap ops recomputable from what is kept anyway (``"selective-free"``
 runs). Each must free what the plan counts and leave the step's numbers exactly as they were."""
+import functools
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 import opsmath
 from opsmath.memory import analysis, plan_choice, weight_casts
+from opsmath.memory.plan import clone_graph_module
 from opsmath.runtime import backend
 from tolerance import grads_close
 
@@ -65,6 +67,41 @@ def step(budget, monkeypatch=None, found=None, device="cpu"):
     return model, optimized, loss
 
 
+@functools.cache
+def captured(device="cpu"):
+    """``step(1.0)`` once per process and device for the tests that read what it captured (they clone its
+    graph before tagging it; test_plan_tensors.py too): (model, optimized, found)."""
+    found = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend.offload, "link_for", lambda *a: None)   # on CUDA offload is a choice too
+        model, optimized, _ = step(1.0, mp, found, device)
+    return model, optimized, found
+
+
+# the tests sharing ``captured`` run in one worker (``--dist loadgroup``), which captures it once
+shares_capture = pytest.mark.xdist_group("weight_casts_capture")
+
+
+def compiled_grads(graph, inputs, autocast=True, compiled=True):
+    """Every parameter's gradient after one step of ``graph`` on ``inputs`` (Inductor, or op by op),
+    under bf16 autocast or not."""
+    params = [t for t in inputs if isinstance(t, torch.nn.Parameter)]
+    for p in params:
+        p.grad = None
+    with torch.autocast(params[0].device.type, dtype=torch.bfloat16, enabled=autocast):
+        run = clone_graph_module(graph)
+        out = (backend.compile_fx(run, list(inputs)) if compiled else run)(*inputs)
+    (out[0] if isinstance(out, (tuple, list)) else out).backward()
+    return [p.grad.clone() for p in params]
+
+
+@functools.cache
+def untagged_grads(device="cpu"):
+    """``compiled_grads`` of the captured graph as it is, under autocast: what a tagged copy is held to."""
+    _, optimized, found = captured(device)
+    return compiled_grads(opsmath.report(optimized).graphs[0].graph, found["inputs"])
+
+
 def test_only_narrowing_casts_of_parameters_count():
     """A parameter's bf16 copy counts; a widening cast, a tangent's and an activation's from an earlier
     graph (an input, but not a parameter: recomputing its cast would keep the fp32 tensor alive) do not."""
@@ -117,10 +154,10 @@ def test_an_activation_from_an_earlier_graph_is_not_a_weight_copy(monkeypatch):
         assert sum(saved.casts.values()) == sum(2 * p.numel() for p in params if id(p) in linear) > 0
 
 
-def test_inductors_partition_counts_the_weight_copies_apart(monkeypatch):
+@shares_capture
+def test_inductors_partition_counts_the_weight_copies_apart():
     """Under autocast the partition saves a bf16 copy of every matmul weight; the analysis names them."""
-    found = {}
-    model, _, _ = step(1.0, monkeypatch, found)
+    model, _, found = captured()
     copies = sum(2 * p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "emb" not in name)
     assert sum(found["saved"].casts.values()) == copies
     # not among the producers the selective candidates read: those are outputs of the nodes
@@ -195,17 +232,16 @@ def test_op_by_op_plans_take_neither():
     assert not plan.casts and all(plan.segments[i].only is None for i in plan.selective)
 
 
-def test_a_norms_bf16_copy_is_freed_with_the_norm(monkeypatch):
+@shares_capture
+def test_a_norms_bf16_copy_is_freed_with_the_norm():
     """Autocast's bf16 copy of a norm's output, saved inside the GEMMs it feeds, counts as made by the
     norm: a selective-free run recomputing the norm frees it (the joint-graph pass recomputes the copy
     with its source), the compiled partition saves exactly what the candidate says, and the gradients are
     bit-identical to the untagged graph's."""
-    from opsmath.memory.plan import clone_graph_module
     from opsmath.memory.plan_emit import tag_recompute
     from opsmath.memory.segments import Segment, forward_order
     from opsmath.memory.selective import saved_index, selective
-    found = {}
-    _, optimized, _ = step(1.0, monkeypatch, found)
+    _, optimized, found = captured()
     saved, inputs = found["saved"], found["inputs"]
     assert any(m.startswith("rms_norm") and s.startswith("linear") for s, m, _ in saved.pairs)
     gm = clone_graph_module(opsmath.report(optimized).graphs[0].graph)
@@ -221,16 +257,7 @@ def test_a_norms_bf16_copy_is_freed_with_the_norm(monkeypatch):
     # everything the run's recomputed ops made is freed (its inputs, counted as kept in case their own
     # segment recomputes them, stay saved by their nodes here)
     assert sum(saved.values()) - sum(tagged.values()) == cand.saved
-
-    def grads(graph):
-        params = [t for t in inputs if isinstance(t, torch.nn.Parameter)]
-        for p in params:
-            p.grad = None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = backend.compile_fx(clone_graph_module(graph), list(inputs))(*inputs)
-        (out[0] if isinstance(out, (tuple, list)) else out).backward()
-        return [p.grad.clone() for p in params]
-    for a, b in zip(grads(gm), grads(opsmath.report(optimized).graphs[0].graph)):
+    for a, b in zip(compiled_grads(gm, inputs), untagged_grads(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -246,10 +273,10 @@ def test_hugging_face_models_under_autocast_budgets_train_as_without(family):
     def make():
         torch.manual_seed(0)
         if family == "llama":
-            return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+            return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                                 attn_implementation="sdpa"))
-        return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, resid_pdrop=0.0,
+        return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, resid_pdrop=0.0,
                                           embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa"))
     idx = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
     results, plans = {}, []
