@@ -115,6 +115,7 @@ RECIPES = ("amp", "bf16")
 VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m}
 EXTRA = {"num_labels", "decoder_start_token_id"}   # config attributes the config classes take as **kwargs
 PEAK_BAND = (0.98, 1.02)   # the summary lists rows whose peak is off the baseline's by more than this
+FIRST_BOUND = 1.5          # ... and those whose first step takes more than this times the baseline's
 
 
 def config(name: str, smoke: bool) -> dict:
@@ -249,6 +250,7 @@ def run(name, recipe, labels, rounds, steps, device, smoke, host=False) -> list[
     base = next((r for r in rows if r["variant"] == "torch.compile"), rows[0] if rows else None)
     for r in rows:
         r["baseline"], r["ms_ratio"] = base["variant"], r["ms"] / base["ms"]
+        r["first_ratio"] = r["first_step_s"] / max(base["first_step_s"], 1e-9)
         if host:
             v = next(v for v in variants if v.label == r["variant"])
             r["host"] = host_breakdown(v.step)
@@ -265,7 +267,8 @@ def line(r: dict) -> str:
         return f"{head} ERROR {r['error'][:300]}"
     out = (f"{head} {r['ms']:8.2f} ms [{r['ms_min']:.2f}-{r['ms_max']:.2f}] gpu {r.get('gpu_ms', 0):8.2f} ms "
            f"peak {r.get('step_peak_gib', 0):6.2f} GiB first {r['first_step_s']:6.1f} s loss {r['first_loss']:.4f} "
-           f"ms x{r['ms_ratio']:.3f} peak x{r.get('peak_ratio', float('nan')):.3f} vs {r['baseline']}")
+           f"ms x{r['ms_ratio']:.3f} peak x{r.get('peak_ratio', float('nan')):.3f} first x{r['first_ratio']:.2f}"
+           f" vs {r['baseline']}")
     if "rewrites" in r:
         p = r["first_parts"]
         out += (f" {r['rewrites']} declines {r['declines']} graphs {r['graphs']}"
@@ -286,7 +289,8 @@ def host_line(r: dict) -> str:
 
 def summary(rows: list[dict], recipes) -> dict:
     """Per recipe and variant (other than the baseline): the geometric mean over models of baseline /
-    variant step time, and the rows whose peak is outside ``PEAK_BAND`` of the baseline's."""
+    variant step time, the rows whose peak is outside ``PEAK_BAND`` of the baseline's, and the largest
+    first step against the baseline's (``FIRST_BOUND``: issue's bound) with the rows above it."""
     out = {}
     for recipe in recipes:
         timed = [r for r in rows if r["recipe"] == recipe and "error" not in r and r["variant"] != r["baseline"]]
@@ -295,12 +299,15 @@ def summary(rows: list[dict], recipes) -> dict:
             gmean = math.exp(sum(-math.log(r["ms_ratio"]) for r in mine) / len(mine))
             off = {r["model"]: round(r["peak_ratio"], 3) for r in mine
                    if "peak_ratio" in r and not PEAK_BAND[0] <= r["peak_ratio"] <= PEAK_BAND[1]}
+            slow = {r["model"]: round(r["first_ratio"], 2) for r in mine if r["first_ratio"] > FIRST_BOUND}
             out[f"{recipe} {variant}"] = dict(speedup_gmean=gmean, models=len(mine), peak_off=off,
+                                              first_max=max(r["first_ratio"] for r in mine), first_off=slow,
                                               baseline=mine[0]["baseline"])
     errors = [f"{r['model']} {r['recipe']} {r.get('variant') or ''}".strip() for r in rows if "error" in r]
     for key, s in out.items():
         print(f"{key}: {s['baseline']} / it, geometric mean over {s['models']} models: x{s['speedup_gmean']:.3f}; "
-              f"peak outside {PEAK_BAND[0]}-{PEAK_BAND[1]}x: {s['peak_off'] or 'none'}", flush=True)
+              f"peak outside {PEAK_BAND[0]}-{PEAK_BAND[1]}x: {s['peak_off'] or 'none'}; first step at most"
+              f" x{s['first_max']:.2f}, above {FIRST_BOUND}x: {s['first_off'] or 'none'}", flush=True)
     print(f"errors: {errors or 'none'}", flush=True)
     return dict(recipes=out, errors=errors)
 
