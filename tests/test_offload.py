@@ -155,20 +155,20 @@ def test_transfer_stream_offload_trains_bit_equal_to_keeping():
 
 @needs_cxx
 def test_hf_llama_under_autocast_offloads_its_activations_not_its_weights(monkeypatch):
-    """HF LLaMA (SDPA, bf16 autocast, 4 layers) at a quarter with a fast (pretended) link: the
-    partition's saved tensors go through the transfer-stream ops (attention's outputs, GEMM outputs,
+    """HF LLaMA (SDPA, bf16 autocast, 2 layers) at 0.3 (its floor is 0.28) with a fast (pretended) link:
+    the partition's saved tensors go through the transfer-stream ops (attention's outputs, GEMM outputs,
     norms' statistics, views of them), and loss and gradients match eager's."""
     import copy
     import transformers
     from tolerance import grads_close, rel_err
     monkeypatch.setattr(offload, "link_for", lambda inputs, how: 1e15 if how == "tag" else None)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=172, num_attention_heads=4,
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=172, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=256, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(cfg).train()
     eager = copy.deepcopy(model)
     before = len(offload_async.placements)
-    opt = opsmath.optimize(model, memory_budget=0.25, inductor=True)
+    opt = opsmath.optimize(model, memory_budget=0.3, inductor=True)
     ids = torch.randint(0, 256, (2, 128))
     losses = []
     for m in (opt, eager):
