@@ -152,3 +152,18 @@ def test_under_inductor_each_block_is_a_graph_of_its_own():
     assert any("one per block" in n for n in ours._opsmath.notes)
     for a, b in zip(ours.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_graph_left_whole_says_why_its_gradients_arrive_at_once():
+    """No silent skip: with an in-backward optimizer, a graph that stays one Inductor graph is named in
+    the report with its reason (a byte budget, autograd Functions or checkpoints, no repeated blocks)."""
+    from opsmath.runtime.blocks import PIECE, unsplit_note
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    gm = torch.fx.symbolic_trace(model)
+    assert unsplit_note(model, None, gm, {}) is None   # torch's optimizer (none yet): nothing to say
+    AdamW(model.parameters(), lr=1e-3, in_backward=True)
+    assert "fewer than two blocks" in unsplit_note(model, None, gm, {})
+    assert "byte memory_budget" in unsplit_note(model, "1GiB", gm, {})
+    assert "autograd Functions" in unsplit_note(model, 0.5, gm, {"f": object()})
+    gm.meta[PIECE] = True
+    assert unsplit_note(model, "1GiB", gm, {}) is None   # a block's own piece

@@ -152,9 +152,13 @@ def make_backend(state, model: torch.nn.Module):
 
     def _backend(gm: fx.GraphModule, example_inputs):
         regions = eager_nodes(gm)
-        _inline_checkpoints(state, gm, regions, _uses_inductor(state, example_inputs))
+        inductor = _uses_inductor(state, example_inputs)
+        _inline_checkpoints(state, gm, regions, inductor)
+        parts = blocks.split_blocks(gm) if not regions and blocks.wanted(model, state.memory_budget) else None
+        note = blocks.unsplit_note(model, state.memory_budget, gm, regions) if parts is None and inductor else None
+        if note and note not in state.notes:   # op by op, gradients arrive one by one anyway
+            state.notes.append(note)
         if not regions:
-            parts = blocks.split_blocks(gm) if blocks.wanted(model, state.memory_budget) else None
             if parts is None:
                 return compile_graph(state, model, gm, list(example_inputs))
             parent, pieces = parts   # one graph per block: its gradients are final at its backward's end

@@ -69,3 +69,19 @@ def split_blocks(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, list[str]
     for name in names:
         getattr(parent, name).meta[PIECE] = True
     return parent, names
+
+
+def unsplit_note(model, budget, gm: fx.GraphModule, regions) -> Optional[str]:
+    """Why a graph whose model steps inside backward stays one graph (so all of its gradients exist at
+    once at its backward's end, and the optimizer saves nothing on it), for the report; None when the
+    optimizer does not step inside backward, or ``gm`` is a block's piece already."""
+    if not steps_in_backward(model.parameters()) or gm.meta.get(PIECE):
+        return None
+    if regions:
+        why = "it holds autograd Functions or checkpoints, which it is split around instead"
+    elif budget is not None and parse_budget(budget)[0] == "bytes":
+        why = "a byte memory_budget plans each graph against the whole step (a fraction would split it)"
+    else:
+        why = "it holds fewer than two blocks (items of an nn.ModuleList)"
+    return (f"the optimizer steps inside backward, but a graph stays whole: {why}; its gradients are all alive "
+            "at the end of its backward")
