@@ -19,6 +19,11 @@ def fails() -> None:
     raise ValueError("no such configuration")
 
 
+def hangs() -> None:
+    import time
+    time.sleep(600)
+
+
 def test_no_workers_off_cuda_or_when_turned_off(monkeypatch):
     assert prewarm.workers(torch.device("cpu")) == 0
     assert prewarm.start([(fails, ())], torch.device("cpu")) == [None]
@@ -48,7 +53,24 @@ def test_workers_compile_only_and_a_failed_job_is_only_a_miss(monkeypatch):
     finally:
         workers = list(prewarm._WORKERS)
         prewarm.stop()
-    assert prewarm._POOL[0] is None and workers and all(p.poll() is not None for p in workers)
+    assert prewarm._QUEUE[0] is None and workers and all(p.poll() is not None for p in workers)
+
+
+def test_a_hung_worker_costs_the_wait_and_never_holds_up_exit(monkeypatch):
+    """A job that never ends: the tuner waits ``WAIT_S`` and compiles itself; the job queued behind it is
+    dropped; ``stop`` (at exit) kills the worker within seconds; the feeding threads are daemons."""
+    import threading
+    import time
+    pytest.importorskip("triton")
+    monkeypatch.setattr(prewarm, "workers", lambda device: 1)
+    monkeypatch.setattr(prewarm, "WAIT_S", 0.5)
+    stuck, queued = prewarm.start([(hangs, ()), (hangs, ())], torch.device("cpu"))
+    assert prewarm.wait(stuck) is False
+    procs, t0 = list(prewarm._WORKERS), time.perf_counter()
+    prewarm.stop()
+    assert time.perf_counter() - t0 < 15 and queued.cancelled()
+    assert procs and all(p.poll() is not None for p in procs)
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("opsmath-tune"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

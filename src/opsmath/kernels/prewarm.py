@@ -26,6 +26,7 @@ import concurrent.futures as cf
 import logging
 import os
 import pickle
+import queue
 import subprocess
 import sys
 import threading
@@ -37,9 +38,8 @@ log = logging.getLogger("opsmath")
 
 MIN_FREE = 8 << 30    # GPU bytes free below which no worker is started (each holds a CUDA context)
 WAIT_S = 60.0         # the longest the tuner waits for a job before compiling the candidate itself
-_POOL: list = [None]  # the thread pool that feeds the workers
-_WORKERS: list = []   # every worker process started
-_LOCAL = threading.local()
+_QUEUE: list = [None, 0]  # the jobs waiting for a worker, and the daemon threads feeding them to the processes
+_WORKERS: list = []    # every worker process started
 # where Triton keeps compiled kernels: sent with every job, as this process has it then (Inductor sets
 # TRITON_CACHE_DIR at its first compile, after the workers may have started)
 CACHE_ENV = ("TRITON_CACHE_DIR", "TRITON_HOME")
@@ -98,22 +98,39 @@ def serve() -> None:
         replies.flush()
 
 
-def _run(fn: Callable, args: tuple):
-    """On a pool thread: run one job on this thread's worker process (started on first use); returns
-    what it returned."""
-    proc = getattr(_LOCAL, "proc", None)
-    if proc is None or proc.poll() is not None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        proc = _LOCAL.proc = subprocess.Popen(
-            [sys.executable, "-c", "from opsmath.kernels.prewarm import serve; serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-        _WORKERS.append(proc)
-    pickle.dump((fn, args, {k: os.environ.get(k) for k in CACHE_ENV}), proc.stdin)
-    proc.stdin.flush()
-    ok, result = pickle.load(proc.stdout)
-    if not ok:
-        raise RuntimeError(result)
-    return result
+def _worker() -> subprocess.Popen:
+    """A new worker process: a fresh interpreter that imports opsmath (and what the jobs' modules need
+    from this process's ``sys.path``) and runs ``serve``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen([sys.executable, "-c", "from opsmath.kernels.prewarm import serve; serve()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    _WORKERS.append(proc)
+    return proc
+
+
+def _feed(jobs: queue.Queue) -> None:
+    """A daemon thread's loop: hand each job to this thread's worker process (started on first use) and
+    settle its future. Daemon, so a worker that hangs never holds up the interpreter's exit."""
+    proc = None
+    while True:
+        future, fn, args = jobs.get()
+        if future is None:   # stop()
+            return
+        if not future.set_running_or_notify_cancel():   # cancelled before it started
+            continue
+        try:
+            if proc is None or proc.poll() is not None:
+                proc = _worker()
+            pickle.dump((fn, args, {k: os.environ.get(k) for k in CACHE_ENV}), proc.stdin)
+            proc.stdin.flush()
+            ok, result = pickle.load(proc.stdout)
+        except Exception as e:   # the worker died or its pipe broke: this job is a miss
+            future.set_exception(e)
+            continue
+        if ok:
+            future.set_result(result)
+        else:
+            future.set_exception(RuntimeError(result))
 
 
 def start(jobs: list[tuple[Callable, tuple]], device: torch.device) -> list[Optional[cf.Future]]:
@@ -122,10 +139,15 @@ def start(jobs: list[tuple[Callable, tuple]], device: torch.device) -> list[Opti
     n = workers(device) if jobs else 0
     if n == 0:
         return [None] * len(jobs)
-    if _POOL[0] is None:
-        _POOL[0] = cf.ThreadPoolExecutor(max_workers=n, thread_name_prefix="opsmath-tune")
+    if _QUEUE[0] is None:
+        _QUEUE[:] = [queue.Queue(), n]
+        for i in range(n):
+            threading.Thread(target=_feed, args=(_QUEUE[0],), name=f"opsmath-tune-{i}", daemon=True).start()
         atexit.register(stop)
-    return [_POOL[0].submit(_run, fn, args) for fn, args in jobs]
+    futures = [cf.Future() for _ in jobs]
+    for f, (fn, args) in zip(futures, jobs):
+        _QUEUE[0].put((f, fn, args))
+    return futures
 
 
 def wait(future: Optional[cf.Future]) -> bool:
@@ -165,14 +187,19 @@ class Pending:
 
 
 def stop() -> None:
-    """Stop the workers (at exit); a later ``start`` begins new ones."""
-    pool, _POOL[0] = _POOL[0], None
-    if pool is not None:
-        pool.shutdown(wait=False, cancel_futures=True)
+    """Stop the workers (at exit): their input closes and their loop ends; one still busy after 5 s is
+    killed. Jobs not yet started are dropped. A later ``start`` begins new ones."""
+    q, threads = _QUEUE
+    _QUEUE[:] = [None, 0]
+    while q is not None and not q.empty():
+        q.get_nowait()[0].cancel()
+    for _ in range(threads):   # each feeding thread ends at its next look at the queue
+        q.put((None, None, None))
     while _WORKERS:
         proc = _WORKERS.pop()
         try:
-            proc.stdin.close()   # the worker's loop ends at EOF
+            proc.stdin.close()
             proc.wait(timeout=5)
         except Exception:
             proc.kill()
+            proc.wait(timeout=5)
