@@ -385,11 +385,9 @@ def test_only_index_values_are_copied_into_pieces():
     assert mask in ok and not outside and not any(n in chain for n in floats), sorted(n.name for n in chain)
 
 
-
 def test_tensor_operator_methods_count_as_index_values():
-    """dynamo in torch 2.11 records HF's ``packed[b, q] == packed[b, kv]`` as ``call_method __eq__`` (2.13:
-    ``operator.eq``): out-of-place operator methods are pure, so the mask chain is copied into block pieces
-    (else every block after the first sees its causal mask as an opaque input); in-place ones are not."""
+    """torch 2.11's dynamo records HF's mask ``==`` as ``call_method __eq__`` (2.13: ``operator.eq``): out-of-place
+    operator methods are pure, so block pieces copy the causal mask's chain; in-place ones are not."""
     from opsmath.capture.regions import index_only
     g = torch.fx.Graph()
     ids = g.placeholder("ids")
@@ -398,5 +396,5 @@ def test_tensor_operator_methods_count_as_index_values():
     both = g.call_method("__and__", (eq, eq))
     inplace = g.call_method("__iand__", (both, eq))
     g.output((both, inplace))
-    ok = index_only(torch.fx.GraphModule(torch.nn.Module(), g))
+    ok = index_only(torch.fx.GraphModule(torch.nn.Module(), g))   # the chain, not the in-place update
     assert eq in ok and both in ok and inplace not in ok

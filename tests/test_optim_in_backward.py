@@ -157,13 +157,14 @@ def test_under_inductor_each_block_is_a_graph_of_its_own():
 def test_a_graph_left_whole_says_why_its_gradients_arrive_at_once():
     """No silent skip: with an in-backward optimizer, a graph that stays one Inductor graph is named in
     the report with its reason (a byte budget, autograd Functions or checkpoints, no repeated blocks)."""
-    from opsmath.runtime.blocks import PIECE, unsplit_note
+    from opsmath.runtime.blocks import PIECE, split_for_optimizer
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     gm = torch.fx.symbolic_trace(model)
-    assert unsplit_note(model, None, gm, {}) is None   # torch's optimizer (none yet): nothing to say
+    assert split_for_optimizer(model, None, gm, {}) == (None, None)   # torch's optimizer (none yet): nothing to say
     AdamW(model.parameters(), lr=1e-3, in_backward=True)
-    assert "fewer than two blocks" in unsplit_note(model, None, gm, {})
-    assert "byte memory_budget" in unsplit_note(model, "1GiB", gm, {})
-    assert "autograd Functions" in unsplit_note(model, 0.5, gm, {"f": object()})
+    parts, why = split_for_optimizer(model, None, gm, {})
+    assert parts is None and "fewer than two blocks" in why
+    assert "byte memory_budget" in split_for_optimizer(model, "1GiB", gm, {})[1]
+    assert "autograd Functions" in split_for_optimizer(model, 0.5, gm, {"f": object()})[1]
     gm.meta[PIECE] = True
-    assert unsplit_note(model, "1GiB", gm, {}) is None   # a block's own piece
+    assert split_for_optimizer(model, "1GiB", gm, {}) == (None, None)   # a block's own piece

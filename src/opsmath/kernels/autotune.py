@@ -284,15 +284,14 @@ def _pick_local(op, key, candidates, measure_fn, skip=None) -> str:
             if skip is not None and skip(name, dict(times)):
                 skipped.append(name)
             else:
-                marks = [time.perf_counter()]
+                start = first = time.perf_counter()
                 try:   # the first call apart: a Triton candidate compiles there
                     _synced(fn)
-                    marks.append(time.perf_counter())
+                    first = time.perf_counter()
                     times[name] = measure_fn(fn)
                 except Exception as e:  # a backend that rejects these inputs is not a candidate
                     errors[name] = f"{type(e).__name__}: {str(e)[:160]}"
-                marks += [time.perf_counter()] * (3 - len(marks))
-                took[name] = [round(b - a, 2) for a, b in zip(marks, marks[1:])]
+                took[name] = [round(first - start, 2), round(time.perf_counter() - first, 2)]
             advance()
     if not times:
         raise RuntimeError(f"every candidate failed for {op} [{key}]: {errors}")

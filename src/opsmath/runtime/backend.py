@@ -154,9 +154,8 @@ def make_backend(state, model: torch.nn.Module):
         regions = eager_nodes(gm)
         inductor = _uses_inductor(state, example_inputs)
         _inline_checkpoints(state, gm, regions, inductor)
-        parts = blocks.split_blocks(gm) if not regions and blocks.wanted(model, state.memory_budget) else None
-        note = blocks.unsplit_note(model, state.memory_budget, gm, regions) if parts is None and inductor else None
-        if note and note not in state.notes:   # op by op, gradients arrive one by one anyway
+        parts, note = blocks.split_for_optimizer(model, state.memory_budget, gm, regions)
+        if note and inductor and note not in state.notes:   # op by op, gradients arrive one by one anyway
             state.notes.append(note)
         if not regions:
             if parts is None:

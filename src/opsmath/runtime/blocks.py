@@ -41,13 +41,6 @@ def block_of(node: fx.Node) -> Optional[str]:
     return None
 
 
-def wanted(model, budget) -> bool:
-    """Whether ``model``'s parameters are stepped inside backward (``opsmath.optim.footprint``) and no
-    byte ``budget`` is set: a byte budget plans each graph against the whole step's bytes, which
-    per-block graphs would each take for their own (a fraction's share is held across graphs)."""
-    return steps_in_backward(model.parameters()) and (budget is None or parse_budget(budget)[0] == "fraction")
-
-
 def split_blocks(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, list[str]]]:
     """``(parent, names of its pieces that compute)``: ``gm`` split at its blocks, in order; None where it
     holds fewer than two, or is itself such a piece (whose copied index values, ``recompute_in_pieces``,
@@ -71,17 +64,24 @@ def split_blocks(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, list[str]
     return parent, names
 
 
-def unsplit_note(model, budget, gm: fx.GraphModule, regions) -> Optional[str]:
-    """Why a graph whose model steps inside backward stays one graph (so all of its gradients exist at
-    once at its backward's end, and the optimizer saves nothing on it), for the report; None when the
-    optimizer does not step inside backward, or ``gm`` is a block's piece already."""
+def split_for_optimizer(model, budget, gm: fx.GraphModule, regions) -> tuple[Optional[tuple], Optional[str]]:
+    """``(split_blocks(gm), None)`` when ``model``'s parameters are stepped inside backward
+    (``opsmath.optim.footprint``) and ``gm`` splits; else ``(None, why)`` for the report: why the graph
+    stays whole, so that all of its gradients exist at once at its backward's end and the optimizer saves
+    nothing on it. ``(None, None)`` when the optimizer does not step inside backward or ``gm`` is a
+    block's piece already. Not split: a graph holding autograd Functions or checkpoints (it is split
+    around them instead), or under a byte ``budget``, which plans each graph against the whole step's
+    bytes and per-block graphs would each take for their own (a fraction's share is held across graphs)."""
     if not steps_in_backward(model.parameters()) or gm.meta.get(PIECE):
-        return None
+        return None, None
     if regions:
         why = "it holds autograd Functions or checkpoints, which it is split around instead"
     elif budget is not None and parse_budget(budget)[0] == "bytes":
         why = "a byte memory_budget plans each graph against the whole step (a fraction would split it)"
     else:
+        parts = split_blocks(gm)
+        if parts is not None:
+            return parts, None
         why = "it holds fewer than two blocks (items of an nn.ModuleList)"
-    return (f"the optimizer steps inside backward, but a graph stays whole: {why}; its gradients are all alive "
-            "at the end of its backward")
+    return None, (f"the optimizer steps inside backward, but a graph stays whole: {why}; its gradients are all "
+                  "alive at the end of its backward")
