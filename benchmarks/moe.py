@@ -15,7 +15,7 @@ Per variant: median and spread of per-round median step times (``--rounds`` roun
 kernel time per step, the step's peak memory above what is resident, and for opsmath what it rewrote.
 
     python -m benchmarks moe [--models loop,mixtral] [--rounds 5] [--steps 3] [--variants ...] [--smoke]
-    python -m benchmarks moe --curve 200 --models loop --batch 2 --seq 1024     # loss curves vs eager
+    python -m benchmarks moe --curve 200 --models loop --batch 2 --seq 1024 [--curve-fp8]   # loss curves vs eager
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ class MoEVariant(Variant):
         return loss
 
 
-VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m}
+VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m,
+            "opsmath.optimize(fp8=True)": lambda m: opsmath.optimize(m, fp8=True)}
 
 
 def run(name, rounds, steps, device, labels, B, T):
@@ -105,13 +106,16 @@ def run(name, rounds, steps, device, labels, B, T):
     return dict(batch=[B, T], rows=rows)
 
 
-def curve(name, steps, device, B, T, lr=3e-4):
-    """Loss per step of eager and opsmath from one initialization on one data stream (four fixed batches,
-    cycled, so that the loss falls), and of eager from another initialization (``eager, seed 1``): the
-    run-to-run noise the opsmath curve is judged against."""
+def curve(name, steps, device, B, T, lr=3e-4, fp8=False):
+    """Loss per step of eager and opsmath (``fp8``: also opsmath with FP8 GEMMs) from one initialization on
+    one data stream (four fixed batches, cycled, so that the loss falls), and of eager from another
+    initialization (``eager, seed 1``): the run-to-run noise the opsmath curves are judged against."""
     vocab = (TINY if device == "cpu" else SIZE)["vocab_size"]
     curves = {}
-    for label, seed, wrap in (("eager", 0, None), ("opsmath.optimize", 0, opsmath.optimize), ("eager, seed 1", 1, None)):
+    runs = [("eager", 0, None), ("opsmath.optimize", 0, opsmath.optimize), ("eager, seed 1", 1, None)]
+    if fp8:
+        runs.insert(2, ("opsmath.optimize(fp8=True)", 0, VARIANTS["opsmath.optimize(fp8=True)"]))
+    for label, seed, wrap in runs:
         torch._dynamo.reset()
         model, batch = build(name, device, T, seed=seed)
         model = wrap(model) if wrap else model
@@ -130,12 +134,12 @@ def curve(name, steps, device, B, T, lr=3e-4):
             losses.append(loss.item())
         curves[label] = losses
         print(f"{name} {label}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
-    gap = max(abs(a - b) for a, b in zip(curves["eager"], curves["opsmath.optimize"]))
-    noise = max(abs(a - b) for a, b in zip(curves["eager"], curves["eager, seed 1"]))
+    gaps = {k: max(abs(a - b) for a, b in zip(curves["eager"], c)) for k, c in curves.items() if k != "eager"}
     tail = lambda c: sum(c[-20:]) / len(c[-20:])   # noqa: E731
-    print(f"{name}: max |opsmath - eager| {gap:.4f}, max |eager seed 1 - eager| {noise:.4f}; last-20 means "
+    print(f"{name}: max |curve - eager| " + ", ".join(f"{k} {g:.4f}" for k, g in gaps.items()) + "; last-20 means "
           + ", ".join(f"{k} {tail(v):.4f}" for k, v in curves.items()), flush=True)
-    return dict(batch=[B, T], lr=lr, curves=curves, max_gap=gap, max_seed_gap=noise)
+    return dict(batch=[B, T], lr=lr, curves=curves, max_gap=gaps["opsmath.optimize"], max_seed_gap=gaps["eager, seed 1"],
+                max_gaps=gaps)
 
 
 def main():
@@ -148,6 +152,7 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--tag", default="")
     ap.add_argument("--curve", type=int, default=0, help="loss curves of this many steps instead of timing")
+    ap.add_argument("--curve-fp8", action="store_true", help="the curves include opsmath.optimize(fp8=True)")
     ap.add_argument("--recipe", choices=["amp", "bf16"], default="amp",
                     help="amp: fp32 weights under bf16 autocast (what most users run); bf16: bf16 weights")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script, measures nothing")
@@ -160,7 +165,7 @@ def main():
     out = {}
     for n in args.models.split(","):   # written after each model: a run cut short keeps what it measured
         if args.curve:
-            out[n] = curve(n, args.curve, device, args.batch, args.seq)
+            out[n] = curve(n, args.curve, device, args.batch, args.seq, fp8=args.curve_fp8)
         else:
             out[n] = run(n, args.rounds, args.steps, device, args.variants.split(","), args.batch, args.seq)
         if not args.smoke:

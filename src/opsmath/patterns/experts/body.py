@@ -262,6 +262,16 @@ class Emitter:
             rows = self.call(aten.view.default, rows, [-1] + [1] * pad + list(val(p0).shape))
         return rows
 
+    def masked(self, rows: fx.Node) -> fx.Node:
+        """``rows`` with those routed to no expert zeroed, where routing can leave any (``valid``). A
+        grouped GEMM leaves its output rows past the last group undefined on CUDA, and its input
+        gradient's: zeroing both its input and its output keeps them out of every value and gradient
+        (the ``where`` on the input zeroes the gradient rows the backward leaves undefined)."""
+        valid = self.routed["valid"]
+        if valid is None:
+            return rows
+        return self.call(aten.where.ScalarOther, self.call(aten.unsqueeze.default, valid, -1), rows, 0.0)
+
     def gemm(self, n: fx.Node) -> fx.Node:
         x, w = self.arg(n.args[0]), n.args[1]
         if w not in self.params:
@@ -275,7 +285,8 @@ class Emitter:
         k, out = val(w).shape[-1 if n.target is aten.linear.default else 0], val(n).shape[-1]
         op = grouped_op(val(x).dtype, val(weights).dtype, k, out)
         self.gemms.append("torch._grouped_mm" if op is aten._grouped_mm.default else "opsmath::grouped_mm")
-        y = self.call(op, x, weights, self.routed["offs"])
+        y = self.call(op, self.masked(x), weights, self.routed["offs"])
+        y = self.masked(y)
         bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
         if bias is not None:
             b = self.gathered(bias, 2) if bias in self.params else bias
