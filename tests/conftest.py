@@ -105,7 +105,6 @@ GPU_SMOKE = {
     "test_patterns_experts::test_cuda_bf16_experts_under_inductor_train_like_eager": [""],
     "test_inductor::test_inductor_matches_eager_and_keeps_the_rewrites": [""],
     "test_triton_ops::test_attention_kernels_launch_from_inductor_code_and_match": ["window", "softcap", "bool-mask"],
-    "test_prewarm::test_on_a_gpu_the_tuner_loads_what_the_workers_compiled": [""],
     "test_inductor::test_budget_becomes_recompute_tags_that_inductor_honors": [""],
     "test_models::test_real_model_rewritten_and_matches_eager": ["[hf_llama_gqa_sdpa]", "[hf_mixtral_moe]"],
 }

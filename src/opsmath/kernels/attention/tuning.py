@@ -37,7 +37,6 @@ from opsmath.kernels._spec import OpSpec, register
 from opsmath.kernels.attention import attention_flops, attention_op, attention_reference, exercise
 from opsmath.kernels.attention.configs import (OWN_ONLY, TILES, bucket_key, config_name, configs_for, forced_config,
                                                tiles_entry)
-from opsmath.kernels import prewarm
 from opsmath.kernels.autotune import measure, pick, store
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -119,13 +118,9 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
         return sdpa(q, k, v, vbias, is_causal and vbias is None, scale, p, name)
 
     configs = configs_for(q.shape[-1])
-    job = (q_shape, k_shape, dtype, str(device), bias_shape, mask_shape, mask_fill, is_causal, scale, dropout_p,
-           softcap, window)   # the other configurations compile in worker processes once measuring starts
-    warm = prewarm.Pending(device, {c: (compile_config, job + (c,)) for c in configs[1:]})
 
     def fwd_bwd(name, cfg=None):
         def step():
-            warm.ready(cfg)   # before a configuration's first call: its worker's compile, if any
             with forced_config(cfg):
                 return torch.autograd.grad(run(name, q, k, v, bias, mask, vbias, dropout_p), (q, k, v), dout)
         return step
@@ -141,26 +136,10 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
     def timed(fn):   # ``measure``, keeping each own configuration's kernel times
         return measure(fn, on_kernels=(lambda per: per_config.update({own[fn]: per})) if fn in own else None)
     choice = pick("attention", key, candidates, timed, skip=own_configs_cannot_win)
-    warm.cancel()   # configurations the skip rule left out
     tiles = tiles_entry(per_config)
     if tiles and choice.startswith("opsmath"):   # measured now: each kernel launches in its fastest
         store(TILES, key, tiles)
     return "opsmath" if choice.startswith("opsmath") else choice   # its configurations: see launch_cfg
-
-
-def compile_config(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale, dropout_p,
-                   softcap, window, cfg) -> None:
-    """A tuning worker's job (``kernels/prewarm.py``): opsmath's kernel in configuration ``cfg``, forward
-    and backward, on random inputs of the shapes ``_choose`` measures. In a worker every launch only
-    compiles, so this fills Triton's disk cache for the tuner's own first call of that candidate."""
-    device = torch.device(device)
-    if device.index is not None:
-        torch.cuda.set_device(device)
-    q, k, v, bias, mask = _random_inputs(q_shape, k_shape, dtype, device, bias_shape, mask_shape)
-    seed = torch.tensor(1234, dtype=torch.int64, device=device)
-    with forced_config(cfg), torch.enable_grad(), torch.autocast(device.type, enabled=False):
-        out = attention_op(q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap, window)[0]
-        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
 
 
 # The most any block configuration of opsmath's kernel has gained over its default (H200, 2026-11-29:
