@@ -4,7 +4,11 @@ gradient error ``||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||)`` (the a
 are zero in exact arithmetic, a key projection's bias under softmax, from reading as errors), and the
 attention declines with their reasons. Every model has 2 layers: ``attn 2`` is full coverage.
 
-    python -m benchmarks hf_coverage [--more] [model ...]
+    python -m benchmarks hf_coverage [--more] [--amp] [model ...]
+
+``--amp``: both sides under ``torch.autocast("cpu", dtype=torch.bfloat16)`` with fp32 weights, and beside
+each row the same errors of eager under autocast against eager in fp32 (autocast's own rounding, the
+scale the opsmath-vs-eager errors are read against) and every family rewritten.
 """
 import copy
 import sys
@@ -98,28 +102,40 @@ MORE = {
 }
 
 
+AMP = [False]   # ``--amp``: both sides under CPU bf16 autocast, fp32 weights (the mixed-precision recipe)
+
+
 def check(cls, cfg_cls, kw, attn) -> str:
     try:
         model = getattr(T, cls)(getattr(T, cfg_cls)(attn_implementation=attn, **kw)).train()
     except Exception as ex:   # the model does not offer this attention implementation
         return f"not built ({type(ex).__name__})"
-    eager = copy.deepcopy(model)
+    eager, reference = copy.deepcopy(model), copy.deepcopy(model)
     torch._dynamo.reset()
     opt = opsmath.optimize(model)
     ids = torch.randint(0, 128, (2, 20))
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[0, :3] = 0    # left padding: under a causal mask the first rows see no key at all
     mask[1, 14:] = 0   # right padding
-    loss = opt(input_ids=ids, labels=ids, attention_mask=mask).loss
-    loss_e = eager(input_ids=ids, labels=ids, attention_mask=mask).loss
-    loss.backward()
-    loss_e.backward()
+
+    def step(m, amp):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = m(input_ids=ids, labels=ids, attention_mask=mask).loss
+        loss.backward()
+        return loss.detach().float()
+    loss, loss_e = step(opt, AMP[0]), step(eager, AMP[0])
     grad = worst_grad_error(opt, eager)
     rep = opsmath.report(opt)
     declines = sorted({d.reason[:70] for d in rep.declines if d.pattern == "attention"})
     windows = [m.details.get("window", 0) for m in rep.matches if m.pattern == "attention"]
-    return (f"attn {rep.count('attention')}  dloss {(loss - loss_e).abs().item():.1e}  dgrad {grad:.1e}  "
+    line = (f"attn {rep.count('attention')}  dloss {(loss - loss_e).abs().item():.1e}  dgrad {grad:.1e}  "
             f"fallbacks {len(rep.fallback_errors)}  declines {declines}  windows {windows}")
+    if AMP[0]:   # the scale of autocast's own rounding: eager under autocast against eager in fp32
+        loss_r = step(reference, False)
+        families = sorted({m.pattern for m in rep.matches})
+        line += (f"  | amp: eager vs fp32 dloss {(loss_e - loss_r).abs().item():.1e} dgrad "
+                 f"{worst_grad_error(eager, reference):.1e}  rewrites {families}")
+    return line
 
 
 def worst_grad_error(opt, eager) -> float:
@@ -133,6 +149,9 @@ def main(models=MODELS, variants=("eager", "sdpa"), check=check):
     """``check(*models[name], variant)`` for each model named on the command line (default: all;
     ``--more``: the ``MORE`` families)."""
     args = sys.argv[1:]
+    if "--amp" in args:
+        args.remove("--amp")
+        AMP[0] = True
     if "--more" in args:
         args.remove("--more")
         models = {**models, **MORE} if args else MORE
