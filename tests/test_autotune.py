@@ -221,3 +221,18 @@ def test_pick_skips_candidates_that_cannot_win(cache):
     entry = autotune.lookup("attention", "k1.2")
     assert entry["skipped"] == order[3:] and set(entry["ms"]) == set(order[:3])
     assert not own_configs_cannot_win("opsmath:128x64w8s3", {"opsmath": 9.0})   # own-only tuning: no vendor
+
+
+def test_plain_attention_never_compiles_opsmaths_kernel_beside_cudnn_or_flash(cache):
+    """Plain attention: once cuDNN or flash measured accurate, no configuration of opsmath's kernel is
+    compiled or timed; with only the efficient backend, or with a bias, mask, window or softcap, it is."""
+    from opsmath.kernels.attention.tuning import own_configs_cannot_win
+    order = ["sdpa_flash", "opsmath", "opsmath:128x64w8s3"]
+    times = {"sdpa_flash": 1.0, "opsmath": 0.9, "opsmath:128x64w8s3": 0.8}
+    for plain, expect_measured, expect in ((True, order[:1], "sdpa_flash"), (False, order, "opsmath:128x64w8s3")):
+        calls = []
+        choice = autotune.pick("attention", f"plain{plain}", {n: named(n) for n in order}, fake_measure(times, calls),
+                               skip=lambda n, t: own_configs_cannot_win(n, t, plain))
+        assert calls == expect_measured and choice == expect
+    assert not own_configs_cannot_win("opsmath", {"sdpa_efficient": 1.0}, plain=True)
+    assert not own_configs_cannot_win("opsmath", {}, plain=True)                  # own-only tuning

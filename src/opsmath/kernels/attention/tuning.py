@@ -135,7 +135,8 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
 
     def timed(fn):   # ``measure``, keeping each own configuration's kernel times
         return measure(fn, on_kernels=(lambda per: per_config.update({own[fn]: per})) if fn in own else None)
-    choice = pick("attention", key, candidates, timed, skip=own_configs_cannot_win)
+    plain = bias is None and mask is None and not window and not softcap
+    choice = pick("attention", key, candidates, timed, skip=lambda n, t: own_configs_cannot_win(n, t, plain))
     tiles = tiles_entry(per_config)
     if tiles and choice.startswith("opsmath"):   # measured now: each kernel launches in its fastest
         store(TILES, key, tiles)
@@ -147,11 +148,19 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
 # configurations cannot win, and compiling and timing them (~10 s each on a cold Triton cache: most of
 # the 42.6 s GPT-2's first step spent capturing on 2026-11-29) is skipped.
 OWN_CONFIG_GAIN = 1.5
+# Plain attention (no bias, mask, window or softcap): opsmath's kernel measured 0.30-0.98x flash's and
+# 0.22-0.53x cuDNN's TFLOP/s (H200, BENCHMARKS.md; 1.64x and 1.80x cuDNN's time in the fleet's tuning
+# cache). Where either measured accurate, opsmath's kernel is not compiled at all: 3.4-4.5 s of Triton
+# compiles per plain shape at the first step.
+FAST_VENDORS = ("sdpa_cudnn", "sdpa_flash")
 
 
-def own_configs_cannot_win(name: str, times: dict[str, float]) -> bool:
+def own_configs_cannot_win(name: str, times: dict[str, float], plain: bool = False) -> bool:
     """``pick``'s skip rule: leave out opsmath's non-default block configurations when its default
-    configuration took ``OWN_CONFIG_GAIN`` times the fastest vendor kernel's time or more."""
+    configuration took ``OWN_CONFIG_GAIN`` times the fastest vendor kernel's time or more; for ``plain``
+    attention, every configuration of it once cuDNN or flash has been measured."""
+    if plain and name.startswith("opsmath") and any(v in times for v in FAST_VENDORS):
+        return True
     vendor = [t for n, t in times.items() if not n.startswith("opsmath")]
     return name.startswith("opsmath:") and "opsmath" in times and bool(vendor) \
         and times["opsmath"] >= OWN_CONFIG_GAIN * min(vendor)
