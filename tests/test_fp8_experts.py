@@ -136,6 +136,8 @@ def test_hugging_face_default_experts_run_fp8(monkeypatch, recipe):
     le, lo, errs, rep = _train(recipe, lambda: _Loss(_mixtral()), _lm_batch)
     fp8 = [m for m in rep.matches if m.pattern == "fp8_experts"]
     assert len(fp8) == 2 * 2, [(d.pattern, d.reason) for d in rep.declines]    # gate_up and down, 2 layers
+    swapped = [m.replacement for m in rep.matches if m.pattern == "experts"]
+    assert all("autocast does not reach" in r for r in swapped) and bool(swapped) == (recipe == "amp")
     assert rel_err(lo.detach().float(), le.detach().float()) < 1e-2
     assert all(e_opt <= e_eager + 0.15 for e_eager, e_opt in errs.values()), errs
 

@@ -24,21 +24,11 @@ import torch
 import torch.fx as fx
 
 from opsmath.kernels.fp8_grouped_mm import fp8_grouped_mm
-from opsmath.rewrite.canonicalize import aten, dtype, shape, size_hint
+from opsmath.rewrite.canonicalize import aten, dtype, shape, size_hint, under_bf16_autocast
 from opsmath.rewrite.match import RewriteContext, node_line
 from opsmath.rewrite.rules import Rule, register_rule
 
 BF16_PAYS = False    # FP8 for bf16 grouped GEMMs: measured slower on the H200 (module docstring)
-GEMMS = (aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default)
-
-
-def under_bf16_autocast(graph: fx.Graph) -> bool:
-    """Whether the graph ran under bf16 autocast: some GEMM of fp32 operands gives a bf16 result."""
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target in GEMMS and dtype(n) == torch.bfloat16:
-            if any(isinstance(a, fx.Node) and dtype(a) == torch.float32 for a in n.args[:2]):
-                return True
-    return False
 
 
 def _operands(ctx: RewriteContext, n: fx.Node):

@@ -73,6 +73,18 @@ def hinted(t: torch.Tensor) -> SimpleNamespace:
     return SimpleNamespace(shape=tuple(size_hint(s) for s in t.shape), dtype=t.dtype, device=t.device)
 
 
+_GEMMS = ("linear", "mm", "matmul", "bmm", "addmm")
+
+
+def under_bf16_autocast(graph: fx.Graph) -> bool:
+    """Whether ``graph`` was captured under bf16 autocast: some GEMM of an fp32 operand gives a bf16
+    result (only autocast makes one)."""
+    gemms = {getattr(torch.ops.aten, g).default for g in _GEMMS}
+    return any(n.op == "call_function" and n.target in gemms and dtype(n) == torch.bfloat16
+               and any(isinstance(a, fx.Node) and dtype(a) == torch.float32 for a in n.args[:3])
+               for n in graph.nodes)
+
+
 def is_cast(node) -> bool:
     """A dtype conversion that keeps shape and device (``to(dtype)``, ``_to_copy``, ``type_as``)."""
     if not is_op(node, CASTS):

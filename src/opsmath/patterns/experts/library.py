@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from opsmath.rewrite.canonicalize import dtype
+from opsmath.rewrite.canonicalize import dtype, under_bf16_autocast
 from opsmath.rewrite.match import RewriteContext, node_line
 
 
@@ -51,5 +51,9 @@ def _emit(ctx: RewriteContext, pattern: str, node: fx.Node) -> None:
         new = ctx.call(torch.ops.opsmath.grouped_mm.default, (x, w, offs), node)
     node.replace_all_uses_with(new)
     ctx.graph.erase_node(node)
+    why = ""
+    if dtype(x) == torch.float32 and under_bf16_autocast(ctx.graph):   # measured: a 5x slower step than bf16 weights
+        why = ("; fp32 under bf16 autocast, as eager runs it: autocast does not reach the library's grouped GEMM "
+               "(fp8=True runs it in FP8: docs/rewrites.md#fp8_experts-opt-in-with-fp8_linear)")
     ctx.replaced(pattern, new, [node], f"opsmath::grouped_mm (the library's per-expert fallback, "
-                 f"{str(dtype(x)).replace('torch.', '')}, with a compilable backward)", before)
+                 f"{str(dtype(x)).replace('torch.', '')}, with a compilable backward{why})", before)
