@@ -59,6 +59,22 @@ def test_fp8_grouped_mm_matches_its_quantized_reference_and_every_gradient():
         assert w.grad[g].dtype == torch.bfloat16 and rel_err(w.grad[g].float(), want) < 1e-2, g
 
 
+def test_a_linear_stacks_weight_gradient_arrives_in_its_layout():
+    """Weights stored as ``nn.Linear`` stacks ([G, N, K], read transposed): the bf16 weight gradient
+    reaches the parameter in its own layout (no transposing copy of every expert's gradient)."""
+    torch.manual_seed(0)
+    w = (torch.randn(2, 32, 16, device=DEVICE) / 4).to(torch.bfloat16).requires_grad_()
+    x = torch.randn(20, 16, dtype=torch.bfloat16, device=DEVICE)
+    offs = torch.tensor([7, 20], dtype=torch.int32, device=DEVICE)
+    arrived = []
+    w.register_hook(lambda g: arrived.append(g.stride()))
+    dy = torch.randn(20, 32, device=DEVICE).to(torch.bfloat16)
+    fp8_grouped_mm(x, w.transpose(1, 2), offs).backward(dy)
+    assert arrived == [w.stride()]
+    for g, (s, e) in enumerate([(0, 7), (7, 20)]):
+        assert rel_err(w.grad[g].float(), dy[s:e].float().t() @ x[s:e].float()) < 1e-2, g
+
+
 def test_fp8_grouped_mm_needs_sizes_in_multiples_of_16():
     x, w = torch.randn(8, 24, dtype=torch.bfloat16), torch.randn(2, 24, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiples of 16"):

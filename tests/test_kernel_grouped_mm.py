@@ -76,3 +76,22 @@ def test_triton_grouped_mm_matches_per_group_products(dtype, S, K, N, sizes, tri
         assert_rule(got.float(), eager.float(), ref, atol=1e-2 if dtype != torch.float32 else 1e-5, name=name)
     assert torch.equal(y[end:].float(), torch.zeros(S - end, N)), "rows past the last group are zero"
     assert all(dw[g].abs().max() == 0 for g, s in enumerate(sizes) if s == 0)
+
+
+@pytest.mark.parametrize("dtype,K,N", [(torch.float32, 16, 24), (torch.bfloat16, 16, 24), (torch.bfloat16, 12, 20)])
+def test_a_linear_stacks_weight_gradient_arrives_in_its_layout(dtype, K, N, device):
+    """Experts stored as ``nn.Linear`` stacks ([G, N, K], read through ``.transpose(1, 2)``): the weight
+    gradient reaches the parameter in the parameter's own layout (no transposing copy into ``.grad``),
+    on the per-group path, torch's grouped GEMM and the unaligned one, with the per-group values."""
+    torch.manual_seed(0)
+    w = torch.randn(3, N, K, dtype=dtype, device=device, requires_grad=True)
+    x = torch.randn(11, K, dtype=dtype, device=device)
+    offs = torch.tensor([4, 4, 11], dtype=torch.int32, device=device)
+    arrived = []
+    w.register_hook(lambda g: arrived.append(g.stride()))
+    dy = torch.randn(11, N, dtype=dtype, device=device)
+    grouped_mm(x, w.transpose(1, 2), offs).backward(dy)
+    assert arrived == [w.stride()]
+    for g, (s, e) in enumerate([(0, 4), (4, 4), (4, 11)]):
+        want = (dy[s:e].float().t() @ x[s:e].float())
+        assert torch.allclose(w.grad[g].float(), want, rtol=2e-2, atol=2e-2), g

@@ -30,7 +30,7 @@ import torch
 from opsmath.kernels._common import first_order_only
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
 from opsmath.kernels.fp8_linear import E4M3, quantize
-from opsmath.kernels.grouped_mm import native, weight_grad_loop
+from opsmath.kernels.grouped_mm import linear_layout, weight_grad
 
 
 def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
@@ -73,13 +73,6 @@ def _row_groups(offs: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offs, at, right=True).clamp_(max=offs.shape[0] - 1)
 
 
-def _weight_grad(x16: torch.Tensor, dy16: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``dw[g] = x_g^T dy_g`` in bf16: ``torch._grouped_mm`` where it takes the operands, else per group."""
-    if native(torch.bfloat16, x16.shape[1], dy16.shape[1]):
-        return torch._grouped_mm(x16.t(), dy16, offs=offs)
-    return weight_grad_loop(x16, dy16, offs)
-
-
 class FP8GroupedMM(torch.autograd.Function):
     """Forward: x per row, w per (expert, output column) along K; the e4m3 weight ``wq`` [G, N, K] (K
     contiguous, as an ``nn.Linear`` stack stores it) is saved. Input gradient: ``dx = dy @ w^T`` contracts
@@ -95,7 +88,7 @@ class FP8GroupedMM(torch.autograd.Function):
         sw = sw.reshape(w.shape[0], w.shape[2])
         y = _gemm(xq.contiguous(), sx.reshape(-1), wq.contiguous().transpose(1, 2), sw, offs)
         ctx.save_for_backward(x16, wq.contiguous(), sw, offs)
-        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        ctx.x_dtype, ctx.w_dtype, ctx.w_linear = x.dtype, w.dtype, linear_layout(w)
         return y.to(x.dtype)
 
     @staticmethod
@@ -109,7 +102,7 @@ class FP8GroupedMM(torch.autograd.Function):
             ones = torch.ones(wq.shape[0], wq.shape[2], device=dy.device)
             dx = _gemm(gq, sg.reshape(-1), wt, ones, offs).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(x16, dy16, offs).to(ctx.w_dtype)
+            dw = weight_grad(x16, dy16, offs, ctx.w_linear).to(ctx.w_dtype)
         return dx, dw, None
 
 

@@ -19,7 +19,8 @@ Caveats:
   in all, the grid's bound); the weight gradient runs one program per (group, K block, N block) over
   that group's rows. Elsewhere it is one ``mm`` per group, reading ``offs`` on the host. Inductor treats
   it as opaque. fp32 products run in TF32 only where the user allowed TF32 matmuls, as cuBLAS would.
-- Backward: ``dx = grouped(dy, w^T)``; ``dw[g] = x_g^T dy_g``, zero for an empty group.
+- Backward: ``dx = grouped(dy, w^T)``; ``dw[g] = x_g^T dy_g``, zero for an empty group, in the weight's
+  layout (``weight_grad``: a transposed ``nn.Linear`` stack gets ``(dy_g^T x_g)^T``, no transposing copy).
 """
 from __future__ import annotations
 
@@ -174,11 +175,30 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(x, w, offs)
 
 
+def weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``dw[g] = x_g^T dy_g`` [G, K, N]; ``transposed``: laid out as a stack of ``nn.Linear`` weights read
+    through ``.transpose(1, 2)`` ([G, N, K] in memory), computed as ``(dy_g^T x_g)^T`` so that the
+    parameter's gradient needs no transposing copy (torch's own ``_grouped_mm`` backward matches the
+    weight's strides the same way; a mismatched layout costs a strided copy of every expert's gradient).
+    ``torch._grouped_mm`` where it takes the operands, else ``opsmath::grouped_mm_weight_grad``."""
+    a, b = (dy, x) if transposed else (x, dy)
+    if native(a.dtype, a.shape[1], b.shape[1]) and a.dtype == b.dtype:
+        out = torch._grouped_mm(a.t(), b, offs=offs)
+    else:
+        out = weight_grad_loop(a, b, offs)
+    return out.transpose(1, 2) if transposed else out
+
+
+def linear_layout(w: torch.Tensor) -> bool:
+    """Whether the [G, K, N] weight ``w`` is a transposed stack of [N, K] matrices (K contiguous)."""
+    return w.stride(-2) == 1 and w.stride(-1) != 1
+
+
 def _backward(ctx, dy):
     first_order_only("experts")
     x, w, offs = ctx.saved_tensors
     dx = grouped_mm_loop(dy, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
-    dw = weight_grad_loop(x, dy, offs) if ctx.needs_input_grad[1] else None
+    dw = weight_grad(x, dy, offs, linear_layout(w)) if ctx.needs_input_grad[1] else None
     return dx, dw, None
 
 
