@@ -14,7 +14,8 @@ Inductor): against a bf16 grouped GEMM, FP8 with its casts ran 0.70-0.75x as fas
 1024 to 14336) and 0.40x at 64, although the FP8 products alone ran 1.3x bf16's: the casts, the weight's
 transposed copy and the bf16 weight gradient cost more than they save. So a bf16 grouped GEMM stays bf16,
 with that reason in the report (``BF16_PAYS``); an fp32 one under autocast, whose alternative is fp32
-GEMMs, runs FP8 (HF Mixtral-style, 8 layers, B4 T2048: 43.1 ms against 200.3 ms for ``torch.compile``).
+GEMMs, runs FP8 (HF Mixtral-style, 8 layers, B4 T2048: 43.1 ms against 200.3 ms for ``torch.compile``,
+measured with the kernel's first form, which quantized the weights again for the input gradient).
 Outputs keep eager's dtypes; the weight gradient is bf16 (see the kernel's docstring). Opt-in with the
 FP8 linears: FP8 changes numerics beyond the tolerance rule.
 """
