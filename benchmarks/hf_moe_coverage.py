@@ -3,7 +3,11 @@ implementation they offer: how many graphs opsmath captures (1: no break per exp
 experts (its notes, the experts rewrites, the declines), the loss difference to eager and the worst
 parameter gradient error ``||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||)``.
 
-    python -m benchmarks hf_moe_coverage [model ...]
+    python -m benchmarks hf_moe_coverage [--amp-fp8] [model ...]
+
+``--amp-fp8``: fp32 weights under CPU bf16 autocast, ``optimize(model, fp8=True)``, the default experts
+implementation only: the FP8 experts rewrites and declines, the errors against eager under the same
+autocast (FP8's own, outside the tolerance rule) beside eager-autocast's against fp32 eager.
 """
 import copy
 
@@ -11,6 +15,8 @@ import torch
 import transformers as T
 
 import opsmath
+import sys
+
 from benchmarks.hf_coverage import main, worst_grad_error
 
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -56,5 +62,30 @@ def check(cls, cfg_cls, kw, impl) -> str:
             f"declines {declines}")
 
 
+def check_amp_fp8(cls, cfg_cls, kw, impl) -> str:
+    torch.manual_seed(0)
+    model = getattr(T, cls)(getattr(T, cfg_cls)(**kw)).train()
+    reference, eager = copy.deepcopy(model), copy.deepcopy(model)
+    torch._dynamo.reset()
+    opt = opsmath.optimize(model, fp8=True)
+    ids = torch.randint(0, 128, (2, 16))
+    losses = []
+    for m, amp in ((opt, True), (eager, True), (reference, False)):
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            losses.append(m(input_ids=ids, labels=ids).loss)
+        losses[-1].backward()
+    rep = opsmath.report(opt)
+    declines = sorted({d.reason[:60] for d in rep.declines if d.pattern == "fp8_experts"})
+    return (f"graphs {len(rep.graphs)}  fp8_experts {rep.count('fp8_experts')} of {rep.count('experts')} experts "
+            f"rewrites  dloss {(losses[0] - losses[1]).abs().item():.1e}  dgrad {worst_grad_error(opt, eager):.1e} "
+            f"(eager autocast vs fp32 {worst_grad_error(eager, reference):.1e})  fallbacks {len(rep.fallback_errors)}  "
+            f"declines {declines}")
+
+
 if __name__ == "__main__":
-    main(MODELS, ("eager", "grouped_mm"), check)
+    if "--amp-fp8" in sys.argv:
+        sys.argv.remove("--amp-fp8")
+        main(MODELS, ("default",), check_amp_fp8)
+    else:
+        main(MODELS, ("eager", "grouped_mm"), check)

@@ -164,3 +164,22 @@ def test_fp8_experts_are_opt_in_and_bf16_grouped_gemms_stay_bf16_with_the_reason
     _, _, _, bf16 = _train("amp", _moe, _moe_batch)     # the loop's GEMMs run bf16 under autocast
     assert not [m for m in bf16.matches if m.pattern == "fp8_experts"]
     assert any("measured" in d.reason and "stays bf16" in d.reason for d in bf16.declines if d.pattern == "fp8_experts")
+
+
+def test_autocast_is_read_from_the_capture_when_no_gemm_shows_it():
+    """A graph piece holding only an MoE layer's experts (PhiMoE splits so) shows autocast by no GEMM:
+    the capture's autocast state says it; a graph with an autocast region of its own does not rely on it."""
+    import torch.fx as fx
+    from opsmath.rewrite.canonicalize import under_bf16_autocast
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4, 16)
+    g.output(g.call_function(torch.ops.aten.relu.default, (x,)))
+    assert not under_bf16_autocast(g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not under_bf16_autocast(g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert under_bf16_autocast(g)
+        with g.inserting_before(list(g.nodes)[1]):
+            g.call_function(torch.amp.autocast_mode._enter_autocast, ("cpu", None, False, None))
+        assert not under_bf16_autocast(g)

@@ -77,8 +77,17 @@ _GEMMS = ("linear", "mm", "matmul", "bmm", "addmm")
 
 
 def under_bf16_autocast(graph: fx.Graph) -> bool:
-    """Whether ``graph`` was captured under bf16 autocast: some GEMM of an fp32 operand gives a bf16
-    result (only autocast makes one)."""
+    """Whether ``graph`` computes under bf16 autocast: it is being captured (rewrites run inside its
+    capture, and dynamo guards a compiled graph on the autocast state) under bf16 autocast for its
+    tensors' device and holds no autocast region of its own (one may turn autocast off: HF's rotary
+    embeddings do); else whether some GEMM of an fp32 operand gives a bf16 result (only autocast makes one).
+    The first catches a graph piece with no such GEMM (an MoE layer's experts split from the rest)."""
+    enters = graph.find_nodes(op="call_function", target=torch.amp.autocast_mode._enter_autocast)
+    devices = {v.device.type for n in graph.find_nodes(op="placeholder")
+               if isinstance(v := n.meta.get("val"), torch.Tensor)}
+    if not enters and any(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.bfloat16
+                          for d in devices & {"cuda", "cpu"}):
+        return True
     gemms = {getattr(torch.ops.aten, g).default for g in _GEMMS}
     return any(n.op == "call_function" and n.target in gemms and dtype(n) == torch.bfloat16
                and any(isinstance(a, fx.Node) and dtype(a) == torch.float32 for a in n.args[:3])
