@@ -7,8 +7,9 @@ attention declines with their reasons. Every model has 2 layers: ``attn 2`` is f
     python -m benchmarks hf_coverage [--more] [--amp] [model ...]
 
 ``--amp``: both sides under ``torch.autocast("cpu", dtype=torch.bfloat16)`` with fp32 weights, and beside
-each row the same errors of eager under autocast against eager in fp32 (autocast's own rounding, the
-scale the opsmath-vs-eager errors are read against) and every family rewritten.
+each row opsmath's and eager's errors against eager in fp32 (the tolerance rule's form: a fused op that
+keeps more precision than eager's bf16 intermediates differs from eager by more than from fp32) and
+every family rewritten.
 """
 import copy
 import sys
@@ -130,10 +131,11 @@ def check(cls, cfg_cls, kw, attn) -> str:
     windows = [m.details.get("window", 0) for m in rep.matches if m.pattern == "attention"]
     line = (f"attn {rep.count('attention')}  dloss {(loss - loss_e).abs().item():.1e}  dgrad {grad:.1e}  "
             f"fallbacks {len(rep.fallback_errors)}  declines {declines}  windows {windows}")
-    if AMP[0]:   # the scale of autocast's own rounding: eager under autocast against eager in fp32
+    if AMP[0]:   # the tolerance rule's form: each against fp32 eager, opsmath's error beside eager's own
         loss_r = step(reference, False)
         families = sorted({m.pattern for m in rep.matches})
-        line += (f"  | amp: eager vs fp32 dloss {(loss_e - loss_r).abs().item():.1e} dgrad "
+        line += (f"  | amp vs fp32: dloss opsmath {(loss - loss_r).abs().item():.1e} eager "
+                 f"{(loss_e - loss_r).abs().item():.1e}  dgrad opsmath {worst_grad_error(opt, reference):.1e} eager "
                  f"{worst_grad_error(eager, reference):.1e}  rewrites {families}")
     return line
 

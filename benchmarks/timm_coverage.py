@@ -4,7 +4,10 @@ measured as in ``hf_coverage.py`` (gradients relative, with an atol of 1e-3 of t
 buffers such as BatchNorm running statistics likewise: a running mean of normalized inputs is ~1e-9, where
 a plain relative error would be noise). Needs ``pip install timm``.
 
-    python -m benchmarks timm_coverage [model ...] [--size 224]
+    python -m benchmarks timm_coverage [model ...] [--size 224] [--amp]
+
+``--amp``: both sides under CPU bf16 autocast (fp32 weights), and beside each row opsmath's and eager's
+gradient errors against fp32 eager (the tolerance rule's form).
 """
 import argparse
 import copy
@@ -31,22 +34,25 @@ def worst_buffer_error(opt, eager) -> float:
     return max((a - b).norm().item() / (b.norm().item() + atol) for a, b in pairs)
 
 
-def check(name: str, size: int) -> str:
+def check(name: str, size: int, amp: bool = False) -> str:
     import timm
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=10, drop_path_rate=0.1).train()
-    eager = copy.deepcopy(model)
+    eager, reference = copy.deepcopy(model), copy.deepcopy(model)
     torch._dynamo.reset()
     opt = opsmath.optimize(model)
     x, y = torch.randn(2, 3, size, size), torch.tensor([1, 3])
     losses = []
-    for m in (opt, eager):
+    for m, cast in ((opt, amp), (eager, amp)) + (((reference, False),) if amp else ()):
         torch.manual_seed(1)   # the same stochastic-depth draws on both sides
-        loss = F.cross_entropy(m(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+            loss = F.cross_entropy(m(x).float(), y)
         loss.backward()
         losses.append(loss.item())
     rep = opsmath.report(opt)
-    return (f"loss {losses[0]:.6f} / {losses[1]:.6f}  dgrad {worst_grad_error(opt, eager):.1e}  "
+    own = (f"  (vs fp32: dgrad opsmath {worst_grad_error(opt, reference):.1e}, eager "
+           f"{worst_grad_error(eager, reference):.1e})") if amp else ""
+    return (f"loss {losses[0]:.6f} / {losses[1]:.6f}  dgrad {worst_grad_error(opt, eager):.1e}{own}  "
             f"dbuf {worst_buffer_error(opt, eager):.1e}  rewrites {dict(Counter(m.pattern for m in rep.matches))}  "
             f"declines {len(rep.declines)}  fallbacks {len(rep.fallback_errors)}  kept eager {len(rep.eager_regions)}")
 
@@ -55,9 +61,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="*", default=MODELS)
     ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--amp", action="store_true", help="both sides under CPU bf16 autocast")
     args = ap.parse_args()
     for name in args.models:
         try:
-            print(f"{name:30} {check(name, args.size)}", flush=True)
+            print(f"{name:30} {check(name, args.size, args.amp)}", flush=True)
         except Exception as e:  # noqa: BLE001  (reported; the other models still run)
             print(f"{name:30} ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
