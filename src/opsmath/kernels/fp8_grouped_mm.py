@@ -30,12 +30,7 @@ import torch
 from opsmath.kernels._common import first_order_only
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
 from opsmath.kernels.fp8_linear import E4M3, quantize
-from opsmath.kernels.grouped_mm import linear_layout, weight_grad
-
-
-def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
-    ends = offs.tolist()
-    return list(zip([0] + ends[:-1], ends))
+from opsmath.kernels.grouped_mm import _bounds, linear_layout, weight_grad
 
 
 @torch.library.custom_op("opsmath::scaled_grouped_mm_cpu", mutates_args=())
