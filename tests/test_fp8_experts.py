@@ -168,18 +168,27 @@ def test_fp8_experts_are_opt_in_and_bf16_grouped_gemms_stay_bf16_with_the_reason
 
 def test_autocast_is_read_from_the_capture_when_no_gemm_shows_it():
     """A graph piece holding only an MoE layer's experts (PhiMoE splits so) shows autocast by no GEMM:
-    the capture's autocast state says it; a graph with an autocast region of its own does not rely on it."""
+    the capture's autocast state says it. A graph with autocast regions of its own is read from its GEMMs,
+    and a node inside a region turning autocast off is not under it."""
     import torch.fx as fx
     from opsmath.rewrite.canonicalize import under_bf16_autocast
     g = fx.Graph()
     x = g.placeholder("x")
     x.meta["val"] = torch.randn(4, 16)
-    g.output(g.call_function(torch.ops.aten.relu.default, (x,)))
+    relu = g.call_function(torch.ops.aten.relu.default, (x,))
+    g.output(relu)
     assert not under_bf16_autocast(g)
     with torch.autocast("cpu", dtype=torch.float16):
         assert not under_bf16_autocast(g)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert under_bf16_autocast(g)
-        with g.inserting_before(list(g.nodes)[1]):
-            g.call_function(torch.amp.autocast_mode._enter_autocast, ("cpu", None, False, None))
-        assert not under_bf16_autocast(g)
+        assert under_bf16_autocast(g) and under_bf16_autocast(g, relu)
+        w = g.placeholder("w")
+        w.meta["val"] = torch.randn(8, 16)
+        with g.inserting_before(relu):
+            lin = g.call_function(torch.ops.aten.linear.default, (x, w))
+            lin.meta["val"] = torch.randn(4, 8, dtype=torch.bfloat16)       # what autocast makes of it
+            off = g.call_function(torch.amp.autocast_mode._enter_autocast, ("cpu", None, False, None))
+        with g.inserting_after(relu):
+            g.call_function(torch.amp.autocast_mode._exit_autocast, (off,))
+        assert under_bf16_autocast(g, lin) and not under_bf16_autocast(g, relu)
+    assert under_bf16_autocast(g)                       # the GEMM shows it, captured or not

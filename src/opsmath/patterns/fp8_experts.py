@@ -42,7 +42,7 @@ def _operands(ctx: RewriteContext, n: fx.Node):
     if len(shape(x)) != 2 or len(shape(w)) != 3:
         return f"a {len(shape(x))}-D x {len(shape(w))}-D grouped GEMM (FP8 takes rows x stacked weights)"
     kinds = {dtype(x), dtype(w)}
-    if kinds != {torch.bfloat16} and not (kinds == {torch.float32} and under_bf16_autocast(ctx.graph)):
+    if kinds != {torch.bfloat16} and not (kinds == {torch.float32} and under_bf16_autocast(ctx.graph, n)):
         return f"computes in {', '.join(sorted(str(k).replace('torch.', '') for k in kinds))} (FP8 takes bf16 " \
                "GEMMs, or fp32 ones under bf16 autocast)"
     S, (G, K, N) = size_hint(shape(x)[0]), [size_hint(d) for d in shape(w)]

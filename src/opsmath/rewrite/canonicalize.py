@@ -76,12 +76,28 @@ def hinted(t: torch.Tensor) -> SimpleNamespace:
 _GEMMS = ("linear", "mm", "matmul", "bmm", "addmm")
 
 
-def under_bf16_autocast(graph: fx.Graph) -> bool:
-    """Whether ``graph`` computes under bf16 autocast: it is being captured (rewrites run inside its
-    capture, and dynamo guards a compiled graph on the autocast state) under bf16 autocast for its
-    tensors' device and holds no autocast region of its own (one may turn autocast off: HF's rotary
-    embeddings do); else whether some GEMM of an fp32 operand gives a bf16 result (only autocast makes one).
-    The first catches a graph piece with no such GEMM (an MoE layer's experts split from the rest)."""
+def _autocast_off_at(graph: fx.Graph, node: fx.Node) -> bool:
+    """Whether ``node`` lies inside a region of ``graph`` that turns autocast off
+    (``with torch.autocast(..., enabled=False)`` in the model's code)."""
+    regions = []
+    for n in graph.nodes:
+        if n is node:
+            return not all(regions)
+        if n.target is torch.amp.autocast_mode._enter_autocast:
+            regions.append(bool(n.args[2]) if len(n.args) > 2 else True)
+        elif n.target is torch.amp.autocast_mode._exit_autocast and regions:
+            regions.pop()
+    return False
+
+
+def under_bf16_autocast(graph: fx.Graph, node: Optional[fx.Node] = None) -> bool:
+    """Whether ``graph`` (at ``node``, if given) computes under bf16 autocast: not inside a region turning it
+    off; then it is being captured (rewrites run inside its capture, and dynamo guards a compiled graph on
+    the autocast state) under bf16 autocast for its tensors' device and holds no autocast region of its own;
+    else some GEMM of an fp32 operand gives a bf16 result (only autocast makes one). The capture's state
+    catches a graph piece with no such GEMM (an MoE layer's experts split from the rest)."""
+    if node is not None and _autocast_off_at(graph, node):
+        return False
     enters = graph.find_nodes(op="call_function", target=torch.amp.autocast_mode._enter_autocast)
     devices = {v.device.type for n in graph.find_nodes(op="placeholder")
                if isinstance(v := n.meta.get("val"), torch.Tensor)}
