@@ -220,11 +220,10 @@ def _module_path(node: fx.Node) -> str:
 
 
 def _combine(ctx: RewriteContext, loop: Loop, routed: dict, c: fx.Node, like: fx.Node) -> fx.Node:
-    """``init + sum over slots`` of the sorted contributions ``c``, back in token order."""
+    """``init + sum over slots`` of the sorted contributions ``c`` (rows routed to no expert already
+    zeroed: ``Emitter.masked``), back in token order."""
     def call(target, *args, **kwargs):
         return ctx.call(target, args, like, kwargs)
-    if routed["valid"] is not None:
-        c = call(aten.where.ScalarOther, call(aten.unsqueeze.default, routed["valid"], -1), c, 0.0)
     order = routed["order"]
     ranks = call(aten.sub.Tensor, call(aten.cumsum.default, call(aten.ones_like.default, order), 0), 1)
     inverse = call(aten.scatter.src, order, 0, order, ranks)
@@ -275,7 +274,7 @@ class ExpertsRule(Rule):
         with ctx.graph.inserting_before(last):
             routed = _routed(ctx, loop, where)
             body = Emitter(ctx, loop.first, loop.corr, routed, where)
-            out = _combine(ctx, loop, routed, body.emit(), last)
+            out = _combine(ctx, loop, routed, body.masked(body.emit()), last)
         for r in loop.readers:
             for a in [loop.init, *(ex.acc for ex in loop.experts)]:
                 r.replace_input_with(a, out)
