@@ -73,7 +73,8 @@ def hinted(t: torch.Tensor) -> SimpleNamespace:
     return SimpleNamespace(shape=tuple(size_hint(s) for s in t.shape), dtype=t.dtype, device=t.device)
 
 
-_GEMMS = ("linear", "mm", "matmul", "bmm", "addmm")
+# GEMMs whose bf16 result from an fp32 operand only autocast makes
+_AUTOCAST_GEMMS = MATMULS | {aten.linear.default, aten.mm.default, aten.addmm.default}
 
 
 def _autocast_off_at(graph: fx.Graph, node: fx.Node) -> bool:
@@ -104,8 +105,7 @@ def under_bf16_autocast(graph: fx.Graph, node: Optional[fx.Node] = None) -> bool
     if not enters and any(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.bfloat16
                           for d in devices & {"cuda", "cpu"}):
         return True
-    gemms = {getattr(torch.ops.aten, g).default for g in _GEMMS}
-    return any(n.op == "call_function" and n.target in gemms and dtype(n) == torch.bfloat16
+    return any(n.op == "call_function" and n.target in _AUTOCAST_GEMMS and dtype(n) == torch.bfloat16
                and any(isinstance(a, fx.Node) and dtype(a) == torch.float32 for a in n.args[:3])
                for n in graph.nodes)
 
