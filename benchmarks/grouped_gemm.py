@@ -5,7 +5,9 @@ Per shape ``S:G:K:N`` (S rows sorted over G experts, K -> N; weights stored [G, 
 stacks are, read transposed): ``y = grouped(x, w^T)`` and its backward against a fixed upstream gradient,
 each variant compiled by ``torch.compile`` (Inductor fuses the FP8 casts and amax reductions into their
 producers), ``--rounds`` interleaved rounds of ``--iters`` calls timed with CUDA events: median and
-spread per variant, FP8's speed-up, and FP8's forward error against the bf16 product. Groups are equal
+spread per variant, the summed kernel time of one call (torch.profiler, ``gpu_ms``; in a training step
+the kernels are what costs, the host runs ahead), FP8's speed-up by both, and FP8's forward error
+against the bf16 product. Groups are equal
 in size, or (``--imbalanced``) half of all rows go to expert 0.
 
     python -m benchmarks grouped_gemm [--shapes 16384:8:1024:5632,...] [--rounds 5] [--iters 20]
@@ -17,7 +19,7 @@ import statistics
 
 import torch
 
-from benchmarks._harness import rel_err, write
+from benchmarks._harness import kernel_ms, rel_err, write
 from opsmath.kernels.fp8_grouped_mm import fp8_grouped_mm
 
 SHAPES = ("16384:8:1024:5632,16384:8:2816:1024,65536:64:1024:1408,65536:64:704:1024,16384:8:512:1024,"
@@ -38,6 +40,7 @@ def step(fn, x, w, offs, dy):
 
 def measure(shape: str, rounds: int, iters: int, imbalanced: bool) -> dict:
     S, G, K, N = map(int, shape.split(":"))
+    torch._dynamo.reset()   # static shapes, as in a training step: a recompile for the next shape would be dynamic
     torch.manual_seed(0)
     x = torch.randn(S, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(G, N, K, device="cuda") / K ** 0.5).to(torch.bfloat16).requires_grad_()
@@ -57,11 +60,14 @@ def measure(shape: str, rounds: int, iters: int, imbalanced: bool) -> dict:
             times[k].append(start.elapsed_time(end) / iters)
         x.grad = w.grad = None
     med = {k: statistics.median(v) for k, v in times.items()}
+    gpu = {k: sum(kernel_ms(lambda: step(f, x, w, offs, dy), calls=iters).values()) for k, f in fns.items()}
     row = dict(shape=shape, S=S, G=G, K=K, N=N, imbalanced=imbalanced,
                ms={k: round(v, 4) for k, v in med.items()}, spread={k: [min(v), max(v)] for k, v in times.items()},
-               fp8_speedup=med["bf16"] / med["fp8"], fp8_fwd_rel_err=rel_err(outs["fp8"], outs["bf16"]))
-    print(f"{shape:24} {'imbalanced' if imbalanced else 'balanced':10} bf16 {med['bf16']:7.3f} ms  fp8 "
-          f"{med['fp8']:7.3f} ms  x{row['fp8_speedup']:.3f}  fwd err {row['fp8_fwd_rel_err']:.4f}", flush=True)
+               gpu_ms={k: round(v, 4) for k, v in gpu.items()}, fp8_speedup=med["bf16"] / med["fp8"],
+               fp8_gpu_speedup=gpu["bf16"] / gpu["fp8"], fp8_fwd_rel_err=rel_err(outs["fp8"], outs["bf16"]))
+    print(f"{shape:24} {'imbalanced' if imbalanced else 'balanced':10} bf16 {med['bf16']:7.3f} ms (gpu "
+          f"{gpu['bf16']:.3f})  fp8 {med['fp8']:7.3f} ms (gpu {gpu['fp8']:.3f})  x{row['fp8_speedup']:.3f} (gpu "
+          f"x{row['fp8_gpu_speedup']:.3f})  fwd err {row['fp8_fwd_rel_err']:.4f}", flush=True)
     return row
 
 

@@ -218,6 +218,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return grouped_op(x.dtype, w.dtype, x.shape[1], w.shape[2])(x, w, offs)
 
 
+def grouped_mm_bf16(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm`` with both operands cast to bf16, as autocast computes a matmul of fp32 operands; the
+    result in ``x``'s dtype, the gradients in the operands' (through the casts)."""
+    return grouped_mm(x.to(torch.bfloat16), w.to(torch.bfloat16), offs).to(x.dtype)
+
+
 LOAD_STEPS = 16    # calls of each MoE layer whose expert load is kept
 
 

@@ -6,18 +6,21 @@ the experts rewrite emits it (``torch._grouped_mm``, ``opsmath::grouped_mm``) an
 default grouped experts call it (``torch._grouped_mm``, or its fallback op, swapped for
 ``opsmath::grouped_mm`` by the experts family). It applies to GEMMs computing in bf16, and to fp32 ones in
 a graph under bf16 autocast: Hugging Face's fallback runs the experts of fp32 master weights in fp32
-because autocast does not reach a custom op, where a user asking for FP8 expects autocast's bf16 and gets
-FP8. K and N multiples of 16, on sm_90 or newer (``torch._scaled_grouped_mm``).
+because autocast does not reach a custom op, where a user asking for FP8 expects autocast's bf16 at least,
+and gets FP8 where it pays, else bf16. K and N multiples of 16; FP8 on sm_90 or newer
+(``torch._scaled_grouped_mm``).
 
-Priced by measurement (``benchmarks/grouped_gemm.py``, H200, torch 2.11, forward and backward under
-Inductor): against a bf16 grouped GEMM, FP8 with its casts ran 0.70-0.75x as fast at 8 experts (K, N from
-1024 to 14336) and 0.40x at 64, although the FP8 products alone ran 1.3x bf16's: the casts, the weight's
-transposed copy and the bf16 weight gradient cost more than they save. So a bf16 grouped GEMM stays bf16,
-with that reason in the report (``BF16_PAYS``); an fp32 one under autocast, whose alternative is fp32
-GEMMs, runs FP8 (HF Mixtral-style, 8 layers, B4 T2048: 43.1 ms against 200.3 ms for ``torch.compile``,
-measured with the kernel's first form, which quantized the weights again for the input gradient).
-Outputs keep eager's dtypes; the weight gradient is bf16 (see the kernel's docstring). Opt-in with the
-FP8 linears: FP8 changes numerics beyond the tolerance rule.
+Priced by measurement per shape (``benchmarks/grouped_gemm.py``, H200, torch 2.11, forward and backward
+under Inductor, static shapes; ``benchmarks/results/grouped-gemm-fp8-static-h200-20261204.json``): FP8 with
+its casts against a bf16 grouped GEMM, by kernel time, ran 1.39x at 8 experts of 4096 -> 14336 (2048 rows
+each), 1.02-1.06x at 2048 -> 5632 and 4096 -> 4096, 0.89-0.93x at 1024 -> 5632 and 2048 -> 2048, and 0.69-0.97x
+with 32 to 128 experts (256-1024 rows each). The casts (x, dy and the weights per call) and the bf16 weight
+gradient cost what the FP8 products save unless the GEMMs are large: ``fp8_pays`` asks for
+``K N / (K + N) >= MIN_HARMONIC`` and ``MIN_ROWS_PER_EXPERT`` rows per expert on average. Where it does not
+pay, a bf16 grouped GEMM stays bf16 (declined with that reason), and an fp32 one under autocast, whose
+alternative is fp32 GEMMs, runs as a bf16 grouped GEMM, autocast's dtype (faster than FP8 there and closer
+to eager). Outputs keep eager's dtypes; the FP8 weight gradient is bf16 (see the kernel's docstring).
+Opt-in with the FP8 linears: FP8 and bf16 change numerics beyond the tolerance rule.
 """
 from __future__ import annotations
 
@@ -25,15 +28,25 @@ import torch
 import torch.fx as fx
 
 from opsmath.kernels.fp8_grouped_mm import fp8_grouped_mm
+from opsmath.kernels.grouped_mm import grouped_mm_bf16
 from opsmath.rewrite.canonicalize import aten, dtype, shape, size_hint, under_bf16_autocast
 from opsmath.rewrite.match import RewriteContext, node_line
 from opsmath.rewrite.rules import Rule, register_rule
 
-BF16_PAYS = False    # FP8 for bf16 grouped GEMMs: measured slower on the H200 (module docstring)
+MIN_HARMONIC = 3000          # K N / (K + N): 4096 -> 14336 is 3186, 4096 -> 4096 is 2048 (module docstring)
+MIN_ROWS_PER_EXPERT = 2048   # S / G: 8 experts over 16384 rows
+
+
+def fp8_pays(S: int, G: int, K: int, N: int) -> bool:
+    """Whether FP8 grouped GEMMs with their casts beat bf16's at ``S`` rows over ``G`` experts, K -> N
+    (measured on the H200: module docstring). The casts scale with S (K + N) and the products with S K N,
+    hence the harmonic size; fewer rows per expert make FP8's grouped kernel the slower one."""
+    return S >= MIN_ROWS_PER_EXPERT * G and K * N >= MIN_HARMONIC * (K + N)
 
 
 def _operands(ctx: RewriteContext, n: fx.Node):
-    """``(x, w, offs, (S, G, K, N))`` of a 2-D x 3-D grouped GEMM that FP8 takes; else why not."""
+    """``(x, w, offs, (S, G, K, N), kind)`` of a 2-D x 3-D grouped GEMM this family takes, ``kind`` "fp8", or
+    "bf16" for an fp32 one under autocast where FP8 does not pay; else why not."""
     args, kwargs = list(n.args), dict(n.kwargs)
     offs = args[2] if len(args) > 2 else kwargs.pop("offs", None)
     x, w = args[0], args[1]
@@ -48,13 +61,15 @@ def _operands(ctx: RewriteContext, n: fx.Node):
     S, (G, K, N) = size_hint(shape(x)[0]), [size_hint(d) for d in shape(w)]
     if K % 16 or N % 16:
         return f"K x N = {K} x {N}: FP8 GEMMs need multiples of 16"
-    if kinds == {torch.bfloat16} and not BF16_PAYS:
-        return ("a bf16 grouped GEMM: FP8 grouped GEMMs with their casts measured 0.40-0.75x its speed on the "
-                "H200 (benchmarks/grouped_gemm.py); stays bf16")
     device = getattr(n.meta.get("val"), "device", None)
     if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-        return "FP8 grouped GEMMs (torch._scaled_grouped_mm) need sm_90 or newer"
-    return x, w, offs, (S, G, K, N)
+        why = "FP8 grouped GEMMs (torch._scaled_grouped_mm) need sm_90 or newer"
+    elif not fp8_pays(S, G, K, N):
+        why = (f"{G} experts, {S} rows, {K} -> {N}: FP8 with its casts pays from K N / (K + N) >= {MIN_HARMONIC} "
+               f"and {MIN_ROWS_PER_EXPERT} rows per expert (measured 0.69-1.06x below, benchmarks/grouped_gemm.py, H200)")
+    else:
+        return x, w, offs, (S, G, K, N), "fp8"
+    return f"a bf16 grouped GEMM: {why}; stays bf16" if kinds == {torch.bfloat16} else (x, w, offs, (S, G, K, N), "bf16")
 
 
 class FP8ExpertsRule(Rule):
@@ -69,14 +84,16 @@ class FP8ExpertsRule(Rule):
         return _operands(ctx, n)
 
     def emit(self, ctx: RewriteContext, n: fx.Node, plan) -> None:
-        x, w, offs, (S, G, K, N) = plan
+        x, w, offs, (S, G, K, N), kind = plan
         before = [node_line(n)]
         with ctx.graph.inserting_before(n):
-            y = ctx.call(fp8_grouped_mm, (x, w, offs), n)
+            y = ctx.call(fp8_grouped_mm if kind == "fp8" else grouped_mm_bf16, (x, w, offs), n)
         n.replace_all_uses_with(y)
         ctx.erase_dead([n])
-        ctx.replaced(self.name, y, [n], f"FP8 grouped GEMM ({G} experts, {S} rows, {K} -> {N}; e4m3 rowwise, "
-                     "weight gradient bf16)", before, S=S, G=G, K=K, N=N)
+        what = (f"FP8 grouped GEMM ({G} experts, {S} rows, {K} -> {N}; e4m3 rowwise, weight gradient bf16)"
+                if kind == "fp8" else f"bf16 grouped GEMM, autocast's dtype ({G} experts, {S} rows, {K} -> {N}: "
+                f"too small for FP8 to pay, fp8_pays)")
+        ctx.replaced(self.name, y, [n], what, before, S=S, G=G, K=K, N=N, dtype=kind)
 
 
 PATTERN = register_rule(FP8ExpertsRule())
