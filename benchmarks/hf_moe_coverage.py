@@ -6,8 +6,9 @@ parameter gradient error ``||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||
     python -m benchmarks hf_moe_coverage [--amp-fp8] [model ...]
 
 ``--amp-fp8``: fp32 weights under CPU bf16 autocast, ``optimize(model, fp8=True)``, the default experts
-implementation only: the FP8 experts rewrites and declines, the errors against eager under the same
-autocast (FP8's own, outside the tolerance rule) beside eager-autocast's against fp32 eager.
+implementation only, twice: as priced (``fp8_pays``: bf16 grouped GEMMs at these sizes) and with FP8
+forced: the experts GEMMs in each dtype, the declines, the errors against eager under the same autocast
+(outside the tolerance rule) beside eager-autocast's against fp32 eager.
 """
 import copy
 
@@ -63,6 +64,16 @@ def check(cls, cfg_cls, kw, impl) -> str:
 
 
 def check_amp_fp8(cls, cfg_cls, kw, impl) -> str:
+    from contextlib import nullcontext
+    from unittest import mock
+    out = []
+    for forced in (False, True):
+        with mock.patch("opsmath.patterns.fp8_experts.fp8_pays", lambda *a: True) if forced else nullcontext():
+            out.append(("FP8 forced: " if forced else "as priced: ") + _amp_fp8(cls, cfg_cls, kw))
+    return "\n    ".join(out)
+
+
+def _amp_fp8(cls, cfg_cls, kw) -> str:
     torch.manual_seed(0)
     model = getattr(T, cls)(getattr(T, cfg_cls)(**kw)).train()
     reference, eager = copy.deepcopy(model), copy.deepcopy(model)
@@ -77,10 +88,11 @@ def check_amp_fp8(cls, cfg_cls, kw, impl) -> str:
         losses[-1].backward()
     rep = opsmath.report(opt)
     declines = sorted({d.reason[:60] for d in rep.declines if d.pattern == "fp8_experts"})
-    return (f"graphs {len(rep.graphs)}  fp8_experts {rep.count('fp8_experts')} of {rep.count('experts')} experts "
-            f"rewrites  dloss {(losses[0] - losses[1]).abs().item():.1e}  dgrad {worst_grad_error(opt, eager):.1e} "
-            f"(eager autocast vs fp32 {worst_grad_error(eager, reference):.1e})  fallbacks {len(rep.fallback_errors)}  "
-            f"declines {declines}")
+    kinds = [m.details.get("dtype") for m in rep.matches if m.pattern == "fp8_experts"]
+    return (f"graphs {len(rep.graphs)}  expert GEMMs fp8 {kinds.count('fp8')} bf16 {kinds.count('bf16')} "
+            f"({rep.count('experts')} experts rewrites)  dloss {(losses[0] - losses[1]).abs().item():.1e}  dgrad "
+            f"{worst_grad_error(opt, eager):.1e} (eager autocast vs fp32 {worst_grad_error(eager, reference):.1e})  "
+            f"fallbacks {len(rep.fallback_errors)}  declines {declines}")
 
 
 if __name__ == "__main__":
