@@ -218,33 +218,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return grouped_op(x.dtype, w.dtype, x.shape[1], w.shape[2])(x, w, offs)
 
 
-class _GroupedBF16(torch.autograd.Function):
-    """Saves ``w`` itself (a parameter, resident anyway) and casts it to bf16 again in backward: saving the
-    forward's bf16 copy instead would hold half of every expert weight's fp32 bytes per layer until backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor):
-        x16 = x.to(torch.bfloat16)
-        ctx.save_for_backward(x16, w, offs)
-        ctx.dtypes = x.dtype, w.dtype
-        return grouped_mm(x16, w.to(torch.bfloat16), offs).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        first_order_only("experts")
-        x16, w, offs = ctx.saved_tensors
-        w16, dy16 = w.to(torch.bfloat16), dy.to(torch.bfloat16)
-        dx = grouped_mm(dy16, w16.transpose(1, 2), offs).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
-        dw = weight_grad(x16, dy16, offs, linear_layout(w)).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
-
-
-def grouped_mm_bf16(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``grouped_mm`` with both operands cast to bf16, as autocast computes a matmul of fp32 operands; the
-    result in ``x``'s dtype, the gradients in the operands' dtypes (``_GroupedBF16``)."""
-    return _GroupedBF16.apply(x, w, offs)
-
-
 LOAD_STEPS = 16    # calls of each MoE layer whose expert load is kept
 
 

@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from opsmath.kernels.fp8_grouped_mm import fp8_grouped_mm
-from opsmath.kernels.grouped_mm import grouped_mm_bf16
+from opsmath.kernels.grouped_mm import grouped_op
 from opsmath.rewrite.canonicalize import aten, dtype, shape, size_hint, under_bf16_autocast
 from opsmath.rewrite.match import RewriteContext, node_line
 from opsmath.rewrite.rules import Rule, register_rule
 
 MIN_HARMONIC = 3000          # K N / (K + N): 4096 -> 14336 is 3186, 4096 -> 4096 is 2048 (module docstring)
 MIN_ROWS_PER_EXPERT = 2048   # S / G: 8 experts over 16384 rows
+RECOMPUTE_ID = 1 << 20       # ac_graph_id of the recomputed weight casts, apart from the memory plan's segments
 
 
 def fp8_pays(S: int, G: int, K: int, N: int) -> bool:
@@ -72,6 +74,16 @@ def _operands(ctx: RewriteContext, n: fx.Node):
     return f"a bf16 grouped GEMM: {why}; stays bf16" if kinds == {torch.bfloat16} else (x, w, offs, (S, G, K, N), "bf16")
 
 
+def _bf16(ctx: RewriteContext, n: fx.Node, x, w, offs, K: int, N: int) -> fx.Node:
+    """``grouped_mm(x, w, offs)`` of fp32 operands in bf16, as autocast computes a matmul; the weight's bf16
+    cast tagged for recompute, so that Inductor's partitioner keeps the fp32 parameter (resident anyway)
+    for backward rather than a bf16 copy of every expert weight (op by op, autograd keeps the copy)."""
+    w16 = ctx.cast(w, torch.bfloat16, n)
+    w16.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=RECOMPUTE_ID)
+    y = ctx.call(grouped_op(torch.bfloat16, torch.bfloat16, K, N), (ctx.cast(x, torch.bfloat16, n), w16, offs), n)
+    return ctx.cast(y, dtype(x), n)
+
+
 class FP8ExpertsRule(Rule):
     name = "fp8_experts"
     anchors = (aten._grouped_mm.default, torch.ops.opsmath.grouped_mm.default)
@@ -87,7 +99,7 @@ class FP8ExpertsRule(Rule):
         x, w, offs, (S, G, K, N), kind = plan
         before = [node_line(n)]
         with ctx.graph.inserting_before(n):
-            y = ctx.call(fp8_grouped_mm if kind == "fp8" else grouped_mm_bf16, (x, w, offs), n)
+            y = ctx.call(fp8_grouped_mm, (x, w, offs), n) if kind == "fp8" else _bf16(ctx, n, x, w, offs, K, N)
         n.replace_all_uses_with(y)
         ctx.erase_dead([n])
         what = (f"FP8 grouped GEMM ({G} experts, {S} rows, {K} -> {N}; e4m3 rowwise, weight gradient bf16)"
