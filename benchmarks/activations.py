@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import opsmath  # noqa: F401
 from opsmath.kernels.bias_gelu import bias_gelu
 from opsmath.kernels.swiglu import swiglu
-from benchmarks._harness import bench, rel_err, write
+from benchmarks._harness import bench, new_shape, rel_err, write
 
 
 def liger_swiglu():
@@ -69,6 +69,7 @@ def main():
         impls, tensors, n_full = ops(kind)
         for dt in (torch.bfloat16, torch.float32):
             for N in widths:
+                new_shape()
                 torch.manual_seed(0)
                 inputs = [torch.randn(M, N, device=dev, dtype=dt, requires_grad=True) for _ in range(n_full)]
                 if kind == "scaled_softmax":   # a padding mask per group of 128 rows: (M/128, 1, N)

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import opsmath
 from opsmath.kernels.attention import attention_op
-from benchmarks._harness import bench, rel_err, write
+from benchmarks._harness import bench, new_shape, rel_err, write
 
 SHAPES = [(8, 16, 1024, 64), (4, 16, 2048, 128), (2, 16, 4096, 128), (1, 16, 8192, 128)]
 
@@ -159,6 +159,7 @@ def main():
     rows, path = [], "(no case matched)"
     for spec in todo:
         if args.cases in spec[0]:
+            new_shape()
             rows += case(*spec)
             path = write("attention", dict(rows=rows))   # after every case: a timeout keeps what ran
     print(f"{'case':28} {'impl':15} {'TFLOP/s':>8} {'ms':>8} {'gpu TF/s':>8} {'gpu ms':>8} {'GiB':>6} "

@@ -29,7 +29,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import bench, kernel_ms, rel_err, write
+from benchmarks._harness import bench, kernel_ms, new_shape, rel_err, write
 from opsmath.kernels.attention import attention_op
 from opsmath.kernels.attention.tuning import backend_for, eager_same_dtype
 
@@ -115,6 +115,7 @@ def variants(q, k, v, cap, scale):
 
 
 def run_case(B, H, S, D, cap, rounds, window=0, alibi=False):
+    new_shape()
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import opsmath  # noqa: F401
 from opsmath.kernels.cross_entropy import cross_entropy
-from benchmarks._harness import bench, rel_err, write
+from benchmarks._harness import bench, new_shape, rel_err, write
 
 
 def eager(z, t):
@@ -43,6 +43,7 @@ def main():
     rows = []
     for N, V in shapes:
         for dt in (torch.bfloat16, torch.float32):
+            new_shape()
             torch.manual_seed(0)
             z = (3 * torch.randn(N, V, device=dev)).to(dt).requires_grad_()
             t = torch.randint(0, V, (N,), device=dev)

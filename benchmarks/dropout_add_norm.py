@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import opsmath  # noqa: F401
 from opsmath.kernels.dropout_add_norm import dropout_add_norm_op
-from benchmarks._harness import bench, rel_err, write
+from benchmarks._harness import bench, new_shape, rel_err, write
 
 
 def eager(x, r, w, b, rms, p):
@@ -66,6 +66,7 @@ def main():
     for dt in (torch.bfloat16, torch.float32):
         for N in widths:
             for rms in (False, True):
+                new_shape()
                 x = torch.randn(M, N, device="cuda", dtype=dt, requires_grad=True)
                 r = torch.randn(M, N, device="cuda", dtype=dt, requires_grad=True)
                 w = torch.randn(N, device="cuda", dtype=dt, requires_grad=True)

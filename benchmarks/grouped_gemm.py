@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from benchmarks._harness import kernel_ms, rel_err, write
+from benchmarks._harness import kernel_ms, new_shape, rel_err, write
 from opsmath.kernels.fp8_grouped_mm import fp8_grouped_mm
 
 SHAPES = ("16384:8:1024:5632,16384:8:2816:1024,65536:64:1024:1408,65536:64:704:1024,16384:8:512:1024,"
@@ -40,7 +40,7 @@ def step(fn, x, w, offs, dy):
 
 def measure(shape: str, rounds: int, iters: int, imbalanced: bool) -> dict:
     S, G, K, N = map(int, shape.split(":"))
-    torch._dynamo.reset()   # static shapes, as in a training step: a recompile for the next shape would be dynamic
+    new_shape()
     torch.manual_seed(0)
     x = torch.randn(S, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(G, N, K, device="cuda") / K ** 0.5).to(torch.bfloat16).requires_grad_()

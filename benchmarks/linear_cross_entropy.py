@@ -21,7 +21,7 @@ import opsmath  # noqa: F401
 from opsmath.kernels.cross_entropy import cross_entropy_op
 from opsmath.kernels.linear_cross_entropy import linear_cross_entropy_op
 import opsmath.kernels.linear_cross_entropy as lce
-from benchmarks._harness import bench, kernel_ms, rel_err, write
+from benchmarks._harness import bench, kernel_ms, new_shape, rel_err, write
 
 
 CAP = 0.0   # the final-logit softcap every variant applies (``--softcap``; Gemma-2 uses 30)
@@ -77,6 +77,7 @@ def main():
     for mib in filter(None, args.chunk_mib.split(",")):
         impls[f"opsmath, chunks {mib} MiB"] = chunked(mib)
     for N, C, V in shapes:
+        new_shape()
         rows += run_shape(N, C, V, impls, args.rounds)
         torch.cuda.empty_cache()
     print("wrote", write("linear_cross_entropy" + (f"-softcap{CAP:g}" if CAP else ""), dict(rows=rows, softcap=CAP)))
