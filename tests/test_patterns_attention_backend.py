@@ -54,3 +54,50 @@ def test_backend_is_chosen_after_matching_and_may_swap_in_sdpa(monkeypatch, padd
     assert asked and m.details["backend"] == "sdpa_flash"
     assert m.replacement.startswith("sdpa_flash(") and m.replacement.endswith("measured fastest")
     assert "opsmath.attention" not in rep.graphs[0].after_ops
+
+
+def test_where_no_kernel_runs_on_the_gpu_the_tuner_answers_math(monkeypatch):
+    """Every candidate failing (opsmath's kernel in every block configuration, e.g. for want of shared
+    memory on a smaller GPU, and every SDPA backend) is no reason to emit a kernel that cannot launch:
+    the tuner answers "math". Any other tuning failure still answers opsmath's kernel."""
+    from types import SimpleNamespace
+    from opsmath.kernels.attention import tuning
+    from opsmath.kernels.autotune import AllCandidatesFailed
+    q = SimpleNamespace(device=torch.device("cuda"), shape=(1, 2, 8, 16), dtype=torch.bfloat16)
+
+    def none_ran(*a, **kw):
+        raise AllCandidatesFailed("every candidate failed", {"opsmath": "OutOfResources: shared memory"})
+    monkeypatch.setattr(tuning, "choose", none_ran)
+    assert tuning.backend_for(q, q, None, None, float("-inf"), True, 0.25, 0.0, False) == "math"
+
+    def broken(*a, **kw):
+        raise RuntimeError("CUDA out of memory while tuning")
+    monkeypatch.setattr(tuning, "choose", broken)
+    assert tuning.backend_for(q, q, None, None, float("-inf"), True, 0.25, 0.0, False) == "opsmath"
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_math_backend_computes_the_attention_as_written(monkeypatch, name):
+    """The "math" backend (no kernel ran on the GPU): HF LLaMA (GQA, causal) and Gemma-2 (softcap, sliding
+    window) train as eager, and the report says what ran."""
+    transformers = pytest.importorskip("transformers")
+    from opsmath.patterns.attention import backend as _attention_backend
+    monkeypatch.setattr(_attention_backend, "backend_for", lambda *a, **kw: "math")
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=128)
+    cfg = transformers.LlamaConfig(**small) if name == "llama" else transformers.Gemma2Config(
+        **small, head_dim=16, sliding_window=8, attn_logit_softcapping=50.0)
+    torch.manual_seed(0)
+    model = getattr(transformers, "LlamaForCausalLM" if name == "llama" else "Gemma2ForCausalLM")(cfg)
+    ref, ids = copy.deepcopy(model), torch.randint(0, 128, (2, 16))
+    opt = opsmath.optimize(model, inductor=False)
+    out, expect = opt(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+    out.backward()
+    expect.backward()
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    matches = [m for m in opsmath.report(opt).matches if m.pattern == "attention"]
+    assert len(matches) == 2 and all(m.details["backend"] == "math" for m in matches)
+    assert all(m.replacement.startswith("attention as written (") for m in matches)
+    assert all("opsmath.attention" not in g.after_ops for g in opsmath.report(opt).graphs)

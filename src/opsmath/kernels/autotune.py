@@ -267,6 +267,15 @@ def _agree(choice: str) -> str:
     return box[0]
 
 
+class AllCandidatesFailed(RuntimeError):
+    """No candidate ran for these shapes on this GPU (each raised: ``errors``, name -> message), e.g. every
+    block configuration of a Triton kernel needing more shared memory than the GPU has."""
+
+    def __init__(self, message: str, errors: dict[str, str]):
+        super().__init__(message)
+        self.errors = errors
+
+
 def _pick_local(op, key, candidates, measure_fn, skip=None) -> str:
     if not candidates:
         raise ValueError(f"no candidates to tune {op} [{key}]")
@@ -294,7 +303,7 @@ def _pick_local(op, key, candidates, measure_fn, skip=None) -> str:
                 took[name] = [round(first - start, 2), round(time.perf_counter() - first, 2)]
             advance()
     if not times:
-        raise RuntimeError(f"every candidate failed for {op} [{key}]: {errors}")
+        raise AllCandidatesFailed(f"every candidate failed for {op} [{key}]: {errors}", errors)
     choice, spent = min(times, key=times.get), time.perf_counter() - t0
     SPENT["seconds"], SPENT["tuned"] = SPENT["seconds"] + spent, SPENT["tuned"] + 1
     SPENT["first_calls"] += sum(t[0] for t in took.values())

@@ -37,7 +37,7 @@ from opsmath.kernels._spec import OpSpec, register
 from opsmath.kernels.attention import attention_flops, attention_op, attention_reference, exercise
 from opsmath.kernels.attention.configs import (OWN_ONLY, TILES, bucket_key, config_name, configs_for, forced_config,
                                                tiles_entry)
-from opsmath.kernels.autotune import measure, pick, store
+from opsmath.kernels.autotune import AllCandidatesFailed, measure, pick, store
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
             "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -70,7 +70,10 @@ def backend_for(q: torch.Tensor, k: torch.Tensor, bias_shape, mask_shape, mask_f
     """What the attention rewrite emits for ``q``/``k`` (capture-time fake tensors: shapes, dtype, device):
     ``"opsmath"`` or the SDPA backend measured fastest (CUDA only). ``OPSMATH_ATTENTION=opsmath`` (or a
     backend name, where vendors may stand in) forces one. A tuning failure falls back to opsmath's own
-    kernel, which is always valid: tuning never breaks a capture. No SDPA backend takes a softcap."""
+    kernel, which is always valid: tuning never breaks a capture. Where every candidate failed to run on
+    this GPU (opsmath's kernel in every block configuration, e.g. for want of shared memory, and every SDPA
+    backend allowed), ``"math"``: the attention as user code computes it (``eager_same_dtype``), which
+    runs anywhere. No SDPA backend takes a softcap."""
     forced = os.environ.get("OPSMATH_ATTENTION", "auto")
     if forced == "opsmath" or q.device.type != "cuda":
         return "opsmath"
@@ -80,6 +83,10 @@ def backend_for(q: torch.Tensor, k: torch.Tensor, bias_shape, mask_shape, mask_f
     try:   # opsmath's block configurations are tuned even where no vendor kernel may stand in
         return choose(tuple(q.shape), tuple(k.shape), q.dtype, q.device, bias_shape, mask_shape, mask_fill,
                       is_causal, scale, dropout_p, vendors=vendors_ok, softcap=softcap, window=window)
+    except AllCandidatesFailed as e:
+        logging.getLogger("opsmath").warning("opsmath: no attention kernel ran for these shapes on this GPU (%s); "
+                                             "computing it as written", e)
+        return "math"
     except Exception as e:
         logging.getLogger("opsmath").warning("opsmath: attention backend tuning failed (%s); using opsmath's kernel", e)
         return "opsmath"

@@ -4,7 +4,8 @@ Matching and emitting are pure: the rule always emits ``opsmath::attention`` and
 its match (``meta[MATCH]``). Once every rule has run, ``choose_backends`` asks the tuner
 (``kernels.attention.tuning.backend_for``, which measures the candidates on the GPU for these shapes and
 caches the answer) and, where an SDPA backend measured fastest, replaces the op by that backend's call
-(the mask and bias folded into one additive ``attn_mask``). The report's match says what was chosen.
+(the mask and bias folded into one additive ``attn_mask``); where no kernel ran on the GPU at all
+(``"math"``), by the attention as user code computes it. The report's match says what was chosen.
 On CPU the tuner always answers ``"opsmath"``.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from opsmath.rewrite.canonicalize import aten, hinted, size_hint
-from opsmath.kernels.attention.tuning import backend_for, fold_bias, sdpa
+from opsmath.kernels.attention.tuning import backend_for, eager_same_dtype, fold_bias, sdpa
 from opsmath.rewrite.match import RewriteContext
 
 MATCH = "opsmath_attention_match"   # node meta: the index in ctx.matches of the match that emitted it
@@ -37,7 +38,9 @@ def choose_backends(ctx: RewriteContext) -> None:
         match = ctx.matches[node.meta[MATCH]]
         match.details["backend"] = backend
         layout = node.meta.get(LAYOUT)
-        if backend != "opsmath":
+        if backend == "math":
+            outs = [_to_math(ctx, node, match)]
+        elif backend != "opsmath":
             outs = [_to_sdpa(ctx, node, backend, match)]
         else:
             outs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
@@ -87,6 +90,27 @@ def _to_sdpa(ctx: RewriteContext, node: fx.Node, backend: str, match) -> fx.Node
             vb = ctx.call(fold_bias, (bias, mask, causal, ctx.size(q, -2), ctx.size(k, -2), window,
                                       q.meta["val"].device), node)
         out = ctx.call(sdpa, (q, k, v, vb, causal and vb is None, scale, dropout_p, backend), node)
+    _replace(ctx, node, out, seed, match, present)
+    match.replacement = f"{backend}(" + match.replacement.split("(", 1)[1] + ", measured fastest"
+    return out
+
+
+def _to_math(ctx: RewriteContext, node: fx.Node, match) -> fx.Node:
+    """Replace ``node`` by the attention as user code computes it (``eager_same_dtype``: scores and P @ V in
+    q's dtype, softmax in fp32, the S x S probabilities materialized), where no kernel ran on this GPU."""
+    q, k, v, bias, mask, fill, causal, scale, dropout_p, seed, softcap, window = node.args
+    present = set(ctx.graph.nodes)
+    with ctx.graph.inserting_before(node):
+        out = ctx.call(eager_same_dtype, (q, k, v, bias, mask, fill, causal, scale, dropout_p, seed, softcap, window),
+                       node)
+    _replace(ctx, node, out, None, match, present)
+    match.replacement = ("attention as written (" + match.replacement.split("(", 1)[1]
+                         + ": no kernel ran for these shapes on this GPU")
+    return out
+
+
+def _replace(ctx: RewriteContext, node: fx.Node, out: fx.Node, seed, match, present: set) -> None:
+    """``out`` for ``node``'s ``getitem(node, 0)`` readers; ``node`` (and a ``seed`` nobody reads) erased."""
     for user in list(node.users):
         assert user.target is operator.getitem and user.args[1] == 0, user.format_node()
         user.replace_all_uses_with(out)
@@ -94,7 +118,5 @@ def _to_sdpa(ctx: RewriteContext, node: fx.Node, backend: str, match) -> fx.Node
     ctx.graph.erase_node(node)
     if isinstance(seed, fx.Node):
         ctx.erase_dead([seed])
-    match.replacement = f"{backend}(" + match.replacement.split("(", 1)[1] + ", measured fastest"
     alive = {n.name for n in ctx.graph.nodes}
     match.inserted = [n for n in match.inserted if n in alive] + [n.name for n in ctx.graph.nodes if n not in present]
-    return out
