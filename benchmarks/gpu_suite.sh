@@ -3,7 +3,7 @@
 # repository root; everything lands in $OUT.
 #   STEPS="gpu_smoke hf_sdpa lengths attention lce ce dan act train gap recompute memory memory_llama long
 #          curve tune llama cuda_graphs fp8_curve fp8_speed window bloom alibi memory_llama_fractions
-#          window_model plan_estimate fp8_rowwise budget_windows bloom_rewrites"   (default: DEFAULT_STEPS)
+#          window_model plan_estimate fp8_rowwise budget_windows bloom_rewrites grouped"   (default: DEFAULT_STEPS)
 # Each step's timeout and arguments can be set by the variables it reads (TRAIN_TIMEOUT, MEMORY_ARGS, ...).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
@@ -70,3 +70,8 @@ step budget_windows ${BUDGET_WINDOWS_TIMEOUT:-560} bash -c "$B memory --no-long 
 # one BLOOM step with its attention rewrites printed (causal? which bias?) and its kernel times
 step bloom_rewrites ${BLOOM_REWRITES_TIMEOUT:-120} $B hf_default_attention --models bloom \
     --variants "opsmath.optimize" --rounds 1 --steps 2
+# grouped GEMMs: FP8 by shape (fp8_pays), and opsmath's own Triton kernels (no host sync: what GPUs whose
+# PyTorch grouped GEMM is a per-group loop would run) and the fp32 paths of HF's fallback under AMP
+step grouped ${GROUPED_TIMEOUT:-400} $B grouped_gemm --rounds 5 --iters 10 \
+    --variants "${GROUPED_VARIANTS:-bf16,fp8,own bf16,fp32 per-group mm,fp32 own Triton}" \
+    --shapes ${GROUPED_SHAPES:-16384:8:1024:5632,16384:8:4096:14336,32768:64:2048:1408}

@@ -1,16 +1,17 @@
-"""FP8 against bf16 grouped GEMMs of mixture-of-experts layers, forward and backward, where
-``fp8_experts`` pays (its ``MIN_DIM`` and ``MIN_ROWS``).
+"""Grouped GEMMs of mixture-of-experts layers, forward and backward, against bf16 ``torch._grouped_mm``:
+FP8 (where ``fp8_experts`` pays: its ``fp8_pays``), opsmath's own Triton kernels (no host sync, as on
+GPUs where PyTorch's grouped GEMM is a per-group loop), and the fp32 paths of HF's fallback under AMP.
 
 Per shape ``S:G:K:N`` (S rows sorted over G experts, K -> N; weights stored [G, N, K] as ``nn.Linear``
 stacks are, read transposed): ``y = grouped(x, w^T)`` and its backward against a fixed upstream gradient,
-each variant compiled by ``torch.compile`` (Inductor fuses the FP8 casts and amax reductions into their
-producers), ``--rounds`` interleaved rounds of ``--iters`` calls timed with CUDA events: median and
-spread per variant, the summed kernel time of one call (torch.profiler, ``gpu_ms``; in a training step
-the kernels are what costs, the host runs ahead), FP8's speed-up by both, and FP8's forward error
-against the bf16 product. Groups are equal
-in size, or (``--imbalanced``) half of all rows go to expert 0.
+each variant (``--variants``, ``VARIANTS``) compiled by ``torch.compile`` for this shape alone (Inductor
+fuses the FP8 casts and amax reductions into their producers), ``--rounds`` interleaved rounds of
+``--iters`` calls timed with CUDA events: median and spread per variant, the summed kernel time of one
+call (torch.profiler, ``gpu_ms``; in a training step the kernels are what costs, the host runs ahead),
+each variant's speed-up against bf16 by both, and its forward error against the bf16 product. Groups are
+equal in size, or (``--imbalanced``) half of all rows go to expert 0.
 
-    python -m benchmarks grouped_gemm [--shapes 16384:8:1024:5632,...] [--rounds 5] [--iters 20]
+    python -m benchmarks grouped_gemm [--shapes 16384:8:1024:5632,...] [--variants bf16,fp8,own bf16]
 """
 from __future__ import annotations
 
@@ -38,36 +39,65 @@ def step(fn, x, w, offs, dy):
     return y
 
 
-def measure(shape: str, rounds: int, iters: int, imbalanced: bool) -> dict:
+def _own(dtype_list):
+    """``opsmath::grouped_mm`` (opaque to Inductor) with its Triton kernels taking ``dtype_list``."""
+    import opsmath.kernels.grouped_mm as gm
+
+    def fn(a, b, o):
+        old, gm.TRITON_DTYPES = gm.TRITON_DTYPES, dtype_list
+        try:
+            return torch.ops.opsmath.grouped_mm(a, b, o)
+        finally:
+            gm.TRITON_DTYPES = old
+    return fn
+
+
+# name: (the grouped GEMM, its operands' dtype); "bf16" is the baseline every speed-up is against
+VARIANTS = {
+    "bf16": (lambda a, b, o: torch._grouped_mm(a, b, offs=o), torch.bfloat16),
+    "fp8": (fp8_grouped_mm, torch.bfloat16),
+    "own bf16": (_own((torch.bfloat16,)), torch.bfloat16),                    # Triton, no host sync
+    "fp32 per-group mm": (_own(()), torch.float32),                           # HF's fp32 fallback's way
+    "fp32 own Triton": (_own((torch.float32,)), torch.float32),
+}
+
+
+def measure(shape: str, rounds: int, iters: int, imbalanced: bool, names=("bf16", "fp8")) -> dict:
     S, G, K, N = map(int, shape.split(":"))
     new_shape()
     torch.manual_seed(0)
     x = torch.randn(S, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(G, N, K, device="cuda") / K ** 0.5).to(torch.bfloat16).requires_grad_()
     dy, offs = torch.randn(S, N, device="cuda", dtype=torch.bfloat16), offsets(S, G, imbalanced, "cuda")
-    fns = {"bf16": torch.compile(lambda a, b, o: torch._grouped_mm(a, b, offs=o)),
-           "fp8": torch.compile(fp8_grouped_mm)}
-    outs = {k: step(f, x, w, offs, dy).float() for k, f in fns.items()}
+    args = {dt: (x.detach().to(dt).requires_grad_(), w.detach().to(dt).requires_grad_(), offs, dy.to(dt))
+            for dt in {VARIANTS[k][1] for k in names}}
+    fns = {k: (torch.compile(VARIANTS[k][0]), args[VARIANTS[k][1]]) for k in ("bf16", *names)}
+    outs = {k: step(f, *a).float() for k, (f, a) in fns.items()}
     times = {k: [] for k in fns}
     for _ in range(rounds):
-        for k, f in fns.items():
+        for k, (f, a) in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(iters):
-                step(f, x, w, offs, dy)
+                step(f, *a)
             end.record()
             end.synchronize()
             times[k].append(start.elapsed_time(end) / iters)
-        x.grad = w.grad = None
+        for a in args.values():
+            a[0].grad = a[1].grad = None
     med = {k: statistics.median(v) for k, v in times.items()}
-    gpu = {k: sum(kernel_ms(lambda: step(f, x, w, offs, dy), calls=iters).values()) for k, f in fns.items()}
+    gpu = {k: sum(kernel_ms(lambda: step(f, *a), calls=iters).values()) for k, (f, a) in fns.items()}
     row = dict(shape=shape, S=S, G=G, K=K, N=N, imbalanced=imbalanced,
                ms={k: round(v, 4) for k, v in med.items()}, spread={k: [min(v), max(v)] for k, v in times.items()},
-               gpu_ms={k: round(v, 4) for k, v in gpu.items()}, fp8_speedup=med["bf16"] / med["fp8"],
-               fp8_gpu_speedup=gpu["bf16"] / gpu["fp8"], fp8_fwd_rel_err=rel_err(outs["fp8"], outs["bf16"]))
-    print(f"{shape:24} {'imbalanced' if imbalanced else 'balanced':10} bf16 {med['bf16']:7.3f} ms (gpu "
-          f"{gpu['bf16']:.3f})  fp8 {med['fp8']:7.3f} ms (gpu {gpu['fp8']:.3f})  x{row['fp8_speedup']:.3f} (gpu "
-          f"x{row['fp8_gpu_speedup']:.3f})  fwd err {row['fp8_fwd_rel_err']:.4f}", flush=True)
+               gpu_ms={k: round(v, 4) for k, v in gpu.items()},
+               speedup={k: med["bf16"] / med[k] for k in fns}, gpu_speedup={k: gpu["bf16"] / gpu[k] for k in fns},
+               fwd_rel_err={k: rel_err(outs[k], outs["bf16"]) for k in fns})
+    if "fp8" in fns:
+        row.update(fp8_speedup=row["speedup"]["fp8"], fp8_gpu_speedup=row["gpu_speedup"]["fp8"],
+                   fp8_fwd_rel_err=row["fwd_rel_err"]["fp8"])
+    print(f"{shape:24} {'imbalanced' if imbalanced else 'balanced':10} " + "  ".join(
+        f"{k} {med[k]:7.3f} ms (gpu {gpu[k]:.3f}, x{row['speedup'][k]:.3f}, gpu x{row['gpu_speedup'][k]:.3f}, "
+        f"err {row['fwd_rel_err'][k]:.4f})" for k in fns), flush=True)
     return row
 
 
@@ -77,13 +107,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--imbalanced", action="store_true", help="also each shape with half the rows on expert 0")
+    ap.add_argument("--variants", default="bf16,fp8", help="of " + ", ".join(VARIANTS) + " (speed-ups against bf16)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     rows = []
     for shape in args.shapes.split(","):
         for imb in (False, True) if args.imbalanced else (False,):
             try:
-                rows.append(measure(shape, args.rounds, args.iters, imb))
+                rows.append(measure(shape, args.rounds, args.iters, imb, tuple(args.variants.split(","))))
             except Exception as e:  # noqa: BLE001  (a shape the kernels refuse is a row, not the end)
                 rows.append(dict(shape=shape, imbalanced=imb, error=f"{type(e).__name__}: {e}"[:1000]))
                 print(shape, rows[-1]["error"], flush=True)
