@@ -95,3 +95,23 @@ def test_a_linear_stacks_weight_gradient_arrives_in_its_layout(dtype, K, N, devi
     for g, (s, e) in enumerate([(0, 4), (4, 4), (4, 11)]):
         want = (dy[s:e].float().t() @ x[s:e].float())
         assert torch.allclose(w.grad[g].float(), want, rtol=2e-2, atol=2e-2), g
+
+
+@pytest.mark.parametrize("tile", range(max(len(gm.FWD_TILES), len(gm.WGRAD_TILES))))
+def test_every_tile_the_tuner_may_pick_computes_the_same(tile, triton_on_cpu, device, monkeypatch):
+    """Each of ``FWD_TILES`` and ``WGRAD_TILES`` (as the first-launch tuner may pick them; forced here):
+    odd sizes, empty groups, a group spanning several row tiles, rows past the last group, in fp32."""
+    from opsmath.kernels._common import forced_row_config
+    monkeypatch.setattr(gm, "TRITON_DTYPES", (torch.float32,))
+    torch.manual_seed(2)
+    sizes = [3, 0, 140, 0, 50]
+    S, K, N = 200, 70, 90
+    x, w, dy, offs = torch.randn(S, K), torch.randn(len(sizes), K, N), torch.randn(S, N), _offs(sizes)
+    with forced_row_config(tile):
+        y, dx, dw = (t.cpu() for t in _grads(lambda a, b: grouped_mm(a, b, offs.to(device)), x.to(device),
+                                             w.to(device), dy.to(device)))
+    yr, dxr, dwr = _grads(lambda a, b: reference(a, b, offs), x.double(), w.double(), dy.double())
+    end = sum(sizes)
+    for got, ref, name in ((y[:end], yr[:end], "y"), (dx[:end], dxr[:end], "dx"), (dw, dwr, "dw")):
+        torch.testing.assert_close(got.double(), ref.double(), rtol=1e-4, atol=1e-4, msg=name)
+    assert torch.equal(y[end:], torch.zeros(S - end, N))

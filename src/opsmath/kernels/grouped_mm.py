@@ -15,9 +15,9 @@ Caveats:
 - ``opsmath::grouped_mm`` takes fp32, fp16 and unaligned sizes. For 16-bit operands on CUDA (and in
   Triton's interpreter) its Triton kernels find each row tile's group from ``offs`` on the device: no host
   sync (fp32: see ``TRITON_DTYPES``). Row tiles of
-  ``BLOCK_M`` are laid out group after group (``cdiv(size_g, BLOCK_M)`` each, at most ``S / BLOCK_M + G``
-  in all, the grid's bound); the weight gradient runs one program per (group, K block, N block) over
-  that group's rows. Elsewhere it is one ``mm`` per group, reading ``offs`` on the host. Inductor treats
+  ``BM`` are laid out group after group (``cdiv(size_g, BM)`` each, at most ``S / BM + G`` in all, the
+  grid's bound); the weight gradient runs one program per (group, K block, N block) over that group's
+  rows. Tile shapes are measured per GPU and shape bucket at the first launch (``FWD_TILES``, ``WGRAD_TILES``). Elsewhere it is one ``mm`` per group, reading ``offs`` on the host. Inductor treats
   it as opaque. fp32 products run in TF32 only where the user allowed TF32 matmuls, as cuBLAS would.
 - Backward: ``dx = grouped(dy, w^T)``; ``dw[g] = x_g^T dy_g``, zero for an empty group, in the weight's
   layout (``weight_grad``: a transposed ``nn.Linear`` stack gets ``(dy_g^T x_g)^T``, no transposing copy).
@@ -28,10 +28,19 @@ import torch
 import triton
 import triton.language as tl
 
-from opsmath.kernels._common import first_order_only, launch_precision, use_triton
+from opsmath.kernels._common import first_order_only, launch_precision, next_pow2, tuned_config, use_triton
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+# Tiles (BM, BN, BK, num_warps, num_stages), the default first (the kernels' first tiles, Triton's default
+# warps and stages); the others are the Triton matmul tutorial's for Hopper-class GPUs. Each Triton launch
+# measures them once per (GPU, shape bucket) at its first call (``_common.tuned_config``, cached on disk);
+# a tile that does not fit a GPU fails its measurement and is left out. Forward: rows x output columns;
+# weight gradient: K x N per (group), a loop over the group's rows in steps of BM.
+FWD_TILES = {"64x64x32w4s3": (64, 64, 32, 4, 3), "128x128x64w8s3": (128, 128, 64, 8, 3),
+             "128x64x64w4s3": (128, 64, 64, 4, 3), "64x128x64w4s3": (64, 128, 64, 4, 3),
+             "128x256x64w8s3": (128, 256, 64, 8, 3)}
+WGRAD_TILES = {"64x64x32w4s3": (64, 64, 32, 4, 3), "64x128x128w8s3": (64, 128, 128, 8, 3),
+               "32x128x128w8s3": (32, 128, 128, 8, 3), "64x64x128w4s3": (64, 64, 128, 4, 3)}
 
 
 def native(dtype: torch.dtype, k: int, n: int) -> bool:
@@ -114,15 +123,25 @@ def _on_triton(x: torch.Tensor, w: torch.Tensor) -> bool:
     return use_triton(x) and x.dtype == w.dtype and x.dtype in TRITON_DTYPES
 
 
+def _tiles(op: str, tiles: dict, x: torch.Tensor, G: int, K: int, N: int, run):
+    """The tile ``run`` launches with for this shape bucket (measured: ``_common.tuned_config``)."""
+    key = f"{str(x.dtype).replace('torch.', '')} {launch_precision(x)} G={G} K={K} N={N} rows<={next_pow2(x.shape[0])}"
+    return tuned_config(op, key, tiles, run, x.device)
+
+
 def grouped_forward_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``y[r] = x[r] @ w[g]`` (``w`` [G, K, N], any strides: ``w.transpose(1, 2)`` computes dx), zeros past
     the last group; no host read of ``offs``."""
     (S, K), G, N = x.shape, w.shape[0], w.shape[2]
     y = x.new_zeros(S, N)
+
+    def run(tile):
+        bm, bn, bk, warps, stages = tile
+        _grouped_fwd[(triton.cdiv(S, bm) + G, triton.cdiv(N, bn))](
+            x, w, offs, y, K, N, G, *x.stride(), *w.stride(), *y.stride(), PRECISION=launch_precision(x),
+            BM=bm, BN=bn, BK=bk, GP=max(16, triton.next_power_of_2(G)), num_warps=warps, num_stages=stages)
     if S and N:
-        grid = (triton.cdiv(S, BLOCK_M) + G, triton.cdiv(N, BLOCK_N))
-        _grouped_fwd[grid](x, w, offs, y, K, N, G, *x.stride(), *w.stride(), *y.stride(), PRECISION=launch_precision(x),
-                           BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, GP=max(16, triton.next_power_of_2(G)))
+        run(_tiles("grouped_mm_fwd", FWD_TILES, x, G, K, N, run))
     return y
 
 
@@ -130,10 +149,14 @@ def weight_grad_triton(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) ->
     """``dw[g] = x_g^T dy_g`` ([G, K, N], x's dtype); zero for an empty group."""
     G, K, N = offs.shape[0], x.shape[1], dy.shape[1]
     dw = x.new_empty(G, K, N)
+
+    def run(tile):
+        bm, bn, bk, warps, stages = tile
+        _grouped_wgrad[(G, triton.cdiv(K, bk), triton.cdiv(N, bn))](
+            x, dy, offs, dw, K, N, *x.stride(), *dy.stride(), *dw.stride(), PRECISION=launch_precision(x),
+            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     if G and K and N:
-        grid = (G, triton.cdiv(K, BLOCK_K), triton.cdiv(N, BLOCK_N))
-        _grouped_wgrad[grid](x, dy, offs, dw, K, N, *x.stride(), *dy.stride(), *dw.stride(), PRECISION=launch_precision(x),
-                             BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+        run(_tiles("grouped_mm_wgrad", WGRAD_TILES, x, G, K, N, run))
     return dw
 
 
