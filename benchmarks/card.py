@@ -35,6 +35,7 @@ OPTIMIZERS = {   # name: (params, device) -> optimizer
     "opsmath": lambda ps, dev: opsmath.optim.AdamW(ps, lr=1e-4),
     "opsmath-8bit": lambda ps, dev: opsmath.optim.AdamW(ps, lr=1e-4, state_bits=8),
     "opsmath-in-backward": lambda ps, dev: opsmath.optim.AdamW(ps, lr=1e-4, in_backward=True),
+    "opsmath-8bit-in-backward": lambda ps, dev: opsmath.optim.AdamW(ps, lr=1e-4, state_bits=8, in_backward=True),
 }
 
 

@@ -164,7 +164,38 @@ def test_a_graph_left_whole_says_why_its_gradients_arrive_at_once():
     AdamW(model.parameters(), lr=1e-3, in_backward=True)
     parts, why = split_for_optimizer(model, None, gm, {})
     assert parts is None and "fewer than two blocks" in why
-    assert "byte memory_budget" in split_for_optimizer(model, "1GiB", gm, {})[1]
+    assert "fewer than two blocks" in split_for_optimizer(model, "1GiB", gm, {})[1]   # a byte budget splits too
     assert "autograd Functions" in split_for_optimizer(model, 0.5, gm, {"f": object()})[1]
     gm.meta[PIECE] = True
     assert split_for_optimizer(model, "1GiB", gm, {}) == (None, None)   # a block's own piece
+
+
+def test_under_a_byte_budget_each_block_is_planned_for_its_share():
+    """A byte ``memory_budget`` with an in-backward optimizer: the model is still captured block by block,
+    and each piece but the last is planned at its first call for its share of the budget's headroom
+    (``memory.budget.share_budget``: by the bytes its nodes produce against the later pieces'), so that
+    the first blocks do not keep what the last ones need; the last piece plans for what is left. The
+    recompute keeps training exact: the parameters follow eager's with torch's AdamW."""
+    from opsmath import examples
+    from opsmath.memory.budget import share_budget
+    assert share_budget("1GiB", (1, 3), 2**29) == 2**29 + 2**27 and share_budget("1GiB", (1, 0), 0) is None
+    assert share_budget(0.5, (1, 3), 0) is None and share_budget("1GiB", None, 0) is None
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager, batch = examples.gpt(batch_size=2, seq_len=64, n_layer=3, dropout=0.0)
+    budget = 2_300_000   # about half of the activations above what stays resident (CPU's model of the step)
+    ours = opsmath.optimize(copy.deepcopy(eager), inductor=True, memory_budget=budget)
+    opt, ref_opt = AdamW(ours.parameters(), lr=1e-3, in_backward=True), torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    for _ in range(2):
+        ours(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+        eager(*batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    plans = [g.plan for g in opsmath.report(ours).graphs]
+    assert len(plans) == 3 and any("one per block" in n for n in ours._opsmath.notes)
+    assert all(p.budget < budget for p in plans[:-1]) and plans[-1].budget == budget
+    assert any(p.kept < p.unconstrained for p in plans[:-1]), "the shares recompute"
+    for a, b in zip(ours.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -104,6 +104,21 @@ def optimizer_state_to_come(example_inputs: list, model: torch.nn.Module, steppe
     return state_to_come(model.parameters())[0] if on_cuda and not stepped else 0
 
 
+def share_budget(budget, share, resident: int):
+    """A block piece's byte budget (``runtime/blocks.py``: an optimizer stepping inside backward, one graph
+    per block): the ``resident`` bytes at its first call (the earlier pieces' kept activations among
+    them) plus its share of the budget's headroom, ``own / (own + later)`` by ``share = (own, later)``,
+    the weights of the piece and of the pieces after it. None where no share applies (a fraction, the last
+    piece, a graph that is not a block's piece): the budget itself."""
+    if share is None or parse_budget(budget)[0] != "bytes":
+        return None
+    own, later = share
+    if own <= 0 or later <= 0:
+        return None
+    value = parse_budget(budget)[1]
+    return int(resident + max(0.0, value - resident) * own / (own + later))
+
+
 def optimizer_lever(model: torch.nn.Module, to_come: int) -> tuple:
     """What the first plan may trade for a budget it cannot meet: 8-bit state for the optimizers that
     allow it (``eight_bit_lever``), while their state is still to come (``to_come`` counted)."""

@@ -10,10 +10,12 @@ its block's gradients, which are applied and freed before the next block's backw
 
 Nodes outside any block (embeddings, the final norm, the head and the loss) join the block before them
 (before the first block: the first); a block's partition never goes back (a running maximum), so the
-pieces run in the graph's order. A graph with fewer than two blocks is not split, nor one under a byte
-``memory_budget`` (planned per graph against the whole step's bytes). The cost: Inductor
-fuses nothing across a block boundary (a residual add and the next norm), and each block is compiled
-on its own.
+pieces run in the graph's order. A graph with fewer than two blocks is not split. Under a byte
+``memory_budget`` each piece is planned at its first call, when the pieces before it hold what they
+keep, for its share of what is left (``memory.budget.share_budget``): its weight, the bytes of the
+tensors its nodes produce, against the later pieces' (``BLOCK_SHARE``), so that the first blocks do not
+keep what the last ones need. The cost: Inductor fuses nothing across a block boundary (a residual add
+and the next norm), and each block is compiled on its own.
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ from typing import Optional
 
 import torch.fx as fx
 
+import torch
+
 from opsmath.capture.regions import split_by
-from opsmath.memory.budget import parse_budget
+from opsmath.meta_keys import BLOCK_SHARE
 from opsmath.optim.footprint import steps_in_backward
 from opsmath.rewrite.match import module_paths
 
@@ -58,9 +62,16 @@ def split_blocks(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, list[str]
         ids[n] = part
     if len(order) < 2:
         return None
+    weight = {}   # piece -> bytes of the tensors its nodes produce: its share of a byte budget
+    for n, part in ids.items():
+        val = n.meta.get("example_value", n.meta.get("val"))
+        if isinstance(val, torch.Tensor):
+            weight[part] = weight.get(part, 0) + val.numel() * val.element_size()
     parent, names = split_by(gm, ids, set(), set(ids.values()))
     for name in names:
-        getattr(parent, name).meta[PIECE] = True
+        part = int(name.rsplit("_", 1)[1])
+        getattr(parent, name).meta.update({PIECE: True, BLOCK_SHARE: (
+            weight.get(part, 0), sum(w for p, w in weight.items() if p > part))})
     return parent, names
 
 
@@ -70,14 +81,11 @@ def split_for_optimizer(model, budget, gm: fx.GraphModule, regions) -> tuple[Opt
     stays whole, so that all of its gradients exist at once at its backward's end and the optimizer saves
     nothing on it. ``(None, None)`` when the optimizer does not step inside backward or ``gm`` is a
     block's piece already. Not split: a graph holding autograd Functions or checkpoints (it is split
-    around them instead), or under a byte ``budget``, which plans each graph against the whole step's
-    bytes and per-block graphs would each take for their own (a fraction's share is held across graphs)."""
+    around them instead)."""
     if not steps_in_backward(model.parameters()) or gm.meta.get(PIECE):
         return None, None
     if regions:
         why = "it holds autograd Functions or checkpoints, which it is split around instead"
-    elif budget is not None and parse_budget(budget)[0] == "bytes":
-        why = "a byte memory_budget plans each graph against the whole step (a fraction would split it)"
     else:
         parts = split_blocks(gm)
         if parts is not None:
