@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from opsmath.optim.footprint import eight_bit_lever, state_to_come
+from opsmath.optim.footprint import eight_bit_lever, state_to_come, steps_in_backward
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -80,7 +80,8 @@ def resident_bytes(example_inputs: list, model: torch.nn.Module) -> int:
     """What stays resident through the step. On CUDA: everything allocated now (weights or their
     FSDP shards, optimizer state, inputs) plus the gradients backward will allocate. On CPU: the model's
     parameters counted by their local shards (an FSDP2 ``DTensor`` counts its ``to_local()`` part)
-    twice, for weights and gradients, plus the graph inputs that are not parameters."""
+    twice, for weights and gradients (where an optimizer steps inside backward, the gradients of this
+    graph's own parameters only), plus the graph inputs that are not parameters."""
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     cuda = [t for t in tensors if t.is_cuda]
     if cuda:
@@ -91,8 +92,11 @@ def resident_bytes(example_inputs: list, model: torch.nn.Module) -> int:
     def local_bytes(p):
         p = p.to_local() if hasattr(p, "to_local") else p
         return p.numel() * p.element_size()
-    params = 2 * sum(local_bytes(p) for p in model.parameters())
-    return params + sum(t.numel() * t.element_size() for t in tensors if not t.requires_grad)
+    weights = sum(local_bytes(p) for p in model.parameters())
+    # stepped inside backward, a graph's own parameters' gradients are the ones alive with its activations
+    grads = sum(local_bytes(t) for t in tensors if isinstance(t, torch.nn.Parameter) and t.requires_grad) \
+        if steps_in_backward(model.parameters()) else weights
+    return weights + grads + sum(t.numel() * t.element_size() for t in tensors if not t.requires_grad)
 
 
 def optimizer_state_to_come(example_inputs: list, model: torch.nn.Module, stepped: bool) -> int:

@@ -20,7 +20,9 @@ unscaling/skip, optional fp32 master weights and optional 8-bit moments fused in
   state per parameter instead of 8 (fp32) or 4 (bf16). ``state_bits="auto"``: 32 unless a model's byte
   ``memory_budget`` cannot be met with it; the memory planner then makes it 8 before the first step and
   its report says so, with the bytes saved (``src/opsmath/optim/footprint.py``).
-* ``in_backward=True``: each parameter is updated inside backward as soon as its gradient is final, and
+* ``in_backward=True`` (``"auto"``: turned on by the memory planner before the first step where a byte
+  ``memory_budget`` cannot be met otherwise, and the report says so; never with ``max_grad_norm``):
+  each parameter is updated inside backward as soon as its gradient is final, and
   its ``.grad`` freed, so no full set of gradients is ever alive (``src/opsmath/optim/in_backward.py``; under
   ``opsmath.optimize`` with Inductor the model is then captured one graph per block, whose backward each
   returns its block's gradients: ``src/opsmath/runtime/blocks.py``);
@@ -76,7 +78,10 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid betas {betas}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
-        if in_backward and max_grad_norm is not None:
+        if in_backward not in (False, True, "auto"):
+            raise ValueError(f"in_backward must be False, True or 'auto' (True where a memory budget needs it), "
+                             f"got {in_backward!r}")
+        if in_backward is True and max_grad_norm is not None:
             raise ValueError("in_backward=True updates each parameter before the global gradient norm exists; "
                              "max_grad_norm needs it: clip with in_backward=False")
         if state_bits not in (8, 32, "auto"):
@@ -91,10 +96,20 @@ class AdamW(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self.skipped_steps: torch.Tensor | int = 0
         self._plans: dict = {}      # parameters stepped together -> (what the tables depend on, _Plan)
-        self._in_backward = InBackward(self._step_entries, bucket_bytes) if in_backward else None
-        for gi, group in enumerate(self.param_groups if in_backward else ()):
-            self._in_backward.watch(gi, group["params"])
-        footprint.LIVE.add(self)   # the memory planner reads its state's layout before the first step
+        self._in_backward, self._bucket_bytes = None, bucket_bytes
+        # "auto": the memory planner may turn it on (``footprint.in_backward_lever``); never with a clip
+        self.in_backward_auto = in_backward == "auto" and max_grad_norm is None
+        if in_backward is True:
+            self.step_in_backward()
+        footprint.LIVE.add(self)
+
+    def step_in_backward(self) -> None:
+        """From now on, update each parameter inside backward as its gradient is final (``in_backward=True``)."""
+        if self._in_backward is None:
+            self._in_backward = InBackward(self._step_entries, self._bucket_bytes)
+            for gi, group in enumerate(self.param_groups):
+                self._in_backward.watch(gi, group["params"])
+        self.in_backward_auto = False   # the memory planner reads its state's layout before the first step
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

@@ -108,6 +108,24 @@ def eight_bit_lever(params) -> tuple[int, object]:
     return (saved, switch) if saved > 0 else (0, None)
 
 
+def in_backward_lever(params) -> tuple[int, object]:
+    """``(gradient bytes, switch)``: the gradients of ``params`` held by opsmath AdamW optimizers with
+    ``in_backward="auto"``, which stepping inside backward keeps from being alive all at once (one block's
+    at a time, under ``opsmath.optimize``), and a callable that turns it on. ``(0, None)`` where none."""
+    owner, saved, opts = _owners(), 0, {}
+    for p in params:
+        hit = owner.get(id(p)) if isinstance(p, torch.Tensor) and p.requires_grad else None
+        if hit is None or not getattr(hit[0], "in_backward_auto", False):
+            continue
+        saved += _numel(p) * p.element_size()
+        opts[id(hit[0])] = hit[0]
+
+    def switch():
+        for opt in opts.values():
+            opt.step_in_backward()
+    return (saved, switch) if saved else (0, None)
+
+
 def steps_in_backward(params) -> bool:
     """Whether an opsmath AdamW with ``in_backward=True`` holds any of ``params``."""
     owner = _owners()

@@ -24,19 +24,17 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from opsmath.kernels import SPECS
 
-from opsmath.memory.analysis import kernel_launches, partitioned_saved_bytes, saved_bytes_by_node, to_networkx
+from opsmath.memory.analysis import kernel_launches, saved_bytes_by_node, to_networkx
 from opsmath.capture.lower import lower_to_aten, static_inputs
 from opsmath.capture.autocast import autocast_inside, hoist_whole_region
 from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite.match import Decline, Match, run_patterns
 from opsmath.runtime import blocks, fp8_weights, offload_async
-from opsmath.memory import offload, replan, weight_casts
-from opsmath.memory.budget import (InfeasibleBudget, expandable_segments, grad_bytes, optimizer_lever,
-                                   optimizer_state_to_come, resident_bytes, share_budget)
-from opsmath.meta_keys import BLOCK_SHARE
+from opsmath.memory import offload, weight_casts
+from opsmath.memory.budget import InfeasibleBudget
+from opsmath.runtime.budgets import plan_graph, step_in_backward
 from opsmath.memory.plan import clone_graph_module
-from opsmath.memory.first_plan import first_plan
 from opsmath.memory.replan import runner
 from opsmath.capture.regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
                                      inline_checkpoint, route_checkpoints, split_around)
@@ -160,7 +158,10 @@ def make_backend(state, model: torch.nn.Module):
             state.notes.append(note)
         if not regions:
             if parts is None:
-                return compile_graph(state, model, gm, list(example_inputs))
+                try:
+                    return compile_graph(state, model, gm, list(example_inputs))
+                except InfeasibleBudget as e:   # the optimizer may step inside backward: per-block graphs
+                    parts = step_in_backward(state, model, gm, e)
             parent, pieces = parts   # one graph per block: its gradients are final at its backward's end
             for name in pieces:
                 setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors,
@@ -180,35 +181,6 @@ def make_backend(state, model: torch.nn.Module):
         route_checkpoints(parent, opsmath_backend, state.fallback_errors)
         return parent.forward
     return opsmath_backend
-
-
-def _plan_graph(state, model, source: fx.GraphModule, gm: fx.GraphModule, by_node, example_inputs, use_inductor):
-    """``(first plan, saved bytes by node)`` of the rewritten ``gm`` under the model's memory budget. Under
-    Inductor the plan becomes recompute tags its partitioner must honor, and is made for what that
-    partitioner saves (less than eager's saved set). A block's piece (``source``: an optimizer stepping
-    inside backward) is planned for its share of a byte budget's headroom first (``share_budget``; no
-    8-bit lever at a share), and for the whole budget where its share cannot be met."""
-    how = "tag" if use_inductor else "checkpoint"
-    partitioned = partitioned_saved_bytes(gm, fp8_weights.example_inputs(
-        state.weight_casts, gm, example_inputs)) if use_inductor else None
-    by_node = partitioned or by_node
-    to_come = optimizer_state_to_come(example_inputs, model, any(r.calls > 1 and r.training for r in state.graphs))
-    resident = resident_bytes(example_inputs, model) + to_come
-    kw = dict(how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
-              link=None if state.cuda_graphs else offload.link_for(example_inputs, how),
-              grads=grad_bytes(gm, example_inputs))
-    plan, share = None, share_budget(state.memory_budget, source.meta.get(BLOCK_SHARE), resident)
-    if share is not None:
-        try:
-            plan = first_plan(gm, by_node, share, resident, to_come, replan.measures(example_inputs), **kw)
-        except InfeasibleBudget:   # its share is below its floor: the whole budget, as any graph
-            plan = None
-    if plan is None:
-        plan = first_plan(gm, by_node, state.memory_budget, resident, to_come, replan.measures(example_inputs),
-                          lever=optimizer_lever(model, to_come), **kw)
-    plan.estimated_by = "Inductor's partition" if partitioned else "eager autograd"
-    plan.allocator = expandable_segments(example_inputs, state.memory_budget, state.cuda_graphs)
-    return plan, by_node
 
 
 def _left_on_gpu(state, use_inductor: bool, matches) -> list[str]:
@@ -302,7 +274,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
         else:
             # the plan may be made again after the first steps, on a fresh copy of the unplanned graph
             base = clone_graph_module(ctx.gm)
-            plan, by_node = _plan_graph(state, model, gm, ctx.gm, by_node, example_inputs, use_inductor)
+            plan, by_node = plan_graph(state, model, gm, ctx.gm, by_node, example_inputs, use_inductor)
     record = GraphRecord(
         index=len(state.graphs), training=model.training, input_shapes=shapes,
         before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops, after_ops=op_counts(ctx.gm),
