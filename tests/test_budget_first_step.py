@@ -11,7 +11,7 @@ import opsmath
 from opsmath.memory import first_plan, replan
 from opsmath.memory.plan import InfeasibleBudget
 from opsmath.optim import footprint
-from opsmath.runtime import backend
+from opsmath.runtime import budgets
 
 from test_replan import _assert_same_step, _probed_gpt
 
@@ -36,7 +36,7 @@ def _as_on_cuda(monkeypatch, state, error, opt_model):
     """Steps measured as on CUDA: ``state`` bytes of optimizer state to come at the first call, resident
     from the second on; each step peaks ``error`` above its plan's model of a step without the state."""
     real, calls = replan.resident_bytes, []
-    monkeypatch.setattr(backend, "optimizer_state_to_come", lambda args, model, stepped: 0 if stepped else state)
+    monkeypatch.setattr(budgets, "optimizer_state_to_come", lambda args, model, stepped: 0 if stepped else state)
     monkeypatch.setattr(replan, "measures", lambda args: True)
     monkeypatch.setattr(replan, "resident_bytes", lambda args, model: real(args, model) + state)
 
@@ -122,7 +122,7 @@ def test_a_budget_only_8bit_state_meets_is_met_with_it(monkeypatch):
     n = sum(q.numel() for q in model.parameters())
     state8 = 2 * n + 8 * sum(-(-q.numel() // 256) for q in model.parameters())
     budget = int(p.resident + 6 * n + 0.1 * p.unconstrained)   # 32-bit: 0.1 of the activations left
-    monkeypatch.setattr(backend, "optimizer_state_to_come",
+    monkeypatch.setattr(budgets, "optimizer_state_to_come",
                         lambda args, m, stepped: 0 if stepped else footprint.state_to_come(m.parameters())[0])
     monkeypatch.setattr(replan, "measures", lambda args: True)
     opt_model = opsmath.optimize(model, memory_budget=budget)

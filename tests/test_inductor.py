@@ -95,19 +95,19 @@ def test_outer_torch_compile_runs_opsmath_without_graph_breaks():
 def test_second_call_replan_recompiles_with_new_tags(monkeypatch):
     """An absolute budget re-planned at the second call (resident grew: optimizer state) is compiled
     by Inductor again, with the new recompute tags; the step's numbers do not change."""
-    from opsmath.runtime import backend
+    from opsmath.runtime import budgets
     from opsmath.memory import replan
     ref, model, batch = pair(dropout=0.0)
     probe = opsmath.optimize(copy.deepcopy(ref), memory_budget=1.0, inductor=True)
     probe(*batch).backward()
     p = opsmath.report(probe).graphs[0].plan
     torch._dynamo.reset()
-    real, calls = backend.resident_bytes, []
+    real, calls = budgets.resident_bytes, []
 
     def resident(args, m):
         calls.append(1)
         return real(args, m) + (int(0.15 * p.unconstrained) if len(calls) > 1 else 0)
-    for module in (backend, replan):
+    for module in (budgets, replan):
         monkeypatch.setattr(module, "resident_bytes", resident)
     # below the unconstrained step's peak (gradients counted as backward allocates them) by 10% of the activations
     model = opsmath.optimize(model, memory_budget=int(p.expected_peak - 0.1 * p.unconstrained), inductor=True)

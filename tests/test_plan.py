@@ -125,14 +125,14 @@ def _probe_then_fresh(dropout=0.1):
 
 def _grown_resident(monkeypatch, extra):
     """Resident bytes as measured at the graph's first call, then ``extra`` more (optimizer state)."""
-    from opsmath.runtime import backend
+    from opsmath.runtime import budgets
     from opsmath.memory import replan
-    real, calls = backend.resident_bytes, []
+    real, calls = budgets.resident_bytes, []
 
     def resident(args, model):
         calls.append(1)
         return real(args, model) + (extra if len(calls) > 1 else 0)
-    for module in (backend, replan):
+    for module in (budgets, replan):
         monkeypatch.setattr(module, "resident_bytes", resident)
 
 
@@ -259,15 +259,15 @@ def test_third_call_tightens_once_when_the_planned_step_went_over(monkeypatch):
 def test_late_optimizer_state_is_replanned_under_gradient_accumulation(monkeypatch):
     """With gradient accumulation over 3 micro-batches the optimizer state appears before the fourth
     call, not the second: the resident bytes are re-checked at later calls too and the plan follows."""
-    from opsmath.runtime import backend
+    from opsmath.runtime import budgets
     from opsmath.memory import replan
     p, model, batch = _probe_then_fresh(dropout=0.0)
     budget = int(p.resident + 0.85 * p.unconstrained)
-    real, stepped = backend.resident_bytes, [False]
+    real, stepped = budgets.resident_bytes, [False]
 
     def resident(args, m):   # the optimizer's first step (after 3 micro-batches) adds its state
         return real(args, m) + (int(0.1 * p.unconstrained) if stepped[0] else 0)
-    for module in (backend, replan):
+    for module in (budgets, replan):
         monkeypatch.setattr(module, "resident_bytes", resident)
     opt = opsmath.optimize(model, memory_budget=budget)
     plans = []

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import opsmath
 from opsmath.memory import analysis, plan_choice, weight_casts
 from opsmath.memory.plan import clone_graph_module
-from opsmath.runtime import backend
+from opsmath.runtime import backend, budgets
 from tolerance import grads_close
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -56,7 +56,7 @@ def step(budget, monkeypatch=None, found=None, device="cpu"):
         def record(gm, inputs):
             found["inputs"], found["saved"] = inputs, real(gm, inputs)
             return found["saved"]
-        monkeypatch.setattr(backend, "partitioned_saved_bytes", record)
+        monkeypatch.setattr(budgets, "partitioned_saved_bytes", record)
     torch.manual_seed(0)
     model = LM().to(device)
     optimized = opsmath.optimize(model, memory_budget=budget, inductor=True)
@@ -128,7 +128,7 @@ def test_an_activation_from_an_earlier_graph_is_not_a_weight_copy(monkeypatch):
         out = real(gm, inputs)
         found.setdefault("graphs", []).append((out, [t for t in inputs if isinstance(t, torch.nn.Parameter)]))
         return out
-    monkeypatch.setattr(backend, "partitioned_saved_bytes", record)
+    monkeypatch.setattr(budgets, "partitioned_saved_bytes", record)
 
     class Broken(LM):
         def __init__(self):
@@ -174,7 +174,7 @@ def test_weight_copies_are_found_past_the_graphs_own_constants(monkeypatch):
     def record(gm, inputs):
         found["buffers"], found["saved"] = dict(gm.named_buffers()), real(gm, inputs)
         return found["saved"]
-    monkeypatch.setattr(backend, "partitioned_saved_bytes", record)
+    monkeypatch.setattr(budgets, "partitioned_saved_bytes", record)
 
     class Scaled(LM):
         def forward(self, idx, tgt):
