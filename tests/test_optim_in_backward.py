@@ -156,18 +156,17 @@ def test_under_inductor_each_block_is_a_graph_of_its_own():
 
 def test_a_graph_left_whole_says_why_its_gradients_arrive_at_once():
     """No silent skip: with an in-backward optimizer, a graph that stays one Inductor graph is named in
-    the report with its reason (a byte budget, autograd Functions or checkpoints, no repeated blocks)."""
+    the report with its reason (autograd Functions or checkpoints, no repeated blocks)."""
     from opsmath.runtime.blocks import PIECE, split_for_optimizer
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     gm = torch.fx.symbolic_trace(model)
-    assert split_for_optimizer(model, None, gm, {}) == (None, None)   # torch's optimizer (none yet): nothing to say
+    assert split_for_optimizer(model, gm, {}) == (None, None)   # torch's optimizer (none yet): nothing to say
     AdamW(model.parameters(), lr=1e-3, in_backward=True)
-    parts, why = split_for_optimizer(model, None, gm, {})
+    parts, why = split_for_optimizer(model, gm, {})
     assert parts is None and "fewer than two blocks" in why
-    assert "fewer than two blocks" in split_for_optimizer(model, "1GiB", gm, {})[1]   # a byte budget splits too
-    assert "autograd Functions" in split_for_optimizer(model, 0.5, gm, {"f": object()})[1]
+    assert "autograd Functions" in split_for_optimizer(model, gm, {"f": object()})[1]
     gm.meta[PIECE] = True
-    assert split_for_optimizer(model, "1GiB", gm, {}) == (None, None)   # a block's own piece
+    assert split_for_optimizer(model, gm, {}) == (None, None)   # a block's own piece
 
 
 def test_under_a_byte_budget_each_block_is_planned_for_its_share():

@@ -153,7 +153,7 @@ def make_backend(state, model: torch.nn.Module):
         regions = eager_nodes(gm)
         inductor = _uses_inductor(state, example_inputs)
         _inline_checkpoints(state, gm, regions, inductor)
-        parts, note = blocks.split_for_optimizer(model, state.memory_budget, gm, regions)
+        parts, note = blocks.split_for_optimizer(model, gm, regions)
         if note and inductor and note not in state.notes:   # op by op, gradients arrive one by one anyway
             state.notes.append(note)
         if not regions:

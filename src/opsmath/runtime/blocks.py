@@ -22,9 +22,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-import torch.fx as fx
-
 import torch
+import torch.fx as fx
 
 from opsmath.capture.regions import split_by
 from opsmath.meta_keys import BLOCK_SHARE
@@ -65,7 +64,7 @@ def split_blocks(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, list[str]
     weight = {}   # piece -> bytes of the tensors its nodes produce: its share of a byte budget
     for n, part in ids.items():
         val = n.meta.get("example_value", n.meta.get("val"))
-        if isinstance(val, torch.Tensor):
+        if isinstance(val, torch.Tensor) and isinstance(val.numel(), int):   # (symbolic sizes: not planned)
             weight[part] = weight.get(part, 0) + val.numel() * val.element_size()
     parent, names = split_by(gm, ids, set(), set(ids.values()))
     for name in names:
@@ -75,7 +74,7 @@ def split_blocks(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, list[str]
     return parent, names
 
 
-def split_for_optimizer(model, budget, gm: fx.GraphModule, regions) -> tuple[Optional[tuple], Optional[str]]:
+def split_for_optimizer(model, gm: fx.GraphModule, regions) -> tuple[Optional[tuple], Optional[str]]:
     """``(split_blocks(gm), None)`` when ``model``'s parameters are stepped inside backward
     (``opsmath.optim.footprint``) and ``gm`` splits; else ``(None, why)`` for the report: why the graph
     stays whole, so that all of its gradients exist at once at its backward's end and the optimizer saves
