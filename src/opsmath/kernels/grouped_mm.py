@@ -17,7 +17,8 @@ Caveats:
   sync (fp32: see ``TRITON_DTYPES``). Row tiles of
   ``BM`` are laid out group after group (``cdiv(size_g, BM)`` each, at most ``S / BM + G`` in all, the
   grid's bound); the weight gradient runs one program per (group, K block, N block) over that group's
-  rows. Tile shapes are measured per GPU and shape bucket at the first launch (``FWD_TILES``, ``WGRAD_TILES``). Elsewhere it is one ``mm`` per group, reading ``offs`` on the host. Inductor treats
+  rows. Tile shapes are measured per GPU and shape bucket at the first launch (``FWD_TILES``,
+  ``WGRAD_TILES``). Elsewhere it is one ``mm`` per group, reading ``offs`` on the host. Inductor treats
   it as opaque. fp32 products run in TF32 only where the user allowed TF32 matmuls, as cuBLAS would.
 - Backward: ``dx = grouped(dy, w^T)``; ``dw[g] = x_g^T dy_g``, zero for an empty group, in the weight's
   layout (``weight_grad``: a transposed ``nn.Linear`` stack gets ``(dy_g^T x_g)^T``, no transposing copy).

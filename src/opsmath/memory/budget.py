@@ -114,12 +114,10 @@ def share_budget(budget, share, resident: int):
     them) plus its share of the budget's headroom, ``own / (own + later)`` by ``share = (own, later)``,
     the weights of the piece and of the pieces after it. None where no share applies (a fraction, the last
     piece, a graph that is not a block's piece): the budget itself."""
-    if share is None or parse_budget(budget)[0] != "bytes":
+    kind, value = parse_budget(budget)
+    if share is None or kind != "bytes" or min(share) <= 0:
         return None
     own, later = share
-    if own <= 0 or later <= 0:
-        return None
-    value = parse_budget(budget)[1]
     return int(resident + max(0.0, value - resident) * own / (own + later))
 
 

@@ -101,7 +101,7 @@ class AdamW(torch.optim.Optimizer):
         self.in_backward_auto = in_backward == "auto" and max_grad_norm is None
         if in_backward is True:
             self.step_in_backward()
-        footprint.LIVE.add(self)
+        footprint.LIVE.add(self)   # the memory planner reads its state's layout before the first step
 
     def step_in_backward(self) -> None:
         """From now on, update each parameter inside backward as its gradient is final (``in_backward=True``)."""
@@ -109,7 +109,7 @@ class AdamW(torch.optim.Optimizer):
             self._in_backward = InBackward(self._step_entries, self._bucket_bytes)
             for gi, group in enumerate(self.param_groups):
                 self._in_backward.watch(gi, group["params"])
-        self.in_backward_auto = False   # the memory planner reads its state's layout before the first step
+        self.in_backward_auto = False
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

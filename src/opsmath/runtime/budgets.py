@@ -44,17 +44,18 @@ def plan_graph(state, model, source: fx.GraphModule, gm: fx.GraphModule, by_node
     by_node = partitioned or by_node
     to_come = optimizer_state_to_come(example_inputs, model, any(r.calls > 1 and r.training for r in state.graphs))
     resident = resident_bytes(example_inputs, model) + to_come
+    measured = replan.measures(example_inputs)
     kw = dict(how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
               link=None if state.cuda_graphs else offload.link_for(example_inputs, how),
               grads=grad_bytes(gm, example_inputs))
     plan, share = None, share_budget(state.memory_budget, source.meta.get(BLOCK_SHARE), resident)
     if share is not None:
         try:
-            plan = first_plan(gm, by_node, share, resident, to_come, replan.measures(example_inputs), **kw)
+            plan = first_plan(gm, by_node, share, resident, to_come, measured, **kw)
         except InfeasibleBudget:   # its share is below its floor: the whole budget, as any graph
             plan = None
     if plan is None:
-        plan = first_plan(gm, by_node, state.memory_budget, resident, to_come, replan.measures(example_inputs),
+        plan = first_plan(gm, by_node, state.memory_budget, resident, to_come, measured,
                           lever=optimizer_lever(model, to_come), **kw)
     plan.estimated_by = "Inductor's partition" if partitioned else "eager autograd"
     plan.allocator = expandable_segments(example_inputs, state.memory_budget, state.cuda_graphs)

@@ -54,6 +54,6 @@ def _emit(ctx: RewriteContext, pattern: str, node: fx.Node) -> None:
     why = ""
     if dtype(x) == torch.float32 and under_bf16_autocast(ctx.graph, node):   # measured: a 5x slower step than bf16 weights
         why = ("; fp32 under bf16 autocast, as eager runs it: autocast does not reach the library's grouped GEMM "
-               "(fp8=True runs it in FP8: docs/rewrites.md#fp8_experts-opt-in-with-fp8_linear)")
+               "(fp8=True runs it in bf16, or in FP8 where that pays: docs/rewrites.md#fp8_experts-opt-in-with-fp8_linear)")
     ctx.replaced(pattern, new, [node], f"opsmath::grouped_mm (the library's per-expert fallback, "
                  f"{str(dtype(x)).replace('torch.', '')}, with a compilable backward{why})", before)
