@@ -177,8 +177,11 @@ def test_under_a_byte_budget_each_block_is_planned_for_its_share():
     recompute keeps training exact: the parameters follow eager's with torch's AdamW."""
     from opsmath import examples
     from opsmath.memory.budget import share_budget
+    from opsmath.meta_keys import BLOCK_SHARE
     assert share_budget("1GiB", (1, 3), 2**29) == 2**29 + 2**27 and share_budget("1GiB", (1, 0), 0) is None
     assert share_budget(0.5, (1, 3), 0) is None and share_budget("1GiB", None, 0) is None
+    # the tensors handed on from this piece and the later ones come off the headroom first
+    assert share_budget("1GiB", (1, 3, 2**28), 2**29) == 2**29 + 2**26
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager, batch = examples.gpt(batch_size=2, seq_len=64, n_layer=3, dropout=0.0)
@@ -194,6 +197,8 @@ def test_under_a_byte_budget_each_block_is_planned_for_its_share():
         ref_opt.zero_grad()
     plans = [g.plan for g in opsmath.report(ours).graphs]
     assert len(plans) == 3 and any("one per block" in n for n in ours._opsmath.notes)
+    shares = [g.source.meta[BLOCK_SHARE] for g in opsmath.report(ours).graphs]
+    assert shares[0][2] > shares[1][2] > 0 and shares[-1][1] == 0, "each hands the residual stream on"
     assert all(p.budget < budget for p in plans[:-1]) and plans[-1].budget == budget
     assert any(p.kept < p.unconstrained for p in plans[:-1]), "the shares recompute"
     for a, b in zip(ours.parameters(), eager.parameters()):
@@ -235,3 +240,21 @@ def test_in_backward_auto_is_turned_on_where_the_whole_graph_cannot_meet_a_byte_
     assert len(opsmath.report(ours).graphs) == 3
     for a, b in zip(ours.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_piece_whose_share_is_below_its_floor_plans_at_its_floor(monkeypatch):
+    """A block's share below its floor: the piece plans for its floor (what it takes beyond its share,
+    the later pieces lose), not for the whole budget; at or above the budget, no share plan."""
+    from opsmath.memory.budget import InfeasibleBudget
+    from opsmath.runtime import budgets
+    asked = []
+
+    def first_plan(gm, by_node, budget, *args, **kw):
+        asked.append(budget)
+        if budget < 700:
+            raise InfeasibleBudget("below", 700)
+        return budget
+    monkeypatch.setattr(budgets, "first_plan", first_plan)
+    assert budgets._at_share(None, None, 500, 1000, 0, 0, False, {}) == 701 and asked == [500, 701]
+    monkeypatch.setattr(budgets, "first_plan", lambda *a, **k: (_ for _ in ()).throw(InfeasibleBudget("x", 1200)))
+    assert budgets._at_share(None, None, 500, 1000, 0, 0, False, {}) is None

@@ -312,7 +312,8 @@ def _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor
     except InfeasibleBudget as e:
         raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
                                f"{record.calls - 1} ({why}): {e}", e.floor) from None
-    plan.estimated_by, plan.budget, plan.allocator = record.plan.estimated_by, state.memory_budget, record.plan.allocator
+    # a block's piece keeps its share (``share_budget``) as its budget; any other graph has the model's
+    plan.estimated_by, plan.budget, plan.allocator = record.plan.estimated_by, record.plan.budget, record.plan.allocator
     plan.optimizer = record.plan.optimizer
     plan.excess, plan.predicted_peak = every, plan.predicted_peak + every
     plan.expected_peak = plan.expected_peak and plan.expected_peak + every

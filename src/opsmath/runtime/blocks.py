@@ -13,8 +13,9 @@ Nodes outside any block (embeddings, the final norm, the head and the loss) join
 pieces run in the graph's order. A graph with fewer than two blocks is not split. Under a byte
 ``memory_budget`` each piece is planned at its first call, when the pieces before it hold what they
 keep, for its share of what is left (``memory.budget.share_budget``): its weight, the bytes of the
-tensors its nodes produce, against the later pieces' (``BLOCK_SHARE``), so that the first blocks do not
-keep what the last ones need. The cost: Inductor fuses nothing across a block boundary (a residual add
+tensors its nodes produce, against the later pieces' (``BLOCK_SHARE``), after the tensors it and the
+later pieces hand on (which stay alive outside any piece's plan), so that the first blocks do not keep
+what the last ones need. The cost: Inductor fuses nothing across a block boundary (a residual add
 and the next norm), and each block is compiled on its own.
 """
 from __future__ import annotations
@@ -61,16 +62,22 @@ def split_blocks(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, list[str]
         ids[n] = part
     if len(order) < 2:
         return None
-    weight = {}   # piece -> bytes of the tensors its nodes produce: its share of a byte budget
+    # piece -> bytes of the tensors its nodes produce (its share of a byte budget), and of those a later
+    # piece reads (the residual stream handed on: alive beyond the piece, outside what its plan keeps)
+    weight, carried = {}, {}
     for n, part in ids.items():
         val = n.meta.get("example_value", n.meta.get("val"))
         if isinstance(val, torch.Tensor) and isinstance(val.numel(), int):   # (symbolic sizes: not planned)
-            weight[part] = weight.get(part, 0) + val.numel() * val.element_size()
+            size = val.numel() * val.element_size()
+            weight[part] = weight.get(part, 0) + size
+            if any(ids.get(u, -1) > part for u in n.users):
+                carried[part] = carried.get(part, 0) + size
     parent, names = split_by(gm, ids, set(), set(ids.values()))
     for name in names:
         part = int(name.rsplit("_", 1)[1])
         getattr(parent, name).meta.update({PIECE: True, BLOCK_SHARE: (
-            weight.get(part, 0), sum(w for p, w in weight.items() if p > part))})
+            weight.get(part, 0), sum(w for p, w in weight.items() if p > part),
+            sum(c for p, c in carried.items() if p >= part))})
     return parent, names
 
 

@@ -37,7 +37,8 @@ def plan_graph(state, model, source: fx.GraphModule, gm: fx.GraphModule, by_node
     Inductor the plan becomes recompute tags its partitioner must honor, and is made for what that
     partitioner saves (less than eager's saved set). A block's piece (``source``: an optimizer stepping
     inside backward) is planned for its share of a byte budget's headroom first (``share_budget``; no
-    8-bit lever at a share), and for the whole budget where its share cannot be met."""
+    8-bit lever at a share), at its floor where its share is below it, and for the whole budget where
+    even the floor is not under it."""
     how = "tag" if use_inductor else "checkpoint"
     partitioned = partitioned_saved_bytes(gm, fp8_weights.example_inputs(
         state.weight_casts, gm, example_inputs)) if use_inductor else None
@@ -50,13 +51,26 @@ def plan_graph(state, model, source: fx.GraphModule, gm: fx.GraphModule, by_node
               grads=grad_bytes(gm, example_inputs))
     plan, share = None, share_budget(state.memory_budget, source.meta.get(BLOCK_SHARE), resident)
     if share is not None:
-        try:
-            plan = first_plan(gm, by_node, share, resident, to_come, measured, **kw)
-        except InfeasibleBudget:   # its share is below its floor: the whole budget, as any graph
-            plan = None
+        plan = _at_share(gm, by_node, share, parse_budget(state.memory_budget)[1], resident, to_come, measured, kw)
     if plan is None:
         plan = first_plan(gm, by_node, state.memory_budget, resident, to_come, measured,
                           lever=optimizer_lever(model, to_come), **kw)
     plan.estimated_by = "Inductor's partition" if partitioned else "eager autograd"
     plan.allocator = expandable_segments(example_inputs, state.memory_budget, state.cuda_graphs)
     return plan, by_node
+
+
+def _at_share(gm, by_node, share: int, budget: float, resident: int, to_come: int, measured: bool, kw: dict):
+    """A block piece's first plan for its ``share`` of a byte budget; where the share is below the piece's
+    floor, for the floor (the least it can keep: what it takes beyond its share, the later pieces lose, so
+    it takes no more), where that is under the whole ``budget``. None where neither plans."""
+    try:
+        return first_plan(gm, by_node, share, resident, to_come, measured, **kw)
+    except InfeasibleBudget as e:
+        if not e.floor or e.floor >= budget:
+            return None
+        try:
+            return first_plan(gm, by_node, min(int(budget), int(e.floor * 1.001) + 1), resident, to_come,
+                              measured, **kw)
+        except InfeasibleBudget:
+            return None
