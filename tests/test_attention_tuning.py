@@ -1,5 +1,6 @@
 """The attention rewrite's vendor choice (``src/opsmath/kernels/attention/tuning.py``): SDPA backends compute
 ``opsmath::attention``'s function once masks, causal and GQA are translated; CUDA parts skip on CPU."""
+import contextlib
 import math
 
 import pytest
@@ -180,3 +181,40 @@ def test_choose_stores_each_kernels_fastest_configuration(tmp_path, monkeypatch,
     tiles = {"fwd": d, "dq": b, "dkdv": c}
     assert autotune.lookup(ac.TILES, key + ac.OWN_ONLY)["choice"] == ac.tiles_name(tiles)
     assert [ac.launch_cfg(q, 16, key, n) for n in ac.KERNELS] == [(*t[:2], 16, *t[2:]) for t in tiles.values()]
+
+
+def test_compile_ahead_runs_each_configuration_in_its_own_thread(monkeypatch):
+    """Before timing, the tuner compiles opsmath's kernels in every block configuration at once, one thread
+    each: a thread's forced configuration is its own (the others' and the caller's launches do not see it),
+    the forward and the backward both launch with it, and a configuration that raises stops nothing.
+    (Stand-ins for the Triton launches and for CUDA: the threading is what is checked.)"""
+    import threading
+    from types import SimpleNamespace
+    from opsmath.kernels.attention import configs as ac
+    seen = []
+    x = torch.empty(1, 1, 8, 16)
+
+    def forward(*args):
+        cfg = ac.launch_cfg(x, 16)
+        if cfg[:2] == (64, 32):
+            raise RuntimeError("out of shared memory")
+        seen.append(("fwd", threading.get_ident(), cfg))
+        return x, x
+
+    def backward(dout, q, k, v, out, stats, *rest):
+        assert len(rest) == 10 and rest[7] is False   # bias, mask, ..., seed, bias_grad, softcap, window
+        seen.append(("bwd", threading.get_ident(), ac.launch_cfg(x, 16, kernel="dq")))
+    monkeypatch.setattr(vendor, "attention_forward_triton", forward)
+    monkeypatch.setattr(vendor, "attention_backward_triton", backward)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    q = SimpleNamespace(device=torch.device("cuda"))
+    configs = ac.CONFIGS[64]
+    vendor.compile_ahead(configs, (q, None, None, None, None, float("-inf"), True, 0.125, 0.0, None, 0.0, 0), x)
+    ran = [c for c in configs if c[:2] != (64, 32)]
+    assert sorted(c for kind, _, c in seen if kind == "fwd") == sorted((*c[:2], 16, *c[2:]) for c in ran)
+    for kind, thread, cfg in seen:   # the backward launched in the forward's thread, with its configuration
+        assert ("fwd" if kind == "bwd" else "bwd", thread, cfg) in seen
+    assert ac.launch_cfg(x, 16) == (16, 16, 16, 4, 1)   # the caller's thread: no forced configuration
+    vendor.compile_ahead(configs, (SimpleNamespace(device=torch.device("cpu")),) + (None,) * 11, x)
+    assert len(seen) == 2 * len(ran), "CPU: nothing compiled ahead"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import threading
 from types import MappingProxyType
 from typing import Optional
 
@@ -41,6 +42,7 @@ CONFIGS = {64: [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)
            128: [(64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 3)],
            256: [(64, 32, 4, 2), (128, 64, 8, 1), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 1)]}
 _FORCED: list = [None]   # a configuration the tuner is measuring (``forced_config``)
+_AHEAD = threading.local()   # one compiling thread's configuration (``tuning.compile_ahead``), over _FORCED
 
 
 def configs_for(D: int) -> list[tuple[int, int, int, int]]:
@@ -142,7 +144,7 @@ def launch_cfg(q: torch.Tensor, D: int, key: Optional[str] = None, kernel: str =
     the tuner's per-kernel configuration for this shape bucket (op ``TILES``), else its choice
     (``autotune`` cache, op "attention", choice ``opsmath:BMxBNwWsS``), else the head dim's default."""
     block_d = max(16, 1 << max(0, math.ceil(math.log2(max(D, 1)))))
-    cfg = _FORCED[0]
+    cfg = getattr(_AHEAD, "cfg", None) or _FORCED[0]
     if isinstance(cfg, dict):
         cfg = cfg[kernel]
     if cfg is None and key is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -35,9 +36,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from opsmath.kernels._common import dropout_keep, flat_offsets
 from opsmath.kernels._spec import OpSpec, register
 from opsmath.kernels.attention import attention_flops, attention_op, attention_reference, exercise
+from opsmath.kernels.attention import configs as _configs
+from opsmath.kernels.attention.kernel import attention_backward_triton, attention_forward_triton
 from opsmath.kernels.attention.configs import (OWN_ONLY, TILES, bucket_key, config_name, configs_for, forced_config,
                                                tiles_entry)
-from opsmath.kernels.autotune import AllCandidatesFailed, measure, pick, store
+from opsmath.kernels.autotune import AllCandidatesFailed, cached, measure, pick, store
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
             "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -143,6 +146,9 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
     def timed(fn):   # ``measure``, keeping each own configuration's kernel times
         return measure(fn, on_kernels=(lambda per: per_config.update({own[fn]: per})) if fn in own else None)
     plain = bias is None and mask is None and not window and not softcap
+    if cached("attention", key) is None and not (plain and any(n in candidates for n in FAST_VENDORS)):
+        compile_ahead(configs, (q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap, window),
+                      dout)
     choice = pick("attention", key, candidates, timed, skip=lambda n, t: own_configs_cannot_win(n, t, plain))
     tiles = tiles_entry(per_config)
     if tiles and choice.startswith("opsmath"):   # measured now: each kernel launches in its fastest
@@ -160,6 +166,33 @@ OWN_CONFIG_GAIN = 1.5
 # cache). Where either measured accurate, opsmath's kernel is not compiled at all: 3.4-4.5 s of Triton
 # compiles per plain shape at the first step.
 FAST_VENDORS = ("sdpa_cudnn", "sdpa_flash")
+
+
+def compile_ahead(configs, args: tuple, dout: torch.Tensor) -> None:
+    """Compile opsmath's three kernels in every block configuration at once, one thread per configuration,
+    before the tuner times them one by one: Triton's compile spends most of its time outside the GIL (LLVM,
+    ptxas; four kernels on a 2-core CPU: 7.15 s one after another, 3.59 s in two threads), and a cold
+    compile is 3.3-5.4 s per configuration (H200 host) against 0.1 s of timing. Each thread launches the
+    forward and the backward once on the tuner's random inputs (``args``: ``attention_op``'s; results
+    dropped) with its configuration forced for that thread alone. A configuration that fails here (out of
+    shared memory) fails again where the tuner meets it; CUDA only."""
+    q = args[0]
+    if q.device.type != "cuda" or len(configs) < 2:
+        return
+
+    def one(cfg):
+        _configs._AHEAD.cfg = cfg
+        try:   # (a new thread's current device is the first GPU: launches go to the inputs')
+            with torch.no_grad(), torch.cuda.device(q.device):
+                out, stats = attention_forward_triton(*args)
+                attention_backward_triton(dout, *args[:3], out, stats, *args[3:10], False, *args[10:])
+        except Exception:   # noqa: BLE001 (the tuner's own launch reports it)
+            pass
+        finally:
+            _configs._AHEAD.cfg = None
+    with ThreadPoolExecutor(max_workers=min(len(configs), os.cpu_count() or 1)) as pool:
+        list(pool.map(one, configs))
+    torch.cuda.synchronize(q.device)
 
 
 def own_configs_cannot_win(name: str, times: dict[str, float], plain: bool = False) -> bool:
