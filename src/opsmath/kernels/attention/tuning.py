@@ -36,10 +36,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from opsmath.kernels._common import dropout_keep, flat_offsets
 from opsmath.kernels._spec import OpSpec, register
 from opsmath.kernels.attention import attention_flops, attention_op, attention_reference, exercise
-from opsmath.kernels.attention import configs as _configs
 from opsmath.kernels.attention.kernel import attention_backward_triton, attention_forward_triton
-from opsmath.kernels.attention.configs import (OWN_ONLY, TILES, bucket_key, config_name, configs_for, forced_config,
-                                               tiles_entry)
+from opsmath.kernels.attention.configs import (_AHEAD, OWN_ONLY, TILES, bucket_key, config_name, configs_for,
+                                               forced_config, tiles_entry)
 from opsmath.kernels.autotune import AllCandidatesFailed, cached, measure, pick, store
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -175,13 +174,15 @@ def compile_ahead(configs, args: tuple, dout: torch.Tensor) -> None:
     compile is 3.3-5.4 s per configuration (H200 host) against 0.1 s of timing. Each thread launches the
     forward and the backward once on the tuner's random inputs (``args``: ``attention_op``'s; results
     dropped) with its configuration forced for that thread alone. A configuration that fails here (out of
-    shared memory) fails again where the tuner meets it; CUDA only."""
+    shared memory) fails again where the tuner meets it. Every configuration is compiled, including those
+    ``own_configs_cannot_win`` may then leave untimed: on a host with fewer cores than configurations that
+    is compile time the sequential tuner would not have spent. CUDA only."""
     q = args[0]
     if q.device.type != "cuda" or len(configs) < 2:
         return
 
     def one(cfg):
-        _configs._AHEAD.cfg = cfg
+        _AHEAD.cfg = cfg
         try:   # (a new thread's current device is the first GPU: launches go to the inputs')
             with torch.no_grad(), torch.cuda.device(q.device):
                 out, stats = attention_forward_triton(*args)
@@ -189,7 +190,7 @@ def compile_ahead(configs, args: tuple, dout: torch.Tensor) -> None:
         except Exception:   # noqa: BLE001 (the tuner's own launch reports it)
             pass
         finally:
-            _configs._AHEAD.cfg = None
+            _AHEAD.cfg = None
     with ThreadPoolExecutor(max_workers=min(len(configs), os.cpu_count() or 1)) as pool:
         list(pool.map(one, configs))
     torch.cuda.synchronize(q.device)
