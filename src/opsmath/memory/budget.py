@@ -112,15 +112,16 @@ def share_budget(budget, share, resident: int):
     """A block piece's byte budget (``runtime/blocks.py``: an optimizer stepping inside backward, one graph
     per block): the ``resident`` bytes at its first call (the earlier pieces' kept activations among
     them) plus its share of the budget's headroom, ``own / (own + later)`` by ``share = (own, later,
-    handed)``, the weights of the piece and of the pieces after it. The headroom is the budget less the
-    resident bytes and less ``handed``: the tensors this piece and the later ones hand on (a residual
-    stream, rotary tables), alive beyond their piece and in no piece's plan. None where no share applies
+    handed, reserve)``, the weights of the piece and of the pieces after it. The headroom is the budget
+    less the resident bytes, less ``handed`` (the tensors this piece and the later ones hand on: a
+    residual stream, rotary tables, alive beyond their piece and in no piece's plan) and less ``reserve``
+    (the largest floor of a later piece, ``runtime.budgets.reserve_floors``). None where no share applies
     (a fraction, the last piece, a graph that is not a block's piece): the budget itself."""
     kind, value = parse_budget(budget)
     if share is None or kind != "bytes" or min(share[:2]) <= 0:
         return None
-    own, later, *handed = share
-    headroom = max(0.0, value - resident - sum(handed))
+    own, later, *kept_back = share
+    headroom = max(0.0, value - resident - sum(kept_back))
     return int(resident + headroom * own / (own + later))
 
 

@@ -281,7 +281,8 @@ def _plan_again(state, record, base, by_node, goal, excess, resident, use_induct
     the gradients' timing; where that leaves no feasible plan, it is planned with every gradient resident
     from the start (whose count covers the loss's workspace where the gradients are larger) and that
     model's own error."""
-    timed = parse_budget(state.memory_budget)[0] == "bytes"
+    # a block piece's share bounds what it keeps too (``runtime.budgets.plan_graph``): planned untimed
+    timed = parse_budget(state.memory_budget)[0] == "bytes" and not getattr(record.plan, "share_of_budget", False)
     try:
         plan, g = _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor, why, args, timed,
                             measured)
@@ -314,7 +315,7 @@ def _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor
                                f"{record.calls - 1} ({why}): {e}", e.floor) from None
     # a block's piece keeps its share (``share_budget``) as its budget; any other graph has the model's
     plan.estimated_by, plan.budget, plan.allocator = record.plan.estimated_by, record.plan.budget, record.plan.allocator
-    plan.optimizer = record.plan.optimizer
+    plan.optimizer, plan.share_of_budget = record.plan.optimizer, getattr(record.plan, "share_of_budget", False)
     plan.excess, plan.predicted_peak = every, plan.predicted_peak + every
     plan.expected_peak = plan.expected_peak and plan.expected_peak + every
     plan.replanned = why

@@ -33,7 +33,7 @@ from opsmath.rewrite.match import Decline, Match, run_patterns
 from opsmath.runtime import blocks, fp8_weights, offload_async
 from opsmath.memory import offload, weight_casts
 from opsmath.memory.budget import InfeasibleBudget
-from opsmath.runtime.budgets import plan_graph, step_in_backward
+from opsmath.runtime.budgets import plan_graph, reserve_floors, step_in_backward
 from opsmath.memory.plan import clone_graph_module
 from opsmath.memory.replan import runner
 from opsmath.capture.regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
@@ -163,6 +163,7 @@ def make_backend(state, model: torch.nn.Module):
                 except InfeasibleBudget as e:   # the optimizer may step inside backward: per-block graphs
                     parts = step_in_backward(state, model, gm, e)
             parent, pieces = parts   # one graph per block: its gradients are final at its backward's end
+            reserve_floors(state, parent, pieces, inductor)
             for name in pieces:
                 setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors,
                                                 symbolic=state.memory_budget is None))

@@ -1,15 +1,20 @@
 """A compiled graph's side of a memory budget: its first plan (``plan_graph``; a block's piece planned for
-its share of a byte budget) and, where the whole graph cannot meet a byte budget, the optimizer's step
-moved inside backward with one graph per block (``step_in_backward``, for ``in_backward="auto"``)."""
+its share of a byte budget, after the floors of the pieces behind it: ``reserve_floors``) and, where the
+whole graph cannot meet a byte budget, the optimizer's step moved inside backward with one graph per
+block (``step_in_backward``, for ``in_backward="auto"``)."""
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
+from opsmath.capture.lower import lower_to_aten
 from opsmath.memory import offload, replan
+from opsmath.memory.analysis import saved_bytes_by_node
 from opsmath.memory.budget import (InfeasibleBudget, expandable_segments, grad_bytes, optimizer_lever,
                                    optimizer_state_to_come, parse_budget, resident_bytes, share_budget)
 from opsmath.memory.analysis import partitioned_saved_bytes
 from opsmath.memory.first_plan import first_plan
+from opsmath.memory.plan import clone_graph_module, plan_and_emit
 from opsmath.meta_keys import BLOCK_SHARE
 from opsmath.optim.footprint import in_backward_lever
 from opsmath.runtime import blocks, fp8_weights
@@ -38,7 +43,9 @@ def plan_graph(state, model, source: fx.GraphModule, gm: fx.GraphModule, by_node
     partitioner saves (less than eager's saved set). A block's piece (``source``: an optimizer stepping
     inside backward) is planned for its share of a byte budget's headroom first (``share_budget``; no
     8-bit lever at a share), at its floor where its share is below it, and for the whole budget where
-    even the floor is not under it."""
+    even the floor is not under it. A share is planned with every gradient of the piece resident from
+    the start (not against their timing, under which what it keeps could fill the space its gradients
+    take later: that space is not free while the later pieces' backwards run)."""
     how = "tag" if use_inductor else "checkpoint"
     partitioned = partitioned_saved_bytes(gm, fp8_weights.example_inputs(
         state.weight_casts, gm, example_inputs)) if use_inductor else None
@@ -50,8 +57,11 @@ def plan_graph(state, model, source: fx.GraphModule, gm: fx.GraphModule, by_node
               link=None if state.cuda_graphs else offload.link_for(example_inputs, how),
               grads=grad_bytes(gm, example_inputs))
     plan, share = None, share_budget(state.memory_budget, source.meta.get(BLOCK_SHARE), resident)
-    if share is not None:
-        plan = _at_share(gm, by_node, share, parse_budget(state.memory_budget)[1], resident, to_come, measured, kw)
+    if share is not None:   # untimed: what it keeps is bounded too, alive while the later pieces run
+        plan = _at_share(gm, by_node, share, parse_budget(state.memory_budget)[1], resident, to_come, measured,
+                         dict(kw, grads=None))
+        if plan is not None:
+            plan.share_of_budget = True
     if plan is None:
         plan = first_plan(gm, by_node, state.memory_budget, resident, to_come, measured,
                           lever=optimizer_lever(model, to_come), **kw)
@@ -63,14 +73,72 @@ def plan_graph(state, model, source: fx.GraphModule, gm: fx.GraphModule, by_node
 def _at_share(gm, by_node, share: int, budget: float, resident: int, to_come: int, measured: bool, kw: dict):
     """A block piece's first plan for its ``share`` of a byte budget; where the share is below the piece's
     floor, for the floor (the least it can keep: what it takes beyond its share, the later pieces lose, so
-    it takes no more), where that is under the whole ``budget``. None where neither plans."""
-    try:
-        return first_plan(gm, by_node, share, resident, to_come, measured, **kw)
-    except InfeasibleBudget as e:
-        if not e.floor or e.floor >= budget:
-            return None
+    it takes no more; the floor a failed plan names is an estimate, so up to three tries), where that is
+    under the whole ``budget``. None where neither plans."""
+    ask = share
+    for _ in range(3):
         try:
-            return first_plan(gm, by_node, min(int(budget), int(e.floor * 1.001) + 1), resident, to_come,
-                              measured, **kw)
-        except InfeasibleBudget:
-            return None
+            return first_plan(gm, by_node, ask, resident, to_come, measured, **kw)
+        except InfeasibleBudget as e:
+            if not e.floor or e.floor >= budget:
+                return None
+            ask = min(int(budget), max(ask + 1, int(e.floor * 1.001) + 1))
+    return None
+
+
+def reserve_floors(state, parent: fx.GraphModule, names: list[str], use_inductor: bool) -> None:
+    """Under a byte budget, before any block's piece runs: each piece's floor (``piece_floor``), and in
+    each piece's ``BLOCK_SHARE`` what the pieces after it need at least while each of their backwards
+    runs (its floor and gradients, and what the pieces between keep at their floors), less the piece's
+    own gradients (not allocated yet then), which ``share_budget`` keeps back from its share: the earlier
+    pieces, which plan first, no longer keep what a later one cannot do without (HF LLaMA 1.1B's last
+    piece, its head and loss: half its activations). Pieces of one structure (the middle blocks) are
+    analyzed once."""
+    if state.memory_budget is None or parse_budget(state.memory_budget)[0] != "bytes":
+        return
+    how, seen, floors = "tag" if use_inductor else "checkpoint", {}, []
+    for name in names:
+        piece = getattr(parent, name)
+        key = _structure(piece)
+        if key not in seen:
+            seen[key] = piece_floor(piece, how)
+        floors.append(seen[key])
+    for i, name in enumerate(names):
+        need, between = 0, 0
+        for peak, kept, grads in floors[i + 1:]:
+            need, between = max(need, between + peak + grads), between + kept
+        meta = getattr(parent, name).meta
+        meta[BLOCK_SHARE] = (*meta[BLOCK_SHARE][:3], max(0, need - floors[i][2]))
+
+
+def piece_floor(piece: fx.GraphModule, how: str) -> tuple[int, int, int]:
+    """``(peak, kept, gradients)`` in bytes beyond what is resident, at a block's piece's floor: the least
+    its forward and backward peak at, what it keeps at that plan, and its parameters' gradients. Planned
+    on its dynamo example values, lowered to ATen but not rewritten: eager's saved set, an upper bound of
+    what its rewritten, Inductor-partitioned graph saves. ``(0, 0, 0)`` where it cannot be analyzed
+    (symbolic sizes, no example values)."""
+    args = [n.meta.get("example_value") for n in piece.graph.find_nodes(op="placeholder")]
+    if not all(isinstance(a, torch.Tensor) and all(isinstance(s, int) for s in a.shape) for a in args):
+        return 0, 0, 0
+    grads = sum(a.numel() * a.element_size() for a in args if a.requires_grad and a.is_leaf)
+    try:
+        captured = lower_to_aten(clone_graph_module(piece), args)
+        by_node = saved_bytes_by_node(captured.gm, captured.requires_grad)
+        if by_node is None:
+            return 0, 0, 0
+        try:
+            plan = plan_and_emit(clone_graph_module(captured.gm), by_node, 1, 0, how=how)
+        except InfeasibleBudget as e:
+            plan = plan_and_emit(captured.gm, by_node, int(e.floor * 1.001) + 1, 0, how=how)
+    except Exception:  # noqa: BLE001 (an estimate: without it the piece plans for its share alone)
+        return 0, 0, 0
+    return plan.kept + plan.transient, plan.kept, grads
+
+
+def _structure(piece: fx.GraphModule) -> tuple:
+    """What makes two pieces' floors equal: their ops and value sizes in order, names aside."""
+    def val(n):
+        v = n.meta.get("example_value")
+        return (tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else type(v).__name__
+    return tuple((n.op, str(n.target) if n.op != "placeholder" and n.op != "get_attr" else "", val(n))
+                 for n in piece.graph.nodes)
