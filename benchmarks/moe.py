@@ -9,7 +9,9 @@ under bf16 autocast, ``--recipe bf16``: bf16 weights):
 - ``loop``/``loop64``: ``opsmath.examples.Mixtral`` at the same sizes, the Mistral reference's routing
   loop over ``nn.ModuleList`` experts with ``torch.where`` (8 top-2; 64 top-8 with MLP 704);
 - ``loop-imbalanced``: ``loop`` with a router bias that puts expert 0 in every token's top-2 (half of
-  all routed slots on one expert).
+  all routed slots on one expert); ``mixtral-imbalanced``, ``qwen2_moe-imbalanced``: the HF models with
+  that bias in each router (``BiasedRouter``: expert 0 in every token's top-k, half of Mixtral's slots,
+  an eighth of Qwen2-MoE's top-8).
 
 Per variant: median and spread of per-round median step times (``--rounds`` rounds of ``--steps``), GPU
 kernel time per step, the step's peak memory above what is resident, and for opsmath what it rewrote.
@@ -38,6 +40,8 @@ HF = {  # name: (transformers class, config class, config kwargs)
         intermediate_size=2816, moe_intermediate_size=704, shared_expert_intermediate_size=2816,
         num_experts=64, num_experts_per_tok=8, vocab_size=32000, max_position_embeddings=4096)),
 }
+HF_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+               moe_intermediate_size=32, shared_expert_intermediate_size=64, vocab_size=256)   # --smoke
 LOOP = {"loop": dict(n_expert=8, top_k=2, hidden=2816), "loop64": dict(n_expert=64, top_k=8, hidden=704)}
 TINY = dict(dim=64, n_layer=2, n_head=4, n_kv_head=2, vocab_size=256)
 SIZE = dict(dim=1024, n_layer=8, n_head=16, n_kv_head=8, vocab_size=32000)
@@ -51,7 +55,11 @@ def build(name: str, device: str, seq: int, seed: int = 0):
         import transformers
         cls, cfg_cls, cfg = HF[base]
         extra = dict(experts_implementation="eager") if name.endswith("eager-experts") else {}
+        cfg = dict(cfg, **HF_TINY) if device == "cpu" else cfg
         model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**cfg, **extra))
+        if name.endswith("imbalanced"):
+            for layer in model.model.layers:
+                layer.mlp.gate = BiasedRouter(layer.mlp.gate)
         batch = lambda ids: dict(input_ids=ids, labels=ids, use_cache=False)   # noqa: E731
     else:
         size = TINY if device == "cpu" else SIZE
@@ -65,6 +73,26 @@ def build(name: str, device: str, seq: int, seed: int = 0):
                     layer.moe.gate.bias.zero_()[0] = 10.0
         batch = lambda ids: (ids, torch.roll(ids, -1, dims=1))                   # noqa: E731
     return model.to(device=device, dtype=dtype).train(), batch
+
+
+class BiasedRouter(torch.nn.Module):
+    """An HF top-k router (Mixtral's, Qwen2-MoE's: ``weight`` [E, hidden]) with a bias of 10 on expert 0's
+    logit, which puts expert 0 in every token's top-k: the router's own softmax, top-k and
+    renormalization (where the router has it on) after it."""
+
+    def __init__(self, router: torch.nn.Module):
+        super().__init__()
+        self.weight, self.top_k = router.weight, router.top_k
+        self.norm = getattr(router, "norm_topk_prob", True)
+        self.register_buffer("bias", torch.zeros(router.weight.shape[0]).index_fill_(0, torch.tensor(0), 10.0))
+
+    def forward(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.weight.shape[1]), self.weight)
+        logits = logits + self.bias.to(logits.dtype)
+        top, idx = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
+        if self.norm:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
 
 
 class MoEVariant(Variant):
@@ -84,7 +112,7 @@ VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize
 
 
 def run(name, rounds, steps, device, labels, B, T):
-    vocab = (TINY if device == "cpu" else SIZE)["vocab_size"]
+    vocab = (TINY if device == "cpu" else SIZE)["vocab_size"]   # (HF_TINY's too)
     torch.manual_seed(0)
     ids = torch.randint(0, vocab, (B, T), device=device)
     torch._dynamo.reset()
@@ -161,7 +189,7 @@ def main():
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.rounds, args.steps, args.batch, args.seq = 2, 1, 2, 32
-        args.models = "loop,loop-imbalanced"
+        args.models = "loop,loop-imbalanced,mixtral-imbalanced"
     out = {}
     for n in args.models.split(","):   # written after each model: a run cut short keeps what it measured
         if args.curve:
