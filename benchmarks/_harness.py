@@ -143,11 +143,36 @@ def interleave(variants: list, rounds: int, steps: int, accumulate=(1,), catch: 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
+def _is_sync(name: str) -> bool:
+    return "Synchronize" in name or name == "aten::item"
+
+
+def sync_sites(step, frames: int = 6) -> list[dict]:
+    """The host syncs of one ``step`` (CUDA runtime synchronizations, ``aten::item``) by where they come
+    from: the innermost Python frames outside torch's profiler, with their count."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), with_stack=True) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    sites: dict[tuple, int] = {}
+    for e in prof.events():
+        if _is_sync(e.name):
+            chain, p = [], e.cpu_parent   # (Python frames are events of their own, parents of the ops)
+            while p is not None and len(chain) < frames:
+                if not p.name.startswith("<built-in") and "torch/profiler" not in p.name:
+                    chain.append(p.name)
+                p = p.cpu_parent
+            sites[(e.name, tuple(chain))] = sites.get((e.name, tuple(chain)), 0) + 1
+    return [dict(event=k[0], stack=list(k[1]), count=c) for k, c in sorted(sites.items(), key=lambda kv: -kv[1])]
+
+
 def host_breakdown(step, steps: int = 3, top: int = 20) -> dict:
     """Where the host time of a step goes: per step, the wall time with the GPU synchronized at the end,
-    the kernel launches and host syncs (torch.profiler's CUDA runtime events), the ops with the most
-    CPU self time (``ops``), and the Python functions with the most own time (cProfile, ``python``; run
-    without the profiler). A host-bound step is one whose wall time outruns its kernels (``gpu_ms``)."""
+    the kernel launches and host syncs (torch.profiler's CUDA runtime events; ``sync_sites``: where
+    they come from, one more step profiled with stacks), the ops with the most CPU self time (``ops``),
+    and the Python functions with the most own time (cProfile, ``python``; run without the profiler). A host-bound step is one whose wall time outruns its kernels (``gpu_ms``)."""
     import cProfile
     import pstats
     from torch.profiler import ProfilerActivity, profile
@@ -173,8 +198,9 @@ def host_breakdown(step, steps: int = 3, top: int = 20) -> dict:
     stats = pstats.Stats(pr).stats   # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
     py = sorted(((f"{os.path.basename(k[0])}:{k[1]}({k[2]})", v[2] * 1e3 / steps, v[1] / steps)
                  for k, v in stats.items()), key=lambda kv: -kv[1])[:top]
+    syncs = sum(c for k, c in count.items() if _is_sync(k))
     return dict(wall_ms_profiled=wall, python_calls=sum(v[1] for v in stats.values()) / steps,
-                launches=sum(count.get(k, 0) for k in LAUNCHES),
-                syncs=sum(c for k, c in count.items() if "Synchronize" in k or k == "aten::item"),
+                launches=sum(count.get(k, 0) for k in LAUNCHES), syncs=syncs,
+                sync_sites=sync_sites(step) if syncs else [],
                 ops=[dict(name=n, self_cpu_ms=round(ms, 3), calls=c) for n, ms, c in ops],
                 python=[dict(name=n, own_ms=round(ms, 3), calls=c) for n, ms, c in py])

@@ -284,7 +284,8 @@ def host_line(r: dict) -> str:
     py = ", ".join(f"{o['name']} {o['own_ms']:.2f}" for o in h["python"][:8])
     return (f"  host {r['variant']}: {h['wall_ms_profiled']:.2f} ms/step under cProfile, {h['launches']:.0f} "
             f"launches, {h['syncs']:.0f} syncs, {h['python_calls']:.0f} Python calls\n    ops (self CPU ms): {ops}"
-            f"\n    Python (own ms): {py}")
+            f"\n    Python (own ms): {py}" + "".join(f"\n    sync x{s['count']} {s['event']} at "
+                                                  + " <- ".join(s['stack'][:4]) for s in h.get("sync_sites", [])))
 
 
 def summary(rows: list[dict], recipes) -> dict:

@@ -118,3 +118,19 @@ def test_exposed_communication_from_a_trace():
         {"cat": "kernel", "name": "ncclKernel_AllGather", "ts": 200, "dur": 10}]}   # not covered
     total, exposed = overlap_ms(kernels_of(trace))
     assert abs(total - 0.060) < 1e-9 and abs(exposed - 0.040) < 1e-9, (total, exposed)
+
+
+def test_host_breakdown_names_where_each_sync_comes_from(monkeypatch):
+    """``fleet --host``: a step's host syncs are counted and traced to the Python frames that made them
+    (``aten::item`` on the CPU; CUDA's synchronizations on a GPU)."""
+    monkeypatch.syspath_prepend(ROOT)
+    from benchmarks._harness import host_breakdown
+    x = torch.randn(8)
+
+    def reads_the_loss():
+        return (x * 2).sum().item()
+    h = host_breakdown(reads_the_loss, steps=2, top=5)
+    assert h["syncs"] == 1
+    (site,) = h["sync_sites"]
+    assert site["event"] == "aten::item" and site["count"] == 1
+    assert any("reads_the_loss" in frame for frame in site["stack"]), site
