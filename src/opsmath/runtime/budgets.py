@@ -88,12 +88,12 @@ def _at_share(gm, by_node, share: int, budget: float, resident: int, to_come: in
 
 def reserve_floors(state, parent: fx.GraphModule, names: list[str], use_inductor: bool) -> None:
     """Under a byte budget, before any block's piece runs: each piece's floor (``piece_floor``), and in
-    each piece's ``BLOCK_SHARE`` what the pieces after it need at least while each of their backwards
-    runs (its floor and gradients, and what the pieces between keep at their floors), less the piece's
-    own gradients (not allocated yet then), which ``share_budget`` keeps back from its share: the earlier
-    pieces, which plan first, no longer keep what a later one cannot do without (HF LLaMA 1.1B's last
-    piece, its head and loss: half its activations). Pieces of one structure (the middle blocks) are
-    analyzed once."""
+    each piece's ``BLOCK_SHARE`` the most that a later piece needs while its backward runs (its floor
+    and its gradients), less the piece's own gradients (not allocated yet then), which ``share_budget``
+    keeps back from its share: the earlier pieces, which plan first, no longer keep what a later one
+    cannot do without (HF LLaMA 1.1B's last piece, its head and loss: half its activations). Pieces of
+    one structure (the middle blocks) are analyzed once; a piece that cannot be analyzed reserves
+    nothing, and the report says so."""
     if state.memory_budget is None or parse_budget(state.memory_budget)[0] != "bytes":
         return
     how, seen, floors = "tag" if use_inductor else "checkpoint", {}, []
@@ -104,35 +104,36 @@ def reserve_floors(state, parent: fx.GraphModule, names: list[str], use_inductor
             seen[key] = piece_floor(piece, how)
         floors.append(seen[key])
     for i, name in enumerate(names):
-        need, between = 0, 0
-        for peak, kept, grads in floors[i + 1:]:
-            need, between = max(need, between + peak + grads), between + kept
         meta = getattr(parent, name).meta
-        meta[BLOCK_SHARE] = (*meta[BLOCK_SHARE][:3], max(0, need - floors[i][2]))
+        need = max((f + g for f, g in floors[i + 1:] if f is not None), default=0)
+        meta[BLOCK_SHARE] = (*meta[BLOCK_SHARE][:3], max(0, need - floors[i][1]))
+    blind = [name for name, (f, _) in zip(names, floors) if f is None]
+    if blind:
+        state.notes.append(f"memory_budget={state.memory_budget!r}: the floors of {len(blind)} of {len(names)} "
+                           "block graphs could not be estimated before they run (symbolic sizes or no example "
+                           "values); the pieces before them keep nothing back for them")
 
 
-def piece_floor(piece: fx.GraphModule, how: str) -> tuple[int, int, int]:
-    """``(peak, kept, gradients)`` in bytes beyond what is resident, at a block's piece's floor: the least
-    its forward and backward peak at, what it keeps at that plan, and its parameters' gradients. Planned
-    on its dynamo example values, lowered to ATen but not rewritten: eager's saved set, an upper bound of
-    what its rewritten, Inductor-partitioned graph saves. ``(0, 0, 0)`` where it cannot be analyzed
-    (symbolic sizes, no example values)."""
+def piece_floor(piece: fx.GraphModule, how: str) -> tuple[int | None, int]:
+    """``(floor, gradients)`` in bytes beyond what is resident: the least a block's piece peaks at in its
+    forward and backward (its plan's floor for a 1-byte budget; kept tensors at full recompute are its
+    inputs, which the pieces hand on and ``BLOCK_SHARE`` counts apart), and its parameters' gradients.
+    Planned on its dynamo example values, lowered to ATen but not rewritten: eager's saved set, an
+    estimate of what its rewritten graph saves. ``(None, gradients)`` where it cannot be analyzed."""
     args = [n.meta.get("example_value") for n in piece.graph.find_nodes(op="placeholder")]
-    if not all(isinstance(a, torch.Tensor) and all(isinstance(s, int) for s in a.shape) for a in args):
-        return 0, 0, 0
-    grads = sum(a.numel() * a.element_size() for a in args if a.requires_grad and a.is_leaf)
+    tensors = all(isinstance(a, torch.Tensor) and all(isinstance(s, int) for s in a.shape) for a in args)
+    grads = sum(a.numel() * a.element_size() for a in args if tensors and a.requires_grad and a.is_leaf)
     try:
-        captured = lower_to_aten(clone_graph_module(piece), args)
-        by_node = saved_bytes_by_node(captured.gm, captured.requires_grad)
+        captured = lower_to_aten(clone_graph_module(piece), args) if tensors else None
+        by_node = saved_bytes_by_node(captured.gm, captured.requires_grad) if captured else None
         if by_node is None:
-            return 0, 0, 0
-        try:
-            plan = plan_and_emit(clone_graph_module(captured.gm), by_node, 1, 0, how=how)
-        except InfeasibleBudget as e:
-            plan = plan_and_emit(captured.gm, by_node, int(e.floor * 1.001) + 1, 0, how=how)
-    except Exception:  # noqa: BLE001 (an estimate: without it the piece plans for its share alone)
-        return 0, 0, 0
-    return plan.kept + plan.transient, plan.kept, grads
+            return None, grads
+        plan_and_emit(captured.gm, by_node, 1, 0, how=how)
+    except InfeasibleBudget as e:
+        return e.floor, grads
+    except Exception:  # noqa: BLE001 (an estimate: without it the pieces plan for their shares alone)
+        return None, grads
+    return 0, grads   # (saves nothing)
 
 
 def _structure(piece: fx.GraphModule) -> tuple:
