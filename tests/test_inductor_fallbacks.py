@@ -1,5 +1,6 @@
 """Under Inductor (``optimize(inductor=True)``; on CPU Inductor emits C++): the fallback ladder when Inductor
-fails on a rewritten graph, and rewrites declined because they measured slower than Inductor."""
+fails on a rewritten graph, rewrites declined because they measured slower than Inductor, and CPU graphs
+kept away from a miscompile of Inductor's vectorized C++."""
 import copy
 import shutil
 
@@ -63,3 +64,27 @@ def test_learned_bias_attention_is_left_to_inductor_unless_a_budget_asks(budget)
         assert any("needs its gradient" in d.reason for d in rep.declines if d.pattern == "attention")
     else:
         assert rep.count("attention") == 1
+
+
+class HandsOnItsEmbedding(torch.nn.Module):
+    """An embedding both returned and read by a matmul, as T5's position bias is when one block hands it
+    to the next (one graph per block): Inductor's vectorized C++ scatter for the embedding's backward,
+    fused with the sum of the two gradients, gives a wrong weight gradient (torch 2.13 CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 2)
+
+    def forward(self, idx, q):
+        e = self.emb(idx)                                        # [S, S, H]
+        return e.permute(2, 0, 1).unsqueeze(0).contiguous() @ q, e
+
+
+def test_a_cpu_graph_gathering_rows_that_need_a_gradient_compiles_without_vectorization():
+    torch.manual_seed(0)
+    eager, idx, q = HandsOnItsEmbedding(), torch.randint(0, 16, (8, 8)), torch.randn(2, 2, 8, 4)
+    ours = opsmath.optimize(copy.deepcopy(eager), inductor=True)
+    for m in (eager, ours):
+        sum((y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum() for y in m(idx, q)).backward()
+    torch.testing.assert_close(ours.emb.weight.grad, eager.emb.weight.grad, rtol=1e-5, atol=1e-6)
+    assert opsmath.report(ours).graphs[0].inductor

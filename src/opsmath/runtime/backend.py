@@ -57,12 +57,28 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
     offloading = offload_async.offloading(gm, example_inputs)
     passes = [p for p in (weight_casts.joint_pass(gm, example_inputs),) if p]
     patches = {"triton.cudagraphs": True} if cuda_graphs else {}
+    if _cpu_gather_with_grad(gm, example_inputs):
+        patches["cpp.simdlen"] = 0
     if passes:   # after any joint-graph pass already configured
         patches["joint_custom_post_pass"] = functools.partial(
             _joint_passes, [torch._inductor.config.joint_custom_post_pass, *passes])
     with torch._functorch.config.patch(enable_autograd_cache=False) if tagged else contextlib.nullcontext(), \
             offloading:
         return inductor(gm, example_inputs, config_patches=patches or None)
+
+
+def _cpu_gather_with_grad(gm: fx.GraphModule, example_inputs) -> bool:
+    """Whether ``gm`` runs on the CPU, takes an input that needs a gradient and gathers rows (an
+    embedding, ``w[idx]``), whose backward scatters. Inductor's vectorized C++ code for that scatter,
+    fused with the sum of gradients arriving from a matmul or custom op and from a graph output (torch
+    2.13 CPU: ``emb = embedding(idx, w)``, returning ``emb`` and ``emb.permute(...) @ q``; T5's position
+    bias handed from block to block), gives a wrong ``w.grad`` (relative error ~1), where scalar code is
+    right: such graphs are compiled without vectorization (``cpp.simdlen=0``)."""
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    if not tensors or not all(t.is_cpu for t in tensors) or not any(t.requires_grad for t in tensors):
+        return False
+    gathers = (torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor)
+    return any(gm.graph.find_nodes(op="call_function", target=t) for t in gathers)
 
 
 def _joint_passes(passes, graph) -> None:
