@@ -370,3 +370,18 @@ def test_budget_is_one_target_in_two_units():
     d = by_bytes.to_dict()
     assert d["budget_bytes"] == as_bytes and abs(d["budget_share"] - 0.6) < 1e-6
     assert "0.60 of activations" in rep2.render(width=200)
+
+
+def test_a_graph_at_its_floor_plans_at_the_lowest_share_a_plan_fits(monkeypatch):
+    """The floor an infeasible fraction names is the solver's estimate (HF DeBERTa-v2: 0.303, where plans
+    fit from 0.317 only, so that asking the named fraction named a higher one): a graph planned at its
+    floor bisects for the lowest share a plan fits, and the step's error then names a fraction that fits."""
+    from opsmath.memory import plan
+    from opsmath.memory.segments import Segment
+    fake = ("opsmath", None, ([], 100, 217, 1.0), {})
+    fits = lambda share: fake if share >= 0.317 else None   # noqa: E731
+    monkeypatch.setattr(plan, "best_option", lambda gm, options, resident, kind, share, *a, **k: (fits(share), None))
+    monkeypatch.setattr(plan, "_least_kept", lambda gm, options, resident, share, link, index: fits(share))
+    options = [("opsmath", [Segment(0, 1, 1000, 0, 1.0)])]
+    best, note, share = plan._at_floor(None, options, 0, 0.3, [], InfeasibleBudget("x", 303))
+    assert best is fake and 0.317 <= share < 0.317 + 1 / 1024 and "floor is 0.31" in note, (share, note)

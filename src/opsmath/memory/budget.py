@@ -3,6 +3,7 @@ percentage of the unconstrained activation bytes), the error for one the plan ca
 step holds, and a fraction's share held across the graphs of one step."""
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -61,6 +62,12 @@ def _size(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
+
+
+def fraction_up(x: float) -> str:
+    """A fraction to three decimals, rounded up: the smallest feasible fraction an error names must be one
+    that is feasible when asked for (0.3004 reads 0.301, not 0.300)."""
+    return f"{math.ceil(x * 1000 - 1e-9) / 1000:.3f}"
 
 
 class InfeasibleBudget(ValueError):
@@ -170,7 +177,7 @@ def check_step_share(budget, records: list) -> None:
         floor = max(p.resident for p in plans) + peak
         raise InfeasibleBudget(
             f"memory budget {value:.4g} (fraction) cannot be met: the smallest feasible is about {_size(floor)} "
-            f"({floor} bytes, fraction {share:.3f})" + (f" over the step's {len(plans)} graphs (split by graph "
+            f"({floor} bytes, fraction {fraction_up(share)})" + (f" over the step's {len(plans)} graphs (split by graph "
                                                          "breaks), each at its floor" if len(plans) > 1 else ""),
             floor)
 

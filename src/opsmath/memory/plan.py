@@ -329,9 +329,17 @@ def _at_floor(gm, options, resident: int, value: float, earlier: list, error, li
     total = sum(s.saved for s in options[-1][1])
     if total <= 0:
         return None, "", None
-    floor = error.floor - resident
-    share = min(1.0, floor / total + 1.0 / 4096)
+    lo = (error.floor - resident) / total
+    share = min(1.0, lo + 1.0 / 4096)
     best = _least_kept(gm, options, resident, share, link, index)
+    if best is None:   # the floor the error names is an estimate: the lowest share a plan fits, by bisection
+        hi = 1.0       # (keeping everything fits)
+        while hi - lo > 1.0 / 1024:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if best_option(gm, options, resident, "fraction", mid, link, index)[0] else (mid, hi)
+        share = hi
+        best = _least_kept(gm, options, resident, share, link, index)
+    floor = share * total
     kept = best[2][1] if best is not None else floor
     step = (sum(p.kept for p in earlier) + kept) / (sum(p.unconstrained for p in earlier) + total)
     return best, (f"this graph's floor is {floor / total:.3f} of its {_size(total)} of activations, above its "

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch.fx as fx
 
 from opsmath.memory import offload
-from opsmath.memory.budget import InfeasibleBudget, _size
+from opsmath.memory.budget import InfeasibleBudget, _size, fraction_up
 from opsmath.memory.plan_solve import (Step, _lowest_peak, _max_saving, _peak, _solve, _steps, conflicts, credited,
                                        suffix)
 from opsmath.memory.segments import Segment, forward_order, runs_of
@@ -75,7 +75,7 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
         asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
         raise InfeasibleBudget(
             f"memory budget {asked} cannot be met: the smallest feasible is about {_size(floor)} ({floor} bytes"
-            + (f", fraction {max(0.0, smallest - after[0]) / total:.3f}" if total else "") + ")", floor)
+            + (f", fraction {fraction_up(max(0.0, smallest - after[0]) / total)}" if total else "") + ")", floor)
     kept = total - sum(st.saving for st in picked)
     return picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked)
 
