@@ -102,6 +102,17 @@ def peak_owners(snapshot: dict, top: int = 14) -> dict:
     return dict(peak=best, owners=[dict(where=k, bytes=v) for k, v in ranked])
 
 
+def plans_of(model) -> list[dict]:
+    """Each planned graph's plan (its timeline left out) and, for a block's graph under an in-backward
+    optimizer, its share of the budget: ``(own, later, handed on, kept back for later floors)`` bytes."""
+    from opsmath.meta_keys import BLOCK_SHARE
+    if model is None or not hasattr(model, "_opsmath"):
+        return []
+    return [dict({k: v for k, v in g.plan.to_dict().items() if k != "timeline"},
+                 block_share=list(g.source.meta.get(BLOCK_SHARE) or []) if g.source is not None else [])
+            for g in opsmath.report(model).graphs if g.plan is not None]
+
+
 def train(args, model_name: str, card: int | None, opt_name: str, device: str) -> dict:
     """One row: the model optimized under the card's budget, ``args.steps`` steps, each measured."""
     row = dict(model=model_name, card=card, optimizer=opt_name, steps=[], error=None)
@@ -151,10 +162,10 @@ def train(args, model_name: str, card: int | None, opt_name: str, device: str) -
         if device == "cuda":   # whether the allocator's segments are expandable (opsmath turns them on)
             segs = torch.cuda.memory_snapshot()
             row["segments"] = dict(total=len(segs), expandable=sum(1 for g in segs if g.get("is_expandable")))
-        row["plans"] = [{k: v for k, v in g.plan.to_dict().items() if k != "timeline"}
-                        for g in opsmath.report(model).graphs if g.plan is not None]
+        row["plans"] = plans_of(model)
         row["report"] = str(opsmath.report(model))[-4000:]
     except (torch.OutOfMemoryError, InfeasibleBudget) as e:
+        row["plans"] = plans_of(model)   # the graphs planned before it failed: what each kept, its share
         if args.history == len(row["steps"]) + 1 and device == "cuda":   # what the step held when it failed
             row["history_owners"] = peak_owners(torch.cuda.memory._snapshot())
         row["error"] = f"{type(e).__name__} at step {len(row['steps']) + 1}: {str(e)[:600]}"
@@ -188,6 +199,8 @@ def main():
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.smoke:
         args.steps = min(args.steps, 3)
+        if not os.environ.get("OUT"):   # smoke rows are not results
+            os.environ["OUT"] = __import__("tempfile").mkdtemp(prefix="card-smoke-")
     if args.no_expandable:
         os.environ["OPSMATH_EXPANDABLE_SEGMENTS"] = "0"
     cards = [None if c in ("none", "") else int(parse_budget(c)[1]) for c in args.cards.split(",")]
