@@ -179,7 +179,7 @@ def make_backend(state, model: torch.nn.Module):
                 except InfeasibleBudget as e:   # the optimizer may step inside backward: per-block graphs
                     parts = step_in_backward(state, model, gm, e)
             parent, pieces = parts   # one graph per block: its gradients are final at its backward's end
-            reserve_floors(state, parent, pieces, inductor)
+            reserve_floors(state, parent, pieces, inductor, piece_rewrite(state, inductor))
             for name in pieces:
                 setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors,
                                                 symbolic=state.memory_budget is None))
@@ -309,6 +309,14 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
                    captured.buffer_guard(example_inputs),
                    lambda args, names: after_change(state, record.index, names, gm.forward, None if captured.dynamic
                                                     else lambda: compile_graph(state, model, gm, args)))
+
+
+def piece_rewrite(state, use_inductor: bool):
+    """``(piece, captured) -> rewritten graph``: a block's piece lowered on its example values, rewritten
+    as its capture will be (no real inputs: rules that add graph inputs do not), for its floor's estimate
+    (``budgets.reserve_floors``)."""
+    return lambda piece, captured: run_patterns(captured, _patterns_for(state, piece, use_inductor)[0], state.skip,
+                                                use_inductor, budget=True).gm
 
 
 def _patterns_for(state, gm: fx.GraphModule, use_inductor: bool) -> tuple[list, set]:

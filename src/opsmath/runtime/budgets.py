@@ -86,14 +86,15 @@ def _at_share(gm, by_node, share: int, budget: float, resident: int, to_come: in
     return None
 
 
-def reserve_floors(state, parent: fx.GraphModule, names: list[str], use_inductor: bool) -> None:
+def reserve_floors(state, parent: fx.GraphModule, names: list[str], use_inductor: bool, rewrite=None) -> None:
     """Under a byte budget, before any block's piece runs: each piece's floor (``piece_floor``), and in
     each piece's ``BLOCK_SHARE`` the most that a later piece needs while its backward runs (its floor
     and its gradients), less the piece's own gradients (not allocated yet then), which ``share_budget``
     keeps back from its share: the earlier pieces, which plan first, no longer keep what a later one
     cannot do without (HF LLaMA 1.1B's last piece, its head and loss: half its activations). Pieces of
     one structure (the middle blocks) are analyzed once; a piece that cannot be analyzed reserves
-    nothing, and the report says so."""
+    nothing, and the report says so. ``rewrite(piece, captured)``: the piece's lowered graph with the
+    model's rewrites applied (the chunked loss keeps no logits), where the caller gives it."""
     if state.memory_budget is None or parse_budget(state.memory_budget)[0] != "bytes":
         return
     how, seen, floors = "tag" if use_inductor else "checkpoint", {}, []
@@ -101,7 +102,7 @@ def reserve_floors(state, parent: fx.GraphModule, names: list[str], use_inductor
         piece = getattr(parent, name)
         key = _structure(piece)
         if key not in seen:
-            seen[key] = piece_floor(piece, how)
+            seen[key] = piece_floor(piece, how, rewrite)
         floors.append(seen[key])
     for i, name in enumerate(names):
         meta = getattr(parent, name).meta
@@ -114,21 +115,23 @@ def reserve_floors(state, parent: fx.GraphModule, names: list[str], use_inductor
                            "values); the pieces before them keep nothing back for them")
 
 
-def piece_floor(piece: fx.GraphModule, how: str) -> tuple[int | None, int]:
+def piece_floor(piece: fx.GraphModule, how: str, rewrite=None) -> tuple[int | None, int]:
     """``(floor, gradients)`` in bytes beyond what is resident: the least a block's piece peaks at in its
     forward and backward (its plan's floor for a 1-byte budget; kept tensors at full recompute are its
     inputs, which the pieces hand on and ``BLOCK_SHARE`` counts apart), and its parameters' gradients.
-    Planned on its dynamo example values, lowered to ATen but not rewritten: eager's saved set, an
-    estimate of what its rewritten graph saves. ``(None, gradients)`` where it cannot be analyzed."""
+    Planned on its dynamo example values, lowered to ATen and rewritten where ``rewrite`` is given
+    (``reserve_floors``): eager's saved set, an estimate of what its Inductor-partitioned graph saves.
+    ``(None, gradients)`` where it cannot be analyzed."""
     args = [n.meta.get("example_value") for n in piece.graph.find_nodes(op="placeholder")]
     tensors = all(isinstance(a, torch.Tensor) and all(isinstance(s, int) for s in a.shape) for a in args)
     grads = sum(a.numel() * a.element_size() for a in args if tensors and a.requires_grad and a.is_leaf)
     try:
         captured = lower_to_aten(clone_graph_module(piece), args) if tensors else None
-        by_node = saved_bytes_by_node(captured.gm, captured.requires_grad) if captured else None
+        gm = (rewrite(piece, captured) if rewrite is not None else captured.gm) if captured else None
+        by_node = saved_bytes_by_node(gm, captured.requires_grad) if captured else None
         if by_node is None:
             return None, grads
-        plan_and_emit(captured.gm, by_node, 1, 0, how=how)
+        plan_and_emit(gm, by_node, 1, 0, how=how)
     except InfeasibleBudget as e:
         return e.floor, grads
     except Exception:  # noqa: BLE001 (an estimate: without it the pieces plan for their shares alone)
