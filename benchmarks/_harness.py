@@ -152,7 +152,8 @@ def sync_sites(step, frames: int = 6) -> list[dict]:
     from: the innermost Python frames outside torch's profiler, with their count."""
     from torch.profiler import ProfilerActivity, profile
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), with_stack=True) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, with_stack=True) as prof:
         step()
         if cuda:
             torch.cuda.synchronize()
@@ -172,7 +173,8 @@ def host_breakdown(step, steps: int = 3, top: int = 20) -> dict:
     """Where the host time of a step goes: per step, the wall time with the GPU synchronized at the end,
     the kernel launches and host syncs (torch.profiler's CUDA runtime events; ``sync_sites``: where
     they come from, one more step profiled with stacks), the ops with the most CPU self time (``ops``),
-    and the Python functions with the most own time (cProfile, ``python``; run without the profiler). A host-bound step is one whose wall time outruns its kernels (``gpu_ms``)."""
+    and the Python functions with the most own time (cProfile, ``python``; run without the profiler). A
+    host-bound step is one whose wall time outruns its kernels (``gpu_ms``)."""
     import cProfile
     import pstats
     from torch.profiler import ProfilerActivity, profile

@@ -122,7 +122,7 @@ def share_budget(budget, share, resident: int):
     handed, reserve)``, the weights of the piece and of the pieces after it. The headroom is the budget
     less the resident bytes, less ``handed`` (the tensors this piece and the later ones hand on: a
     residual stream, rotary tables, alive beyond their piece and in no piece's plan) and less ``reserve``
-    (the largest floor of a later piece, ``runtime.budgets.reserve_floors``). None where no share applies
+    (what the later pieces need at their floors, ``runtime.budgets.reserve_floors``). None where no share applies
     (a fraction, the last piece, a graph that is not a block's piece): the budget itself."""
     kind, value = parse_budget(budget)
     if share is None or kind != "bytes" or min(share[:2]) <= 0:
@@ -177,8 +177,9 @@ def check_step_share(budget, records: list) -> None:
         floor = max(p.resident for p in plans) + peak
         raise InfeasibleBudget(
             f"memory budget {value:.4g} (fraction) cannot be met: the smallest feasible is about {_size(floor)} "
-            f"({floor} bytes, fraction {fraction_up(share)})" + (f" over the step's {len(plans)} graphs (split by graph "
-                                                         "breaks), each at its floor" if len(plans) > 1 else ""),
+            f"({floor} bytes, fraction {fraction_up(share)})" + (
+                f" over the step's {len(plans)} graphs (split by graph breaks), each at its floor" if len(plans) > 1
+                else ""),
             floor)
 
 

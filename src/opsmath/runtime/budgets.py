@@ -4,20 +4,23 @@ whole graph cannot meet a byte budget, the optimizer's step moved inside backwar
 block (``step_in_backward``, for ``in_backward="auto"``)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
 from opsmath.capture.lower import lower_to_aten
 from opsmath.memory import offload, replan
-from opsmath.memory.analysis import saved_bytes_by_node
+from opsmath.memory.analysis import partitioned_saved_bytes, saved_bytes_by_node
 from opsmath.memory.budget import (InfeasibleBudget, expandable_segments, grad_bytes, optimizer_lever,
                                    optimizer_state_to_come, parse_budget, resident_bytes, share_budget)
-from opsmath.memory.analysis import partitioned_saved_bytes
 from opsmath.memory.first_plan import first_plan
 from opsmath.memory.plan import clone_graph_module, plan_and_emit
 from opsmath.meta_keys import BLOCK_SHARE
 from opsmath.optim.footprint import in_backward_lever
 from opsmath.runtime import blocks, fp8_weights
+
+log = logging.getLogger("opsmath")
 
 
 def step_in_backward(state, model, gm: fx.GraphModule, error: InfeasibleBudget):
@@ -135,6 +138,7 @@ def piece_floor(piece: fx.GraphModule, how: str, rewrite=None) -> tuple[int | No
     except InfeasibleBudget as e:
         return e.floor, grads
     except Exception:  # noqa: BLE001 (an estimate: without it the pieces plan for their shares alone)
+        log.info("opsmath: a block graph's floor could not be estimated", exc_info=True)
         return None, grads
     return 0, grads   # (saves nothing)
 
@@ -144,5 +148,5 @@ def _structure(piece: fx.GraphModule) -> tuple:
     def val(n):
         v = n.meta.get("example_value")
         return (tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else type(v).__name__
-    return tuple((n.op, str(n.target) if n.op != "placeholder" and n.op != "get_attr" else "", val(n))
+    return tuple((n.op, "" if n.op in ("placeholder", "get_attr") else str(n.target), val(n))
                  for n in piece.graph.nodes)
