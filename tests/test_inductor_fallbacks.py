@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import opsmath
+from conftest import DEVICE
 from test_inductor import pair, step_equals_eager
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -81,10 +82,12 @@ class HandsOnItsEmbedding(torch.nn.Module):
 
 
 def test_a_cpu_graph_gathering_rows_that_need_a_gradient_compiles_without_vectorization():
+    """(On the GPU, ``OPSMATH_TEST_DEVICE=cuda``: the same graph through Triton's code, checked alike.)"""
     torch.manual_seed(0)
-    eager, idx, q = HandsOnItsEmbedding(), torch.randint(0, 16, (8, 8)), torch.randn(2, 2, 8, 4)
+    eager = HandsOnItsEmbedding().to(DEVICE)
+    idx, q = torch.randint(0, 16, (8, 8), device=DEVICE), torch.randn(2, 2, 8, 4, device=DEVICE)
     ours = opsmath.optimize(copy.deepcopy(eager), inductor=True)
     for m in (eager, ours):
-        sum((y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum() for y in m(idx, q)).backward()
+        sum((y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view(y.shape)).sum() for y in m(idx, q)).backward()
     torch.testing.assert_close(ours.emb.weight.grad, eager.emb.weight.grad, rtol=1e-5, atol=1e-6)
     assert opsmath.report(ours).graphs[0].inductor
