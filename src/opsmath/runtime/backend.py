@@ -73,12 +73,16 @@ def _cpu_gather_with_grad(gm: fx.GraphModule, example_inputs) -> bool:
     fused with the sum of gradients arriving from a matmul or custom op and from a graph output (torch
     2.13 CPU: ``emb = embedding(idx, w)``, returning ``emb`` and ``emb.permute(...) @ q``; T5's position
     bias handed from block to block), gives a wrong ``w.grad`` (relative error ~1), where scalar code is
-    right: such graphs are compiled without vectorization (``cpp.simdlen=0``)."""
+    right: such graphs are compiled without vectorization (``cpp.simdlen=0``). Read in ATen (the rewritten
+    graph) and in dynamo's spelling (its graph, which the fallback ladder compiles)."""
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     if not tensors or not all(t.is_cpu for t in tensors) or not any(t.requires_grad for t in tensors):
         return False
-    gathers = (torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor)
-    return any(gm.graph.find_nodes(op="call_function", target=t) for t in gathers)
+    return any(gm.graph.find_nodes(op="call_function", target=t) for t in _GATHERS)
+
+
+_GATHERS = (torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor, torch.nn.functional.embedding,
+            torch.embedding)
 
 
 def _joint_passes(passes, graph) -> None:
