@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
@@ -56,6 +57,12 @@ def write(name: str, payload: dict) -> str:
     with open(path, "w") as f:
         json.dump(dict(env=env(), **payload), f, indent=1)
     return path
+
+
+def smoke_out(prefix: str) -> None:
+    """``--smoke`` rows are not results: ``write`` puts them in a temporary folder unless ``OUT`` names one."""
+    if not os.environ.get("OUT"):
+        os.environ["OUT"] = tempfile.mkdtemp(prefix=f"{prefix}-smoke-")
 
 
 def new_shape() -> None:

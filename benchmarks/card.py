@@ -27,7 +27,7 @@ import torch
 import opsmath
 from opsmath.kernels.autotune import kernel_ms
 from opsmath.memory.budget import InfeasibleBudget, parse_budget
-from benchmarks._harness import write
+from benchmarks._harness import smoke_out, write
 from benchmarks._models import GPT2_SMALL, build, build_llama
 
 OPTIMIZERS = {   # name: (params, device) -> optimizer
@@ -199,8 +199,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.smoke:
         args.steps = min(args.steps, 3)
-        if not os.environ.get("OUT"):   # smoke rows are not results
-            os.environ["OUT"] = __import__("tempfile").mkdtemp(prefix="card-smoke-")
+        smoke_out("card")
     if args.no_expandable:
         os.environ["OPSMATH_EXPANDABLE_SEGMENTS"] = "0"
     cards = [None if c in ("none", "") else int(parse_budget(c)[1]) for c in args.cards.split(",")]

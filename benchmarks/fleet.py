@@ -35,14 +35,13 @@ import gc
 import inspect
 import math
 import os
-import tempfile
 import time
 
 import torch
 
 import opsmath
 from opsmath.kernels import autotune
-from benchmarks._harness import host_breakdown, interleave, write
+from benchmarks._harness import host_breakdown, interleave, smoke_out, write
 from benchmarks.hf_default_attention import Variant
 
 DEC = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
@@ -342,8 +341,7 @@ def main():
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.rounds, args.steps = 1, 1
-        if not os.environ.get("OUT"):   # smoke rows are not results
-            os.environ["OUT"] = tempfile.mkdtemp(prefix="fleet-smoke-")
+        smoke_out("fleet")
     name = "fleet-" + (args.tag or ("all" if models == list(MODELS) else "-".join(models))) \
         + ("" if set(recipes) == set(RECIPES) else "-" + "-".join(recipes)) + ("-smoke" if args.smoke else "")
     rows, payload, start = [], dict(args=vars(args), variants=labels, configs={}), time.monotonic()
