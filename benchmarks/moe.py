@@ -17,6 +17,11 @@ Per variant: median and spread of per-round median step times (``--rounds`` roun
 kernel time per step, the step's peak memory above what is resident, and for opsmath what it rewrote.
 
     python -m benchmarks moe [--models loop,mixtral] [--rounds 5] [--steps 3] [--variants ...] [--smoke]
+    python -m benchmarks moe --cpu --layers 8 --models loop64 --batch 2 --seq 64 \
+        --variants "torch.compile,opsmath.optimize,opsmath.optimize(one graph)"   # first steps: tracing
+
+``opsmath.optimize(one graph)``: every expert loop traced in the model's one graph, as before
+``patterns/experts/regional.py`` (which traces a repeated loop once for all its modules).
     python -m benchmarks moe --curve 200 --models loop --batch 2 --seq 1024 [--curve-fp8]   # loss curves vs eager
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import torch
 
 import opsmath
+import opsmath.patterns.experts.regional as regional
 from opsmath import examples
 from benchmarks._harness import interleave, write
 from benchmarks.hf_default_attention import RECIPE, Variant
@@ -44,6 +50,7 @@ HF_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_k
                moe_intermediate_size=32, shared_expert_intermediate_size=64, vocab_size=256)   # --smoke
 LOOP = {"loop": dict(n_expert=8, top_k=2, hidden=2816), "loop64": dict(n_expert=64, top_k=8, hidden=704)}
 TINY = dict(dim=64, n_layer=2, n_head=4, n_kv_head=2, vocab_size=256)
+LAYERS = [0]    # --layers: the loop models' layer count where given
 SIZE = dict(dim=1024, n_layer=8, n_head=16, n_kv_head=8, vocab_size=32000)
 
 
@@ -62,7 +69,7 @@ def build(name: str, device: str, seq: int, seed: int = 0):
                 layer.mlp.gate = BiasedRouter(layer.mlp.gate)
         batch = lambda ids: dict(input_ids=ids, labels=ids, use_cache=False)   # noqa: E731
     else:
-        size = TINY if device == "cpu" else SIZE
+        size = dict(TINY if device == "cpu" else SIZE, **({"n_layer": LAYERS[0]} if LAYERS[0] else {}))
         model = examples.Mixtral(max_len=seq, **size, **LOOP[base])
         if name.endswith("imbalanced"):
             for layer in model.layers:
@@ -107,8 +114,18 @@ class MoEVariant(Variant):
         return loss
 
 
+def _one_graph(model):
+    """``opsmath.optimize`` with every expert loop traced in the model's one graph (``regional.py`` off)."""
+    keep, regional.REGIONAL_EXPERTS = regional.REGIONAL_EXPERTS, 10**9
+    try:
+        return opsmath.optimize(model)
+    finally:
+        regional.REGIONAL_EXPERTS = keep
+
+
 VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m,
-            "opsmath.optimize(fp8=True)": lambda m: opsmath.optimize(m, fp8=True)}
+            "opsmath.optimize(fp8=True)": lambda m: opsmath.optimize(m, fp8=True),
+            "opsmath.optimize(one graph)": _one_graph}
 
 
 def run(name, rounds, steps, device, labels, B, T):
@@ -184,9 +201,11 @@ def main():
     ap.add_argument("--recipe", choices=["amp", "bf16"], default="amp",
                     help="amp: fp32 weights under bf16 autocast (what most users run); bf16: bf16 weights")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script, measures nothing")
+    ap.add_argument("--cpu", action="store_true", help="tiny widths on the CPU (first steps: tracing costs)")
+    ap.add_argument("--layers", type=int, default=0, help="layers of the loop models (default: 8, 2 on CPU)")
     args = ap.parse_args()
-    RECIPE[0] = args.recipe
-    device = "cpu" if args.smoke else "cuda"
+    RECIPE[0], LAYERS[0] = args.recipe, args.layers
+    device = "cpu" if args.smoke or args.cpu else "cuda"
     if args.smoke:
         args.rounds, args.steps, args.batch, args.seq = 2, 1, 2, 32
         args.models = "loop,loop-imbalanced,mixtral-imbalanced"
@@ -197,7 +216,8 @@ def main():
         else:
             out[n] = run(n, args.rounds, args.steps, device, args.variants.split(","), args.batch, args.seq)
         if not args.smoke:
-            print("wrote", write("moe" + ("-curve" if args.curve else "") + f"-{args.recipe}" + args.tag, out), flush=True)
+            print("wrote", write("moe" + ("-curve" if args.curve else "") + ("-cpu" if args.cpu else "")
+                                 + f"-{args.recipe}" + args.tag, out), flush=True)
 
 
 if __name__ == "__main__":

@@ -342,9 +342,11 @@ def test_rows_picked_by_id_without_an_expert_sum_are_not_reported():
 
 
 def test_data_dependent_sizes_traced_only_in_models_with_experts():
-    from opsmath.api import _has_experts
-    assert _has_experts(examples.SparseMoE(8, 8)) and _has_experts(StackedLoop())
-    assert not _has_experts(examples.gpt()[0]) and not _has_experts(nn.Linear(4, 4))
+    from opsmath.patterns.experts import tracing_settings
+    loop, stacked = tracing_settings(examples.SparseMoE(8, 8)), tracing_settings(StackedLoop())
+    assert loop == dict(capture_dynamic_output_shape_ops=True, fake_tensor_cache_enabled=False)
+    assert stacked == dict(capture_dynamic_output_shape_ops=True)     # no expert modules: caching kept
+    assert tracing_settings(examples.gpt()[0]) == {} and tracing_settings(nn.Linear(4, 4)) == {}
 
 
 def test_expert_loops_rewritten_when_sequence_lengths_change():

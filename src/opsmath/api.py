@@ -30,6 +30,7 @@ import torch
 
 import opsmath.kernels  # noqa: F401  (registers the opsmath:: custom ops)
 from opsmath.patterns import ALL as ALL_PATTERNS, NAMES as PATTERN_NAMES
+from opsmath.patterns.experts import tracing_settings
 from opsmath.patterns.fp8_linear import WEIGHT_CACHE, with_scaling
 
 from opsmath.runtime.backend import INDUCTOR_FUSES_BETTER, GraphRecord, make_backend  # noqa: F401  (re-exported)
@@ -227,14 +228,6 @@ class CompileKeepsOpsmath:
         return CompileKeepsOpsmath, (self.module,)
 
 
-def _has_experts(model: torch.nn.Module) -> bool:
-    """Whether ``model`` looks like a mixture of experts (a submodule named ``*expert*``, or a 3-D
-    parameter: experts' weights stacked): only then are data-dependent sizes traced instead of breaking
-    the graph, so other models (a boolean-mask loss) keep torch.compile's behaviour."""
-    return any("expert" in name.lower() for name, _ in model.named_modules()) or \
-        any(p.dim() == 3 for p in model.parameters())
-
-
 def _chosen(patterns, fp8) -> list:
     """The rules ``optimize`` applies: all but the opt-in ones not asked for, or exactly ``patterns``."""
     if fp8 not in (False, True, "tensorwise", "rowwise", "cached"):
@@ -253,8 +246,8 @@ def _chosen(patterns, fp8) -> list:
 def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
     """What the optimized module's ``__call__`` runs: dynamo's compiled frame, with opsmath's dynamo
     settings, bookkeeping for the report, and eager's own error for a call that cannot be traced."""
-    experts = any(p.name == "experts" for p in state.patterns) and "experts" not in state.skip \
-        and _has_experts(model)
+    experts = tracing_settings(model) \
+        if any(p.name == "experts" for p in state.patterns) and "experts" not in state.skip else {}
     guard = guard_for(model, state)
 
     def call(*args, **kwargs):
@@ -271,8 +264,7 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
             return model._call_impl(*args, **kwargs)
         patches = dict(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit),
                        skip_nnmodule_hook_guards=False)
-        if experts:   # a torch.where per expert is traced (an unbacked size), not a graph break
-            patches["capture_dynamic_output_shape_ops"] = True
+        patches.update(experts)   # a torch.where per expert traced (an unbacked size), not a graph break
         if inductor is False or (inductor is None and not _on_cuda(model)):
             patches["optimize_ddp"] = False
         # the first capture (dynamo's tracing included) takes Ctrl-C at its end (capture/interrupts.py)

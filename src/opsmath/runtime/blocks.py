@@ -37,11 +37,12 @@ PIECE = "opsmath_block_piece"   # GraphModule.meta key of a block's piece: never
 
 def block_of(node: fx.Node) -> Optional[str]:
     """The outermost ``nn.ModuleList`` item whose forward produced ``node`` (``"model.layers.3"``), or
-    None outside any."""
+    None outside any. Experts (an item of a list named ``*expert*``) are no blocks: a loop over them is
+    rewritten whole, and a graph of one MoE module (``patterns/experts/regional.py``) is not split."""
     for path in module_paths(node):
-        m = re.match(r"^(.*?\.\d+)(?:\.|$)", path)
+        m = re.match(r"^(.*?)\.\d+(?:\.|$)", path)
         if m:
-            return m.group(1)
+            return None if "expert" in m.group(1).rsplit(".", 1)[-1].lower() else m.group(0).rstrip(".")
     return None
 
 

@@ -144,9 +144,11 @@ def piece_floor(piece: fx.GraphModule, how: str, rewrite=None) -> tuple[int | No
 
 
 def _structure(piece: fx.GraphModule) -> tuple:
-    """What makes two pieces' floors equal: their ops and value sizes in order, names aside."""
+    """What makes two pieces' floors equal: their ops and value sizes in order, names aside (a symbolic size
+    by its expression: an expert's data-dependent row count is a SymInt, which does not hash)."""
     def val(n):
         v = n.meta.get("example_value")
-        return (tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else type(v).__name__
+        return (tuple(map(str, v.shape)), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) \
+            else type(v).__name__
     return tuple((n.op, "" if n.op in ("placeholder", "get_attr") else str(n.target), val(n))
                  for n in piece.graph.nodes)

@@ -42,6 +42,7 @@ from opsmath.rewrite.match import RewriteContext, node_line
 from opsmath.rewrite.rules import Rule, register_rule
 
 from opsmath.patterns.experts.library import swap_library_fallbacks
+from opsmath.patterns.experts.regional import ACTIVE, expert_lists, trace_once
 from opsmath.patterns.experts.body import BOOKKEEPING, Correspondence, Emitter, Expert, body_of, unsupported
 from opsmath.patterns.experts.spellings import ASSIGN, accumulation, from_topk, masks_to_indices, routing
 
@@ -181,6 +182,20 @@ def _finish(sel, experts, init, readers, topk) -> Loop | str:
     return Loop(sel, k, experts, init, corr, not proven, readers, [n for b in book for n in b])
 
 
+def tracing_settings(model: torch.nn.Module) -> dict:
+    """The dynamo settings under which the rule sees ``model``'s experts: none unless it looks like a
+    mixture of experts (a submodule named ``*expert*``, or a 3-D parameter: experts' weights stacked), so that
+    other models (a boolean-mask loss) keep torch.compile's graph break at a data-dependent size. Where it
+    does, each ``torch.where`` is traced (an unbacked size). Experts held as modules (``expert_lists``), which
+    a forward loops over, make a new unbacked size per expert, where fake-tensor
+    caching costs more than it saves (a 64-expert loop traces about 20% faster without)."""
+    names = [name.rsplit(".", 1)[-1].lower() for name, _ in model.named_modules()]
+    if not any("expert" in n for n in names) and not any(p.dim() == 3 for p in model.parameters()):
+        return {}
+    lists = any(expert_lists(m) for m in model.modules())
+    return dict(capture_dynamic_output_shape_ops=True, **(dict(fake_tensor_cache_enabled=False) if lists else {}))
+
+
 def _routed(ctx: RewriteContext, loop: Loop, like: fx.Node) -> dict:
     """The rows sorted by expert: ``tok``, ``pos``, ``gid`` (each row's expert, from 0; ``eid`` its id),
     ``offs`` (int32 ends of each expert's rows), ``order`` (the sort permutation), ``valid`` (rows routed
@@ -211,12 +226,13 @@ def _routed(ctx: RewriteContext, loop: Loop, like: fx.Node) -> dict:
 
 
 def _module_path(node: fx.Node) -> str:
-    """The module the loop runs in (``layers.1.moe``), else its source line."""
+    """The module the loop runs in (``layers.1.moe``), else its source line; in a graph that modules share
+    (``regional.py``), theirs."""
     stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        path = re.sub(r"^L\['\w+'\]\.?", "", list(stack.values())[-1][0])
-        return re.sub(r"\[(\d+)\]", r".\1", path) or "model"
-    return source_location(node)[0]
+    path = re.sub(r"\[(\d+)\]", r".\1", re.sub(r"^L\['\w+'\]\.?", "", list(stack.values())[-1][0])) if stack else ""
+    if ACTIVE:
+        return ACTIVE[-1] + (f" ({path})" if path else "")
+    return path or ("model" if stack else source_location(node)[0])
 
 
 def _combine(ctx: RewriteContext, loop: Loop, routed: dict, c: fx.Node, like: fx.Node) -> fx.Node:
@@ -252,7 +268,8 @@ class ExpertsRule(Rule):
     def prepare(self, model) -> list[str]:
         """Hugging Face experts set to ``experts_implementation="eager"`` loop over the experts that got
         tokens (``for i in expert_hit``: a graph break per expert, which no graph rewrite can undo):
-        switched to the library's own ``"grouped_mm"``, the same function."""
+        switched to the library's own ``"grouped_mm"``, the same function. Repeated loops over many experts
+        are traced once for all their modules (``regional.py``)."""
         notes = []
         for m in model.modules():
             cfg = getattr(m, "config", None)
@@ -266,7 +283,7 @@ class ExpertsRule(Rule):
                     continue
                 notes.append(f"experts: {type(m).__name__}'s experts_implementation 'eager' (a graph break per "
                              "expert) switched to its 'grouped_mm' (the same function)")
-        return notes
+        return notes + trace_once(model)
 
     def emit(self, ctx: RewriteContext, where: fx.Node, loop: Loop) -> None:
         last = loop.experts[-1].acc

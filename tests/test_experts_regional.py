@@ -1,0 +1,95 @@
+"""Repeated expert loops traced once for all their modules (``patterns/experts/regional.py``): one
+rewritten graph serves every layer's MoE, training equals eager, copies carry their own modules, and a
+model under the threshold stays one graph."""
+import copy
+import pickle
+
+import pytest
+import torch
+
+import opsmath
+import opsmath.patterns.experts.regional as regional
+from opsmath import examples
+from tolerance import grads_close
+
+pytestmark = pytest.mark.quick
+
+
+def _model(n_layer=3, n_expert=4):
+    torch.manual_seed(0)
+    return examples.Mixtral(max_len=32, dim=32, n_layer=n_layer, n_head=4, n_kv_head=2, vocab_size=64,
+                            n_expert=n_expert, top_k=2, hidden=16).train()
+
+
+def _batch():
+    tok = torch.randint(0, 64, (2, 16))
+    return tok, torch.roll(tok, -1, 1)
+
+
+@pytest.fixture
+def low_threshold(monkeypatch):
+    monkeypatch.setattr(regional, "REGIONAL_EXPERTS", 8)
+
+
+def test_one_graph_serves_every_layers_experts_and_trains_as_eager(low_threshold):
+    model = _model()
+    eager, opt = copy.deepcopy(model), opsmath.optimize(model, inductor=False)
+    for _ in range(2):
+        batch = _batch()
+        lo, le = opt(*batch), eager(*batch)
+        lo.backward()
+        le.backward()
+        assert grads_close(lo.detach(), le.detach(), 1e-5)
+    for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
+        assert grads_close(p.grad, q.grad, 1e-5), name
+    rep = opsmath.report(opt)
+    experts = [m for g in rep.graphs for m in g.matches if m.pattern == "experts"]
+    assert len(experts) == 1                                  # rewritten once, for the three layers
+    assert len(rep.graphs) > 1 and not rep.fallback_errors
+    assert any("3 SparseMoE modules (layers.0.moe ... layers.2.moe" in n for n in rep.notes)
+    load = rep.expert_load()
+    assert [row["layer"] for row in load] == ["layers.0.moe ... layers.2.moe"]
+    assert load[0]["calls"] == 2 * 3                           # two steps, three layers: pooled
+
+
+def test_copies_and_pickles_carry_their_own_modules(low_threshold):
+    opt = opsmath.optimize(_model(), inductor=False)
+    twin = copy.deepcopy(opt)
+    for a, b in zip(opt.modules(), twin.modules()):
+        if isinstance(a, examples.SparseMoE):
+            assert a.forward.module is a and b.forward.module is b
+    loaded = pickle.loads(pickle.dumps(opt))     # plain state, the experts' own graphs included
+    assert all(m.forward.module is m for m in loaded.modules() if isinstance(m, examples.SparseMoE))
+    batch = _batch()
+    with torch.no_grad():
+        assert torch.equal(twin(*batch), loaded(*batch))
+
+
+def test_below_the_threshold_the_model_stays_one_graph():
+    opt = opsmath.optimize(_model(n_layer=2, n_expert=4), inductor=False)
+    assert not any(isinstance(m.__dict__.get("forward"), regional.OwnGraph) for m in opt.modules())
+    opt(*_batch()).backward()
+    assert len(opsmath.report(opt).graphs) == 1
+
+
+@pytest.mark.parametrize("threshold", [8, 10**9], ids=["regional", "whole"])
+def test_in_backward_steps_under_a_byte_budget_equal_adamw(monkeypatch, threshold):
+    """Block pieces of a graph whose expert loops have data-dependent sizes: their floors are estimated
+    (the loop's SymInt sizes once failed to hash), and the experts are never split into blocks."""
+    monkeypatch.setattr(regional, "REGIONAL_EXPERTS", threshold)
+    model = _model()
+    eager, opt = copy.deepcopy(model), opsmath.optimize(model, memory_budget="64MiB", inductor=False)
+    ours = opsmath.optim.AdamW(opt.parameters(), lr=1e-3, in_backward=True)
+    ref = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    for _ in range(2):
+        batch = _batch()
+        opt(*batch).backward()
+        ours.step()
+        eager(*batch).backward()
+        ref.step()
+        ref.zero_grad()
+    for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
+        assert p.grad is None and grads_close(p.detach(), q.detach(), 1e-5), name
+    rep = opsmath.report(opt)
+    assert not rep.fallback_errors
+    assert sum(m.pattern == "experts" for g in rep.graphs for m in g.matches) == (1 if threshold == 8 else 3)
