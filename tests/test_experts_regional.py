@@ -52,6 +52,17 @@ def test_one_graph_serves_every_layers_experts_and_trains_as_eager(low_threshold
     assert load[0]["calls"] == 2 * 3                           # two steps, three layers: pooled
 
 
+def test_rewritten_after_torch_compile_skipped_the_same_loop(low_threshold):
+    """``torch.compile`` (any backend) skips a frame with a graph break in a loop, and dynamo keeps that per
+    code object: opsmath's frame of the same class runs a copy of ``forward`` of its own."""
+    other = torch.compile(_model(), backend="eager")
+    other(*_batch()).backward()
+    opt = opsmath.optimize(_model(), inductor=False)
+    opt(*_batch()).backward()
+    rep = opsmath.report(opt)
+    assert sum(m.pattern == "experts" for g in rep.graphs for m in g.matches) == 1
+
+
 def test_copies_and_pickles_carry_their_own_modules(low_threshold):
     opt = opsmath.optimize(_model(), inductor=False)
     twin = copy.deepcopy(opt)

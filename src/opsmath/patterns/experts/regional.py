@@ -11,16 +11,21 @@ inputs, as in torch's regional compilation). The loop is rewritten once.
 
 The cost: the graph is broken around each such module (the blocks' code before and after it runs as
 graphs of their own, also compiled once and reused), so Inductor fuses nothing across the boundary, and
-each boundary costs the host a graph call. Below the threshold the whole model stays one graph. The
+each boundary costs the host a graph call. Dynamo cannot resume a frame inside a loop: the frame that
+calls the modules from a loop (the loop over layers) runs eagerly, and the ops it runs itself (in the
+reference model: the embedding, the LM head and the loss) get no rewrite. Measured on the CPU (64 experts
+x 8 layers): first step 7.7 s instead of 45.3 s (``torch.compile``: 27.9 s), steps 4% slower than the one
+graph's. Below the threshold (the 8-expert, 8-layer model: 64) the whole model stays one graph. The
 report's notes name the modules; their expert-load view pools every instance (one graph).
 """
 from __future__ import annotations
 
+import types
 from collections import defaultdict
 
 import torch
 
-REGIONAL_EXPERTS = 128   # experts x instances from which a module's loop is traced once for all instances
+REGIONAL_EXPERTS = 256   # experts x instances from which a module's loop is traced once for all instances
 
 
 def expert_lists(module: torch.nn.Module) -> int:
@@ -33,10 +38,26 @@ def expert_lists(module: torch.nn.Module) -> int:
 ACTIVE: list[str] = []    # the label of the modules whose graph runs (and may be captured) now
 
 
+_COPIES: dict = {}
+
+
+def forward_copy(forward):
+    """``forward`` with a code object of its own (same globals, defaults and closure: the same function).
+    Dynamo keeps what it learned per code object, whichever backend compiled it: once ``torch.compile``
+    skipped a loop over experts (a graph break in a loop skips the frame), an opsmath frame of the same
+    code would be skipped too, and the loop left as written."""
+    if forward not in _COPIES:
+        fn = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                                forward.__defaults__, forward.__closure__)
+        fn.__kwdefaults__, fn.__qualname__ = forward.__kwdefaults__, forward.__qualname__
+        _COPIES[forward] = fn
+    return _COPIES[forward]
+
+
 def _own_graph(own: "OwnGraph", *args, **kwargs):
     ACTIVE.append(own.label)
     try:
-        return type(own.module).forward(own.module, *args, **kwargs)
+        return forward_copy(type(own.module).forward)(own.module, *args, **kwargs)
     finally:
         ACTIVE.pop()
 
@@ -76,6 +97,7 @@ def trace_once(model: torch.nn.Module) -> list[str]:
             m.forward = OwnGraph(m, label)
         notes.append(f"experts: {len(found)} {cls.__name__} modules ({label}, {experts} experts "
                      f"in all) each run as a graph of their own, traced and rewritten once for all of them: a "
-                     f"loop over experts traces one data-dependent size per expert; the graph breaks around "
-                     f"them (their expert-load view pools all {len(found)})")
+                     f"loop over experts traces one data-dependent size per expert. The graph breaks around "
+                     f"them: a frame calling them from a loop runs eagerly, its own ops without rewrites; "
+                     f"their expert-load view pools all {len(found)}")
     return notes
