@@ -104,3 +104,14 @@ def test_in_backward_steps_under_a_byte_budget_equal_adamw(monkeypatch, threshol
     rep = opsmath.report(opt)
     assert not rep.fallback_errors
     assert sum(m.pattern == "experts" for g in rep.graphs for m in g.matches) == (1 if threshold == 8 else 3)
+
+
+def test_the_environment_sets_the_threshold(monkeypatch):
+    monkeypatch.setenv("OPSMATH_REGIONAL_EXPERTS", "8")
+    opt = opsmath.optimize(_model(), inductor=False)
+    assert all(isinstance(m.__dict__.get("forward"), regional.OwnGraph)
+               for m in opt.modules() if isinstance(m, examples.SparseMoE))
+    monkeypatch.setenv("OPSMATH_REGIONAL_EXPERTS", "0")      # off: one graph however many experts
+    monkeypatch.setattr(regional, "REGIONAL_EXPERTS", 1)
+    opt = opsmath.optimize(_model(), inductor=False)
+    assert not any(isinstance(m.__dict__.get("forward"), regional.OwnGraph) for m in opt.modules())

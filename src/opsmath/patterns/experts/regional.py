@@ -20,12 +20,20 @@ report's notes name the modules; their expert-load view pools every instance (on
 """
 from __future__ import annotations
 
+import os
 import types
 from collections import defaultdict
 
 import torch
 
 REGIONAL_EXPERTS = 256   # experts x instances from which a module's loop is traced once for all instances
+
+
+def threshold() -> float:
+    """``REGIONAL_EXPERTS``, or the environment's ``OPSMATH_REGIONAL_EXPERTS`` (0: every model one graph,
+    for long runs where the steps' few percent outweigh the first step's tracing)."""
+    value = int(os.environ.get("OPSMATH_REGIONAL_EXPERTS", REGIONAL_EXPERTS))
+    return value if value > 0 else float("inf")
 
 
 def expert_lists(module: torch.nn.Module) -> int:
@@ -89,7 +97,7 @@ def trace_once(model: torch.nn.Module) -> list[str]:
     notes = []
     for cls, found in by_class.items():
         experts = sum(expert_lists(m) for _, m in found)
-        if len(found) < 2 or experts < REGIONAL_EXPERTS:
+        if len(found) < 2 or experts < threshold():
             continue
         names = [n for n, _ in found]
         label = f"{names[0]} ... {names[-1]}"
