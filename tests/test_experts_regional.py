@@ -115,3 +115,21 @@ def test_the_environment_sets_the_threshold(monkeypatch):
     monkeypatch.setattr(regional, "REGIONAL_EXPERTS", 1)
     opt = opsmath.optimize(_model(), inductor=False)
     assert not any(isinstance(m.__dict__.get("forward"), regional.OwnGraph) for m in opt.modules())
+
+
+def test_inductor_trains_as_eager_on_the_device(low_threshold, device):
+    """The shared MoE graph and the pieces around it through Inductor (on the GPU under
+    ``OPSMATH_TEST_DEVICE=cuda``: the Triton grouped GEMM or ``torch._grouped_mm`` in the shared graph)."""
+    model = _model(n_layer=2).to(device)
+    eager, opt = copy.deepcopy(model), opsmath.optimize(model, inductor=True)
+    for _ in range(2):
+        tok, target = (t.to(device) for t in _batch())
+        lo, le = opt(tok, target), eager(tok, target)
+        lo.backward()
+        le.backward()
+        assert grads_close(lo.detach(), le.detach(), 1e-4)
+    for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
+        assert grads_close(p.grad, q.grad, 1e-4), name
+    rep = opsmath.report(opt)
+    assert sum(m.pattern == "experts" for g in rep.graphs for m in g.matches) == 1
+    assert all(g.inductor for g in rep.graphs) and not rep.fallback_errors
