@@ -50,6 +50,7 @@ def test_one_graph_serves_every_layers_experts_and_trains_as_eager(low_threshold
     load = rep.expert_load()
     assert [row["layer"] for row in load] == ["layers.0.moe ... layers.2.moe"]
     assert load[0]["calls"] == 2 * 3                           # two steps, three layers: pooled
+    assert any("a repeated MoE module runs as its own graph" in r.reason for r in rep.eager_regions)
 
 
 def test_rewritten_after_torch_compile_skipped_the_same_loop(low_threshold):

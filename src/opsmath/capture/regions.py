@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -291,7 +292,11 @@ def note_graph_breaks(before: dict, regions: list[EagerRegion]):
     ``regions`` does not list yet: the code around a graph break runs as plain Python, unrewritten."""
     listed = {r.reason for r in regions if r.kind == "graph break"}
     for reason, n in graph_breaks().items():
-        text = " ".join(str(reason).split()).split(" Explanation:")[0][:200]
+        flat = " ".join(str(reason).split())
+        text = flat.split(" Explanation:")[0][:200]
+        why = re.search(r"\(reason: (.+?)\)(?: Hint:|$)", flat)     # a ``disable(..., reason=...)``'s own
+        if why and why.group(1) != "None":
+            text = f"{text}: {why.group(1)}"[:300]
         if n > before.get(reason, 0) and text not in listed:
             listed.add(text)
             regions.append(EagerRegion("graph break", "", "", text))

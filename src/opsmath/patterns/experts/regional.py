@@ -72,7 +72,11 @@ def _own_graph(own: "OwnGraph", *args, **kwargs):
 
 # skipped by dynamo (a graph break in the caller), while the frame it calls, the module's ``forward``, is
 # compiled by the same ``torch.compile`` as the caller's: one cache entry serves every instance
-_own_graph = torch._dynamo.disable(_own_graph, recursive=False)
+_WHY = "opsmath: a repeated MoE module runs as its own graph, traced once for all (patterns/experts/regional.py)"
+try:
+    _own_graph = torch._dynamo.disable(_own_graph, recursive=False, reason=_WHY)
+except TypeError:   # a torch without disable's reason
+    _own_graph = torch._dynamo.disable(_own_graph, recursive=False)
 
 
 class OwnGraph:
