@@ -134,3 +134,49 @@ def test_inductor_trains_as_eager_on_the_device(low_threshold, device):
     rep = opsmath.report(opt)
     assert sum(m.pattern == "experts" for g in rep.graphs for m in g.matches) == 1
     assert all(g.inductor for g in rep.graphs) and not rep.fallback_errors
+
+
+def _checkpointed(layer, x):
+    return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+
+
+class CheckpointedBlocks(torch.nn.Module):
+    """MoE layers under a checkpoint called through a helper (no ``checkpoint(`` in ``forward``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([examples.SparseMoE(16, 8, n_expert=4) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + _checkpointed(layer, x)
+        return x.square().mean()
+
+
+class CheckpointedInForward(CheckpointedBlocks):
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["in_forward", "through_a_helper"])
+def test_checkpointed_modules_are_never_silently_left_as_written(low_threshold, hidden):
+    """A checkpoint runs its function with dynamo off, where no graph of its own can be captured: a model
+    whose source checkpoints keeps its loops in its graph; one that hides it runs them as written, and
+    the report says so."""
+    torch.manual_seed(0)
+    model = CheckpointedBlocks() if hidden else CheckpointedInForward()
+    eager, opt = copy.deepcopy(model), opsmath.optimize(model, inductor=False)
+    x = torch.randn(2, 5, 16)
+    lo, le = opt(x), eager(x)
+    lo.backward()
+    le.backward()
+    for p, q in zip(opt.parameters(), eager.parameters()):
+        assert grads_close(p.grad, q.grad, 1e-5)
+    rep = opsmath.report(opt)
+    own = [m for m in opt.modules() if isinstance(m.__dict__.get("forward"), regional.OwnGraph)]
+    if hidden:
+        assert len(own) == 3 and any("ran 6 times with dynamo off" in n for n in rep.notes)
+    else:
+        assert not own and any("traced in the model's graph, not once for all: " in n for n in rep.notes)

@@ -19,6 +19,7 @@ from opsmath.kernels import SPECS
 from opsmath.kernels.grouped_mm import LOAD_STEPS, LOADS
 
 from opsmath.api import state_of
+from opsmath.patterns.experts.regional import eager_notes
 from opsmath.ui.fp8_stats import fp8_rows
 from opsmath.rewrite.match import Decline, Match
 from opsmath.ui.rendering import Rendered
@@ -70,7 +71,7 @@ class Report(Rendered):
         self.unoptimized_calls = state.unoptimized_calls
         self.eager_inference_calls = state.eager_inference_calls
         self.notes = list(state.notes) + [f"Inductor did not replay a graph as a CUDA graph: {m}"
-                                          for m in state.cuda_graph_skips]
+                                          for m in state.cuda_graph_skips] + (eager_notes(model) if model else [])
 
     @property
     def matches(self) -> list[Match]:

@@ -17,14 +17,25 @@ reference model: the embedding, the LM head and the loss) get no rewrite. Measur
 x 8 layers): first step 7.7 s instead of 45.3 s (``torch.compile``: 27.9 s), steps 4% slower than the one
 graph's. Below the threshold (the 8-expert, 8-layer model: 64) the whole model stays one graph. The
 report's notes name the modules; their expert-load view pools every instance (one graph).
+
+A checkpoint (``torch.utils.checkpoint``) runs its function with dynamo off: a module called there gets
+no graph of its own, and its loop would run as written, where the model's one graph traces the
+checkpoint and rewrites the loop inside it. So a model that checkpoints (``_checkpoints``) is left one
+graph, and a module found running with dynamo off anyway is logged and named in the report
+(``eager_notes``).
 """
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import types
 from collections import defaultdict
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+log = logging.getLogger("opsmath")
 
 REGIONAL_EXPERTS = 256   # experts x instances from which a module's loop is traced once for all instances
 
@@ -47,6 +58,7 @@ ACTIVE: list[str] = []    # the label of the modules whose graph runs (and may b
 
 
 _COPIES: dict = {}
+_WARNED: set = set()
 
 
 def forward_copy(forward):
@@ -63,6 +75,14 @@ def forward_copy(forward):
 
 
 def _own_graph(own: "OwnGraph", *args, **kwargs):
+    if get_eval_frame_callback() is None and torch.is_grad_enabled():
+        # dynamo is off around this call (``torch.utils.checkpoint`` runs its function so; a
+        # ``torch.compiler.disable`` region): no graph of its own can be captured, the loop runs as written
+        if own.label not in _WARNED:
+            _WARNED.add(own.label)
+            log.warning("opsmath: %s ran with dynamo off (inside torch.utils.checkpoint?): its expert loop runs "
+                        "as written; OPSMATH_REGIONAL_EXPERTS=0 keeps it in the model's graph", own.label)
+        own.eager_calls += 1
     ACTIVE.append(own.label)
     try:
         return forward_copy(type(own.module).forward)(own.module, *args, **kwargs)
@@ -85,7 +105,7 @@ class OwnGraph:
     pickles of the module carry it bound to themselves (``module`` is an attribute)."""
 
     def __init__(self, module: torch.nn.Module, label: str):
-        self.module, self.label = module, label
+        self.module, self.label, self.eager_calls = module, label, 0
 
     def __call__(self, *args, **kwargs):
         return _own_graph(self, *args, **kwargs)
@@ -93,7 +113,8 @@ class OwnGraph:
 
 def trace_once(model: torch.nn.Module) -> list[str]:
     """Give each repeated expert-loop module of ``model`` its own graph (``OwnGraph``) where its class has
-    ``REGIONAL_EXPERTS`` experts in all; the report's notes for those it did."""
+    ``REGIONAL_EXPERTS`` experts in all, unless the model checkpoints (``_checkpoints``); the report's
+    notes for those it did."""
     by_class = defaultdict(list)
     for name, m in model.named_modules():
         if expert_lists(m) and "forward" not in m.__dict__:    # a forward set on the instance stays
@@ -105,6 +126,12 @@ def trace_once(model: torch.nn.Module) -> list[str]:
             continue
         names = [n for n, _ in found]
         label = f"{names[0]} ... {names[-1]}"
+        where = _checkpoints(model)
+        if where:
+            notes.append(f"experts: {len(found)} {cls.__name__} modules ({label}) traced in the model's graph, "
+                         f"not once for all: {where} checkpoints, and a checkpoint's function runs with dynamo "
+                         "off, where no graph of their own could be captured")
+            continue
         for _, m in found:
             m.forward = OwnGraph(m, label)
         notes.append(f"experts: {len(found)} {cls.__name__} modules ({label}, {experts} experts "
@@ -113,3 +140,35 @@ def trace_once(model: torch.nn.Module) -> list[str]:
                      f"them: a frame calling them from a loop runs eagerly, its own ops without rewrites; "
                      f"their expert-load view pools all {len(found)}")
     return notes
+
+
+def _checkpoints(model: torch.nn.Module) -> str:
+    """Which of ``model``'s modules checkpoint (Hugging Face's ``gradient_checkpointing``, or a
+    ``checkpoint(`` call in a ``forward``'s source), else ''."""
+    classes = {}
+    for name, m in model.named_modules():
+        if getattr(m, "gradient_checkpointing", False) is True:
+            return name or type(m).__name__
+        classes.setdefault(type(m), name)
+    for cls, name in classes.items():
+        if cls.__module__.startswith("torch."):
+            continue
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        if "checkpoint(" in source:
+            return name or cls.__name__
+    return ""
+
+
+def eager_notes(model: torch.nn.Module) -> list[str]:
+    """For the report: the shared graphs that ran with dynamo off, so their loops as written."""
+    calls = defaultdict(int)
+    for m in model.modules():
+        own = m.__dict__.get("forward")
+        if isinstance(own, OwnGraph):
+            calls[own.label] += own.eager_calls
+    return [f"experts: {label} ran {n} times with dynamo off (inside torch.utils.checkpoint or a disabled region): "
+            "their expert loop ran as written; OPSMATH_REGIONAL_EXPERTS=0 keeps them in the model's graph"
+            for label, n in calls.items() if n]
