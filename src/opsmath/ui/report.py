@@ -71,7 +71,8 @@ class Report(Rendered):
         self.unoptimized_calls = state.unoptimized_calls
         self.eager_inference_calls = state.eager_inference_calls
         self.notes = list(state.notes) + [f"Inductor did not replay a graph as a CUDA graph: {m}"
-                                          for m in state.cuda_graph_skips] + (eager_notes(model) if model else [])
+                                          for m in state.cuda_graph_skips]
+        self.notes += eager_notes(model) if model is not None else []   # (a module's len() may raise)
 
     @property
     def matches(self) -> list[Match]:
