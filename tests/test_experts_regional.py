@@ -180,3 +180,9 @@ def test_checkpointed_modules_are_never_silently_left_as_written(low_threshold, 
         assert len(own) == 3 and any("ran 6 times with dynamo off" in n for n in rep.notes)
     else:
         assert not own and any("traced in the model's graph, not once for all: " in n for n in rep.notes)
+
+
+def test_a_bad_threshold_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("OPSMATH_REGIONAL_EXPERTS", "many")
+    with pytest.raises(ValueError, match="OPSMATH_REGIONAL_EXPERTS='many': an integer"):
+        opsmath.optimize(_model(), inductor=False)

@@ -43,7 +43,11 @@ REGIONAL_EXPERTS = 256   # experts x instances from which a module's loop is tra
 def threshold() -> float:
     """``REGIONAL_EXPERTS``, or the environment's ``OPSMATH_REGIONAL_EXPERTS`` (0: every model one graph,
     for long runs where the steps' few percent outweigh the first step's tracing)."""
-    value = int(os.environ.get("OPSMATH_REGIONAL_EXPERTS", REGIONAL_EXPERTS))
+    raw = os.environ.get("OPSMATH_REGIONAL_EXPERTS", REGIONAL_EXPERTS)
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"OPSMATH_REGIONAL_EXPERTS={raw!r}: an integer number of experts (0: never)") from None
     return value if value > 0 else float("inf")
 
 
@@ -117,7 +121,8 @@ def trace_once(model: torch.nn.Module) -> list[str]:
     notes for those it did."""
     by_class = defaultdict(list)
     for name, m in model.named_modules():
-        if expert_lists(m) and "forward" not in m.__dict__:    # a forward set on the instance stays
+        # a forward set on the instance stays; a class's forward that is no plain function has no code to copy
+        if expert_lists(m) and "forward" not in m.__dict__ and isinstance(type(m).forward, types.FunctionType):
             by_class[type(m)].append((name, m))
     notes = []
     for cls, found in by_class.items():
