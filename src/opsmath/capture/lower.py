@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode, disable_fake_tensor_cache
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
@@ -70,7 +70,7 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
         _pin_symbolic_sizes(gm)
     # fake-tensor caching costs more than it saves where sizes are data-dependent (a 64-expert loop lowers
     # 25% faster without it); elsewhere it pays (repeated layers)
-    uncached = disable_fake_tensor_cache(fake_mode) if data_dependent(gm) else contextlib.nullcontext()
+    uncached = _uncached(fake_mode) if data_dependent(gm) else contextlib.nullcontext()
     with fx_traceback.preserve_node_meta(), fake_mode, uncached:
         aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
     split_size_calls(aten)
@@ -175,6 +175,18 @@ def split_size_calls(gm: fx.GraphModule) -> None:
             if not d.users:
                 graph.erase_node(d)
     gm.recompile()
+
+
+@contextlib.contextmanager
+def _uncached(fake_mode):
+    """``fake_mode`` without its dispatch cache (``FakeTensorMode.cache_enabled``, in every torch opsmath
+    supports; torch's own context manager for it is recent)."""
+    old = fake_mode.cache_enabled
+    fake_mode.cache_enabled = False
+    try:
+        yield
+    finally:
+        fake_mode.cache_enabled = old
 
 
 def data_dependent(gm: fx.GraphModule) -> bool:

@@ -33,7 +33,11 @@ import types
 from collections import defaultdict
 
 import torch
-from torch._C._dynamo.eval_frame import get_eval_frame_callback
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+except ImportError:     # a torch without it: modules under a checkpoint are not detected at run time
+    def get_eval_frame_callback():
+        return True
 
 log = logging.getLogger("opsmath")
 
