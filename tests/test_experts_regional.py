@@ -31,20 +31,28 @@ def low_threshold(monkeypatch):
     monkeypatch.setattr(regional, "REGIONAL_EXPERTS", 8)
 
 
-def test_one_graph_serves_every_layers_experts_and_trains_as_eager(low_threshold):
-    model = _model()
-    eager, opt = copy.deepcopy(model), opsmath.optimize(model, inductor=False)
+def _trains_as_eager(model, rtol, device="cpu", **options):
+    """``model`` optimized with ``options`` and a copy left eager, two steps each on ``device``: losses
+    and every gradient within ``rtol``; the optimized model's report."""
+    eager, opt = copy.deepcopy(model), opsmath.optimize(model, **options)
     for _ in range(2):
-        batch = _batch()
-        lo, le = opt(*batch), eager(*batch)
+        tok, target = (t.to(device) for t in _batch())
+        lo, le = opt(tok, target), eager(tok, target)
         lo.backward()
         le.backward()
-        assert grads_close(lo.detach(), le.detach(), 1e-5)
+        assert grads_close(lo.detach(), le.detach(), rtol)
     for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
-        assert grads_close(p.grad, q.grad, 1e-5), name
-    rep = opsmath.report(opt)
-    experts = [m for g in rep.graphs for m in g.matches if m.pattern == "experts"]
-    assert len(experts) == 1                                  # rewritten once, for the three layers
+        assert grads_close(p.grad, q.grad, rtol), name
+    return opsmath.report(opt)
+
+
+def _experts_rewrites(rep) -> int:
+    return sum(m.pattern == "experts" for g in rep.graphs for m in g.matches)
+
+
+def test_one_graph_serves_every_layers_experts_and_trains_as_eager(low_threshold):
+    rep = _trains_as_eager(_model(), 1e-5, inductor=False)
+    assert _experts_rewrites(rep) == 1                        # rewritten once, for the three layers
     assert len(rep.graphs) > 1 and not rep.fallback_errors
     assert any("3 SparseMoE modules (layers.0.moe ... layers.2.moe" in n for n in rep.notes)
     load = rep.expert_load()
@@ -60,8 +68,7 @@ def test_rewritten_after_torch_compile_skipped_the_same_loop(low_threshold):
     other(*_batch()).backward()
     opt = opsmath.optimize(_model(), inductor=False)
     opt(*_batch()).backward()
-    rep = opsmath.report(opt)
-    assert sum(m.pattern == "experts" for g in rep.graphs for m in g.matches) == 1
+    assert _experts_rewrites(opsmath.report(opt)) == 1
 
 
 def test_copies_and_pickles_carry_their_own_modules(low_threshold):
@@ -104,7 +111,7 @@ def test_in_backward_steps_under_a_byte_budget_equal_adamw(monkeypatch, threshol
         assert p.grad is None and grads_close(p.detach(), q.detach(), 1e-5), name
     rep = opsmath.report(opt)
     assert not rep.fallback_errors
-    assert sum(m.pattern == "experts" for g in rep.graphs for m in g.matches) == (1 if threshold == 8 else 3)
+    assert _experts_rewrites(rep) == (1 if threshold == 8 else 3)
 
 
 def test_the_environment_sets_the_threshold(monkeypatch):
@@ -121,18 +128,8 @@ def test_the_environment_sets_the_threshold(monkeypatch):
 def test_inductor_trains_as_eager_on_the_device(low_threshold, device):
     """The shared MoE graph and the pieces around it through Inductor (on the GPU under
     ``OPSMATH_TEST_DEVICE=cuda``: the Triton grouped GEMM or ``torch._grouped_mm`` in the shared graph)."""
-    model = _model(n_layer=2).to(device)
-    eager, opt = copy.deepcopy(model), opsmath.optimize(model, inductor=True)
-    for _ in range(2):
-        tok, target = (t.to(device) for t in _batch())
-        lo, le = opt(tok, target), eager(tok, target)
-        lo.backward()
-        le.backward()
-        assert grads_close(lo.detach(), le.detach(), 1e-4)
-    for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
-        assert grads_close(p.grad, q.grad, 1e-4), name
-    rep = opsmath.report(opt)
-    assert sum(m.pattern == "experts" for g in rep.graphs for m in g.matches) == 1
+    rep = _trains_as_eager(_model(n_layer=2).to(device), 1e-4, device, inductor=True)
+    assert _experts_rewrites(rep) == 1
     assert all(g.inductor for g in rep.graphs) and not rep.fallback_errors
 
 

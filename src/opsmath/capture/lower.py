@@ -189,9 +189,10 @@ def _uncached(fake_mode):
         fake_mode.cache_enabled = old
 
 
-def data_dependent(gm: fx.GraphModule) -> bool:
-    """Whether dynamo's graph has a data-dependent (unbacked) size: ``torch.where``, ``nonzero``."""
-    return any(free_unbacked_symbols(n.meta.get("example_value")) for n in gm.graph.nodes)
+def data_dependent(gm: fx.GraphModule, key: str = "example_value") -> bool:
+    """Whether a graph has a data-dependent (unbacked) size (``torch.where``, ``nonzero``), read from each
+    node's ``meta[key]``: dynamo's ``example_value``, a lowered graph's ``val``."""
+    return any(free_unbacked_symbols(n.meta.get(key)) for n in gm.graph.nodes)
 
 
 def _symbolic(v) -> bool:

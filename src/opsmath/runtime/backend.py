@@ -20,12 +20,11 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from opsmath.kernels import SPECS
 
 from opsmath.memory.analysis import kernel_launches, saved_bytes_by_node, to_networkx
-from opsmath.capture.lower import lower_to_aten, static_inputs
+from opsmath.capture.lower import data_dependent, lower_to_aten, static_inputs
 from opsmath.capture.autocast import autocast_inside, hoist_whole_region
 from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
@@ -268,9 +267,9 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     analyze = state.analyze and not captured.dynamic
     # a graph with data-dependent sizes (a loop over experts) is slow to run on fake tensors and its
     # byte counts would be bounds: the replacement (static sizes, once the loop is rewritten) is analyzed
-    data_dependent = analyze and any(free_unbacked_symbols(n.meta.get("val")) for n in captured.gm.graph.nodes)
+    unbacked = analyze and data_dependent(captured.gm, "val")
     before_by_node = saved_bytes_by_node(captured.gm, captured.requires_grad) \
-        if analyze and not data_dependent else None
+        if analyze and not unbacked else None
     before_saved = sum(before_by_node.values()) if before_by_node is not None else None
     before_nx = to_networkx(captured.gm)
     use_inductor = _uses_inductor(state, example_inputs)

@@ -229,7 +229,9 @@ def _module_path(node: fx.Node) -> str:
     """The module the loop runs in (``layers.1.moe``), else its source line; in a graph that modules share
     (``regional.py``), theirs."""
     stack = node.meta.get("nn_module_stack") or {}
-    path = re.sub(r"\[(\d+)\]", r".\1", re.sub(r"^L\['\w+'\]\.?", "", list(stack.values())[-1][0])) if stack else ""
+    path = ""
+    if stack:
+        path = re.sub(r"\[(\d+)\]", r".\1", re.sub(r"^L\['\w+'\]\.?", "", list(stack.values())[-1][0]))
     if ACTIVE:
         return ACTIVE[-1] + (f" ({path})" if path else "")
     return path or ("model" if stack else source_location(node)[0])
