@@ -31,6 +31,7 @@ baseline / variant step time, and the rows whose peak is off the baseline's by m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import math
@@ -111,7 +112,10 @@ AT_1B = {
 }
 ALL = {**MODELS, **AT_1B}
 RECIPES = ("amp", "bf16")
-VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m}
+# "(priced)": OPSMATH_PRICE=1 while it captures (rewrite/price.py: the families Inductor may fuse as well,
+# kept per occurrence only where they measure faster)
+VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m,
+            "opsmath.optimize(priced)": opsmath.optimize}
 EXTRA = {"num_labels", "decoder_start_token_id"}   # config attributes the config classes take as **kwargs
 PEAK_BAND = (0.98, 1.02)   # the summary lists rows whose peak is off the baseline's by more than this
 FIRST_BOUND = 1.5          # ... and those whose first step takes more than this times the baseline's
@@ -203,7 +207,8 @@ class FleetVariant(Variant):
     def warm_up(self):
         """The harness's warm-up; for opsmath also where its first step went (``first_parts``)."""
         tuned = dict(autotune.SPENT)
-        super().warm_up()
+        with _env("OPSMATH_PRICE", "1" if self.label.endswith("(priced)") else os.environ.get("OPSMATH_PRICE")):
+            super().warm_up()
         if hasattr(self.model, "_opsmath"):
             graphs = opsmath.report(self.model).graphs
             self.first_parts = dict(
@@ -216,9 +221,30 @@ class FleetVariant(Variant):
         r.pop("accumulate"), r.pop("recipe", None)
         r = dict(variant=r.pop("name"), recipe=self.recipe, **r)
         if hasattr(self.model, "_opsmath"):
-            r["declines"] = len(opsmath.report(self.model).declines)
+            rep = opsmath.report(self.model)
+            r["declines"] = len(rep.declines)
+            r["priced"] = [f"{m.pattern}@{m.anchor} kept: {m.details['priced']}" for m in rep.matches
+                           if "priced" in m.details] + [f"{d.pattern}@{d.node} declined: {d.reason}"
+                                                        for d in rep.declines if "Inductor" in d.reason]
             r["first_parts"] = self.first_parts   # capture_s includes tuning and Inductor (inductor_s)
         return r
+
+
+@contextlib.contextmanager
+def _env(name: str, value):
+    """``os.environ[name]`` set to ``value`` (None: unset) for the block."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def run(name, recipe, labels, rounds, steps, device, smoke, host=False) -> list[dict]:
@@ -257,6 +283,8 @@ def run(name, recipe, labels, rounds, steps, device, smoke, host=False) -> list[
         if "step_peak_gib" in r:
             r["peak_ratio"] = r["step_peak_gib"] / max(base["step_peak_gib"], 1e-9)
         print(line(r), flush=True)
+        for p in r.get("priced", []):
+            print(f"    priced {p[:220]}", flush=True)
     return rows + errors
 
 

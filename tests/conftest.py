@@ -60,7 +60,7 @@ def _fresh_dynamo():
 # autocast and HF-default paths on 2-layer models. The whole suite adds the kernels in Triton's interpreter,
 # Inductor on CPU, the real-model zoo, the benchmark smoke runs and the notebooks.
 QUICK = {
-    "test_rules", "test_declare", "test_plan_solve", "test_attention_masks", "test_autotune",
+    "test_rules", "test_declare", "test_price", "test_plan_solve", "test_attention_masks", "test_autotune",
     "test_autotune_database", "test_optim_state", "test_patterns_norms", "test_patterns_attention",
     "test_patterns_activations", "test_unmatched", "test_user_errors", "test_dynamo_backend", "test_outer_compile",
     "test_autocast", "test_inference_in_training", "test_buffer_guards", "test_dropout_seeds", "test_op_times",
@@ -74,6 +74,7 @@ QUICK = {
 # test module::function -> substrings of the parametrization ids kept (the first test matching each).
 GPU_SMOKE = {
     "test_experts_regional::test_inductor_trains_as_eager_on_the_device": [""],
+    "test_price::test_on_the_gpu_every_priced_occurrence_is_measured_and_the_step_equals_eager": [""],
     "test_kernel_attention::test_triton_matches_eager": ["", "alibi"],
     "test_kernel_attention::test_softcap_matches_eager": [""],
     "test_kernel_attention_window::test_window_matches_eager": [""],

@@ -19,6 +19,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from opsmath.kernels._common import new_seed, new_seeds
 
+from opsmath.rewrite import price
 from opsmath.rewrite.canonicalize import aten, dtype, private_temporary
 from opsmath.capture.lower import Captured, source_location, split_size_calls
 from opsmath.rewrite.normalize import drop_dead_code, einsums_as_matmuls, type_as_casts
@@ -84,8 +85,10 @@ class RewriteContext:
     """What a pattern needs: the graph, known constants, and the record of what happened."""
 
     def __init__(self, captured: Captured, skip: Optional[set[str]] = None, inductor: bool = False,
-                 inputs: Optional[list] = None, budget: bool = False):
+                 inputs: Optional[list] = None, budget: bool = False, priced: frozenset = frozenset()):
         self.captured = captured
+        self.priced = priced         # families whose occurrences are kept only where they measure faster
+        self.put_back: set[str] = set()   # nodes of priced occurrences restored (declined as a whole)
         self.budget = budget         # a memory budget is planned: rules that save memory may be worth it
         self.inputs = inputs         # the real example inputs, by placeholder (read only for what they are)
         self.gm = captured.gm
@@ -133,10 +136,43 @@ class RewriteContext:
         elif not self.allowed(pattern, anchor):
             self.declined(pattern, anchor, "skipped by the user")
         else:
+            snap = price.Snapshot.of(self.graph) if pattern in self.priced else None
             present, count = set(self.graph.nodes), len(self.matches)
             emit()
             if len(self.matches) > count:
                 self.matches[-1].inserted = [n.name for n in self.graph.nodes if n not in present]
+                if snap is not None:
+                    self._price(pattern, anchor, snap)
+
+    def _price(self, pattern: str, anchor: fx.Node, snap) -> None:
+        """Keep the rewrite just emitted only where opsmath's op measures faster than Inductor's compile
+        of the nodes it replaced (``price.py``); else put those nodes back, as without pricing, and decline
+        with the times or with why it was not measured (symbolic sizes, a failure while measuring). An
+        emit that cannot be undone (it moved other nodes) stays, the report saying it was not priced."""
+        cuts = price.regions(self.graph, snap)
+        if cuts is None:
+            self.matches[-1].details["priced"] = "not priced: the rewrite does not cut out of the graph"
+            return
+        erased, inserted, original, replacement = cuts
+        if not price.priceable(original):
+            reason = "left to Inductor: sizes not known at capture, so not priced"
+        else:
+            try:
+                choice, ms = price.verdict(pattern, original, replacement, self.may_require_grad)
+            except Exception as e:
+                log.info("opsmath: pricing %s at %s failed", pattern, anchor.name, exc_info=True)
+                choice, ms = f"{type(e).__name__}: {str(e)[:160]}", {}
+            times = ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(ms.items()))
+            if choice == "opsmath":
+                self.matches[-1].details["priced"] = times
+                return
+            reason = ("Inductor's fusion of the original ops is as fast or faster at these sizes (forward + "
+                      f"backward, GPU kernel time: {times or 'cached'})") if choice == "inductor" \
+                else f"left to Inductor: measuring failed ({choice})"
+        env = price.restore(self.graph, snap, erased, inserted)
+        self.put_back.update(n.name for n in env.values())
+        self.matches.pop()
+        self.declined(pattern, env.get(anchor, anchor), reason)
 
     def declined(self, pattern: str, node: fx.Node, reason: str) -> None:
         loc, code = source_location(node)
@@ -241,12 +277,14 @@ def normalize(ctx: RewriteContext) -> None:
 
 
 def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = None,
-                 inductor: bool = False, inputs: Optional[list] = None, budget: bool = False) -> RewriteContext:
+                 inductor: bool = False, inputs: Optional[list] = None, budget: bool = False,
+                 priced: frozenset = frozenset()) -> RewriteContext:
     """Apply every rule (``opsmath.rewrite.rules.Rule``) to the captured graph in order, lint, recompile and
     refresh fake metadata. ``inductor``: whether Inductor compiles the result (rules may weigh it);
     ``inputs``: the real example inputs (None: rules that would add graph inputs do not); ``budget``:
-    whether a memory budget is planned."""
-    ctx = RewriteContext(captured, skip, inductor, inputs, budget)
+    whether a memory budget is planned; ``priced``: families kept per occurrence only where they measure
+    faster than Inductor (``price.py``)."""
+    ctx = RewriteContext(captured, skip, inductor, inputs, budget, priced)
     normalize(ctx)
     for pattern in patterns:
         pattern.apply(ctx)

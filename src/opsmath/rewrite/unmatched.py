@@ -30,7 +30,7 @@ _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss
 
 def flag_unmatched(ctx, families: set) -> None:
     """Append a declined row for each candidate of ``families`` left in ``ctx``'s graph with none yet."""
-    declined = {d.node for d in ctx.declines}
+    declined = {d.node for d in ctx.declines} | ctx.put_back
     for node in ctx.graph.nodes:
         if node.op != "call_function" or node.name in declined:
             continue

@@ -28,6 +28,7 @@ from opsmath.capture.lower import data_dependent, lower_to_aten, static_inputs
 from opsmath.capture.autocast import autocast_inside, hoist_whole_region
 from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
+from opsmath.rewrite import price
 from opsmath.rewrite.match import Decline, Match, run_patterns
 from opsmath.runtime import blocks, fp8_weights, offload_async
 from opsmath.memory import offload, weight_casts
@@ -273,11 +274,11 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     before_saved = sum(before_by_node.values()) if before_by_node is not None else None
     before_nx = to_networkx(captured.gm)
     use_inductor = _uses_inductor(state, example_inputs)
-    patterns, left = _patterns_for(state, gm, use_inductor)
+    patterns, left, priced = _patterns_for(state, gm, use_inductor)
     static_only = sorted(p.name for p in patterns if not getattr(p, "dynamic_shapes", False)) \
         if captured.dynamic else []
     ctx = run_patterns(captured, [p for p in patterns if p.name not in static_only], state.skip, use_inductor,
-                       example_inputs, budget=state.memory_budget is not None)
+                       example_inputs, budget=state.memory_budget is not None, priced=priced)
     # one fake-tensor liveness run serves both the report and the planner
     by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
         if analyze or (state.memory_budget is not None and not captured.dynamic) else None
@@ -317,14 +318,18 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
 def piece_rewrite(state, use_inductor: bool):
     """``(piece, captured) -> rewritten graph``: a block's piece lowered on its example values, rewritten
     as its capture will be (no real inputs: rules that add graph inputs do not), for its floor's estimate
-    (``budgets.reserve_floors``)."""
-    return lambda piece, captured: run_patterns(captured, _patterns_for(state, piece, use_inductor)[0], state.skip,
-                                                use_inductor, budget=True).gm
+    (``budgets.reserve_floors``; priced families left out, as by default)."""
+    def rewrite(piece, captured):
+        patterns, _, priced = _patterns_for(state, piece, use_inductor)
+        return run_patterns(captured, [p for p in patterns if p.name not in priced], state.skip, use_inductor,
+                            budget=True).gm
+    return rewrite
 
 
-def _patterns_for(state, gm: fx.GraphModule, use_inductor: bool) -> tuple[list, set]:
-    """The families to run on ``gm`` and those left to Inductor. None where autocast is entered for part of
-    the graph (``capture/autocast.py``): the rules could not see its casts."""
+def _patterns_for(state, gm: fx.GraphModule, use_inductor: bool) -> tuple[list, set, frozenset]:
+    """The families to run on ``gm``, those left to Inductor, and those priced per occurrence instead of
+    left (``OPSMATH_PRICE=1``, ``rewrite/price.py``). None where autocast is entered for part of the graph
+    (``capture/autocast.py``): the rules could not see its casts."""
     patterns, left = state.patterns, set()
     if autocast_inside(gm):
         patterns = []
@@ -333,8 +338,10 @@ def _patterns_for(state, gm: fx.GraphModule, use_inductor: bool) -> tuple[list, 
                                      "or around the whole forward, is rewritten)")
     if use_inductor and state.default_patterns:
         left = _left_to_inductor(state)
+        if price.enabled():
+            return patterns, set(), frozenset(left)
         patterns = [p for p in patterns if p.name not in left]
-    return patterns, left
+    return patterns, left, frozenset()
 
 
 def _sizes_seen(state, shapes: list) -> bool:

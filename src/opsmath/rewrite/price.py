@@ -1,0 +1,248 @@
+"""Priced rewrites: on a graph Inductor compiles, an occurrence of a family Inductor may fuse as well is
+kept only where opsmath's op measures faster at that occurrence's sizes.
+
+Opt-in (``OPSMATH_PRICE=1``). By default the families whose op spec says ``inductor_fuses_better``
+(``kernels/_spec.py``: swiglu, bias_gelu, dropout_add_norm, cross_entropy, scaled_softmax and
+linear_cross_entropy) are left to Inductor wholesale on such graphs, on the evidence of a few measured
+shapes. Priced, each occurrence is decided by its own measurement instead:
+
+1. the rule emits as usual (``RewriteContext.offer``);
+2. the nodes the emit erased (the original subgraph) and those it inserted (the replacement) are cut out of
+   the graph as two standalone graphs over the same inputs (``cut``): inputs are the nodes outside that
+   they read, outputs the nodes of theirs read outside;
+3. each is compiled by Inductor (``compile_fx``, as the whole graph will be) and timed forward and backward
+   (the outputs' gradients with respect to the inputs that require grad) on random inputs of the
+   occurrence's sizes, strides and dtypes: GPU kernel time, ``kernels.autotune.pick``, whose disk cache
+   keeps the verdict per GPU and software (op ``price:<family>``; key: the inputs' dtypes and sizes and a
+   hash of both graphs' code, so the 12 identical layers of a model are measured once);
+4. where Inductor's is not slower, the original nodes are put back (``restore``) and the occurrence is
+   declined with both times as its reason.
+
+Caveats. Timed alone, neither side fuses with its neighbours; in the whole graph Inductor may fuse the
+original ops with the ops around them, where opsmath's op stays opaque: isolation favours opsmath's op.
+Integer inputs are zeros and boolean inputs True (any index is then in range); a data-dependent input
+(routing) would be timed on unrepresentative values, so graphs with symbolic or data-dependent sizes are
+not priced (the occurrence keeps the family's default). Random draws in the timed graphs (dropout) do
+not move the user's random streams (``torch.random.fork_rng``). Measuring compiles two small graphs per
+distinct occurrence on the first run (a few seconds each); later runs read the cache.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
+
+log = logging.getLogger("opsmath")
+
+
+def enabled() -> bool:
+    """``OPSMATH_PRICE=1``: price the families Inductor may fuse as well, per occurrence."""
+    return os.environ.get("OPSMATH_PRICE", "0") not in ("", "0")
+
+
+@dataclass
+class Snapshot:
+    """The graph before an emit: its nodes in order and each one's arguments then."""
+    nodes: list
+    args: dict
+
+    @classmethod
+    def of(cls, graph: fx.Graph) -> "Snapshot":
+        nodes = list(graph.nodes)
+        return cls(nodes, {n: (n.args, n.kwargs) for n in nodes})
+
+
+@dataclass
+class Cut:
+    """A region as a standalone graph: ``gm`` over ``inputs`` (the outside nodes it reads), returning the
+    values of ``outputs`` (its nodes read outside)."""
+    gm: fx.GraphModule
+    inputs: list
+    outputs: list
+
+
+def cut(nodes: list, args_of: Callable, read_outside: Callable) -> Optional[Cut]:
+    """``nodes`` (in graph order; only ``call_function`` nodes) as a graph of their own, its nodes named in
+    order (``n0``, ``n1``, ...) so that equal regions have equal code. None where a region is not a plain
+    computation on tensors (a node of another kind, a non-tensor output)."""
+    inside, graph, env, inputs = set(nodes), fx.Graph(), {}, []
+
+    def arg(x):
+        if x not in env:
+            env[x] = graph.placeholder(f"in{len(inputs)}")
+            env[x].meta["val"] = x.meta.get("val")
+            inputs.append(x)
+        return env[x]
+    for i, n in enumerate(nodes):
+        if n.op != "call_function":
+            return None
+        a, k = args_of(n)
+        a, k = fx.node.map_arg((a, k), lambda x: env[x] if x in inside else arg(x))
+        env[n] = graph.create_node("call_function", n.target, a, k, name=f"n{i}")
+        env[n].meta["val"] = n.meta.get("val")
+    outputs = [n for n in nodes if read_outside(n)]
+    if not outputs or not all(isinstance(n.meta.get("val"), torch.Tensor) for n in outputs):
+        return None
+    graph.output(tuple(env[n] for n in outputs))
+    return Cut(fx.GraphModule(torch.nn.Module(), graph), inputs, outputs)
+
+
+def regions(graph: fx.Graph, snap: Snapshot) -> Optional[tuple[list, list, Cut, Cut]]:
+    """(erased, inserted, original cut, replacement cut) of the emit that turned ``snap`` into ``graph``;
+    None where it cannot be priced or put back: nothing erased or inserted, a surviving node moved, or a
+    region that does not cut out cleanly."""
+    now = list(graph.nodes)
+    present = set(now)
+    erased = [n for n in snap.nodes if n not in present]
+    old = set(snap.nodes)
+    inserted = [n for n in now if n not in old]
+    survivors = [n for n in now if n in old]
+    if not erased or not inserted or survivors != [n for n in snap.nodes if n in present]:
+        return None
+    gone, new = set(erased), set(inserted)
+    readers = {n: [] for n in erased}
+    for n in snap.nodes:
+        if n not in gone:
+            for x in _nodes_in(snap.args[n]):
+                if x in gone:
+                    readers[x].append(n)
+    original = cut(erased, snap.args.__getitem__, lambda n: bool(readers[n]))
+    replacement = cut(inserted, lambda n: (n.args, n.kwargs), lambda n: any(u not in new for u in n.users))
+    if original is None or replacement is None:
+        return None
+    return erased, inserted, original, replacement
+
+
+def _nodes_in(args) -> list:
+    found = []
+    fx.node.map_arg(args, found.append)
+    return found
+
+
+def restore(graph: fx.Graph, snap: Snapshot, erased: list, inserted: list) -> dict:
+    """Undo an emit: copies of the erased nodes go back where they were (each before the first surviving
+    node that followed it), every surviving node whose arguments changed gets its old ones (the copies
+    in place of the erased), and the inserted nodes are erased. Returns erased node -> its copy."""
+    present, gone, env = set(graph.nodes), set(erased), {}
+    order = snap.nodes
+    for i, n in enumerate(order):
+        if n not in gone:
+            continue
+        after = next((m for m in order[i + 1:] if m in present), None)
+        a, k = fx.node.map_arg(snap.args[n], lambda x: env.get(x, x))
+        with graph.inserting_before(after):
+            env[n] = graph.create_node(n.op, n.target, a, k, name=n.name)
+        env[n].meta.update(n.meta)
+    for n in order:
+        if n in present and (n.args, n.kwargs) != snap.args[n]:
+            n.args, n.kwargs = fx.node.map_arg(snap.args[n], lambda x: env.get(x, x))
+    for n in reversed(inserted):
+        graph.erase_node(n)
+    return env
+
+
+def key(original: Cut, replacement: Cut) -> str:
+    """The cache key of one priced occurrence: its inputs' dtypes and sizes, and both graphs' code."""
+    vals = [x.meta["val"] for x in original.inputs]
+    shapes = " ".join(f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}" if isinstance(v, torch.Tensor)
+                      else repr(v) for v in vals)
+    code = hashlib.sha1((original.gm.code + replacement.gm.code).encode()).hexdigest()[:12]
+    return f"{shapes} #{code}"
+
+
+def priceable(c: Cut) -> bool:
+    """Sizes all known at capture (no symbolic or data-dependent size) and inputs all tensors."""
+    vals = [x.meta.get("val") for x in c.inputs] + [n.meta.get("val") for n in c.outputs]
+    return all(isinstance(v, torch.Tensor) and not free_symbols(v) for v in vals)
+
+
+def example(val: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A real tensor like the fake ``val`` (sizes, strides, dtype, device): floats normal, integers zero,
+    booleans True."""
+    out = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=val.device)
+    if out.is_floating_point():
+        return out.normal_(generator=generator)
+    return out.fill_(True if out.dtype == torch.bool else 0)
+
+
+def runner(c: Cut, needs_grad: Callable, compile_fn: Callable) -> Callable[[], None]:
+    """A zero-argument callable running ``c`` forward and backward; it compiles (``compile_fn(gm,
+    inputs)``) and draws its inputs at its first call."""
+    state = {}
+
+    def run():
+        if not state:
+            dev = c.inputs[0].meta["val"].device
+            g = torch.Generator(device=dev).manual_seed(0)
+            inputs = [example(x.meta["val"], g) for x in c.inputs]
+            for t, x in zip(inputs, c.inputs):
+                t.requires_grad_(t.is_floating_point() and needs_grad(x))
+            state.update(fn=compile_fn(c.gm, inputs), inputs=inputs,
+                         wrt=[t for t in inputs if t.requires_grad])
+        outs = state["fn"](*state["inputs"])
+        outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs and state["wrt"]:
+            torch.autograd.grad(outs, state["wrt"], [torch.ones_like(o) for o in outs], allow_unused=True)
+    return run
+
+
+def inductor(gm: fx.GraphModule, inputs: list):
+    """Inductor's compile of ``gm``, forward and backward (what ``torch.compile`` runs on a graph)."""
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(gm, inputs)
+
+
+MEASURE = None        # tests: the measuring function handed to ``autotune.pick`` (default: kernel time)
+COMPILE = inductor    # tests: how both graphs are compiled
+
+
+def verdict(family: str, original: Cut, replacement: Cut, needs_grad: Callable) -> tuple[str, dict]:
+    """``("opsmath" | "inductor", {candidate: ms})`` for one occurrence: cached, else measured now (in
+    ``isolated()``)."""
+    from opsmath.kernels import autotune
+
+    k = key(original, replacement)
+    candidates = {"inductor": runner(original, needs_grad, COMPILE),
+                  "opsmath": runner(replacement, needs_grad, COMPILE)}
+    for name, fn in candidates.items():
+        fn.candidate = name
+    with isolated(original.inputs[0].meta["val"].device):
+        choice = autotune.pick(f"price:{family}", k, candidates, **({} if MEASURE is None else {"measure_fn": MEASURE}))
+    entry = autotune.lookup(f"price:{family}", k) or {}
+    return choice, entry.get("ms", {})
+
+
+@contextlib.contextmanager
+def isolated(device: torch.device):
+    """Measuring inside a compile: none of the caller's compile state reaches the two compiles (dynamo's
+    tracing and compile contexts, whose fake mode and shape guards belong to the user's graph), grad on,
+    autocast off (the graphs carry their dtypes), and the user's random streams as they were. (In the
+    caller's thread: Inductor takes dynamo's compile lock, which the caller holds.)"""
+    from torch._guards import compile_context, tracing
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with tracing(None), compile_context(None), _own_metrics(), torch.enable_grad(), \
+            torch.autocast(device.type, enabled=False), torch.random.fork_rng(devices=devices):
+        yield
+
+
+@contextlib.contextmanager
+def _own_metrics():
+    """A compile metrics record of its own (dynamo keeps one per thread, and Inductor's compile records
+    into the caller's, which refuses a second value for the same field)."""
+    from torch._dynamo import utils
+    tls = getattr(utils, "_metrics_context_tls", None)
+    saved = getattr(tls, "metrics_context", None)
+    if saved is not None:
+        del tls.metrics_context
+    try:
+        yield
+    finally:
+        if saved is not None:
+            tls.metrics_context = saved
