@@ -146,8 +146,10 @@ def trace_once(model: torch.nn.Module) -> list[str]:
         notes.append(f"experts: {len(found)} {cls.__name__} modules ({label}, {experts} experts "
                      f"in all) each run as a graph of their own, traced and rewritten once for all of them: a "
                      f"loop over experts traces one data-dependent size per expert. The graph breaks around "
-                     f"them: a frame calling them from a loop runs eagerly, its own ops without rewrites; "
-                     f"their expert-load view pools all {len(found)}")
+                     f"them: a frame calling them from a loop runs eagerly, its own ops without rewrites "
+                     f"(on the H200, 64 experts x 8 layers: steps +25%, peak +30% against one graph; "
+                     f"OPSMATH_REGIONAL_EXPERTS=0 keeps one graph, for long runs); their expert-load view "
+                     f"pools all {len(found)}")
     return notes
 
 
