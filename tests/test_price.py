@@ -26,6 +26,7 @@ def priced(monkeypatch, tmp_path):
     monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(backend, "compile_fx", lambda gm, example_inputs, **kw: gm)
     monkeypatch.setattr(price, "COMPILE", lambda gm, inputs: gm)
+    monkeypatch.setattr(price, "saved_bytes", lambda forward: (forward(), 0)[1])   # equal: time decides
     from opsmath.kernels import autotune
     monkeypatch.setattr(autotune, "_MEMORY", {})
     clock = {"times": {"inductor": 1.0, "opsmath": 2.0}, "calls": []}
@@ -62,7 +63,8 @@ def test_where_opsmath_wins_the_rewrite_stays_and_the_verdict_is_cached(priced):
     step_equals_eager(model, ref, batch)
     kept = [m for m in opsmath.report(model).matches if m.pattern in PRICED]
     assert {m.pattern for m in kept} >= {"dropout_add_norm", "bias_gelu", "linear_cross_entropy"}
-    assert all(m.details["priced"] == "inductor 2.000 ms, opsmath 1.000 ms" for m in kept)
+    assert all(m.details["priced"].startswith("inductor 2.000 ms, opsmath 1.000 ms; saved for backward")
+               for m in kept)
     measured = len(priced["calls"])
     ref, again, batch = pair(dropout=0.0)
     again = opsmath.optimize(again, inductor=True)
@@ -78,6 +80,25 @@ def test_without_the_switch_the_families_are_left_to_inductor(priced, monkeypatc
     step_equals_eager(model, ref, batch)
     assert not priced["calls"]
     assert set(opsmath.report(model).graphs[0].left_to_inductor) >= {"dropout_add_norm", "bias_gelu"}
+
+
+def test_the_decision_weighs_time_and_bytes_saved_for_backward():
+    """Kept where faster and saving no more; under a memory budget also where it saves less."""
+    fast, slow = {"inductor": 2.0, "opsmath": 1.0}, {"inductor": 1.0, "opsmath": 2.0}
+    more, less, same = {"inductor": 1, "opsmath": 2}, {"inductor": 2, "opsmath": 1}, {"inductor": 1, "opsmath": 1}
+    assert price.judged("opsmath", fast, same, budget=False) is None
+    assert price.judged("opsmath", fast, {}, budget=False) is None          # bytes unknown: time decides
+    assert "saves more for backward" in price.judged("opsmath", fast, more, budget=False)
+    assert "as fast or faster" in price.judged("inductor", slow, less, budget=False)
+    assert price.judged("inductor", slow, less, budget=True) is None
+    assert price.judged("opsmath", fast, more, budget=True) is not None
+    assert price.judged("RuntimeError: x", {}, {}, budget=True).startswith("left to Inductor: measuring failed")
+
+
+def test_saved_bytes_counts_each_storage_once():
+    x = torch.randn(64, 64, requires_grad=True)
+    assert price.saved_bytes(lambda: (x * x).sum()) == 64 * 64 * 4          # x saved twice, one storage
+    assert price.saved_bytes(lambda: (x + 1).sum()) == 0
 
 
 class SwiGLU(nn.Module):

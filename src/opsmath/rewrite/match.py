@@ -146,8 +146,9 @@ class RewriteContext:
 
     def _price(self, pattern: str, anchor: fx.Node, snap) -> None:
         """Keep the rewrite just emitted only where opsmath's op measures faster than Inductor's compile
-        of the nodes it replaced (``price.py``); else put those nodes back, as without pricing, and decline
-        with the times or with why it was not measured (symbolic sizes, a failure while measuring). An
+        of the nodes it replaced and saves no more for backward (under a budget: or saves less;
+        ``price.judged``); else put those nodes back, as without pricing, and decline with the times and
+        bytes or with why it was not measured (symbolic sizes, a failure while measuring). An
         emit that cannot be undone (it moved other nodes) stays, the report saying it was not priced."""
         cuts = price.regions(self.graph, snap)
         if cuts is None:
@@ -158,17 +159,14 @@ class RewriteContext:
             reason = "left to Inductor: sizes not known at capture, so not priced"
         else:
             try:
-                choice, ms = price.verdict(pattern, original, replacement, self.may_require_grad)
+                choice, ms, saved = price.verdict(pattern, original, replacement, self.may_require_grad)
             except Exception as e:
                 log.info("opsmath: pricing %s at %s failed", pattern, anchor.name, exc_info=True)
-                choice, ms = f"{type(e).__name__}: {str(e)[:160]}", {}
-            times = ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(ms.items()))
-            if choice == "opsmath":
-                self.matches[-1].details["priced"] = times
+                choice, ms, saved = f"{type(e).__name__}: {str(e)[:160]}", {}, {}
+            reason = price.judged(choice, ms, saved, self.budget)
+            if reason is None:
+                self.matches[-1].details["priced"] = price.measured(ms, saved)
                 return
-            reason = ("Inductor's fusion of the original ops is as fast or faster at these sizes (forward + "
-                      f"backward, GPU kernel time: {times or 'cached'})") if choice == "inductor" \
-                else f"left to Inductor: measuring failed ({choice})"
         env = price.restore(self.graph, snap, erased, inserted)
         self.put_back.update(n.name for n in env.values())
         self.matches.pop()
