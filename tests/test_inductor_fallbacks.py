@@ -91,3 +91,29 @@ def test_a_cpu_graph_gathering_rows_that_need_a_gradient_compiles_without_vector
         sum((y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view(y.shape)).sum() for y in m(idx, q)).backward()
     torch.testing.assert_close(ours.emb.weight.grad, eager.emb.weight.grad, rtol=1e-5, atol=1e-6)
     assert opsmath.report(ours).graphs[0].inductor
+
+
+def test_a_failure_dynamo_answers_with_a_graph_break_goes_back_to_dynamo(monkeypatch):
+    """Inductor raising on both graphs with an error dynamo itself turns into a graph break (here a
+    data-dependent output, injected) is handed back to dynamo, as ``torch.compile`` would have it, not run
+    op by op: the step equals eager and the report says so."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from opsmath.runtime import backend
+    real, failed = backend.compile_fx, []
+
+    def failing(gm, example_inputs, **kw):
+        if not failed:
+            failed.append(gm)
+            raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+        if len(failed) == 1 and gm is not failed[0]:
+            failed.append(gm)
+            raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+        return real(gm, example_inputs, **kw)
+    monkeypatch.setattr(backend, "compile_fx", failing)
+    ref, model, batch = pair(dropout=0.0)
+    model = opsmath.optimize(model, inductor=True)
+    step_equals_eager(model, ref, batch)
+    rep = opsmath.report(model)
+    assert len(failed) == 2
+    assert any("handed back to dynamo" in e for e in rep.fallback_errors)
+    assert not any("op by op" in e for e in rep.fallback_errors)

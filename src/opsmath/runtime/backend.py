@@ -30,7 +30,7 @@ from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite import price
 from opsmath.rewrite.match import Decline, Match, run_patterns
-from opsmath.runtime import blocks, fp8_weights, offload_async
+from opsmath.runtime import blocks, fp8_weights, ladder, offload_async
 from opsmath.memory import offload, weight_casts
 from opsmath.memory.budget import InfeasibleBudget
 from opsmath.runtime.budgets import plan_graph, reserve_floors, step_in_backward
@@ -307,7 +307,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
         left_on_gpu=_left_on_gpu(state, use_inductor, ctx.matches))
     record.source = gm
     state.graphs.append(record)
-    fn = _finish(state, record, ctx.gm, example_inputs, use_inductor)
+    fn = _finish(state, record, ctx.gm, example_inputs, use_inductor, graph_break=True)
     record.capture_seconds = time.perf_counter() - t0
     return guarded(runner(state, record, fn, base, by_node, model, use_inductor, _finish),
                    captured.buffer_guard(example_inputs),
@@ -351,47 +351,6 @@ def _sizes_seen(state, shapes: list) -> bool:
     return any([s for s in r.input_shapes if isinstance(s, tuple)] == tensors for r in state.graphs)
 
 
-def _finish(state, record, gm, example_inputs, use_inductor):
-    """The callable that runs ``gm`` on the user's inputs: Inductor's compiled graph, or ``gm`` itself (op
-    by op), handed the FP8 weight copies ``gm`` takes (``fp8_weights``).
-
-    Where Inductor fails on the rewritten graph, the ladder falls back to what ``torch.compile`` does with
-    the same capture, Inductor on dynamo's graph as written (the rewrites and plan are then not applied:
-    each match becomes a declined row naming the failure); only if that fails too does the rewritten
-    graph run op by op."""
-    if not use_inductor:
-        return fp8_weights.with_copies(state.weight_casts, gm, gm)
-    try:
-        t1 = time.perf_counter()
-        fn = compile_fx(gm, fp8_weights.example_inputs(state.weight_casts, gm, example_inputs),
-                        cuda_graphs=state.cuda_graphs)
-        record.inductor, record.inductor_seconds = True, record.inductor_seconds + time.perf_counter() - t1
-        record.cuda_graphs = state.cuda_graphs
-        return fp8_weights.with_copies(state.weight_casts, gm, fn)
-    except Exception as e:  # the ladder: dynamo's graph through Inductor, then the rewritten graph op by op
-        failure = f"Inductor failed on the rewritten graph ({type(e).__name__}: {str(e)[:300]})"
-        log.info("opsmath: graph %d: %s", record.index, failure, exc_info=True)
-    if record.source is not None:
-        try:
-            fn = compile_fx(record.source, example_inputs, cuda_graphs=state.cuda_graphs)
-        except Exception as e:
-            log.info("opsmath: graph %d: Inductor failed on dynamo's graph too", record.index, exc_info=True)
-            failure += f"; on dynamo's graph too ({type(e).__name__}: {str(e)[:200]})"
-        else:
-            _not_applied(record, failure)
-            msg = f"graph {record.index}: {failure}; compiled dynamo's graph as torch.compile does, without rewrites"
-            log.warning("opsmath: %s", msg)
-            state.fallback_errors.append(msg)
-            record.inductor, record.cuda_graphs = True, state.cuda_graphs
-            return fn
-    msg = f"graph {record.index}: {failure}; running the rewritten graph op by op"
-    log.warning("opsmath: %s", msg)
-    state.fallback_errors.append(msg)
-    return fp8_weights.with_copies(state.weight_casts, gm, gm)
-
-
-def _not_applied(record, failure: str) -> None:
-    """``record``'s rewrites and plan did not reach the compiled graph: each match becomes a decline."""
-    record.declines = record.declines + [Decline(m.pattern, m.location, m.code, m.anchor, failure)
-                                         for m in record.matches]
-    record.matches, record.plan, record.after_code = [], None, record.before_code
+def _finish(state, record, gm, example_inputs, use_inductor, graph_break: bool = False):
+    """``ladder.finish`` with this module's ``compile_fx`` (looked up per call: tests replace it)."""
+    return ladder.finish(state, record, gm, example_inputs, use_inductor, compile_fx, graph_break)
