@@ -6,6 +6,10 @@ attention declines with their reasons. Every model has 2 layers: ``attn 2`` is f
 
     python -m benchmarks hf_coverage [--more] [--amp] [model ...]
 
+``--priced``: a stress test of priced rewrites' graph surgery (``rewrite/price.py``): on the Inductor
+path with ``OPSMATH_PRICE=1``, each priced occurrence given a random verdict (its sides run op by op, the
+whole graph too), so about half are put back; the row adds how many were kept and put back.
+
 ``--amp``: both sides under ``torch.autocast("cpu", dtype=torch.bfloat16)`` with fp32 weights, and beside
 each row opsmath's and eager's errors against eager in fp32 (the tolerance rule's form: a fused op that
 keeps more precision than eager's bf16 intermediates differs from eager by more than from fp32) and
@@ -104,6 +108,22 @@ MORE = {
 
 
 AMP = [False]   # ``--amp``: both sides under CPU bf16 autocast, fp32 weights (the mixed-precision recipe)
+PRICED = [False]   # ``--priced``: random verdicts for priced occurrences (``random_verdicts``)
+
+
+def random_verdicts() -> None:
+    """Priced rewrites on, decided at random (seeded): the graph surgery under test, not Inductor."""
+    import os
+    import random
+    import tempfile
+
+    from opsmath.rewrite import price
+    from opsmath.runtime import backend
+    os.environ.update(OPSMATH_PRICE="1", OPSMATH_CACHE_DIR=tempfile.mkdtemp(prefix="opsmath-priced-"))
+    backend.compile_fx = lambda gm, example_inputs, **kw: gm
+    price.COMPILE = lambda gm, inputs: gm
+    rng = random.Random(0)
+    price.MEASURE = lambda fn: (fn(), rng.random())[1]
 
 
 def check(cls, cfg_cls, kw, attn) -> str:
@@ -113,7 +133,7 @@ def check(cls, cfg_cls, kw, attn) -> str:
         return f"not built ({type(ex).__name__})"
     eager, reference = copy.deepcopy(model), copy.deepcopy(model)
     torch._dynamo.reset()
-    opt = opsmath.optimize(model)
+    opt = opsmath.optimize(model, inductor=True if PRICED[0] else None)
     ids = torch.randint(0, 128, (2, 20))
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[0, :3] = 0    # left padding: under a causal mask the first rows see no key at all
@@ -131,6 +151,10 @@ def check(cls, cfg_cls, kw, attn) -> str:
     windows = [m.details.get("window", 0) for m in rep.matches if m.pattern == "attention"]
     line = (f"attn {rep.count('attention')}  dloss {(loss - loss_e).abs().item():.1e}  dgrad {grad:.1e}  "
             f"fallbacks {len(rep.fallback_errors)}  declines {declines}  windows {windows}")
+    if PRICED[0]:
+        kept = sum("priced" in m.details for m in rep.matches)
+        back = sum("Inductor's fusion" in d.reason for d in rep.declines)
+        line += f"  priced: kept {kept}, put back {back}"
     if AMP[0]:   # the tolerance rule's form: each against fp32 eager, opsmath's error beside eager's own
         loss_r = step(reference, False)
         families = sorted({m.pattern for m in rep.matches})
@@ -154,6 +178,10 @@ def main(models=MODELS, variants=("eager", "sdpa"), check=check):
     if "--amp" in args:
         args.remove("--amp")
         AMP[0] = True
+    if "--priced" in args:
+        args.remove("--priced")
+        PRICED[0] = True
+        random_verdicts()
     if "--more" in args:
         args.remove("--more")
         models = {**models, **MORE} if args else MORE
