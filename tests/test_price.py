@@ -101,6 +101,17 @@ def test_saved_bytes_counts_each_storage_once():
     assert price.saved_bytes(lambda: (x + 1).sum()) == 0
 
 
+def test_off_the_gpu_nothing_is_priced(priced, monkeypatch):
+    """Priced by GPU kernel time: a CPU graph under Inductor leaves the families to it, measuring nothing."""
+    monkeypatch.setattr(price, "MEASURE", None)
+    ref, model, batch = pair(dropout=0.0)
+    model = opsmath.optimize(model, inductor=True)
+    step_equals_eager(model, ref, batch)
+    rep = opsmath.report(model)
+    assert not [m for m in rep.matches if m.pattern in PRICED]
+    assert any(d.reason.endswith("on CUDA only") for d in rep.declines)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d=16, h=24):
         super().__init__()

@@ -155,8 +155,9 @@ class RewriteContext:
             self.matches[-1].details["priced"] = "not priced: the rewrite does not cut out of the graph"
             return
         erased, inserted, original, replacement = cuts
-        if not price.priceable(original):
-            reason = "left to Inductor: sizes not known at capture, so not priced"
+        why = price.unpriced(original)
+        if why is not None:
+            reason = f"left to Inductor, not priced: {why}"
         else:
             try:
                 choice, ms, saved = price.verdict(pattern, original, replacement, self.may_require_grad)

@@ -158,10 +158,18 @@ def key(original: Cut, replacement: Cut) -> str:
     return f"{shapes} #{code}"
 
 
-def priceable(c: Cut) -> bool:
-    """Sizes all known at capture (no symbolic or data-dependent size) and inputs all tensors."""
+def unpriced(c: Cut) -> Optional[str]:
+    """Why ``c`` cannot be priced (None: it can): a size not known at capture (symbolic or
+    data-dependent), an input that is not a tensor, or tensors off the GPU (priced by GPU kernel time;
+    ``MEASURE`` set, as in tests, prices anywhere)."""
     vals = [x.meta.get("val") for x in c.inputs] + [n.meta.get("val") for n in c.outputs]
-    return all(isinstance(v, torch.Tensor) and not free_symbols(v) for v in vals)
+    if not c.inputs or not all(isinstance(v, torch.Tensor) for v in vals):
+        return "an input that is not a tensor"
+    if any(free_symbols(v) for v in vals):
+        return "sizes not known at capture"
+    if MEASURE is None and vals[0].device.type != "cuda":
+        return "priced by GPU kernel time, on CUDA only"
+    return None
 
 
 def example(val: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
