@@ -185,3 +185,27 @@ def test_on_the_gpu_every_priced_occurrence_is_measured_and_the_step_equals_eage
     assert all(" ms" in m.details["priced"] for m in kept)
     assert all("Inductor" in d.reason for d in back), [d.reason for d in back]
     print({m.pattern: m.details["priced"] for m in kept}, {d.pattern: d.reason for d in back})
+
+
+def test_pricing_time_is_bounded_per_process_and_cached_verdicts_still_apply(priced, monkeypatch):
+    """Once a process spent ``OPSMATH_PRICE_SECONDS`` measuring, unmeasured occurrences are left to Inductor
+    with that reason; a verdict already cached is still applied."""
+    priced["times"] = {"inductor": 2.0, "opsmath": 1.0}
+    ref, model, batch = pair(dropout=0.0)
+    opsmath.optimize(model, inductor=True)(*batch).backward()
+    kept = len([m for m in opsmath.report(model).matches if m.pattern in PRICED])
+    monkeypatch.setattr(price, "SPENT", [1e9])
+    ref, again, batch = pair(dropout=0.0)
+    again = opsmath.optimize(again, inductor=True)
+    step_equals_eager(again, ref, batch)
+    assert len([m for m in opsmath.report(again).matches if m.pattern in PRICED]) == kept    # cached
+    torch._dynamo.reset()
+    model = SwiGLU()
+    opt = opsmath.optimize(model, inductor=True)
+    opt(torch.randn(2, 3, 16)).backward()
+    assert [d.reason for d in opsmath.report(opt).declines][0].startswith(
+        "left to Inductor, not priced: this process spent its 60 s of pricing")
+    monkeypatch.setenv("OPSMATH_PRICE_SECONDS", "soon")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="OPSMATH_PRICE_SECONDS='soon'"):
+        opsmath.optimize(SwiGLU(), inductor=True)(torch.randn(2, 3, 16))

@@ -155,7 +155,7 @@ class RewriteContext:
             self.matches[-1].details["priced"] = "not priced: the rewrite does not cut out of the graph"
             return
         erased, inserted, original, replacement = cuts
-        why = price.unpriced(original)
+        why = price.unpriced(original) or price.over_budget(pattern, original, replacement)
         if why is not None:
             reason = f"left to Inductor, not priced: {why}"
         else:

@@ -25,7 +25,10 @@ Integer inputs are zeros and boolean inputs True (any index is then in range); a
 (routing) would be timed on unrepresentative values, so graphs with symbolic or data-dependent sizes are
 not priced (the occurrence keeps the family's default). Random draws in the timed graphs (dropout) do
 not move the user's random streams (``torch.random.fork_rng``). Measuring compiles two small graphs per
-distinct occurrence on the first run (a few seconds each); later runs read the cache.
+distinct occurrence on the first run: on the H200 GPT-2's first step (B4 T1024, AMP) did not finish within
+270 s priced, against 26 s unpriced. So a process spends at most ``OPSMATH_PRICE_SECONDS`` (default 60)
+measuring; occurrences met after that are left to Inductor (the report says so) and measured by a later
+run, since every verdict is cached.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -223,12 +227,33 @@ def inductor(gm: fx.GraphModule, inputs: list):
 
 
 MEASURE = None        # tests: the measuring function handed to ``autotune.pick`` (default: kernel time)
+SECONDS = 60.0        # measuring time a process spends pricing at most (``OPSMATH_PRICE_SECONDS``)
+SPENT = [0.0]         # seconds this process spent measuring so far
 COMPILE = inductor    # tests: how both graphs are compiled
+
+
+def over_budget(family: str, original: Cut, replacement: Cut) -> Optional[str]:
+    """Why an occurrence is not measured now: its verdict is not cached and this process already spent
+    its pricing time (``OPSMATH_PRICE_SECONDS``, default ``SECONDS``: two Inductor compiles per distinct
+    occurrence cost GPT-2 minutes on a cold cache); None where it may be measured."""
+    from opsmath.kernels import autotune
+    if autotune.cached(f"price:{family}", key(original, replacement)) is not None:
+        return None
+    raw = os.environ.get("OPSMATH_PRICE_SECONDS", SECONDS)
+    try:
+        limit = float(raw)
+    except ValueError:
+        raise ValueError(f"OPSMATH_PRICE_SECONDS={raw!r}: seconds of measuring, a number") from None
+    if SPENT[0] >= limit:
+        return (f"this process spent its {limit:g} s of pricing (OPSMATH_PRICE_SECONDS); verdicts are cached, so "
+                "a later run measures more")
+    return None
 
 
 def verdict(family: str, original: Cut, replacement: Cut, needs_grad: Callable) -> tuple[str, dict, dict]:
     """``("opsmath" | "inductor", {candidate: ms}, {candidate: bytes saved for backward})`` for one
-    occurrence: cached, else measured now (in ``isolated()``); the bytes are {} where the cache has none."""
+    occurrence: cached, else measured now (in ``isolated()``, the time counted in ``SPENT``); the bytes
+    are {} where the cache has none."""
     from opsmath.kernels import autotune
 
     op, k = f"price:{family}", key(original, replacement)
@@ -236,8 +261,12 @@ def verdict(family: str, original: Cut, replacement: Cut, needs_grad: Callable) 
                   "opsmath": runner(replacement, needs_grad, COMPILE)}
     for name, fn in candidates.items():
         fn.candidate = name
-    with isolated(original.inputs[0].meta["val"].device):
-        choice = autotune.pick(op, k, candidates, **({} if MEASURE is None else {"measure_fn": MEASURE}))
+    t0 = time.perf_counter()
+    try:
+        with isolated(original.inputs[0].meta["val"].device):
+            choice = autotune.pick(op, k, candidates, **({} if MEASURE is None else {"measure_fn": MEASURE}))
+    finally:
+        SPENT[0] += time.perf_counter() - t0
     entry = autotune.lookup(op, k) or {}
     saved = {name: fn.saved for name, fn in candidates.items() if hasattr(fn, "saved")}
     if len(saved) == 2 and entry and "saved" not in entry:
