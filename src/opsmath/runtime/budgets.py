@@ -74,18 +74,32 @@ def plan_graph(state, model, source: fx.GraphModule, gm: fx.GraphModule, by_node
 
 
 def _at_share(gm, by_node, share: int, budget: float, resident: int, to_come: int, measured: bool, kw: dict):
-    """A block piece's first plan for its ``share`` of a byte budget; where the share is below the piece's
-    floor, for the floor (the least it can keep: what it takes beyond its share, the later pieces lose, so
-    it takes no more; the floor a failed plan names is an estimate, so up to three tries), where that is
-    under the whole ``budget``. None where neither plans."""
+    """A block piece's first plan for its ``share`` of a byte budget. Where no plan peaks under the share
+    (the piece's floor is above it), what the piece keeps is still bounded by its share, since that stays
+    alive while every later piece runs, but its backward may peak up to the whole ``budget``: the later
+    pieces' backwards have run and freed theirs by then (``plan_and_emit``'s ``step``: the cheapest plan
+    under both bounds, else the one keeping least). Where even that fails, for the piece's floor (the
+    floor a failed plan names is an estimate, so up to three tries), where that is under the whole
+    ``budget``. None where nothing plans."""
+    try:
+        return first_plan(gm, by_node, share, resident, to_come, measured, **kw)
+    except InfeasibleBudget as e:
+        floor = e.floor
+    if budget > resident:
+        try:
+            return first_plan(gm, by_node, share, resident, to_come, measured,
+                              **dict(kw, step=(budget - resident, max(0, share - resident))))
+        except InfeasibleBudget:
+            pass
     ask = share
     for _ in range(3):
+        if not floor or floor >= budget:
+            return None
+        ask = min(int(budget), max(ask + 1, int(floor * 1.001) + 1))
         try:
             return first_plan(gm, by_node, ask, resident, to_come, measured, **kw)
         except InfeasibleBudget as e:
-            if not e.floor or e.floor >= budget:
-                return None
-            ask = min(int(budget), max(ask + 1, int(e.floor * 1.001) + 1))
+            floor = e.floor
     return None
 
 
