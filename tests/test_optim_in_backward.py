@@ -257,17 +257,18 @@ def test_a_piece_whose_share_is_below_its_floor_keeps_its_share_else_plans_at_it
     does, it plans for its floor; at or above the budget, no share plan."""
     from opsmath.memory.budget import InfeasibleBudget
     from opsmath.runtime import budgets
-    asked, bounded = [], [True]
+    import types
+    asked, bounded, kept = [], [True], types.SimpleNamespace()
 
     def first_plan(gm, by_node, budget, *args, **kw):
         asked.append((budget, kw.get("step")))
         if kw.get("step") and bounded[0]:
-            return "kept under the share"
+            return kept
         if budget < 700:
             raise InfeasibleBudget("below", 700)
         return budget
     monkeypatch.setattr(budgets, "first_plan", first_plan)
-    assert budgets._at_share(None, None, 500, 1000, 100, 0, False, {}) == "kept under the share"
+    assert budgets._at_share(None, None, 500, 1000, 100, 0, False, {}) is kept and kept.share_step
     assert asked == [(500, None), (500, (900, 400))]
     asked.clear()
     bounded[0] = False
@@ -300,3 +301,24 @@ def test_pieces_below_their_floor_keep_no_more_than_their_share(monkeypatch):
         [(p.kept, int(p.budget) - p.resident, p.unconstrained) for p in plans]
     assert all(p.resident + p.kept + p.transient <= budget for p in plans)
     assert any(p.transient > int(p.budget) - p.resident for p in plans[:-1]), "some piece is below its floor"
+
+
+
+def test_a_re_plan_of_a_piece_kept_within_its_share_keeps_both_bounds(monkeypatch):
+    """A piece planned below its floor (``share_step``) and planned again after step 1 (resident bytes
+    moved, a measured error): what it keeps is bounded by its share again, its backward by the whole
+    budget, both less the error; planned for its share alone it would be infeasible."""
+    import types
+    from opsmath.memory import replan
+    seen = {}
+
+    def plan_and_emit(g, by_node, budget, resident, **kw):
+        seen.update(budget=budget, resident=resident, step=kw.get("step"))
+        return types.SimpleNamespace(predicted_peak=0, expected_peak=None)
+    monkeypatch.setattr(replan, "plan_and_emit", plan_and_emit)
+    old = types.SimpleNamespace(link=None, estimated_by="", budget=500, allocator="", optimizer="",
+                                share_of_budget=True, share_step=True)
+    record, state = types.SimpleNamespace(plan=old, calls=2), types.SimpleNamespace(memory_budget=1000)
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    plan, _ = replan._plan_for(state, record, gm, {}, 500, (20, 0), 100, True, "why", [], False, False)
+    assert seen == dict(budget=480, resident=100, step=(880, 380)) and plan.share_step

@@ -306,16 +306,20 @@ def _plan_for(state, record, base, by_node, goal, excess, resident, use_inductor
     g = clone_graph_module(base)
     every, head = excess
     budget = goal - every - (int(REPLAN_MARGIN * goal) if measured else 0)
+    # a block piece below its floor keeps within its share, its backward under the whole budget (``_at_share``)
+    step = (max(0, parse_budget(state.memory_budget)[1] - every - resident), max(0, budget - resident)) \
+        if getattr(record.plan, "share_step", False) else None
     try:
         how = "tag" if use_inductor else "checkpoint"
         plan = plan_and_emit(g, by_node, budget, resident, how=how, link=record.plan.link, grads=grad_bytes(g, args),
-                             timed=timed, head=head)
+                             timed=timed, head=head, step=step)
     except InfeasibleBudget as e:
         raise InfeasibleBudget(f"memory_budget={state.memory_budget!r} no longer fits after step "
                                f"{record.calls - 1} ({why}): {e}", e.floor) from None
     # a block's piece keeps its share (``share_budget``) as its budget; any other graph has the model's
     plan.estimated_by, plan.budget, plan.allocator = record.plan.estimated_by, record.plan.budget, record.plan.allocator
     plan.optimizer, plan.share_of_budget = record.plan.optimizer, getattr(record.plan, "share_of_budget", False)
+    plan.share_step = step is not None
     plan.excess, plan.predicted_peak = every, plan.predicted_peak + every
     plan.expected_peak = plan.expected_peak and plan.expected_peak + every
     plan.replanned = why

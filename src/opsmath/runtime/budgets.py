@@ -87,8 +87,10 @@ def _at_share(gm, by_node, share: int, budget: float, resident: int, to_come: in
         floor = e.floor
     if budget > resident:
         try:
-            return first_plan(gm, by_node, share, resident, to_come, measured,
+            plan = first_plan(gm, by_node, share, resident, to_come, measured,
                               **dict(kw, step=(budget - resident, max(0, share - resident))))
+            plan.share_step = True   # a re-plan (``replan._plan_for``) keeps both bounds
+            return plan
         except InfeasibleBudget:
             pass
     ask = share
