@@ -54,23 +54,9 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     steps = _steps(segs, runs, link, sel)
     unit = max(1.0, total / units)
     fits = _peak(segs, [], after, head) <= limit and (kept_cap is None or total <= kept_cap)
-    picked = [] if fits else _solve(n, steps, unit, prefix, limit, after, head, kept_cap)
-    for attempt in range(8):   # a step that assumes a value kept which another recomputes: drop it, solve again
-        bad = conflicts(segs, picked or [])
-        if not bad:
-            break
-        for st in (bad if attempt < 7 else [s for sts in steps.values() for s in sts if s.reads]):
-            steps[st.i] = [s for s in steps[st.i] if s != st]
-        picked = _solve(n, steps, unit, prefix, limit, after, head, kept_cap)
-    picked = _late_priced(segs, steps, picked, link, (n, unit, prefix, limit, after, head, kept_cap))
-    if picked is not None and held:
-        picked = _with_held(segs, steps, picked, held, (n, unit, prefix, limit, after, head, kept_cap),
-                            max(runs[ij].inputs - h.inputs for ij, h in held.items()))
+    picked = [] if fits else _pick(segs, steps, link, held, runs, (n, unit, prefix, limit, after, head, kept_cap))
     if picked is None:
-        sizes = sorted({st.size for sts in steps.values() for st in sts})
-        # a reachable peak to bisect from: kept + the largest transient, at a few transient caps
-        reach = min(total - _max_saving(n, steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]}) + after[0] + head
-        smallest = _lowest_peak(segs, steps, prefix, unit, reach, after, head)
+        smallest = _floor(segs, steps, link, held, runs, (n, unit, prefix, total, after, head, kept_cap))
         floor = base + int(smallest)
         asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
         raise InfeasibleBudget(
@@ -78,6 +64,51 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
             + (f", fraction {fraction_up(max(0.0, smallest - after[0]) / total)}" if total else "") + ")", floor)
     kept = total - sum(st.saving for st in picked)
     return picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked)
+
+
+def _pick(segs: list[Segment], steps: dict, link, held, runs, dp: tuple) -> list[Step] | None:
+    """``choose``'s solve under one limit (``dp`` = (n, unit, prefix, limit, after, head, kept_cap)): the
+    DP, then steps that assume a value kept which another recomputes dropped and the DP run again, late
+    offloads priced at their whole copy time, and the held inputs credited. None where nothing fits.
+    ``steps`` is changed (dropped and re-priced steps): callers probing several limits pass copies."""
+    n, unit, prefix, limit, after, head, kept_cap = dp
+    picked = _solve(n, steps, unit, prefix, limit, after, head, kept_cap)
+    for attempt in range(8):   # a step that assumes a value kept which another recomputes: drop it, solve again
+        bad = conflicts(segs, picked or [])
+        if not bad:
+            break
+        for st in (bad if attempt < 7 else [s for sts in steps.values() for s in sts if s.reads]):
+            steps[st.i] = [s for s in steps[st.i] if s != st]
+        picked = _solve(n, steps, unit, prefix, limit, after, head, kept_cap)
+    picked = _late_priced(segs, steps, picked, link, dp)
+    if picked is not None and held:
+        picked = _with_held(segs, steps, picked, held, dp, max(runs[ij].inputs - h.inputs for ij, h in held.items()))
+    return picked
+
+
+def _floor(segs: list[Segment], steps: dict, link, held, runs, dp: tuple) -> float:
+    """The lowest limit (activations + gradients, bytes) under which ``_pick`` finds a plan, to within a
+    unit: from the DP's own lowest peak (``_lowest_peak``: a bound from below, blind to what ``_pick`` does
+    after the DP), stepped up until ``_pick`` fits, then bisected. The DP's bound where nothing fits
+    below keeping everything (a bound on what is kept that no plan meets)."""
+    n, unit, prefix, total, after, head, kept_cap = dp
+    sizes = sorted({st.size for sts in steps.values() for st in sts})
+    # a reachable peak to bisect from: kept + the largest transient, at a few transient caps
+    reach = min(total - _max_saving(n, steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]}) + after[0] + head
+    lo = hi = _lowest_peak(segs, steps, prefix, unit, reach, after, head)
+
+    def fits(limit):
+        return _pick(segs, {i: list(v) for i, v in steps.items()}, link, held, runs,
+                     (n, unit, prefix, limit, after, head, kept_cap)) is not None
+    top, step = total + after[0] + head + unit, max(unit, 0.01 * total)
+    while not fits(hi):
+        if hi >= top:
+            return lo
+        lo, hi, step = hi, min(top, hi + step), 2 * step
+    while hi - lo > unit:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def _late_priced(segs: list[Segment], steps: dict, picked, link, dp: tuple):
