@@ -117,3 +117,20 @@ def test_a_failure_dynamo_answers_with_a_graph_break_goes_back_to_dynamo(monkeyp
     assert len(failed) == 2
     assert any("handed back to dynamo" in e for e in rep.fallback_errors)
     assert not any("op by op" in e for e in rep.fallback_errors)
+
+
+
+def test_outside_a_dynamo_compile_a_graph_break_error_runs_the_graph_op_by_op():
+    """A piece's first call or a recapture runs the ladder at the user's call, where no dynamo takes a
+    graph-break error back: the rewritten graph runs op by op, as before that rung existed."""
+    import types
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from opsmath.runtime import ladder
+
+    def failing(gm, example_inputs, **kw):
+        raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    record = types.SimpleNamespace(index=0, source=gm, matches=[], declines=[], inductor_seconds=0.0)
+    state = types.SimpleNamespace(weight_casts={}, cuda_graphs=False, fallback_errors=[], graphs=[record])
+    fn = ladder.finish(state, record, gm, [torch.randn(1, 2)], True, failing, graph_break=True)
+    assert fn(torch.ones(1, 2)).shape == (1, 2) and "op by op" in state.fallback_errors[0]

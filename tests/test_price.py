@@ -39,7 +39,7 @@ def priced(monkeypatch, tmp_path):
     return clock
 
 
-def test_where_inductor_wins_the_original_ops_are_put_back(priced):
+def test_where_inductor_wins_the_original_ops_are_put_back(priced, monkeypatch):
     """Every priced occurrence of a GPT (dropout-add-norm, bias-GELU, the LM-head loss) measured slower
     than Inductor: none is rewritten, each is declined with both times, the step equals eager's."""
     ref, model, batch = pair(dropout=0.0)
@@ -54,6 +54,12 @@ def test_where_inductor_wins_the_original_ops_are_put_back(priced):
                    for n in rep.graphs[0].graph.graph.nodes)
     # identical layers share one measurement per side
     assert priced["calls"].count("opsmath") < len(declined)
+    # put back exactly: the same graph, node names included, as without pricing (the families left)
+    monkeypatch.setenv("OPSMATH_PRICE", "0")
+    ref, plain, batch = pair(dropout=0.0)
+    plain = opsmath.optimize(plain, inductor=True)
+    plain(*batch).backward()
+    assert rep.graphs[0].after_code == opsmath.report(plain).graphs[0].after_code
 
 
 def test_where_opsmath_wins_the_rewrite_stays_and_the_verdict_is_cached(priced):

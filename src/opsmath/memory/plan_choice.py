@@ -3,6 +3,7 @@ solve of one segmentation under a budget (``choose``, over ``plan_solve``'s DP),
 of a choice, each gradient's segment, and the cheapest feasible segmentation (``best_option``)."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 
@@ -54,16 +55,28 @@ def choose(segs: list[Segment], runs: dict, resident: int, budget_kind: str, bud
     steps = _steps(segs, runs, link, sel)
     unit = max(1.0, total / units)
     fits = _peak(segs, [], after, head) <= limit and (kept_cap is None or total <= kept_cap)
-    picked = [] if fits else _pick(segs, steps, link, held, runs, (n, unit, prefix, limit, after, head, kept_cap))
+    picked = [] if fits else _pick(segs, {i: list(v) for i, v in steps.items()}, link, held, runs,
+                                   (n, unit, prefix, limit, after, head, kept_cap))
     if picked is None:
-        smallest = _floor(segs, steps, link, held, runs, (n, unit, prefix, total, after, head, kept_cap))
-        floor = base + int(smallest)
+        # under a bound on what is kept (a bisection's probe), the DP's own bound: that floor is not used
+        smallest = _floor(segs, steps, link, held, runs, (n, unit, prefix, total, after, head, kept_cap)) \
+            if kept_cap is None else _dp_floor(segs, steps, prefix, unit, n, total, after, head)
+        floor = base + math.ceil(smallest)
         asked = _size(budget) if budget_kind == "bytes" else f"{budget:.4g} (fraction)"
         raise InfeasibleBudget(
             f"memory budget {asked} cannot be met: the smallest feasible is about {_size(floor)} ({floor} bytes"
             + (f", fraction {fraction_up(max(0.0, smallest - after[0]) / total)}" if total else "") + ")", floor)
     kept = total - sum(st.saving for st in picked)
     return picked, kept, _peak(segs, picked) - kept, sum(st.cost for st in picked)
+
+
+def _dp_floor(segs: list[Segment], steps: dict, prefix: list, unit: float, n: int, total: float, after: list,
+              head: float) -> float:
+    """The DP's own lowest peak (``_lowest_peak``), bisected down from a reachable one: kept + the largest
+    transient, at a few transient caps."""
+    sizes = sorted({st.size for sts in steps.values() for st in sts})
+    reach = min(total - _max_saving(n, steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]}) + after[0] + head
+    return _lowest_peak(segs, steps, prefix, unit, reach, after, head)
 
 
 def _pick(segs: list[Segment], steps: dict, link, held, runs, dp: tuple) -> list[Step] | None:
@@ -88,22 +101,20 @@ def _pick(segs: list[Segment], steps: dict, link, held, runs, dp: tuple) -> list
 
 def _floor(segs: list[Segment], steps: dict, link, held, runs, dp: tuple) -> float:
     """The lowest limit (activations + gradients, bytes) under which ``_pick`` finds a plan, to within a
-    unit: from the DP's own lowest peak (``_lowest_peak``: a bound from below, blind to what ``_pick`` does
+    unit: from the DP's own lowest peak (``_dp_floor``: a bound from below, blind to what ``_pick`` does
     after the DP), stepped up until ``_pick`` fits, then bisected. The DP's bound where nothing fits
-    below keeping everything (a bound on what is kept that no plan meets)."""
+    below keeping everything."""
     n, unit, prefix, total, after, head, kept_cap = dp
-    sizes = sorted({st.size for sts in steps.values() for st in sts})
-    # a reachable peak to bisect from: kept + the largest transient, at a few transient caps
-    reach = min(total - _max_saving(n, steps, T) + T for T in {0, *sizes[:96], *sizes[-1:]}) + after[0] + head
-    lo = hi = _lowest_peak(segs, steps, prefix, unit, reach, after, head)
+    lo = hi = _dp_floor(segs, steps, prefix, unit, n, total, after, head)
 
     def fits(limit):
         return _pick(segs, {i: list(v) for i, v in steps.items()}, link, held, runs,
                      (n, unit, prefix, limit, after, head, kept_cap)) is not None
     top, step = total + after[0] + head + unit, max(unit, 0.01 * total)
+    bound = lo
     while not fits(hi):
         if hi >= top:
-            return lo
+            return bound
         lo, hi, step = hi, min(top, hi + step), 2 * step
     while hi - lo > unit:
         mid = (lo + hi) / 2

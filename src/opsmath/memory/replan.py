@@ -263,11 +263,13 @@ def tighten(state, record, base, by_node, args, model, use_inductor, peak_before
     old.measured_peak = measured
     measured += gap
     goal = old.target()
-    if measured <= goal or not _carries_error(state, record, since) \
+    # a block piece kept within its share peaks in its backward up to the whole budget (``_at_share``)
+    bound = parse_budget(state.memory_budget)[1] if getattr(old, "share_step", False) else goal
+    if measured <= bound or not _carries_error(state, record, since) \
             or parse_budget(state.memory_budget)[0] == "fraction":   # a share of the activations: kept
         return None
     why = (f"{old.replanned + '; ' if old.replanned else ''}the next step measured {measured / 2**20:.1f} MiB"
-           f"{' reserved' if gap else ''}, {(measured - goal) / 2**20:.1f} MiB over the budget: tightened")
+           f"{' reserved' if gap else ''}, {(measured - bound) / 2**20:.1f} MiB over the budget: tightened")
     every, head = _errors(old.modelled, peaks)
     return _plan_again(state, record, base, by_node, goal, (every + gap, head), resident_bytes(args, model),
                        use_inductor, why, peaks, args, True)

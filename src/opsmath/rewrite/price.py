@@ -142,6 +142,7 @@ def restore(graph: fx.Graph, snap: Snapshot, erased: list, inserted: list) -> di
             continue
         after = next((m for m in order[i + 1:] if m in present), None)
         a, k = fx.node.map_arg(snap.args[n], lambda x: env.get(x, x))
+        _release(graph, n.name)   # the copy keeps the original's name (the report's, the user's skips)
         with graph.inserting_before(after):
             env[n] = graph.create_node(n.op, n.target, a, k, name=n.name)
         env[n].meta.update(n.meta)
@@ -151,6 +152,14 @@ def restore(graph: fx.Graph, snap: Snapshot, erased: list, inserted: list) -> di
     for n in reversed(inserted):
         graph.erase_node(n)
     return env
+
+
+def _release(graph: fx.Graph, name: str) -> None:
+    """Free ``name`` in ``graph``'s namespace: fx keeps an erased node's name taken, and a node recreated
+    under it would be renamed (``relu`` -> ``relu_1``)."""
+    used = getattr(getattr(graph, "_graph_namespace", None), "_used_names", None)
+    if isinstance(used, set):
+        used.discard(name)
 
 
 def key(original: Cut, replacement: Cut) -> str:
@@ -264,7 +273,9 @@ def verdict(family: str, original: Cut, replacement: Cut, needs_grad: Callable) 
     t0 = time.perf_counter()
     try:
         with isolated(original.inputs[0].meta["val"].device):
-            choice = autotune.pick(op, k, candidates, **({} if MEASURE is None else {"measure_fn": MEASURE}))
+            # no collective (``sync``): whether a rank measures depends on its own cache and time budget
+            choice = autotune.pick(op, k, candidates, sync=False,
+                                   **({} if MEASURE is None else {"measure_fn": MEASURE}))
     finally:
         SPENT[0] += time.perf_counter() - t0
     entry = autotune.lookup(op, k) or {}

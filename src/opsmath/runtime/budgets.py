@@ -87,7 +87,8 @@ def _at_share(gm, by_node, share: int, budget: float, resident: int, to_come: in
         floor = e.floor
     if budget > resident:
         try:
-            plan = first_plan(gm, by_node, share, resident, to_come, measured,
+            # (no first-step margin: it would be counted in the prediction, not in either bound)
+            plan = first_plan(gm, by_node, share, resident, to_come, False,
                               **dict(kw, step=(budget - resident, max(0, share - resident))))
             plan.share_step = True   # a re-plan (``replan._plan_for``) keeps both bounds
             return plan

@@ -8,7 +8,8 @@ A compile that fails must not cost the user more than ``torch.compile`` would:
 3. if that raises too with an error dynamo itself answers with a graph break (a data-dependent output, an
    operator fake tensors cannot run: ``torch._dynamo.exc.exceptions_allowed_to_be_fallback``), that error
    goes back to dynamo, which breaks the graph there and runs the frame as ``torch.compile`` would
-   (``graph_break``: only while dynamo is compiling; a re-plan at run time has no dynamo to answer);
+   (``graph_break``, and only while dynamo is compiling: a piece's first call, a recapture or a re-plan
+   at run time has no dynamo to answer);
 4. else the rewritten graph runs op by op under autograd (``torch.compile`` would raise).
 
 Each rung taken is a report line (``state.fallback_errors``).
@@ -46,8 +47,10 @@ def finish(state, record, gm, example_inputs, use_inductor: bool, compile_fx, gr
         except Exception as e:
             log.info("opsmath: graph %d: Inductor failed on dynamo's graph too", record.index, exc_info=True)
             failure += f"; on dynamo's graph too ({type(e).__name__}: {str(e)[:200]})"
-            if graph_break and breaks_graph(e):
+            if graph_break and breaks_graph(e) and _dynamo_compiling():
                 not_applied(record, failure)
+                if record in state.graphs:   # dynamo captures the frame again, as other graphs
+                    state.graphs.remove(record)
                 _note(state, f"graph {record.index}: {failure}; handed back to dynamo, which breaks the graph "
                       "there as torch.compile does (the graphs around the break are captured again)")
                 raise
@@ -68,6 +71,13 @@ def breaks_graph(e: Exception) -> bool:
     except ImportError:
         return False
     return isinstance(e, exceptions_allowed_to_be_fallback)
+
+
+def _dynamo_compiling() -> bool:
+    """Whether dynamo is compiling a frame now (a piece's first call, a recapture after a buffer changed,
+    run at the user's call, have no dynamo to hand an error back to)."""
+    from torch._guards import TracingContext
+    return TracingContext.try_get() is not None
 
 
 def not_applied(record, failure: str) -> None:
