@@ -37,6 +37,7 @@ import inspect
 import math
 import os
 import time
+from unittest import mock
 
 import torch
 
@@ -207,7 +208,8 @@ class FleetVariant(Variant):
     def warm_up(self):
         """The harness's warm-up; for opsmath also where its first step went (``first_parts``)."""
         tuned = dict(autotune.SPENT)
-        with _env("OPSMATH_PRICE", "1" if self.label.endswith("(priced)") else os.environ.get("OPSMATH_PRICE")):
+        priced = self.label.endswith("(priced)")
+        with mock.patch.dict(os.environ, OPSMATH_PRICE="1") if priced else contextlib.nullcontext():
             super().warm_up()
         if hasattr(self.model, "_opsmath"):
             graphs = opsmath.report(self.model).graphs
@@ -228,23 +230,6 @@ class FleetVariant(Variant):
                                                         for d in rep.declines if "Inductor" in d.reason]
             r["first_parts"] = self.first_parts   # capture_s includes tuning and Inductor (inductor_s)
         return r
-
-
-@contextlib.contextmanager
-def _env(name: str, value):
-    """``os.environ[name]`` set to ``value`` (None: unset) for the block."""
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def run(name, recipe, labels, rounds, steps, device, smoke, host=False) -> list[dict]:

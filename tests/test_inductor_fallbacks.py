@@ -26,15 +26,22 @@ def test_inductor_failure_on_the_rewritten_graph_falls_back_to_compiling_dynamos
         if any(str(n.target).startswith("opsmath.") for n in gm.graph.nodes):
             raise RuntimeError("injected lowering failure")
         return real(gm, example_inputs, **kw)
-    monkeypatch.setattr(backend, "compile_fx", failing)
-    ref, model, batch = pair(dropout=0.0)
-    model = opsmath.optimize(model, inductor=True)
-    step_equals_eager(model, ref, batch)
-    rep = opsmath.report(model)
+    rep = _step_with(monkeypatch, failing)
     assert rep.graphs[0].inductor and not rep.matches
     assert rep.declines and all("injected lowering failure" in d.reason for d in rep.declines)
     assert len(rep.fallback_errors) == 1 and "as torch.compile does" in rep.fallback_errors[0]
     assert "injected lowering failure" in str(rep)
+
+
+def _step_with(monkeypatch, compile_fx):
+    """A GPT optimized under Inductor with ``compile_fx`` in place of opsmath's compile: one step, equal to
+    eager's; its report."""
+    from opsmath.runtime import backend
+    monkeypatch.setattr(backend, "compile_fx", compile_fx)
+    ref, model, batch = pair(dropout=0.0)
+    model = opsmath.optimize(model, inductor=True)
+    step_equals_eager(model, ref, batch)
+    return opsmath.report(model)
 
 
 class LearnedBiasAttention(torch.nn.Module):
@@ -101,19 +108,12 @@ def test_a_failure_dynamo_answers_with_a_graph_break_goes_back_to_dynamo(monkeyp
     from opsmath.runtime import backend
     real, failed = backend.compile_fx, []
 
-    def failing(gm, example_inputs, **kw):
-        if not failed:
-            failed.append(gm)
-            raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
-        if len(failed) == 1 and gm is not failed[0]:
+    def failing(gm, example_inputs, **kw):   # the first two graphs: the rewritten one, then dynamo's
+        if len(failed) < 2 and gm not in failed:
             failed.append(gm)
             raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
         return real(gm, example_inputs, **kw)
-    monkeypatch.setattr(backend, "compile_fx", failing)
-    ref, model, batch = pair(dropout=0.0)
-    model = opsmath.optimize(model, inductor=True)
-    step_equals_eager(model, ref, batch)
-    rep = opsmath.report(model)
+    rep = _step_with(monkeypatch, failing)
     assert len(failed) == 2
     assert any("handed back to dynamo" in e for e in rep.fallback_errors)
     assert not any("op by op" in e for e in rep.fallback_errors)

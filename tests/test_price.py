@@ -29,6 +29,7 @@ def priced(monkeypatch, tmp_path):
     monkeypatch.setattr(price, "saved_bytes", lambda forward: (forward(), 0)[1])   # equal: time decides
     from opsmath.kernels import autotune
     monkeypatch.setattr(autotune, "_MEMORY", {})
+    monkeypatch.setattr(price, "_VERDICTS", {})
     clock = {"times": {"inductor": 1.0, "opsmath": 2.0}, "calls": []}
 
     def measure(fn):
@@ -174,6 +175,7 @@ def test_on_the_gpu_every_priced_occurrence_is_measured_and_the_step_equals_eage
     (or with why measuring failed), and the step still equals eager's."""
     monkeypatch.setenv("OPSMATH_PRICE", "1")
     monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(price, "_VERDICTS", {})
     ref, model, batch = pair(dropout=0.0)
     ref, model = ref.cuda(), model.cuda()
     batch = [t.cuda() for t in batch]

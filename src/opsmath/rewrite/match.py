@@ -155,12 +155,14 @@ class RewriteContext:
             self.matches[-1].details["priced"] = "not priced: the rewrite does not cut out of the graph"
             return
         erased, inserted, original, replacement = cuts
-        why = price.unpriced(original) or price.over_budget(pattern, original, replacement)
+        why = price.unpriced(original)
+        k = None if why else price.key(original, replacement)
+        why = why or price.over_budget(pattern, k)
         if why is not None:
             reason = f"left to Inductor, not priced: {why}"
         else:
             try:
-                choice, ms, saved = price.verdict(pattern, original, replacement, self.may_require_grad)
+                choice, ms, saved = price.verdict(pattern, k, original, replacement, self.may_require_grad)
             except Exception as e:
                 log.info("opsmath: pricing %s at %s failed", pattern, anchor.name, exc_info=True)
                 choice, ms, saved = f"{type(e).__name__}: {str(e)[:160]}", {}, {}

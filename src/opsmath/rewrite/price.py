@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -43,8 +42,6 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
-
-log = logging.getLogger("opsmath")
 
 
 def enabled() -> bool:
@@ -238,15 +235,16 @@ def inductor(gm: fx.GraphModule, inputs: list):
 MEASURE = None        # tests: the measuring function handed to ``autotune.pick`` (default: kernel time)
 SECONDS = 60.0        # measuring time a process spends pricing at most (``OPSMATH_PRICE_SECONDS``)
 SPENT = [0.0]         # seconds this process spent measuring so far
+_VERDICTS: dict = {}  # (family, key) -> ``verdict``'s answer, this process
 COMPILE = inductor    # tests: how both graphs are compiled
 
 
-def over_budget(family: str, original: Cut, replacement: Cut) -> Optional[str]:
+def over_budget(family: str, k: str) -> Optional[str]:
     """Why an occurrence is not measured now: its verdict is not cached and this process already spent
     its pricing time (``OPSMATH_PRICE_SECONDS``, default ``SECONDS``: two Inductor compiles per distinct
-    occurrence cost GPT-2 minutes on a cold cache); None where it may be measured."""
+    occurrence cost GPT-2 minutes on a cold cache); None where it may be measured. ``k``: its ``key``."""
     from opsmath.kernels import autotune
-    if autotune.cached(f"price:{family}", key(original, replacement)) is not None:
+    if (family, k) in _VERDICTS or autotune.cached(f"price:{family}", k) is not None:
         return None
     raw = os.environ.get("OPSMATH_PRICE_SECONDS", SECONDS)
     try:
@@ -259,13 +257,15 @@ def over_budget(family: str, original: Cut, replacement: Cut) -> Optional[str]:
     return None
 
 
-def verdict(family: str, original: Cut, replacement: Cut, needs_grad: Callable) -> tuple[str, dict, dict]:
+def verdict(family: str, k: str, original: Cut, replacement: Cut, needs_grad: Callable) -> tuple[str, dict, dict]:
     """``("opsmath" | "inductor", {candidate: ms}, {candidate: bytes saved for backward})`` for one
-    occurrence: cached, else measured now (in ``isolated()``, the time counted in ``SPENT``); the bytes
-    are {} where the cache has none."""
+    occurrence (``k``: its ``key``): this process's, else the disk cache's, else measured now (in
+    ``isolated()``, the time counted in ``SPENT``); the bytes are {} where the cache has none."""
     from opsmath.kernels import autotune
 
-    op, k = f"price:{family}", key(original, replacement)
+    if (family, k) in _VERDICTS:   # identical layers: no second read of the cache file
+        return _VERDICTS[family, k]
+    op = f"price:{family}"
     candidates = {"inductor": runner(original, needs_grad, COMPILE),
                   "opsmath": runner(replacement, needs_grad, COMPILE)}
     for name, fn in candidates.items():
@@ -282,7 +282,8 @@ def verdict(family: str, original: Cut, replacement: Cut, needs_grad: Callable) 
     saved = {name: fn.saved for name, fn in candidates.items() if hasattr(fn, "saved")}
     if len(saved) == 2 and entry and "saved" not in entry:
         autotune.store(op, k, dict(entry, saved=saved))
-    return choice, entry.get("ms", {}), saved or entry.get("saved", {})
+    _VERDICTS[family, k] = choice, entry.get("ms", {}), saved or entry.get("saved", {})
+    return _VERDICTS[family, k]
 
 
 @contextlib.contextmanager
