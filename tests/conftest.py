@@ -64,7 +64,7 @@ QUICK = {
     "test_autotune_database", "test_optim_state", "test_patterns_norms", "test_patterns_attention",
     "test_patterns_activations", "test_unmatched", "test_user_errors", "test_dynamo_backend", "test_outer_compile",
     "test_autocast", "test_inference_in_training", "test_buffer_guards", "test_dropout_seeds", "test_op_times",
-    "test_examples", "test_patterns_attention_spellings", "test_layout",
+    "test_examples", "test_patterns_attention_spellings", "test_layout", "test_capture_scalars",
 }
 
 
@@ -73,6 +73,7 @@ QUICK = {
 # every rewrite family, Inductor with rewrites and a budget, and two real models trained beside eager.
 # test module::function -> substrings of the parametrization ids kept (the first test matching each).
 GPU_SMOKE = {
+    "test_capture_scalars::test_a_compiled_step_with_a_scalar_store_never_syncs": [""],
     "test_experts_regional::test_inductor_trains_as_eager_on_the_device": [""],
     "test_price::test_on_the_gpu_every_priced_occurrence_is_measured_and_the_step_equals_eager": [""],
     "test_kernel_attention::test_triton_matches_eager": ["", "alibi"],

@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
 from opsmath.capture.guards import BufferGuard, ReadTracking
+from opsmath.capture.scalars import device_scalars
 
 
 @dataclass
@@ -74,6 +75,7 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
     with fx_traceback.preserve_node_meta(), fake_mode, uncached:
         aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
     split_size_calls(aten)
+    device_scalars(aten, fake_mode)
     _keep_input_metadata(aten, gm)
     _source_names(aten, gm)
     constants = ReadTracking()
