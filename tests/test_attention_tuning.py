@@ -218,3 +218,43 @@ def test_compile_ahead_runs_each_configuration_in_its_own_thread(monkeypatch):
     assert ac.launch_cfg(x, 16) == (16, 16, 16, 4, 1)   # the caller's thread: no forced configuration
     vendor.compile_ahead(configs, (SimpleNamespace(device=torch.device("cpu")),) + (None,) * 11, x)
     assert len(seen) == 2 * len(ran), "CPU: nothing compiled ahead"
+
+
+@pytest.mark.parametrize("default_ms, compiled", [(2.0, False), (1.2, True)])
+def test_beside_a_vendor_other_configurations_compile_only_when_timed(default_ms, compiled, tmp_path, monkeypatch,
+                                                                      triton_on_cpu):
+    """A masked shape with an accurate vendor kernel: the vendor is timed, then opsmath's default
+    configuration. Where the vendor beat it by ``OWN_CONFIG_GAIN`` the other configurations are neither
+    timed nor compiled; else they are compiled (ahead, all at once) just before the first of them runs.
+    (Stand-ins for the SDPA backend, the accuracy check and the profiles; the tuner's order is checked.)"""
+    from opsmath.kernels.attention import configs as ac
+    from opsmath.kernels import autotune
+    monkeypatch.setenv("OPSMATH_CACHE_DIR", str(tmp_path))
+    autotune._MEMORY.clear()
+    events, seen = [], []
+    enter = ac.forced_config.__enter__
+    monkeypatch.setattr(ac.forced_config, "__enter__", lambda self: (seen.append(self.cfg), enter(self))[1])
+    monkeypatch.setattr(vendor, "vendor_eligible", lambda *a: True)
+    monkeypatch.setattr(vendor, "accurate_backends", lambda *a: ["sdpa_cudnn"])
+    monkeypatch.setattr(vendor, "sdpa", lambda q, k, v, *a: F.scaled_dot_product_attention(q, k, v))
+    monkeypatch.setattr(vendor, "compile_ahead", lambda configs, *a: events.append(("ahead", list(configs))))
+    default = ac.CONFIGS[64][0]
+
+    def profile(fn, *timing):
+        fn()
+        cfg = seen[-1]
+        events.append(("timed", cfg))
+        return {"k": 1.0 if cfg is None else default_ms if cfg == default else 1.5}
+    monkeypatch.setattr(autotune, "measure_kernels", profile)
+    q = torch.empty(1, 2, 24, 16)
+    mask = (1, 1, 1, 24)
+    choice = vendor.choose(q.shape, q.shape, torch.float32, torch.device("cpu"), None, mask, float("-inf"), False,
+                           0.25, 0.0)
+    assert choice == "sdpa_cudnn"
+    others = ac.CONFIGS[64][1:]
+    timed = [e[1] for e in events if e[0] == "timed"]
+    assert timed[:2] == [None, default]
+    if compiled:
+        assert events[2] == ("ahead", others) and timed[2:] == others
+    else:
+        assert len(timed) == 2 and not any(e[0] == "ahead" for e in events)

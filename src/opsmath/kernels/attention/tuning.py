@@ -138,16 +138,21 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
     if vendors and vendor_eligible(device, mask_fill, False):
         for name in accurate_backends(run, q, k, v, bias, mask, vbias, dout):
             candidates[name] = fwd_bwd(name)
-    own = {fwd_bwd("opsmath", c): c for c in configs}
+    plain = bias is None and mask is None and not window and not softcap
+    args = (q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap, window)
+    fresh = cached("attention", key) is None and not (plain and any(n in candidates for n in FAST_VENDORS))
+    # beside a vendor kernel, the other configurations compile only once the tuner reaches them (the vendor
+    # may beat the default by OWN_CONFIG_GAIN and leave them untimed); alone, all compile at once
+    later = _once(lambda: compile_ahead(configs[1:], args, dout)) if fresh and candidates else None
+    own = {(_after(later, fwd_bwd("opsmath", c)) if later and c != configs[0] else fwd_bwd("opsmath", c)): c
+           for c in configs}
     candidates.update({("opsmath" if c == configs[0] else config_name(c)): fn for fn, c in own.items()})
     per_config = {}   # each own configuration's kernels as measured: the per-kernel choice below
 
     def timed(fn):   # ``measure``, keeping each own configuration's kernel times
         return measure(fn, on_kernels=(lambda per: per_config.update({own[fn]: per})) if fn in own else None)
-    plain = bias is None and mask is None and not window and not softcap
-    if cached("attention", key) is None and not (plain and any(n in candidates for n in FAST_VENDORS)):
-        compile_ahead(configs, (q, k, v, bias, mask, mask_fill, is_causal, scale, dropout_p, seed, softcap, window),
-                      dout)
+    if fresh and not later:
+        compile_ahead(configs, args, dout)
     choice = pick("attention", key, candidates, timed, skip=lambda n, t: own_configs_cannot_win(n, t, plain))
     tiles = tiles_entry(per_config)
     if tiles and choice.startswith("opsmath"):   # measured now: each kernel launches in its fastest
@@ -174,9 +179,10 @@ def compile_ahead(configs, args: tuple, dout: torch.Tensor) -> None:
     compile is 3.3-5.4 s per configuration (H200 host) against 0.1 s of timing. Each thread launches the
     forward and the backward once on the tuner's random inputs (``args``: ``attention_op``'s; results
     dropped) with its configuration forced for that thread alone. A configuration that fails here (out of
-    shared memory) fails again where the tuner meets it. Every configuration is compiled, including those
-    ``own_configs_cannot_win`` may then leave untimed: on a host with fewer cores than configurations that
-    is compile time the sequential tuner would not have spent. CUDA only."""
+    shared memory) fails again where the tuner meets it. Where a vendor kernel is a candidate, ``_choose``
+    calls it for the non-default configurations only when the tuner reaches the first of them (the vendor
+    may have beaten the default by ``OWN_CONFIG_GAIN`` and left them untimed: a cold BERT-shaped tuning
+    compiled four configurations and chose cuDNN, ``results/first_call-20261205.*``). CUDA only."""
     q = args[0]
     if q.device.type != "cuda" or len(configs) < 2:
         return
@@ -194,6 +200,24 @@ def compile_ahead(configs, args: tuple, dout: torch.Tensor) -> None:
     with ThreadPoolExecutor(max_workers=min(len(configs), os.cpu_count() or 1)) as pool:
         list(pool.map(one, configs))
     torch.cuda.synchronize(q.device)
+
+
+def _once(fn):
+    """``fn`` that runs at its first call only."""
+    done = []
+
+    def once():
+        if not done:
+            done.append(fn())
+    return once
+
+
+def _after(first, fn):
+    """``fn`` preceded by ``first()`` (a ``_once``) at every call."""
+    def step():
+        first()
+        return fn()
+    return step
 
 
 def own_configs_cannot_win(name: str, times: dict[str, float], plain: bool = False) -> bool:
