@@ -86,3 +86,17 @@ def test_a_compiled_step_with_a_scalar_store_never_syncs():
     ref = _Shift().cuda()
     ref.load_state_dict(model.state_dict())
     torch.testing.assert_close(loss, ref(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_reader_computing_in_another_dtype_keeps_the_cpu_constant():
+    """``x_bf16 * as_tensor(c)``: on CUDA a 0-dim CPU operand is read as a scalar in the kernel's compute type,
+    a 0-dim CUDA one cast to bf16 first: not the same numbers, so the constant stays where it was."""
+    def f(x):
+        return x * torch.as_tensor(1 + 2 ** -20) + torch.as_tensor(2.0, dtype=torch.bfloat16)
+    x = torch.randn(3, 7, dtype=torch.bfloat16)
+    gm = make_fx(f, pre_dispatch=True)(x)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.empty(3, 7, device="meta", dtype=torch.bfloat16)))
+    assert device_scalars(gm, mode) == 1   # the bf16 constant moves, the fp32 one stays
+    (new,) = gm.graph.find_nodes(op="call_function", target=aten.scalar_tensor.default)
+    assert new.kwargs["dtype"] == torch.bfloat16 and len(gm.graph.find_nodes(op="get_attr")) == 1

@@ -11,10 +11,13 @@ rewritten graph goes to Inductor through AOTAutograd once more, which lifts the 
 copy with a ``cudaStreamSynchronize`` (T5, H200: one sync per step, 0.97x compile's step, host-bound).
 
 ``device_scalars`` replaces each ``lift_fresh_copy`` of such a constant by
-``aten.scalar_tensor(value, dtype, device)`` on the device its readers compute on. A 0-dim tensor takes
-part in type promotion and broadcasting the same way on any device, so each reader's result (value,
-dtype, device) is unchanged; a reader that would change device (the constant the only tensor it reads,
-or readers on several devices) keeps the CPU constant.
+``aten.scalar_tensor(value, dtype, device)`` on the device its readers compute on, where every reader's
+result has the constant's dtype (``fill_``, ``index_put_``: tracing made the constant in the written
+tensor's dtype). A 0-dim tensor takes part in type promotion and broadcasting the same way on any device;
+but where a reader computes in another dtype, CUDA's elementwise kernels read a 0-dim CPU operand as a
+scalar in their compute type and cast a 0-dim CUDA operand to the result's dtype first (``x_bf16 *
+tensor(1 + 2**-20)`` rounds differently), so such a reader keeps the CPU constant, as does one that would
+change device (the constant the only tensor it reads, or readers on several devices).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def device_scalars(gm: fx.GraphModule, fake_mode) -> int:
             continue
         number = value.item()
         for lift in [u for u in const.users if u.target is aten.lift_fresh_copy.default]:
-            device = _readers_device(lift)
+            device = _readers_device(lift, value.dtype)
             if device is None:
                 continue
             with gm.graph.inserting_before(lift):
@@ -61,12 +64,15 @@ def _cpu_scalar(value) -> bool:
         and not value.requires_grad and not isinstance(value, torch._subclasses.FakeTensor)
 
 
-def _readers_device(lift: fx.Node) -> Optional[torch.device]:
+def _readers_device(lift: fx.Node, dtype: torch.dtype) -> Optional[torch.device]:
     """The one non-CPU device every reader of ``lift`` computes on (its other tensor inputs and its
-    results), or None where a reader reads no other tensor or any of them is elsewhere."""
+    results), or None where a reader reads no other tensor, any of them is elsewhere, or a reader's
+    result is not of ``dtype`` (module doc)."""
     devices = set()
     for user in lift.users:
-        if user.op != "call_function":
+        out = user.meta.get("val")
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        if user.op != "call_function" or any(not isinstance(o, torch.Tensor) or o.dtype != dtype for o in outs):
             return None
         others = [a for a in user.all_input_nodes if a is not lift]
         seen = [_device(a.meta.get("val")) for a in others] + [_device(user.meta.get("val"))]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -39,7 +40,7 @@ from opsmath.kernels.attention import attention_flops, attention_op, attention_r
 from opsmath.kernels.attention.kernel import attention_backward_triton, attention_forward_triton
 from opsmath.kernels.attention.configs import (_AHEAD, OWN_ONLY, TILES, bucket_key, config_name, configs_for,
                                                forced_config, tiles_entry)
-from opsmath.kernels.autotune import AllCandidatesFailed, cached, measure, pick, store
+from opsmath.kernels.autotune import SPENT, AllCandidatesFailed, cached, measure, pick, store
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
             "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -151,8 +152,11 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
 
     def timed(fn):   # ``measure``, keeping each own configuration's kernel times
         return measure(fn, on_kernels=(lambda per: per_config.update({own[fn]: per})) if fn in own else None)
-    if fresh and not later:
+    if fresh and not later:   # counted as the candidates' first calls, where the lazy path's compile falls
+        t0 = time.perf_counter()
         compile_ahead(configs, args, dout)
+        spent = time.perf_counter() - t0
+        SPENT["seconds"], SPENT["first_calls"] = SPENT["seconds"] + spent, SPENT["first_calls"] + spent
     choice = pick("attention", key, candidates, timed, skip=lambda n, t: own_configs_cannot_win(n, t, plain))
     tiles = tiles_entry(per_config)
     if tiles and choice.startswith("opsmath"):   # measured now: each kernel launches in its fastest
@@ -203,12 +207,13 @@ def compile_ahead(configs, args: tuple, dout: torch.Tensor) -> None:
 
 
 def _once(fn):
-    """``fn`` that runs at its first call only."""
+    """``fn`` that runs at its first call only (a raise included: the caller's candidate fails with it)."""
     done = []
 
     def once():
         if not done:
-            done.append(fn())
+            done.append(True)
+            fn()
     return once
 
 
