@@ -195,20 +195,32 @@ class FleetVariant(Variant):
     def __init__(self, label, model, batch, device, recipe):
         super().__init__(label, model, batch, device)
         self.recipe, self.amp = recipe, recipe == "amp"   # the recipe is this row's, not the module's default
+        self.phases, self._start = {}, time.perf_counter()   # the first step's forward, backward, optimizer
 
     def step(self, accumulate: int = 1):
+        lap = self._lap if "optimizer_s" not in self.phases else (lambda name: None)   # the first step's parts
         with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.recipe == "amp"):
             out = self.model(**self.batch)
             loss = out if isinstance(out, torch.Tensor) else out.loss
+        lap("forward_s")
         loss.backward()
+        lap("backward_s")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        lap("optimizer_s")
         return loss
+
+    def _lap(self, name: str) -> None:
+        """Seconds since the last lap (the first: since the step began), the device waited for."""
+        self.sync()
+        now = time.perf_counter()
+        self.phases[name], self._mark = round(now - getattr(self, "_mark", self._start), 2), now
 
     def warm_up(self):
         """The harness's warm-up; for opsmath also where its first step went (``first_parts``)."""
         tuned = dict(autotune.SPENT)
         priced = self.label.endswith("(priced)")
+        self._start = time.perf_counter()
         with mock.patch.dict(os.environ, OPSMATH_PRICE="1") if priced else contextlib.nullcontext():
             super().warm_up()
         if hasattr(self.model, "_opsmath"):
@@ -221,7 +233,7 @@ class FleetVariant(Variant):
     def row(self, accumulate: int = 1, tagged: bool = False):
         r = super().row()
         r.pop("accumulate"), r.pop("recipe", None)
-        r = dict(variant=r.pop("name"), recipe=self.recipe, **r)
+        r = dict(variant=r.pop("name"), recipe=self.recipe, first_phases=self.phases, **r)
         if hasattr(self.model, "_opsmath"):
             rep = opsmath.report(self.model)
             r["declines"] = len(rep.declines)
@@ -280,7 +292,8 @@ def line(r: dict) -> str:
     out = (f"{head} {r['ms']:8.2f} ms [{r['ms_min']:.2f}-{r['ms_max']:.2f}] gpu {r.get('gpu_ms', 0):8.2f} ms "
            f"peak {r.get('step_peak_gib', 0):6.2f} GiB first {r['first_step_s']:6.1f} s loss {r['first_loss']:.4f} "
            f"ms x{r['ms_ratio']:.3f} peak x{r.get('peak_ratio', float('nan')):.3f} first x{r['first_ratio']:.2f}"
-           f" vs {r['baseline']}")
+           f" vs {r['baseline']}" + ("; first step " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in r["first_phases"].items())
+                                      if r.get("first_phases") else ""))
     if "rewrites" in r:
         p = r["first_parts"]
         out += (f" {r['rewrites']} declines {r['declines']} graphs {r['graphs']}"
