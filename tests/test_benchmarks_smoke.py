@@ -36,6 +36,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     ["moe", "--smoke", "--variants", "torch.compile,opsmath.optimize"],
     ["moe", "--smoke", "--curve", "3"],
     ["multi_gpu", "--smoke"],
+    ["first_call", "--smoke", "--cases", "bert-mask"],
 ], ids=lambda a: a[0])
 def test_benchmark_script_smoke(args, tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
