@@ -220,6 +220,20 @@ def where_causal_and_alibi(q, k, v, m):
     return F.softmax(s, dim=-1) @ v
 
 
+def t5_zero_position_bias(q, k, v, m):
+    """T5's cross-attention: a position bias of zeros (no relative attention bias in that layer) added in place."""
+    scores = torch.matmul(q, k.transpose(3, 2))
+    scores += torch.zeros((1, H, T, T), device=q.device, dtype=scores.dtype)
+    return torch.matmul(F.softmax(scores.float(), dim=-1).type_as(scores), v)
+
+
+def inplace_learned_bias(q, k, v, m):
+    """Older T5's self-attention: a learned position bias added to the scores in place."""
+    scores = torch.matmul(q, k.transpose(3, 2))
+    scores += m.rel_bias
+    return torch.matmul(F.softmax(scores.float(), dim=-1).type_as(scores), v)
+
+
 SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "mul_scale": (mul_scale, False, False, False),
     "div_sqrt": (div_sqrt, False, False, False),
@@ -256,6 +270,8 @@ SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "where_mask_and_alibi": (where_mask_and_alibi, False, True, False),
     "where_causal_and_alibi": (where_causal_and_alibi, True, True, False),
     "deberta_rows": (deberta_rows, False, True, True),
+    "t5_zero_position_bias": (t5_zero_position_bias, False, False, False),   # zeros: no bias
+    "inplace_learned_bias": (inplace_learned_bias, False, True, False),
 }
 
 

@@ -15,7 +15,7 @@ from typing import Optional, Union
 import torch.fx as fx
 
 from opsmath.rewrite.canonicalize import (aten, as_matmul, constant_value, dropout_info, last_two_transposed,
-                                          passes_through, scalar_scale, shape, strip_scales)
+                                          passes_through, private_temporary, scalar_scale, shape, strip_scales)
 from opsmath.rewrite.match import RewriteContext
 
 from opsmath.patterns.attention.flat import flat_pv, flat_scores, rows_to_heads, unflattened
@@ -99,6 +99,10 @@ def _score_op(ctx: RewriteContext, cur: fx.Node):
     if t in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(x, fx.Node) for x in a[:2]) \
             and cur.kwargs.get("alpha", 1) == 1:
         return _bias_op(cur)
+    if t in (aten.add_.Tensor, aten.sub_.Tensor) and all(isinstance(x, fx.Node) for x in a[:2]) \
+            and cur.kwargs.get("alpha", 1) == 1 and private_temporary(a[0]) and leads_to_matmul(a[0]):
+        # ``scores += bias`` on scores nothing else reads (older T5, custom blocks): the same value
+        return a[0], ("bias", a[1], -1.0 if t is aten.sub_.Tensor else 1.0)
     if t in (aten.add.Tensor, aten.sub.Tensor) and isinstance(a[1], (int, float)):
         return a[0], None  # a constant shift of every score: softmax is invariant to it
     if (merged := _windows_merged(cur)) is not None:   # Swin: a mask added per window, then merged back

@@ -134,7 +134,8 @@ def finish_plan(ctx, plan: Plan) -> Union[str, Plan]:
 def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
     """Masks/biases equal to the ``j > i`` pattern become ``is_causal`` (block skipping): constant ones,
     and masks built from index comparisons of symbolic length (``masks.py``), alone or combined
-    with a sliding window (``plan.window``) and other conditions (which stay a mask)."""
+    with a sliding window (``plan.window``) and other conditions (which stay a mask). A constant bias of
+    zeros is dropped (``x + 0`` is ``x``): the kernel, or a vendor's, runs without one."""
     def const(x):
         return constant_value(ctx.gm, x, ctx.constants)
     for mask in list(plan.masks):
@@ -163,6 +164,9 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
         elif split and split.window:
             plan.window_in_mask = split.window
         if c is None or not c.is_floating_point():
+            continue
+        if bool((c * bias[1] == 0).all()):   # exact zeros added (T5's cross-attention position bias): no bias
+            plan.biases.remove(bias)
             continue
         removed = (c * bias[1]) <= REMOVES
         kept_zero = bool(((c == 0) | removed).all())
