@@ -234,6 +234,14 @@ def inplace_learned_bias(q, k, v, m):
     return torch.matmul(F.softmax(scores.float(), dim=-1).type_as(scores), v)
 
 
+def inplace_masked_fill(q, k, v, m):
+    """``scores.masked_fill_(~causal, -inf)`` and a padding ``masked_fill_`` in place (lucidrains-style blocks)."""
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    s.masked_fill_(~m.causal[:T, :T], float("-inf"))
+    s.masked_fill_(m.pad[:, None, None, :] == 0, float("-inf"))
+    return F.softmax(s, dim=-1) @ v
+
+
 SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "mul_scale": (mul_scale, False, False, False),
     "div_sqrt": (div_sqrt, False, False, False),
@@ -272,6 +280,7 @@ SPELLINGS = {  # name: (fn, causal expected, bias expected, mask expected)
     "deberta_rows": (deberta_rows, False, True, True),
     "t5_zero_position_bias": (t5_zero_position_bias, False, False, False),   # zeros: no bias
     "inplace_learned_bias": (inplace_learned_bias, False, True, False),
+    "inplace_masked_fill": (inplace_masked_fill, True, False, True),
 }
 
 
@@ -343,6 +352,23 @@ def test_escaping_weights_are_declined_and_exact():
     rep = _compare(AttnModel(returns_probs), *_inputs())
     assert rep.count("attention") == 0
     assert any("used outside" in d.reason for d in rep.declines), rep.declines
+
+
+@pytest.mark.parametrize("read", ["before", "after"])
+def test_scores_written_in_place_and_read_elsewhere_are_left_as_written(read):
+    """``s.masked_fill_`` / ``s += b`` where something else reads ``s`` (before the write: its old values;
+    after it: the new ones): fused, that reader would see the wrong scores, so the chain stays as written."""
+    def spelling(q, k, v, m):
+        s = q @ k.transpose(-2, -1)
+        early = s.mean() if read == "before" else 0
+        s.masked_fill_(~m.causal[:T, :T], float("-inf"))
+        s += m.rel_bias
+        late = (s > 0).float().mean() if read == "after" else 0
+        return F.softmax(s, dim=-1) @ v + early + late
+
+    torch.manual_seed(0)
+    rep = _compare(AttnModel(spelling), *_inputs())
+    assert rep.count("attention") == 0, rep.render(width=120)
 
 
 def test_skip_leaves_attention_alone():

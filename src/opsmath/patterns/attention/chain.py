@@ -100,14 +100,16 @@ def _score_op(ctx: RewriteContext, cur: fx.Node):
             and cur.kwargs.get("alpha", 1) == 1:
         return _bias_op(cur)
     if t in (aten.add_.Tensor, aten.sub_.Tensor) and all(isinstance(x, fx.Node) for x in a[:2]) \
-            and cur.kwargs.get("alpha", 1) == 1 and private_temporary(a[0]) and leads_to_matmul(a[0]):
+            and cur.kwargs.get("alpha", 1) == 1 and _private(a[0]) and leads_to_matmul(a[0]):
         # ``scores += bias`` on scores nothing else reads (older T5, custom blocks): the same value
         return a[0], ("bias", a[1], -1.0 if t is aten.sub_.Tensor else 1.0)
     if t in (aten.add.Tensor, aten.sub.Tensor) and isinstance(a[1], (int, float)):
         return a[0], None  # a constant shift of every score: softmax is invariant to it
     if (merged := _windows_merged(cur)) is not None:   # Swin: a mask added per window, then merged back
         return merged
-    if t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+    if t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor) or t in (aten.masked_fill_.Scalar,
+                                                                        aten.masked_fill_.Tensor) \
+            and _private(a[0]) and leads_to_matmul(a[0]):   # in place: on scores nothing else reads
         f = fill_value(ctx, a[2])
         return "masked_fill value is not a constant" if f is None else (a[0], ("mask", a[1], False, f))
     if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
@@ -174,6 +176,18 @@ def _tensor_scale(cur: fx.Node):
     if len(ts) > len(shape(cur)) or (ts and ts[-1] != 1):
         return "scores multiplied by a tensor that varies over the keys: not read"
     return s, ("tscale", t)
+
+
+IN_PLACE = {aten.add_.Tensor, aten.sub_.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.mul_.Tensor,
+            aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar}
+
+
+def _private(x) -> bool:
+    """``x`` is a fresh tensor one op reads (``private_temporary``), or an in-place score op's result on one
+    (``s.masked_fill_(a); s.masked_fill_(b)``): writing to it in place is observed by no one else."""
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in IN_PLACE and len(x.users) == 1:
+        x = x.args[0]
+    return private_temporary(x)
 
 
 def _bias_op(cur: fx.Node):
@@ -315,7 +329,8 @@ def leads_to_matmul(node, depth: int = 12) -> bool:
             node = node.args[0]
         elif node.target in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor):
             return any(leads_to_matmul(a, depth - 1) for a in node.args[:2] if isinstance(a, fx.Node))
-        elif node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.ScalarOther):
+        elif node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.ScalarOther,
+                             aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.add_.Tensor, aten.sub_.Tensor):
             node = node.args[0]
         elif node.target is aten.where.ScalarSelf:
             node = node.args[2]
