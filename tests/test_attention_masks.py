@@ -1,5 +1,7 @@
 """Index-comparison masks read symbolically (``src/opsmath/patterns/attention/masks.py``): the reading must equal
 the mask's values, and only the exact top-left causal pattern may be called causal."""
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
@@ -81,3 +83,29 @@ def test_an_in_place_fill_is_a_constant_only_when_nothing_else_reads_its_target(
                                                                                   float("-inf")))
     gm, fill = _fill_graph(shared=True)
     assert constant_value(gm, fill, {}) is None
+
+
+@pytest.mark.parametrize("write", [None, "through_a_view", "in_place", "after_a_split"])
+def test_a_tensor_written_by_a_node_outside_the_evaluation_is_not_a_constant(write):
+    """``kpm = zeros(B, S); kpm[1, 3:] = True`` (the write goes through a view, a node no reader depends on):
+    evaluating ``where(kpm, -inf, 0)`` from its factory alone would miss the write, so it is no constant.
+    A write to another tensor (``masked_fill_(x, kpm, ...)`` writes x) does not count."""
+    from opsmath.rewrite.canonicalize import constant_value
+    g = fx.Graph()
+    x = g.placeholder("x")
+    kpm = g.call_function(aten.zeros.default, ([2, S],), {"dtype": torch.bool})
+    if write == "through_a_view":
+        g.call_function(aten.fill_.Scalar, (g.call_function(aten.slice.Tensor, (kpm, 1, 3)), True))
+    elif write == "in_place":
+        g.call_function(aten.logical_not_.default, (kpm,))
+    elif write == "after_a_split":
+        part = g.call_function(operator.getitem, (g.call_function(aten.split.Tensor, (kpm, 1)), 1))
+        g.call_function(aten.fill_.Scalar, (part, True))
+    bias = g.call_function(aten.where.Scalar, (kpm, float("-inf"), 0.0))
+    g.call_function(aten.masked_fill_.Scalar, (x, kpm, 0.0))   # writes x, reads kpm
+    g.output(bias)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    value = constant_value(gm, bias, {})
+    assert (value is None) == (write is not None)
+    if write is None:
+        assert torch.equal(value, torch.zeros(2, S))

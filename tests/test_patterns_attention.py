@@ -436,3 +436,42 @@ def test_sdpa_output_layout_is_kept_for_a_view_after_it():
     torch.manual_seed(0)
     rep = _compare(AttnModel(mul_scale), *_inputs())
     assert rep.count("attention") == 1 and "clone" not in rep.graphs[0].after_code
+
+
+class _MHA(nn.Module):
+    """``nn.MultiheadAttention`` called as users write it, its weights asked for (the default): a float causal
+    mask goes into one ``baddbmm`` over (B*H) rows; a key padding mask built in ``forward`` with a
+    write through a view (``kpm[1, 7:] = True``) must stay a run-time bias."""
+
+    def __init__(self, causal: bool, pad: bool):
+        super().__init__()
+        self.attn, self.causal, self.pad = nn.MultiheadAttention(C, H, batch_first=True), causal, pad
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1]) if self.causal else None
+        kpm = None
+        if self.pad:
+            kpm = torch.zeros(x.shape[0], x.shape[1])
+            kpm[1, 7:] = float("-inf")
+        return x + self.attn(x, x, x, attn_mask=mask, key_padding_mask=kpm)[0]
+
+
+@pytest.mark.parametrize("causal,pad,read", [(True, False, (True, False)), (False, True, (False, True)),
+                                             (True, True, (False, True))])   # both: one run-time bias, summed
+def test_multihead_attention_with_masks_and_weights_is_rewritten_and_exact(causal, pad, read):
+    torch.manual_seed(0)
+    model = _MHA(causal, pad)
+    eager = copy.deepcopy(model)
+    opt = opsmath.optimize(model)
+    x = torch.randn(2, T, C)
+    y, ye = opt(x), eager(x)
+    w = torch.randn_like(y)
+    (y * w).sum().backward()
+    (ye * w).sum().backward()
+    rep = opsmath.report(opt)
+    assert rep.count("attention") == 1, rep.render(width=120)
+    d = rep.matches[0].details
+    assert (d["causal"], d["has_bias"]) == read, d
+    assert rel_err(y, ye) < 1e-5
+    for (name, p), pe in zip(opt.named_parameters(), eager.parameters()):
+        assert rel_err(p.grad, pe.grad) < 1e-4, name

@@ -23,6 +23,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from opsmath.rewrite.constants import constant_value  # noqa: F401  (re-exported: the matchers' vocabulary)
+
 aten = torch.ops.aten
 
 CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default, aten.to.device}
@@ -311,76 +313,6 @@ def repeat_kv_source(node, heads: int) -> Optional[tuple[fx.Node, int]]:
 
 def only_users_in(node: fx.Node, allowed: set) -> bool:
     return all(u in allowed for u in node.users)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Constant evaluation
-# ---------------------------------------------------------------------------------------------------
-
-
-_FILLS = {aten.masked_fill_.Scalar, aten.fill_.Scalar}
-
-
-def _private_fill(n: fx.Node) -> bool:
-    """An in-place fill whose target nothing else reads or writes: ``zeros_like(m).masked_fill_(m, -inf)``,
-    how ``nn.MultiheadAttention`` turns a boolean mask into a bias. Its value is then that of the
-    out-of-place op, and no mutation outside the evaluated nodes can change it."""
-    if n.target not in _FILLS or not isinstance(n.args[0], fx.Node) or len(n.args[0].users) != 1:
-        return False
-    return not any(isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable for u in n.users)
-
-
-def constant_value(gm: fx.GraphModule, node, constants: dict[str, torch.Tensor], limit: int = 200):
-    """Evaluate ``node`` to a real tensor when it depends only on tensor factories, ``get_attr``
-    constants and module buffers (``constants``, by placeholder name). Returns None otherwise.
-
-    Factories with device arguments are evaluated on CPU: only the value is wanted. The one kind of
-    in-place op evaluated is a fill of a tensor nothing else uses (``_private_fill``).
-    """
-    if not isinstance(node, fx.Node):
-        return node
-    order, stack, seen = [], [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder" and n.name not in constants:
-            return None
-        if n.op not in ("placeholder", "get_attr", "call_function"):
-            return None
-        if n.op == "call_function" and (not isinstance(n.target, torch._ops.OpOverload)
-                                        or n.target._schema.is_mutable and n.target is not aten.detach_.default
-                                        and not _private_fill(n)):
-            return None
-        if len(seen) > limit:
-            return None
-        order.append(n)
-        stack.extend(n.all_input_nodes)
-    env = {}
-    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-    try:
-        for n in sorted(order, key=pos.__getitem__):
-            if n.op == "placeholder":
-                env[n] = constants[n.name].detach().cpu()
-            elif n.op == "get_attr":
-                env[n] = getattr(gm, n.target).detach().cpu() if isinstance(getattr(gm, n.target), torch.Tensor) \
-                    else getattr(gm, n.target)
-            else:
-                args = fx.node.map_arg(n.args, env.__getitem__)
-                kwargs = dict(fx.node.map_arg(n.kwargs, env.__getitem__))
-                if "device" in kwargs:
-                    kwargs["device"] = "cpu"
-                if n.target is aten.detach_.default:
-                    env[n] = args[0].detach()
-                    continue
-                if n.target is aten.to.device:
-                    args = (args[0], "cpu", *args[2:])
-                env[n] = n.target(*args, **kwargs)
-    except Exception:  # anything unexpected: not a constant we understand
-        return None
-    out = env[node]
-    return out if isinstance(out, torch.Tensor) else None
 
 
 def causal_from_constant(masked: torch.Tensor, sq: int, sk: int) -> bool:

@@ -18,7 +18,7 @@ from opsmath.rewrite.canonicalize import (aten, as_matmul, constant_value, dropo
                                           passes_through, private_temporary, scalar_scale, shape, strip_scales)
 from opsmath.rewrite.match import RewriteContext
 
-from opsmath.patterns.attention.flat import flat_pv, flat_scores, rows_to_heads, unflattened
+from opsmath.patterns.attention.flat import flat_pv, flat_scores, rows_scores, rows_to_heads, unflattened
 from opsmath.patterns.attention.sinks import drops_sink, is_row_max_of, row_max_shift, sink_column, sink_reason
 from opsmath.patterns.attention.plan import Plan, fill_value, finish_plan, line_up
 
@@ -34,7 +34,7 @@ def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
     if found is None or isinstance(found, str):
         return found
     ops, up, qk = found
-    if (fs := flat_scores(qk)) is not None:   # BLOOM: alpha * QK^T + beta * bias inside one baddbmm
+    if (fs := flat_scores(qk) or (rows_scores(qk) if nd == 3 else None)) is not None:   # alpha QK^T + beta bias
         ops += [("bias", fs["bias"], fs["beta"]), ("scale", fs["alpha"])]
     found = _downward(sm)
     if isinstance(found, str):
@@ -59,7 +59,8 @@ def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
 def _upward(ctx: RewriteContext, cur):
     """From the softmax's input up to Q K^T: (the score ops met, the nodes passed, the QK^T node)."""
     ops, up, escape = [], [], None
-    while as_matmul(cur) is None and flat_scores(cur) is None:
+    rows = isinstance(cur, fx.Node) and len(shape(cur)) == 3   # 3-D scores: a (B*H)-row baddbmm ends the walk
+    while as_matmul(cur) is None and flat_scores(cur) is None and not (rows and rows_scores(cur) is not None):
         if not isinstance(cur, fx.Node) or cur.op != "call_function":
             return None
         if len([u for u in cur.users if not is_row_max_of(u, cur)]) != 1 and escape is None:
@@ -250,11 +251,15 @@ def _operands(ctx: RewriteContext, qk: fx.Node, fs: Optional[dict], pv: fx.Node,
     v, flat_out = as_matmul(pv)[1], unflattened(pv.args[0]) is not None   # P V over (B*H) rows: 4-D v
     if flat_out and unflattened(v) is not None:
         v = unflattened(v)
+    # scales from literal tensors only (no buffers: a buffer's value may change between steps)
+    const = lambda n: constant_value(ctx.gm, n, {})  # noqa: E731
+    if fs is not None and fs.get("rows"):   # nn.MultiheadAttention's baddbmm over (B*H) rows (``rows_scores``)
+        (q, cq), (k, ck) = strip_scales(fs["q"], const), strip_scales(fs["k"], const)
+        return Plan(qk=qk, pv=pv, q=q, k=k, k_needs_transpose=False, v=v, dropout_p=p_drop, scale=cq * ck,
+                    nodes=nodes, scores=scores, flat_out=flat_out)
     if fs is not None:   # the scores are BLOOM's baddbmm (``flat_scores``)
         return Plan(qk=qk, pv=pv, q=fs["q"], k=fs["k"], k_needs_transpose=False, v=v, dropout_p=p_drop,
                     nodes=nodes, scores=scores, flat_rows=True, flat_out=flat_out)
-    # scales from literal tensors only (no buffers: a buffer's value may change between steps)
-    const = lambda n: constant_value(ctx.gm, n, {})  # noqa: E731
     a, b, b_transposed = as_matmul(qk)
     q, cq = strip_scales(a, const)
     b, cb = strip_scales(b, const)

@@ -59,6 +59,21 @@ def flat_scores(node) -> Optional[dict]:
     return dict(q=q, k=k, alpha=float(alpha), bias=bias, beta=float(beta), baddbmm=bmm)
 
 
+def rows_scores(node) -> Optional[dict]:
+    """For 3-D scores ``node`` = ``baddbmm(bias, q3, k3^T, beta, alpha)`` over (B*H) rows that no 4-D tensor
+    was flattened into (``nn.MultiheadAttention`` with a mask and its weights asked for): q3 and the un-
+    transposed k3, ``alpha``, the bias and ``beta`` (``flat_scores``' fields, ``rows=True``); else None."""
+    if not is_op(node, {aten.baddbmm.default}) or len(shape(node)) != 3:
+        return None
+    bias, a, b = node.args[:3]
+    beta, alpha = node.kwargs.get("beta", 1.0), node.kwargs.get("alpha", 1.0)
+    kt = last_two_transposed(b)
+    if kt is None or not isinstance(bias, fx.Node) or not isinstance(a, fx.Node) \
+            or not all(isinstance(c, (int, float)) for c in (beta, alpha)):
+        return None
+    return dict(q=a, k=kt, alpha=float(alpha), bias=bias, beta=float(beta), baddbmm=node, rows=True)
+
+
 def flat_pv(p: fx.Node) -> Optional[tuple[fx.Node, fx.Node, fx.Node]]:
     """For 4-D probabilities ``p``: (the (B*H) view of p, ``bmm(view, v3)``, the 4-D v) if p is only
     flattened into that product, else None."""
