@@ -85,7 +85,8 @@ def test_an_in_place_fill_is_a_constant_only_when_nothing_else_reads_its_target(
     assert constant_value(gm, fill, {}) is None
 
 
-@pytest.mark.parametrize("write", [None, "through_a_view", "in_place", "after_a_split"])
+@pytest.mark.parametrize("write", [None, "through_a_view", "in_place", "after_a_split", "after_an_unsafe_split",
+                                   "set_"])
 def test_a_tensor_written_by_a_node_outside_the_evaluation_is_not_a_constant(write):
     """``kpm = zeros(B, S); kpm[1, 3:] = True`` (the write goes through a view, a node no reader depends on):
     evaluating ``where(kpm, -inf, 0)`` from its factory alone would miss the write, so it is no constant.
@@ -98,9 +99,13 @@ def test_a_tensor_written_by_a_node_outside_the_evaluation_is_not_a_constant(wri
         g.call_function(aten.fill_.Scalar, (g.call_function(aten.slice.Tensor, (kpm, 1, 3)), True))
     elif write == "in_place":
         g.call_function(aten.logical_not_.default, (kpm,))
-    elif write == "after_a_split":
-        part = g.call_function(operator.getitem, (g.call_function(aten.split.Tensor, (kpm, 1)), 1))
+    elif write in ("after_a_split", "after_an_unsafe_split"):
+        split = aten.split.Tensor if write == "after_a_split" else aten.unsafe_split.Tensor
+        part = g.call_function(operator.getitem, (g.call_function(split, (kpm, 1)), 1))
         g.call_function(aten.fill_.Scalar, (part, True))
+    elif write == "set_":   # another tensor made to share kpm's storage, then written
+        other = g.call_function(aten.empty.memory_format, ([0],), {"dtype": torch.bool})
+        g.call_function(aten.fill_.Scalar, (g.call_function(aten.set_.source_Tensor, (other, kpm)), True))
     bias = g.call_function(aten.where.Scalar, (kpm, float("-inf"), 0.0))
     g.call_function(aten.masked_fill_.Scalar, (x, kpm, 0.0))   # writes x, reads kpm
     g.output(bias)

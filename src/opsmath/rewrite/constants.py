@@ -86,6 +86,12 @@ def constant_value(gm: fx.GraphModule, node, constants: dict[str, torch.Tensor],
     return out if isinstance(out, torch.Tensor) else None
 
 
+# ops whose results alias an input their schema does not mark (followed as views), and ``set_``, which makes
+# another tensor share the storage of the one it reads (counted as a write)
+_UNMARKED_VIEWS = {aten.unsafe_split, aten.unsafe_split_with_sizes, aten.unsafe_chunk, aten._unsafe_view}
+_REBINDS = {aten.set_}
+
+
 def _written_elsewhere(n: fx.Node, inside: set) -> bool:
     """Whether a node outside ``inside`` may write ``n``'s tensor: an in-place op on it or on a view of it
     (views followed through every op whose result aliases its input, and ``getitem`` of a ``split``'s
@@ -102,8 +108,11 @@ def _written_elsewhere(n: fx.Node, inside: set) -> bool:
             if u.op == "call_function" and u.target is operator.getitem:
                 stack.append(u)
                 continue
-            if not isinstance(u.target, torch._ops.OpOverload):
+            if not isinstance(u.target, torch._ops.OpOverload) or u.target.overloadpacket in _REBINDS:
                 return True
+            if u.target.overloadpacket in _UNMARKED_VIEWS:
+                stack.append(u)
+                continue
             schema = u.target._schema
             aliased = [a.alias_info for a in _holding(u, schema, x) if a.alias_info is not None]
             if schema.is_mutable and u not in inside and u.target is not aten.detach_.default \

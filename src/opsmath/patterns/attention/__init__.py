@@ -12,7 +12,7 @@ kv head. Every intermediate must be used only inside the chain, or the occurrenc
 from __future__ import annotations
 
 import operator
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.fx as fx
@@ -29,6 +29,36 @@ from opsmath.patterns.attention.plan import Plan, bias_shape, finish_plan, line_
 from opsmath.patterns.attention.sinks import pad_for_sink, with_sink
 
 
+def _written_between(plan: Plan) -> Optional[fx.Node]:
+    """An in-place op outside the chain, between its QK^T and its P V (graph order), that writes a tensor a
+    chain node before it read (the same tensor or a view of the same base): eager read the old values, the
+    fused op (emitted at P V) would read the new ones. A write before every read (DeBERTa builds its
+    relative bias with ``score += c2p``) is what eager read too."""
+    chain = {plan.qk, plan.pv, *plan.nodes}
+    node, read = plan.qk, set()
+    while node is not plan.pv and node.op != "output":
+        t = node.target
+        if node in chain:
+            read.update(_root(x) for x in node.all_input_nodes)
+        elif isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable and t is not aten.detach_.default:
+            written = [_root(a) for a, arg in zip(node.args, t._schema.arguments)
+                       if isinstance(a, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write]
+            if any(w in read for w in written):
+                return node
+        node = node.next
+    return None
+
+
+def _root(n: fx.Node) -> fx.Node:
+    """The tensor ``n`` is a view of (through ops whose result aliases their first argument), or ``n``."""
+    while n.op == "call_function" and (n.target is operator.getitem or isinstance(n.target, torch._ops.OpOverload)
+                                       and n.target._schema.arguments and n.target._schema.arguments[0].alias_info
+                                       is not None and any(r.alias_info is not None for r in n.target._schema.returns)) \
+            and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
 class AttentionRule(Rule):
     name = "attention"
     anchors = (*SOFTMAXES, *SDPAS)    # the softmax of a written-out chain, or an SDPA call
@@ -39,6 +69,9 @@ class AttentionRule(Rule):
         if isinstance(plan, Plan) and plan.softcap and ctx.inductor and shape(plan.q)[-1] > SOFTCAP_INDUCTOR_HEAD_DIM:
             return (f"logit softcap at head dim {shape(plan.q)[-1]}: opsmath's kernel is measured faster than "
                     f"Inductor's compiled chain up to head dim {SOFTCAP_INDUCTOR_HEAD_DIM} only")
+        if isinstance(plan, Plan) and (w := _written_between(plan)) is not None:
+            return (f"{w.name} writes in place between the scores and P V: the fused op, at P V, would read "
+                    "its operands after the write")
         if isinstance(plan, Plan) and ctx.inductor and not ctx.budget \
                 and any(ctx.may_require_grad(b) for b, _ in plan.biases):
             return ("a bias that needs its gradient (a learned position bias): opsmath's kernel measured slower "

@@ -35,7 +35,7 @@ def analyze_chain(ctx: RewriteContext, sm: fx.Node) -> Union[None, str, Plan]:
         return found
     ops, up, qk = found
     if (fs := flat_scores(qk) or (rows_scores(qk) if nd == 3 else None)) is not None:   # alpha QK^T + beta bias
-        ops += [("bias", fs["bias"], fs["beta"]), ("scale", fs["alpha"])]
+        ops += ([("bias", fs["bias"], fs["beta"])] if fs["beta"] else []) + [("scale", fs["alpha"])]   # beta 0: unread
     found = _downward(sm)
     if isinstance(found, str):
         return found

@@ -82,6 +82,8 @@ def line_up(plan: Plan) -> Optional[str]:
         return "V batch dims differ from the scores' (K and V repeated differently?)"
     if shape(q)[:-2] != lead or kshape[-2:] != (Sk, D) or shape(plan.v)[-2] != Sk:
         return "Q/K/V shapes do not line up (broadcasting matmul)"
+    if shape(q)[-2] != plan.scores[-2]:   # the scores widened by a bias or mask: the kernel takes Q's rows
+        return f"Q's {shape(q)[-2]} rows broadcast to the scores' {plan.scores[-2]} by a bias or mask"
     if shape(plan.v)[-1] != D and not all(isinstance(x, int) for x in (shape(plan.v)[-1], D)):
         return f"V head dim {shape(plan.v)[-1]} differs from Q/K head dim {D}, symbolic"
     if dtype(plan.qk) != dtype(plan.pv) or dtype(plan.qk) not in (torch.float16, torch.bfloat16, torch.float32,
@@ -165,9 +167,9 @@ def _detect_causal(ctx, plan: Plan, Sq: int, Sk: int) -> None:
             plan.window_in_mask = split.window
         if c is None or not c.is_floating_point():
             continue
-        if bool((c * bias[1] == 0).all()):   # exact zeros added (T5's cross-attention position bias): no bias
-            plan.biases.remove(bias)
-            continue
+        if bool((c * bias[1] == 0).all()) and constant_value(ctx.gm, bias[0], {}) is not None:
+            plan.biases.remove(bias)   # zeros added, made in the graph (T5's cross-attention): no bias (a buffer
+            continue                   # of zeros stays: ``.data`` writes change it unseen by the guard)
         removed = (c * bias[1]) <= REMOVES
         kept_zero = bool(((c == 0) | removed).all())
         split = _constant_split(~removed, Sq, Sk) if kept_zero else None
