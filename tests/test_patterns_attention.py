@@ -490,6 +490,13 @@ def _written_after(q, k, v, m):   # the bias written in place after the scores r
     return F.softmax(a, -1) @ v + 0 * b.sum()
 
 
+def _bias_written_later(q, k, v, m):   # the bias written in place after P V: eager's add kept no reference
+    b = m.rel_bias.expand(q.shape[0], -1, -1, -1) * 1.0
+    y = F.softmax((q @ k.transpose(-2, -1)) * D ** -0.5 + b, -1) @ v
+    b.mul_(2.0)
+    return y + b.sum()
+
+
 def _beta_zero(q, k, v, m):   # baddbmm ignores its input at beta=0, NaN included
     B = q.shape[0]
     s = torch.baddbmm(torch.full((B * H, T, T), float("nan")), q.reshape(B * H, T, D),
@@ -509,8 +516,9 @@ class _ZeroBuffer(nn.Module):
         return self.inner(x, pad)
 
 
-@pytest.mark.parametrize("fn,rewritten", [(_widened, False), (_written_after, False), (_beta_zero, True)],
-                         ids=["widened_rows", "written_after", "beta_zero"])
+@pytest.mark.parametrize("fn,rewritten", [(_widened, False), (_written_after, False), (_bias_written_later, False),
+                                        (_beta_zero, True)],
+                         ids=["widened_rows", "written_after", "bias_written_later", "beta_zero"])
 def test_scores_the_kernel_cannot_take_as_written_stay_exact(fn, rewritten):
     torch.manual_seed(0)
     rep = _compare(AttnModel(fn), *_inputs())

@@ -49,6 +49,22 @@ def _written_between(plan: Plan) -> Optional[fx.Node]:
     return None
 
 
+def _bias_written_after(plan: Plan) -> Optional[fx.Node]:
+    """An in-place op after P V that writes a bias the chain adds (or a tensor it views): eager's ``add``
+    kept no reference to it, but the fused op saves it for its backward, which would then fail autograd's
+    version check (or read the new values)."""
+    biases = {_root(b) for b, _ in plan.biases if isinstance(b, fx.Node)}
+    node = plan.pv.next
+    while biases and node.op != "output":
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable and t is not aten.detach_.default and any(
+                _root(a) in biases for a, arg in zip(node.args, t._schema.arguments)
+                if isinstance(a, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write):
+            return node
+        node = node.next
+    return None
+
+
 def _root(n: fx.Node) -> fx.Node:
     """The tensor ``n`` is a view of (through ops whose result aliases their first argument), or ``n``."""
     while n.op == "call_function" and (n.target is operator.getitem or isinstance(n.target, torch._ops.OpOverload)
@@ -72,6 +88,9 @@ class AttentionRule(Rule):
         if isinstance(plan, Plan) and (w := _written_between(plan)) is not None:
             return (f"{w.name} writes in place between the scores and P V: the fused op, at P V, would read "
                     "its operands after the write")
+        if isinstance(plan, Plan) and (w := _bias_written_after(plan)) is not None:
+            return (f"{w.name} writes the bias in place after attention: the fused op keeps the bias for its "
+                    "backward, where eager's add kept none")
         if isinstance(plan, Plan) and ctx.inductor and not ctx.budget \
                 and any(ctx.may_require_grad(b) for b, _ in plan.biases):
             return ("a bias that needs its gradient (a learned position bias): opsmath's kernel measured slower "
