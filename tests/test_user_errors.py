@@ -112,3 +112,31 @@ def test_a_users_own_sigint_handler_is_left_alone():
             assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class _Breaks(nn.Module):
+    """A graph break in the model's own code (``.item()``) and one inside torch's ``nn.Transformer``
+    (its causal-mask check compares a tensor, unless ``tgt_is_causal`` is given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.tf = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        h = self.lin(x)
+        scale = h.abs().max().item()   # break in the model's code
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.tf(h / scale, h, tgt_mask=mask).sum()
+
+
+def test_graph_breaks_name_their_line_without_printing_dynamos_log(capfd):
+    torch._dynamo.reset()
+    opt = opsmath.optimize(_Breaks())
+    opt(torch.randn(2, 5, 8)).backward()
+    breaks = {r.location: r for r in opsmath.report(opt).eager_regions if r.kind == "graph break"}
+    mine = f"test_user_errors.py:{_Breaks.forward.__code__.co_firstlineno + 2}"
+    assert mine in breaks and ".item()" in breaks[mine].code, breaks
+    inside = [loc for loc in breaks if loc.startswith("torch/nn/modules/transformer.py:")]
+    assert inside and "mask" in breaks[inside[0]].code, breaks
+    assert "Graph break in user code" not in capfd.readouterr().err

@@ -39,7 +39,8 @@ from opsmath.runtime.fp8_weights import WeightCasts
 from opsmath.memory.plan import InfeasibleBudget, check_step_share, parse_budget
 from opsmath.memory.replan import rebalance
 from opsmath.capture.interrupts import interrupts_deferred
-from opsmath.capture.regions import EagerRegion, graph_breaks, note_graph_breaks
+from opsmath.capture import graph_breaks
+from opsmath.capture.regions import EagerRegion
 
 log = logging.getLogger("opsmath")
 
@@ -139,6 +140,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
         raise ValueError("optimize(cuda_graphs=True) replays Inductor's compiled graphs; it needs the Inductor "
                          "path, not inductor=False")
     state = new_state(type(model).__name__, memory_budget, patterns, skip, analyze, inductor, cuda_graphs, fp8)
+    graph_breaks.watch()   # the report names each graph break's line
     model._opsmath = state
     state.notes = [note for p in state.patterns if p.name not in state.skip for note in p.prepare(model)]
     state.notes += [CUDA_GRAPHS_NOTE] if cuda_graphs else []
@@ -269,7 +271,7 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
             patches["optimize_ddp"] = False
         # the first capture (dynamo's tracing included) takes Ctrl-C at its end (capture/interrupts.py)
         with _dynamo_settings(patches), interrupts_deferred() if not state.graphs else contextlib.nullcontext():
-            breaks, runs, captured = graph_breaks(), state.graph_runs, len(state.graphs)
+            breaks, runs, captured = graph_breaks.counts(), state.graph_runs, len(state.graphs)
             state.step_start = runs
             try:
                 if guard is None:
@@ -295,8 +297,8 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
                 # (outside this handler: eager's error then reads as eager's, not chained to dynamo's)
                 state.fallback_errors.append(f"a call could not be traced and ran eagerly: {str(e).splitlines()[0]}")
             finally:
-                if graph_breaks() != breaks:
-                    note_graph_breaks(breaks, state.eager_regions)
+                if graph_breaks.counts() != breaks:
+                    graph_breaks.note(breaks, state.eager_regions)
                 if state.graph_runs == runs:
                     state.unoptimized_calls += 1
         return model._call_impl(*args, **kwargs)

@@ -281,27 +281,6 @@ def hooks_off_while_tracing():
     return off() if off is not None else contextlib.nullcontext()
 
 
-def graph_breaks() -> dict:
-    """Dynamo's graph-break counts by reason so far in this process (its ``counters["graph_break"]``)."""
-    from torch._dynamo.utils import counters
-    return dict(counters["graph_break"])
-
-
-def note_graph_breaks(before: dict, regions: list[EagerRegion]):
-    """Append a region for each graph-break reason whose count grew since ``before`` and that
-    ``regions`` does not list yet: the code around a graph break runs as plain Python, unrewritten."""
-    listed = {r.reason for r in regions if r.kind == "graph break"}
-    for reason, n in graph_breaks().items():
-        flat = " ".join(str(reason).split())
-        text = flat.split(" Explanation:")[0][:200]
-        why = re.search(r"\(reason: (.+?)\)(?: Hint:|$)", flat)     # a ``disable(..., reason=...)``'s own
-        if why and why.group(1) != "None":
-            text = f"{text}: {why.group(1)}"[:300]
-        if n > before.get(reason, 0) and text not in listed:
-            listed.add(text)
-            regions.append(EagerRegion("graph break", "", "", text))
-
-
 def checkpoint_body_is_plain(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether a checkpoint node's body can run through ``run_checkpoint``: not a selective checkpoint
     (a ``context_fn`` policy, which dynamo keeps in the body's meta)."""

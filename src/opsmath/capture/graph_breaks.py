@@ -1,0 +1,115 @@
+"""Dynamo's graph breaks in an optimized model's frames, with the user's line each one happened at.
+
+The code around a graph break runs as plain Python, unrewritten: the report lists each break (an
+``EagerRegion`` of kind "graph break"). Dynamo counts breaks by reason (``counters["graph_break"]``),
+without a place; the place is in its ``graph_breaks`` log artifact, which it formats only when that log is
+on. ``watch()`` turns it on for a handler of opsmath's own, not propagated: nothing reaches the user's
+output unless they asked for the artifact themselves (``TORCH_LOGS=graph_breaks``), and then they keep
+it. Each record gives the innermost frame dynamo stopped at (``torch/nn/modules/transformer.py:1245``) and
+the user's stack; the report names the innermost frame outside torch and opsmath
+(``model.py:189``), and the torch frame where the break is inside torch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from opsmath.capture.lower import _PACKAGE, _internal
+
+_SITES: list[tuple[int, str, str, str, str]] = []   # (number, log text, user location, user code, torch frame)
+_MAX_SITES = 256
+_RECORDED = [0]   # sites recorded so far in this process
+_WATCHED = ("torch._dynamo.symbolic_convert", "torch._dynamo.convert_frame")
+_AT = re.compile(r"in user code at (.+?):(\d+)")
+_FRAME = re.compile(r'File "(.+?)", line (\d+), in .*\n(.*)')
+
+
+class _Sites(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:   # a record this handler cannot format tells it nothing
+            return
+        at = _AT.search(text)
+        if at is None or "User code traceback:" not in text:   # a duplicate's record carries no stack
+            return
+        inner = f"{at.group(1)}:{at.group(2)}"
+        frames = _FRAME.findall(text.split("User code traceback:", 1)[1])
+        # the model's frames: after opsmath's own call of the model (before it, the training loop's)
+        ours = [i for i, (path, _, _) in enumerate(frames) if os.path.abspath(path).startswith(_PACKAGE)]
+        mine = [f for f in frames[ours[-1] + 1 if ours else 0:] if not _internal(f[0])]
+        if mine:
+            path, lineno, code = mine[-1]
+            loc = f"{os.path.basename(path)}:{lineno}"
+        else:   # inside torch's own modules (nn.Transformer): the torch line
+            loc, code = _short(inner), next((c for p, n, c in reversed(frames) if f"{p}:{n}" == inner), "")
+        del _SITES[:-_MAX_SITES]
+        _RECORDED[0] += 1
+        _SITES.append((_RECORDED[0], text, loc, code.strip(), _short(inner) if _internal(at.group(1)) and mine else ""))
+
+
+_HANDLER = _Sites()
+
+
+def _short(path_line: str) -> str:
+    """``.../site-packages/torch/nn/modules/transformer.py:1245`` -> ``torch/nn/modules/transformer.py:1245``."""
+    i = path_line.rfind(os.sep + "torch" + os.sep)
+    return path_line[i + 1:] if i >= 0 else os.path.basename(path_line)
+
+
+def watch() -> None:
+    """Record graph-break sites from now on (idempotent)."""
+    try:
+        import torch._logging as tl
+        for module in _WATCHED:
+            log = tl.getArtifactLogger(module, "graph_breaks")
+            if _HANDLER in log.handlers:
+                continue
+            if not log.isEnabledFor(logging.DEBUG):   # not the user's: on for this handler alone
+                log.setLevel(logging.DEBUG)
+                log.propagate = False
+            log.addHandler(_HANDLER)
+    except Exception:   # a torch without the artifact: breaks are still listed, without a place
+        return
+
+
+def counts() -> tuple[dict, int]:
+    """Dynamo's graph-break counts by reason so far in this process (its ``counters["graph_break"]``), and
+    the number of break sites recorded: what ``note`` compares against."""
+    from torch._dynamo.utils import counters
+    return dict(counters["graph_break"]), _RECORDED[0]
+
+
+def _sites(reason: str, after: int) -> list[tuple[str, str, str]]:
+    """(user location, code, torch frame) of each break recorded after site ``after`` whose log names
+    ``reason`` (one per location)."""
+    first = str(reason).strip().splitlines()[0] if str(reason).strip() else ""
+    found = {}
+    for number, text, loc, code, inner in _SITES:
+        if number > after and first and first in text:
+            found.setdefault(loc, (loc, code, inner))
+    return list(found.values())
+
+
+def note(before: tuple[dict, int], regions: list) -> None:
+    """Append a region for each graph break since ``before`` (``counts()``) that ``regions`` does not list
+    yet, at each of its recorded places: the code around a graph break runs as plain Python, unrewritten."""
+    from opsmath.capture.regions import EagerRegion
+    seen, recorded = before
+    listed = {(r.location, r.reason) for r in regions if r.kind == "graph break"}
+    for reason, n in counts()[0].items():
+        if n <= seen.get(reason, 0):
+            continue
+        flat = " ".join(str(reason).split())
+        text = flat.split(" Explanation:")[0][:200]
+        why = re.search(r"\(reason: (.+?)\)(?: Hint:|$)", flat)     # a ``disable(..., reason=...)``'s own
+        if why and why.group(1) != "None":
+            text = f"{text}: {why.group(1)}"[:300]
+        places = _sites(reason, recorded)
+        if not places and any(t == text or t.startswith(text + " (in ") for _, t in listed):
+            continue   # broken again where it broke before (dynamo logs a repeat without its stack)
+        for loc, code, inner in places or [("", "", "")]:
+            why_here = f"{text} (in {inner})" if inner else text
+            if (loc, why_here) not in listed:
+                listed.add((loc, why_here))
+                regions.append(EagerRegion("graph break", loc, code, why_here))
