@@ -22,11 +22,15 @@ kernel time per step, the step's peak memory above what is resident, and for ops
 
 ``opsmath.optimize(one graph)``: every expert loop traced in the model's one graph, as before
 ``patterns/experts/regional.py`` (which traces a repeated loop once for all its modules).
+``opsmath.optimize(gather)`` / ``(no gather)``: the experts' first GEMMs forced to read the token rows through
+the routing index (``opsmath::grouped_mm_gather``) or to gather them first, instead of measured per shape.
     python -m benchmarks moe --curve 200 --models loop --batch 2 --seq 1024 [--curve-fp8]   # loss curves vs eager
 """
 from __future__ import annotations
 
 import argparse
+import os
+from unittest import mock
 
 import torch
 
@@ -125,7 +129,12 @@ def _one_graph(model):
 
 VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m,
             "opsmath.optimize(fp8=True)": lambda m: opsmath.optimize(m, fp8=True),
-            "opsmath.optimize(one graph)": _one_graph}
+            "opsmath.optimize(one graph)": _one_graph, "opsmath.optimize(gather)": opsmath.optimize,
+            "opsmath.optimize(no gather)": opsmath.optimize}
+# set while the variant captures: the experts' first GEMMs reading the token rows through the routing index
+# (``kernels/grouped_gather.py``), forced on or off instead of measured
+CAPTURE_ENV = {"opsmath.optimize(gather)": {"OPSMATH_GATHER_GEMM": "1"},
+               "opsmath.optimize(no gather)": {"OPSMATH_GATHER_GEMM": "0"}}
 
 
 def run(name, rounds, steps, device, labels, B, T):
@@ -138,7 +147,8 @@ def run(name, rounds, steps, device, labels, B, T):
         model, batch = build(name, device, T)
         variants.append(MoEVariant(label, VARIANTS[label](model), batch(ids), device))
     for v in variants:
-        v.warm_up()
+        with mock.patch.dict(os.environ, CAPTURE_ENV.get(v.label, {})):
+            v.warm_up()
         print(f"{name} {v.label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
     interleave(variants, rounds, steps)
     rows = [v.row() for v in variants]

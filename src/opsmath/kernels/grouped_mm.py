@@ -74,16 +74,21 @@ def _group_of_tile(Offs, pid, G, BM: tl.constexpr, GP: tl.constexpr):
 
 @triton.jit
 def _grouped_fwd(X, W, Offs, Y, K, N, G, sxm, sxk, swg, swk, swn, sym, syn, PRECISION: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr):
-    """``Y[r] = X[r] @ W[g]`` for the rows of one row tile, one ``BN`` block of columns."""
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr, Rows=None,
+                 GATHER: tl.constexpr = False):
+    """``Y[r] = X[r] @ W[g]`` for the rows of one row tile, one ``BN`` block of columns; ``GATHER``:
+    ``X[Rows[r]]`` (the rows read through an index, ``grouped_gather.py``)."""
     g, end, row0 = _group_of_tile(Offs, tl.program_id(0), G, BM, GP)
     if g < G:
         rows, cols = row0 + tl.arange(0, BM), tl.program_id(1) * BN + tl.arange(0, BN)
         rmask, cmask = rows < end, cols < N
+        src = rows.to(tl.int64)
+        if GATHER:
+            src = tl.load(Rows + rows, mask=rmask, other=0).to(tl.int64)
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
-            a = tl.load(X + rows[:, None].to(tl.int64) * sxm + ks[None, :] * sxk,
+            a = tl.load(X + src[:, None] * sxm + ks[None, :] * sxk,
                         mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
             b = tl.load(W + g.to(tl.int64) * swg + ks[:, None] * swk + cols[None, :] * swn,
                         mask=(ks[:, None] < K) & cmask[None, :], other=0.0)
@@ -94,8 +99,9 @@ def _grouped_fwd(X, W, Offs, Y, K, N, G, sxm, sxk, swg, swk, swn, sym, syn, PREC
 
 @triton.jit
 def _grouped_wgrad(X, DY, Offs, DW, K, N, sxm, sxk, sdm, sdn, swg, swk, swn, PRECISION: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``DW[g] = X_g^T DY_g`` for one (group, K block, N block): a loop over the group's rows."""
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, Rows=None, GATHER: tl.constexpr = False):
+    """``DW[g] = X_g^T DY_g`` for one (group, K block, N block): a loop over the group's rows; ``GATHER``:
+    row ``r`` of ``X`` is ``X[Rows[r]]``."""
     g = tl.program_id(0)
     start = tl.load(Offs + g - 1, mask=g > 0, other=0)
     end = tl.load(Offs + g)
@@ -105,8 +111,10 @@ def _grouped_wgrad(X, DY, Offs, DW, K, N, sxm, sxk, sdm, sdn, swg, swk, swn, PRE
     for m0 in range(start, end, BM):
         rows = m0 + tl.arange(0, BM)
         rmask = rows < end
-        a = tl.load(X + rows[None, :].to(tl.int64) * sxm + ks[:, None] * sxk, mask=kmask[:, None] & rmask[None, :],
-                    other=0.0)
+        src = rows.to(tl.int64)
+        if GATHER:
+            src = tl.load(Rows + rows, mask=rmask, other=0).to(tl.int64)
+        a = tl.load(X + src[None, :] * sxm + ks[:, None] * sxk, mask=kmask[:, None] & rmask[None, :], other=0.0)
         b = tl.load(DY + rows[:, None].to(tl.int64) * sdm + cols[None, :] * sdn, mask=rmask[:, None] & cmask[None, :],
                     other=0.0)
         acc += tl.dot(a, b, input_precision=PRECISION)

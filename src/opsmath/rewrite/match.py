@@ -98,6 +98,7 @@ class RewriteContext:
         self.matches: list[Match] = []
         self.declines: list[Decline] = []
         self.skip = skip or set()
+        self.families: set[str] = set()   # the families this run applies (``run_patterns``)
         self.fake_mode = _fake_mode_of(self.gm)
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self._grad_inputs = {n for n, rg in zip(placeholders, captured.requires_grad) if rg}
@@ -286,6 +287,7 @@ def run_patterns(captured: Captured, patterns: list, skip: Optional[set[str]] = 
     whether a memory budget is planned; ``priced``: families kept per occurrence only where they measure
     faster than Inductor (``price.py``)."""
     ctx = RewriteContext(captured, skip, inductor, inputs, budget, priced)
+    ctx.families = {p.name for p in patterns} - ctx.skip   # what later rules will look for
     normalize(ctx)
     for pattern in patterns:
         pattern.apply(ctx)

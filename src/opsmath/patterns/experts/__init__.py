@@ -41,7 +41,7 @@ from opsmath.kernels.grouped_mm import new_load_site
 from opsmath.rewrite.match import RewriteContext, node_line
 from opsmath.rewrite.rules import Rule, register_rule
 
-from opsmath.patterns.experts.library import swap_library_fallbacks
+from opsmath.patterns.experts.library import gather_rows, swap_library_fallbacks
 from opsmath.patterns.experts.regional import ACTIVE, expert_lists, trace_once
 from opsmath.patterns.experts.body import BOOKKEEPING, Correspondence, Emitter, Expert, body_of, unsupported
 from opsmath.patterns.experts.spellings import ASSIGN, accumulation, from_topk, masks_to_indices, routing
@@ -261,6 +261,8 @@ class ExpertsRule(Rule):
 
     def apply(self, ctx: RewriteContext) -> None:
         swap_library_fallbacks(ctx, self.name)
+        if "fp8_experts" not in ctx.families:   # which takes grouped GEMMs over sorted rows
+            gather_rows(ctx, self.name)
         masks_to_indices(ctx.graph)
         super().apply(ctx)
 

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from opsmath.rewrite.canonicalize import aten, val
+from opsmath.kernels.grouped_gather import gather_wins
 from opsmath.kernels.grouped_mm import grouped_op
 
 ROW_SAFE = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
@@ -283,15 +284,44 @@ class Emitter:
         if n.target is aten.linear.default:
             weights = self.call(aten.transpose.int, weights, 1, 2)
         k, out = val(w).shape[-1 if n.target is aten.linear.default else 0], val(n).shape[-1]
-        op = grouped_op(val(x).dtype, val(weights).dtype, k, out)
-        self.gemms.append("torch._grouped_mm" if op is aten._grouped_mm.default else "opsmath::grouped_mm")
-        y = self.call(op, self.masked(x), weights, self.routed["offs"])
-        y = self.masked(y)
+        # (FP8 experts, which run after, take grouped GEMMs over sorted rows: those stay as they are)
+        src = None if "fp8_experts" in self.ctx.families else self._token_rows(self.arg(n.args[0]))
+        if src is not None and gather_wins(val(self.arg(n.args[0])).shape[0], val(src).shape[0], k, out,
+                                           val(weights).shape[0], cdt, val(src).device,
+                                           n.target is aten.linear.default):
+            self.gemms.append("opsmath::grouped_mm_gather")   # zeros past the last group: nothing to mask
+            src = self.ctx.cast(src, cdt, self.like) if cdt != val(src).dtype else src
+            y = self.call(torch.ops.opsmath.grouped_mm_gather.default, src, self.routed["tok"], weights,
+                          self.routed["offs"])
+        else:
+            op = grouped_op(val(x).dtype, val(weights).dtype, k, out)
+            self.gemms.append("torch._grouped_mm" if op is aten._grouped_mm.default else "opsmath::grouped_mm")
+            y = self.masked(self.call(op, self.masked(x), weights, self.routed["offs"]))
         bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
         if bias is not None:
             b = self.gathered(bias, 2) if bias in self.params else bias
             y = self.call(aten.add.Tensor, y, self.ctx.cast(b, cdt, self.like) if cdt != val(b).dtype else b)
         return y
+
+    def _token_rows(self, x: fx.Node) -> Optional[fx.Node]:
+        """The [T, K] tensor whose rows the emitted GEMM input ``x`` gathers by the routed tokens (``t[tok]``,
+        or HF's ``t[None, tok].reshape(-1, K)``: ``index(unsqueeze(t, 0), [None, tok])``), for
+        ``grouped_mm_gather``; else None."""
+        if not isinstance(x, fx.Node):
+            return None
+        if x.op == "call_function" and x.target in (aten.reshape.default, aten.view.default) \
+                and val(x).dim() == 2 and isinstance(x.args[0], fx.Node):
+            x = x.args[0]
+        if not (x.op == "call_function" and x.target is aten.index.Tensor and isinstance(x.args[0], fx.Node)):
+            return None
+        src, idx = x.args[0], list(x.args[1])
+        if idx == [None, self.routed["tok"]] and src.op == "call_function" and src.target is aten.unsqueeze.default \
+                and src.args[1] == 0 and isinstance(src.args[0], fx.Node):   # x[None, tok]: unsqueeze, then index
+            src, idx = src.args[0], [self.routed["tok"]]
+        if val(src).dim() != 2 or idx != [self.routed["tok"]]:
+            return None
+        sizes = (val(x).numel(), val(src).shape[0], val(src).shape[1])
+        return src if all(isinstance(d, int) for d in sizes) else None
 
     def emit(self) -> fx.Node:
         for n in self.first.body:

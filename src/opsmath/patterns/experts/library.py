@@ -1,4 +1,5 @@
-"""A model library's own grouped GEMM fallback, swapped for ``opsmath::grouped_mm``.
+"""A model library's own grouped GEMM fallback, swapped for ``opsmath::grouped_mm``; its gathered rows read
+through the routing index where that is faster.
 
 Hugging Face's grouped experts (``experts_implementation="grouped_mm"``, Mixtral's and Qwen2-MoE's
 default) call ``torch._grouped_mm`` in bf16, but under dynamo with weights of any other dtype (fp32 master
@@ -10,13 +11,18 @@ trace: ``torch.compile`` breaks the graph there, and a whole captured graph woul
 ``opsmath::grouped_mm`` (``src/opsmath/kernels/grouped_mm.py``) computes the same function the same way, ``mm`` per
 group in the operands' dtype, forward and backward, with its backward opaque too: the graph stays whole
 and compiles. Same dtypes, same per-group GEMMs: the values are eager's.
+
+The library's first grouped GEMM reads ``hidden[perm // k]``, the token rows sorted by expert, a copy k times
+the tokens that backward keeps. Where ``grouped_gather.gather_wins`` (measured on CUDA) says so, the gather
+and the GEMM become ``opsmath::grouped_mm_gather``, which reads the rows through the index (``gather_rows``).
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from opsmath.rewrite.canonicalize import dtype, under_bf16_autocast
+from opsmath.kernels.grouped_gather import gather_wins
+from opsmath.rewrite.canonicalize import aten, dtype, shape, under_bf16_autocast, val
 from opsmath.rewrite.match import RewriteContext, node_line
 
 
@@ -57,3 +63,56 @@ def _emit(ctx: RewriteContext, pattern: str, node: fx.Node) -> None:
                "(fp8=True runs it in bf16, or in FP8 where that pays: docs/rewrites.md#fp8_experts-opt-in-with-fp8_linear)")
     ctx.replaced(pattern, new, [node], f"opsmath::grouped_mm (the library's per-expert fallback, "
                  f"{str(dtype(x)).replace('torch.', '')}, with a compilable backward{why})", before)
+
+
+_GROUPED = (aten._grouped_mm.default, torch.ops.opsmath.grouped_mm.default)
+_CASTS = (aten._to_copy.default, aten.to.dtype)
+
+
+def gather_rows(ctx: RewriteContext, pattern: str) -> None:
+    """Each grouped GEMM ``grouped(src[rows], w, offs)`` (the gathered rows, possibly cast, read by it alone)
+    to ``opsmath::grouped_mm_gather(src, rows, w, offs)`` where that measures faster."""
+    for node in [n for n in ctx.graph.nodes if n.op == "call_function" and n.target in _GROUPED]:
+        plan = _gather_plan(node)
+        if plan is not None:
+            ctx.offer(pattern, node, plan, lambda node=node, plan=plan: _gather(ctx, pattern, node, plan))
+
+
+def _gather_plan(node: fx.Node):
+    """``(src, rows, index, cast)`` (the gather node and the cast between, or None) when ``node``'s rows are a
+    gather it alone reads and the gathered op wins."""
+    args = list(node.args) + ([node.kwargs["offs"]] if "offs" in node.kwargs else [])
+    if len(args) != 3 or set(node.kwargs) - {"offs"} or not isinstance(args[0], fx.Node):
+        return None
+    x, w = args[0], args[1]
+    cast = x if x.op == "call_function" and x.target in _CASTS and len(x.users) == 1 else None
+    index = cast.args[0] if cast is not None else x
+    if not (isinstance(index, fx.Node) and index.target is aten.index.Tensor and len(index.users) == 1):
+        return None
+    src, rows = index.args[0], index.args[1]
+    if len(rows) != 1 or not isinstance(rows[0], fx.Node) or len(shape(src)) != 2 or len(shape(rows[0])) != 1 \
+            or len(shape(w)) != 3 or dtype(x) != dtype(w):
+        return None
+    S, T, (G, K, N) = shape(x)[0], shape(src)[0], shape(w)
+    if not all(isinstance(d, int) for d in (S, T, G, K, N)):
+        return None
+    transposed = val(w).stride(-2) == 1 and val(w).stride(-1) != 1
+    if not gather_wins(S, T, K, N, G, dtype(w), val(w).device, transposed):
+        return None
+    return src, rows[0], index, cast
+
+
+def _gather(ctx: RewriteContext, pattern: str, node: fx.Node, plan) -> None:
+    src, rows, index, cast = plan
+    w = node.args[1]
+    offs = node.args[2] if len(node.args) > 2 else node.kwargs["offs"]
+    before = [node_line(node)]
+    with ctx.graph.inserting_before(node):
+        x = ctx.cast(src, dtype(w), node) if dtype(src) != dtype(w) else src
+        new = ctx.call(torch.ops.opsmath.grouped_mm_gather.default, (x, rows, w, offs), node)
+    node.replace_all_uses_with(new)
+    replaced = [node] + [n for n in (cast, index) if n is not None]
+    for n in replaced:   # the GEMM, then its input's cast and gather, which only it read
+        ctx.graph.erase_node(n)
+    ctx.replaced(pattern, new, replaced, "opsmath::grouped_mm_gather (the grouped GEMM reads its sorted rows through "
+                 "the routing index: no sorted copy of the tokens, measured faster)", before)
