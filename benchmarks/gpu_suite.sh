@@ -3,7 +3,7 @@
 # repository root; everything lands in $OUT.
 #   STEPS="gpu_smoke hf_sdpa lengths attention lce ce dan act train gap recompute memory memory_llama long
 #          curve tune llama cuda_graphs fp8_curve fp8_speed window bloom alibi memory_llama_fractions
-#          window_model plan_estimate fp8_rowwise budget_windows bloom_rewrites grouped"   (default: DEFAULT_STEPS)
+#          window_model plan_estimate fp8_rowwise budget_windows bloom_rewrites grouped gather"   (default: DEFAULT_STEPS)
 # Each step's timeout and arguments can be set by the variables it reads (TRAIN_TIMEOUT, MEMORY_ARGS, ...).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
@@ -75,3 +75,11 @@ step bloom_rewrites ${BLOOM_REWRITES_TIMEOUT:-120} $B hf_default_attention --mod
 step grouped ${GROUPED_TIMEOUT:-400} $B grouped_gemm --rounds 5 --iters 10 \
     --variants "${GROUPED_VARIANTS:-bf16,fp8,own bf16,fp32 per-group mm,fp32 own Triton}" \
     --shapes ${GROUPED_SHAPES:-16384:8:1024:5632,16384:8:4096:14336,32768:64:2048:1408}
+# the experts' first GEMM reading its rows through the routing index (opsmath::grouped_mm_gather) against
+# the gather then torch's grouped GEMM, per shape (S:G:K:N, top-2 over S/2 tokens), and in MoE training steps
+step gather ${GATHER_TIMEOUT:-560} bash -c "$B grouped_gemm --rounds 5 --iters 10 --tag -gather \
+    --variants 'index+bf16 (top-2),gather (top-2)' --shapes ${GATHER_SHAPES:-16384:8:1024:5632,65536:64:1024:1408,16384:16:1024:1024}; \
+    $B moe --models ${GATHER_MODELS:-qwen2_moe,mixtral} --recipe bf16 --rounds 5 --steps 3 \
+    --variants 'torch.compile,opsmath.optimize(no gather),opsmath.optimize(gather)'; \
+    $B moe --models loop,loop64 --recipe amp --rounds 5 --steps 3 \
+    --variants 'opsmath.optimize(no gather),opsmath.optimize(gather)'"

@@ -12,6 +12,7 @@ each variant's speed-up against bf16 by both, and its forward error against the 
 equal in size, or (``--imbalanced``) half of all rows go to expert 0.
 
     python -m benchmarks grouped_gemm [--shapes 16384:8:1024:5632,...] [--variants bf16,fp8,own bf16]
+    python -m benchmarks grouped_gemm --variants "index+bf16 (top-2),gather (top-2)"   # the gathered first GEMM
 """
 from __future__ import annotations
 
@@ -59,7 +60,24 @@ VARIANTS = {
     "own bf16": (_own((torch.bfloat16,)), torch.bfloat16),                    # Triton, no host sync
     "fp32 per-group mm": (_own(()), torch.float32),                           # HF's fp32 fallback's way
     "fp32 own Triton": (_own((torch.float32,)), torch.float32),
+    # the first GEMM of an MoE layer under top-2 routing: S rows gathered from S / 2 tokens (``_ROWS``), by
+    # an index then torch's grouped GEMM, or read through the index by opsmath::grouped_mm_gather
+    "index+bf16 (top-2)": (lambda a, b, o: torch._grouped_mm(a[: a.shape[0] // 2][_ROWS[a.shape[0]]], b, offs=o),
+                           torch.bfloat16),
+    "gather (top-2)": (lambda a, b, o: torch.ops.opsmath.grouped_mm_gather(a[: a.shape[0] // 2], _ROWS[a.shape[0]],
+                                                                           b, o), torch.bfloat16),
 }
+GATHERED = ("index+bf16 (top-2)", "gather (top-2)")   # their errors are against each other, not bf16's
+_ROWS: dict = {}
+
+
+def token_rows(S: int, offs: torch.Tensor) -> torch.Tensor:
+    """The token (of ``S // 2``) each of ``S`` rows sorted by expert reads: random, ascending within each
+    expert's rows, as a stable sort by expert leaves them."""
+    g = torch.Generator().manual_seed(S)
+    rows = torch.randint(0, S // 2, (S,), generator=g)
+    ends = [0] + offs.tolist()
+    return torch.cat([rows[s:e].sort().values for s, e in zip(ends, ends[1:])]).to(offs.device)
 
 
 def measure(shape: str, rounds: int, iters: int, imbalanced: bool, names=("bf16", "fp8")) -> dict:
@@ -69,6 +87,7 @@ def measure(shape: str, rounds: int, iters: int, imbalanced: bool, names=("bf16"
     x = torch.randn(S, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(G, N, K, device="cuda") / K ** 0.5).to(torch.bfloat16).requires_grad_()
     dy, offs = torch.randn(S, N, device="cuda", dtype=torch.bfloat16), offsets(S, G, imbalanced, "cuda")
+    _ROWS[S] = token_rows(S, offs)
     args = {dt: (x.detach().to(dt).requires_grad_(), w.detach().to(dt).requires_grad_(), offs, dy.to(dt))
             for dt in {VARIANTS[k][1] for k in names}}
     fns = {k: (torch.compile(VARIANTS[k][0]), args[VARIANTS[k][1]]) for k in ("bf16", *names)}
@@ -91,7 +110,8 @@ def measure(shape: str, rounds: int, iters: int, imbalanced: bool, names=("bf16"
                ms={k: round(v, 4) for k, v in med.items()}, spread={k: [min(v), max(v)] for k, v in times.items()},
                gpu_ms={k: round(v, 4) for k, v in gpu.items()},
                speedup={k: med["bf16"] / med[k] for k in fns}, gpu_speedup={k: gpu["bf16"] / gpu[k] for k in fns},
-               fwd_rel_err={k: rel_err(outs[k], outs["bf16"]) for k in fns})
+               fwd_rel_err={k: rel_err(outs[k], outs[GATHERED[0] if k in GATHERED and GATHERED[0] in outs
+                                                          else "bf16"]) for k in fns})
     if "fp8" in fns:
         row.update(fp8_speedup=row["speedup"]["fp8"], fp8_gpu_speedup=row["gpu_speedup"]["fp8"],
                    fp8_fwd_rel_err=row["fwd_rel_err"]["fp8"])
