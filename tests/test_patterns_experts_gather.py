@@ -92,3 +92,23 @@ def test_hugging_face_grouped_experts_read_their_rows_through_the_index(bf16, ga
             assert_rule(o.grad.float(), e.grad.float(), r.grad.double(), atol=1e-2, name=name)
         else:
             torch.testing.assert_close(o.grad, e.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _AnyIndex(torch.nn.Module):
+    """``torch._grouped_mm(x[idx], w, offs)`` with ``idx`` from the caller: nothing proves it in range (a
+    negative index wraps in eager), so the gather stays eager's."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 16, 8, dtype=torch.bfloat16))
+
+    def forward(self, x, idx, offs):
+        return torch._grouped_mm(x[idx], self.w, offs=offs)
+
+
+def test_a_gather_by_an_unproven_index_stays(gather):
+    opt = opsmath.optimize(_AnyIndex())
+    x, idx = torch.randn(5, 16, dtype=torch.bfloat16), torch.tensor([0, -1, 3, 3, 2, 4, 1, -5])
+    y = opt(x, idx, torch.tensor([3, 8], dtype=torch.int32))
+    assert not any("gather" in m.replacement for m in opsmath.report(opt).matches)
+    torch.testing.assert_close(y, torch._grouped_mm(x[idx], opt.w, offs=torch.tensor([3, 8], dtype=torch.int32)))

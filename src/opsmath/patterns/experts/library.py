@@ -18,6 +18,8 @@ and the GEMM become ``opsmath::grouped_mm_gather``, which reads the rows through
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -90,16 +92,32 @@ def _gather_plan(node: fx.Node):
     if not (isinstance(index, fx.Node) and index.target is aten.index.Tensor and len(index.users) == 1):
         return None
     src, rows = index.args[0], index.args[1]
-    if len(rows) != 1 or not isinstance(rows[0], fx.Node) or len(shape(src)) != 2 or len(shape(rows[0])) != 1 \
-            or len(shape(w)) != 3 or dtype(x) != dtype(w):
+    if len(rows) != 1 or not isinstance(rows[0], fx.Node) or len(shape(src)) != 2 or len(shape(w)) != 3 \
+            or dtype(x) != dtype(w):
         return None
     S, T, (G, K, N) = shape(x)[0], shape(src)[0], shape(w)
-    if not all(isinstance(d, int) for d in (S, T, G, K, N)):
+    if not all(isinstance(d, int) for d in (S, T, G, K, N)) or not _in_range(rows[0], T):
         return None
     transposed = val(w).stride(-2) == 1 and val(w).stride(-1) != 1
     if not gather_wins(S, T, K, N, G, dtype(w), val(w).device, transposed):
         return None
     return src, rows[0], index, cast
+
+
+def _in_range(rows: fx.Node, T: int) -> bool:
+    """Whether ``rows`` is provably a valid row index of T rows: a sort's permutation of T k slots, floor-
+    divided by k (``perm // k``, HF's), or of T slots. (The kernel reads rows unchecked, where ``x[rows]``
+    would raise on an index out of range or wrap a negative one.)"""
+    k = 1
+    if rows.op == "call_function" and rows.target in (aten.div.Tensor_mode, aten.floor_divide.default) \
+            and (rows.target is aten.floor_divide.default or rows.kwargs.get("rounding_mode") == "floor") \
+            and isinstance(rows.args[1], int) and rows.args[1] > 0 and isinstance(rows.args[0], fx.Node):
+        rows, k = rows.args[0], rows.args[1]
+    if not (rows.op == "call_function" and rows.target is operator.getitem and rows.args[1] == 1):
+        return False
+    sort = rows.args[0]
+    return sort.op == "call_function" and sort.target in (aten.sort.default, aten.sort.stable) \
+        and len(shape(sort.args[0])) == 1 and shape(sort.args[0])[0] == T * k
 
 
 def _gather(ctx: RewriteContext, pattern: str, node: fx.Node, plan) -> None:
