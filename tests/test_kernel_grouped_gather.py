@@ -80,3 +80,12 @@ def test_the_choice_is_forced_by_the_environment_and_off_on_cpu(monkeypatch):
     assert gather_wins(*args)
     monkeypatch.setenv("OPSMATH_GATHER_GEMM", "0")
     assert not gather_wins(*args[:6], torch.device("cuda"), True)
+
+
+def test_the_measured_candidates_compute_the_same():
+    """What ``gather_wins`` times on a GPU: both spellings, forward and backward, on the same inputs."""
+    from opsmath.kernels.grouped_gather import _candidates
+    runs = _candidates(64, 32, 16, 8, 4, torch.float32, torch.device("cpu"), True)
+    (dx0, dw0), (dx1, dw1) = runs["index+grouped"](), runs["gather"]()
+    torch.testing.assert_close(dx1, dx0)
+    torch.testing.assert_close(dw1, dw0)

@@ -137,18 +137,28 @@ def gather_wins(S: int, T: int, K: int, N: int, G: int, dtype: torch.dtype, devi
 
 
 def _candidates(S, T, K, N, G, dtype, device, transposed) -> dict:
-    """Both spellings, forward and backward, on random inputs with the rows spread evenly over the groups."""
-    x = torch.randn(T, K, device=device, dtype=dtype, requires_grad=True)
-    w = (torch.randn(G, N, K, device=device, dtype=dtype).transpose(1, 2) if transposed
-         else torch.randn(G, K, N, device=device, dtype=dtype)).requires_grad_(True)
-    rows = torch.sort(torch.randint(0, T, (S,), device=device)).values
-    offs = (torch.arange(1, G + 1, device=device) * S // G).to(torch.int32)
-    dy = torch.randn(S, N, device=device, dtype=dtype)
+    """Both spellings, forward and backward, on random inputs with the rows spread evenly over the groups
+    (made at the first measurement: none for a cached choice)."""
+    made: dict = {}
 
-    def step(fn):
-        return lambda: torch.autograd.grad(fn(), (x, w), dy)
-    return {"index+grouped": step(lambda: grouped_mm(x[rows], w, offs)),
-            "gather": step(lambda: grouped_mm_gather(x, rows, w, offs))}
+    def inputs():
+        if not made:
+            w = torch.randn(G, N, K, device=device, dtype=dtype).transpose(1, 2) if transposed \
+                else torch.randn(G, K, N, device=device, dtype=dtype)
+            made.update(x=torch.randn(T, K, device=device, dtype=dtype, requires_grad=True), w=w.requires_grad_(True),
+                        rows=torch.sort(torch.randint(0, T, (S,), device=device)).values,
+                        offs=(torch.arange(1, G + 1, device=device) * S // G).to(torch.int32),
+                        dy=torch.randn(S, N, device=device, dtype=dtype))
+        return made
+
+    def step(gathered: bool):
+        def run():
+            a = inputs()
+            y = grouped_mm_gather(a["x"], a["rows"], a["w"], a["offs"]) if gathered \
+                else grouped_mm(a["x"][a["rows"]], a["w"], a["offs"])
+            return torch.autograd.grad(y, (a["x"], a["w"]), a["dy"])
+        return run
+    return {"index+grouped": step(False), "gather": step(True)}
 
 
 def _flops(x, rows, w, offs):
