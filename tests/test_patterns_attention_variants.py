@@ -122,14 +122,26 @@ def temperature_times_scores(q, k, v, m):
     return F.softmax(att.masked_fill(~m.causal[:T, :T], float("-inf")), dim=-1) @ v
 
 
-@pytest.mark.parametrize("fn", [cosine_with_logit_scale, temperature_times_scores])
-def test_scores_scaled_by_a_learned_tensor_are_fused_and_exact(fn):
-    """A tensor constant over the keys multiplying the scores scales the queries: rewritten, and the
-    scale's own gradient equal to eager's."""
+def scores_divided_by_a_learned_temperature(q, k, v, m):
+    """A learned scalar temperature divided by (CLIP-style), then a causal mask."""
+    att = (q @ k.transpose(-2, -1)) / (m.rel_bias[0, 0, 0, 0] + 2.0)
+    return F.softmax(att.masked_fill(~m.causal[:T, :T], float("-inf")), dim=-1) @ v
+
+
+def temperature_over_scores(q, k, v, m):   # ``t / scores`` is no scale of the scores: left alone
+    return F.softmax((m.rel_bias[:, :, :1, :1] + 2.0) / (q @ k.transpose(-2, -1)), dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn,how", [(cosine_with_logit_scale, "scaled"), (temperature_times_scores, "scaled"),
+                                    (scores_divided_by_a_learned_temperature, "divided"),
+                                    (temperature_over_scores, None)])
+def test_scores_scaled_by_a_learned_tensor_are_fused_and_exact(fn, how):
+    """A tensor constant over the keys multiplying the scores, or dividing them, scales the queries:
+    rewritten, and the scale's own gradient equal to eager's."""
     torch.manual_seed(0)
     rep = _compare(AttnModel(fn), *_inputs())
-    assert rep.count("attention") == 1, rep.render(width=120)
-    assert "rows scaled by" in rep.matches[0].replacement
+    assert rep.count("attention") == int(how is not None), rep.render(width=120)
+    assert how is None or f"rows {how} by" in rep.matches[0].replacement
 
 
 def scale_varying_over_keys(q, k, v, m):

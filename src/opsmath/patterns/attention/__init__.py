@@ -195,8 +195,8 @@ def _operands(ctx: RewriteContext, sm: fx.Node, plan: Plan) -> tuple:
     if plan.k_needs_transpose:
         k = ctx.call(aten.transpose.int, (k, -2, -1), sm)
     q, k, v = (ctx.cast(x, cdt, sm) for x in (q, k, v))
-    for t in plan.q_scales:   # a score row's scale is its query's (``chain._tensor_scale``)
-        q = ctx.call(aten.mul.Tensor, (q, ctx.cast(t, cdt, sm)), sm)
+    for t, how in plan.q_scales:   # a score row's scale is its query's (``chain._tensor_scale``)
+        q = ctx.call(how, (q, ctx.cast(t, cdt, sm)), sm)
     d, dv = shape(plan.q)[-1], shape(plan.v)[-1]
     if dv < d:
         v = ctx.call(aten.constant_pad_nd.default, (v, [0, d - dv]), sm)
@@ -263,7 +263,7 @@ def _describe(plan: Plan) -> tuple[list, dict]:
     d, dv = shape(plan.q)[-1], shape(plan.v)[-1]
     desc += [f"head dims q/k {d}, v {dv}: zero-padded to {max(d, dv)}"] if d != dv else []
     desc += ["sinks (one more key)"] if plan.sink is not None else []
-    desc += [f"rows scaled by {tuple(shape(t))}" for t in plan.q_scales]
+    desc += [f"rows {'scaled' if how is aten.mul.Tensor else 'divided'} by {tuple(shape(t))}" for t, how in plan.q_scales]
     return desc, dict(causal=plan.causal, window=plan.window, window_in_mask=plan.window_in_mask, scale=plan.scale,
                       softcap=plan.softcap, dropout_p=plan.dropout_p,
                       gqa_rep=plan.rep, has_bias=bool(plan.biases), has_mask=bool(plan.masks),

@@ -95,7 +95,7 @@ def _score_op(ctx: RewriteContext, cur: fx.Node):
         return x, None
     if (cs := sink_column(cur)) is not None and leads_to_matmul(cs[0]):   # GPT-OSS's attention sinks
         return cs[0], ("sink", cs[1])
-    if t is aten.mul.Tensor and all(isinstance(x, fx.Node) for x in a[:2]):
+    if t in (aten.mul.Tensor, aten.div.Tensor) and all(isinstance(x, fx.Node) for x in a[:2]):
         return _tensor_scale(cur)
     if t in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(x, fx.Node) for x in a[:2]) \
             and cur.kwargs.get("alpha", 1) == 1:
@@ -167,16 +167,17 @@ _CLAMPS = (aten.max.other, aten.maximum.default, aten.clamp_min.default)
 
 
 def _tensor_scale(cur: fx.Node):
-    """``scores * t`` with ``t`` a tensor constant over the keys (SwinV2's learned per-head logit scale,
-    XCiT's temperature): the scores' rows scaled, i.e. q scaled by ``t`` (``Plan.q_scales``)."""
+    """``scores * t`` or ``scores / t`` with ``t`` a tensor constant over the keys (SwinV2's learned per-head
+    logit scale, XCiT's temperature, a learned temperature divided by): the scores' rows scaled, i.e. q
+    multiplied or divided by ``t`` (``Plan.q_scales``)."""
     first, second = (leads_to_matmul(x) for x in cur.args[:2])
-    if first == second:
+    if first == second or (cur.target is aten.div.Tensor and not first):   # ``t / scores`` is no scale
         return None
     s, t = cur.args[:2] if first else cur.args[1::-1]
     ts = shape(t)
     if len(ts) > len(shape(cur)) or (ts and ts[-1] != 1):
-        return "scores multiplied by a tensor that varies over the keys: not read"
-    return s, ("tscale", t)
+        return "scores multiplied or divided by a tensor that varies over the keys: not read"
+    return s, ("tscale", t, cur.target)
 
 
 IN_PLACE = {aten.add_.Tensor, aten.sub_.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.mul_.Tensor,
@@ -286,7 +287,7 @@ def _compose(plan: Plan, ops: list) -> Optional[str]:
         elif op[0] == "tscale":
             if plan.biases or plan.masks or outer is not None or plan.flat_rows:
                 return "scores scaled by a tensor after a bias, mask or tanh, or over (B*H) rows"
-            plan.q_scales.append(op[1])
+            plan.q_scales.append((op[1], op[2]))
         elif op[0] == "tanh":
             if outer is not None or plan.biases or plan.masks:
                 return "tanh on the scores after a bias, mask or another tanh (not a logit softcap)"

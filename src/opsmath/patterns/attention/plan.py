@@ -45,7 +45,7 @@ class Plan:
     flat_rows: bool = False           # scores from (B*H)-row operands (flat.py): biases unflattened
     flat_out: bool = False            # P V over (B*H) rows: the 4-D output is flattened back
     sink: Optional[fx.Node] = None    # attention sinks: a logit per head in the softmax (sinks.py)
-    q_scales: list = field(default_factory=list)   # tensors (..., 1) the scores' rows are multiplied by
+    q_scales: list = field(default_factory=list)   # (t, aten.mul/div.Tensor): tensors (..., 1) applied to score rows
     autocast: bool = False            # an SDPA call whose fp32 operands autocast cast (float biases too)
 
 
@@ -117,7 +117,7 @@ def _sdpa_dtypes(plan: Plan) -> Optional[str]:
 def finish_plan(ctx, plan: Plan) -> Union[str, Plan]:
     """Biases must broadcast to the scores; constant causal masks and biases become ``is_causal``."""
     for what, x in [("bias", b) for b, _ in plan.biases] + [("mask", m) for m, _ in plan.masks] + [
-            ("row scale", t) for t in plan.q_scales]:
+            ("row scale", t) for t, _ in plan.q_scales]:
         xs = bias_shape(plan, x) if what == "bias" else shape(x)
         try:
             ok = torch.broadcast_shapes(xs, plan.scores) == plan.scores
