@@ -134,3 +134,46 @@ def test_outside_a_dynamo_compile_a_graph_break_error_runs_the_graph_op_by_op():
     state = types.SimpleNamespace(weight_casts={}, cuda_graphs=False, fallback_errors=[], graphs=[record])
     fn = ladder.finish(state, record, gm, [torch.randn(1, 2)], True, failing, graph_break=True)
     assert fn(torch.ones(1, 2)).shape == (1, 2) and "op by op" in state.fallback_errors[0]
+
+
+class _Scan(torch.nn.Module):
+    """torch's generic ``associative_scan`` (HF Mamba's scan under dynamo on CPU): dynamo traces it into
+    ``torch.func.vmap`` ops, which the pre-dispatch lowering cannot follow (it baked traced values in)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch._higher_order_ops.associative_scan import associative_scan
+        a, b = torch.sigmoid(self.lin(x)), x * 2
+
+        def combine(left, right):
+            return left[0] * right[0], right[0] * left[1] + right[1]
+        return associative_scan(combine, (a, b), dim=1, combine_mode="generic")[1].sum()
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["op_by_op", "inductor"])
+def test_a_graph_the_lowering_cannot_follow_runs_as_torch_compile_would(inductor):
+    torch.manual_seed(0)
+    model, x = _Scan(), torch.randn(2, 6, 8)
+    eager, opt = copy.deepcopy(model), opsmath.optimize(model, inductor=inductor)
+    lo, le = opt(x), eager(x)
+    lo.backward()
+    le.backward()
+    torch.testing.assert_close(lo, le)
+    torch.testing.assert_close(model.lin.weight.grad, eager.lin.weight.grad)
+    errors = opsmath.report(opt).fallback_errors
+    assert len(errors) == 1 and "vmap" in errors[0], errors
+    assert ("compiled by Inductor without rewrites" in errors[0]) == inductor, errors
+
+
+def test_a_lowered_graph_holding_a_traced_value_is_refused():
+    from opsmath.capture.lower import _no_traced_constants
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    with torch._subclasses.FakeTensorMode() as mode:
+        gm._tensor_constant0 = mode.from_tensor(torch.ones(2))
+    with gm.graph.inserting_before(list(gm.graph.nodes)[-1]):
+        gm.graph.get_attr("_tensor_constant0")
+    with pytest.raises(RuntimeError, match="traced value"):
+        _no_traced_constants(gm)

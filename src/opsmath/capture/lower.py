@@ -72,8 +72,12 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
     # fake-tensor caching costs more than it saves where sizes are data-dependent (a 64-expert loop lowers
     # 25% faster without it); elsewhere it pays (repeated layers)
     uncached = _uncached(fake_mode) if data_dependent(gm) else contextlib.nullcontext()
+    if any(getattr(n.target, "__module__", "") == "torch._functorch.predispatch" for n in gm.graph.nodes):
+        raise RuntimeError("torch.func.vmap inside the captured code (torch's generic associative_scan uses it): "
+                           "the pre-dispatch trace cannot follow it")
     with fx_traceback.preserve_node_meta(), fake_mode, uncached:
         aten = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
+    _no_traced_constants(aten)
     split_size_calls(aten)
     device_scalars(aten, fake_mode)
     _keep_input_metadata(aten, gm)
@@ -87,6 +91,17 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list, buffer_ids: Optional
             constants[node.name], positions[node.name] = value, i
     requires_grad = [bool(getattr(v, "requires_grad", False)) for v in example_inputs]
     return Captured(aten, constants, requires_grad, positions, dynamic=dynamic)
+
+
+def _no_traced_constants(aten: fx.GraphModule) -> None:
+    """Raise where the trace kept a fake tensor as a constant: a value that escaped the tracer (as a
+    ``torch.func.vmap`` inside the captured code did: HF Mamba's scan under dynamo, through torch's generic
+    ``associative_scan``) would be baked in, and the graph fail at run time or compute with stale values."""
+    fakes = [n.target for n in aten.graph.find_nodes(op="get_attr")
+             if isinstance(getattr(aten, n.target, None), torch._subclasses.FakeTensor)]
+    if fakes:
+        raise RuntimeError(f"the trace kept {len(fakes)} traced value(s) as constants ({fakes[0]}, ...): "
+                           "code the lowering cannot follow")
 
 
 def _keep_input_metadata(aten: fx.GraphModule, dynamo_gm: fx.GraphModule) -> None:

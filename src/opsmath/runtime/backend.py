@@ -256,11 +256,8 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     try:
         captured = lower_to_aten(gm, example_inputs, {id(b) for b in model.buffers()},
                                  sizes_seen=_sizes_seen(state, shapes))
-    except Exception as e:  # capture failure: run dynamo's graph unchanged rather than fail the step
-        msg = f"graph {len(state.graphs)}: lowering to ATen failed ({type(e).__name__}: {e}); running it unoptimized"
-        log.warning("opsmath: %s", msg)
-        state.fallback_errors.append(msg)
-        return gm.forward
+    except Exception as e:  # capture failure: dynamo's graph unchanged, as torch.compile runs it, not a failed step
+        return _unlowered(state, gm, example_inputs, e)
     before_code = captured.gm.code
     before_ops = op_counts(captured.gm)
     before_launches = kernel_launches(captured.gm)
@@ -313,6 +310,23 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
                    captured.buffer_guard(example_inputs),
                    lambda args, names: after_change(state, record.index, names, gm.forward, None if captured.dynamic
                                                     else lambda: compile_graph(state, model, gm, args)))
+
+
+def _unlowered(state, gm: fx.GraphModule, example_inputs: list, error: Exception):
+    """A graph that could not be lowered: compiled by Inductor as ``torch.compile`` would (no rewrites)
+    where the graph goes to Inductor, else (or if that fails too) run as dynamo traced it; reported."""
+    msg = f"graph {len(state.graphs)}: lowering to ATen failed ({type(error).__name__}: {error})"
+    if _uses_inductor(state, example_inputs):
+        try:
+            fn = compile_fx(gm, example_inputs)
+            state.fallback_errors.append(f"{msg}; compiled by Inductor without rewrites, as torch.compile does")
+            log.warning("opsmath: %s", state.fallback_errors[-1])
+            return fn
+        except Exception as e2:  # noqa: BLE001 (reported; the graph still runs)
+            msg += f"; Inductor failed on it too ({type(e2).__name__}: {str(e2)[:200]})"
+    state.fallback_errors.append(f"{msg}; running it unoptimized")
+    log.warning("opsmath: %s", state.fallback_errors[-1])
+    return gm.forward
 
 
 def piece_rewrite(state, use_inductor: bool):
