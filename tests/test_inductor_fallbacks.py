@@ -177,3 +177,34 @@ def test_a_lowered_graph_holding_a_traced_value_is_refused():
         gm.graph.get_attr("_tensor_constant0")
     with pytest.raises(RuntimeError, match="traced value"):
         _no_traced_constants(gm)
+
+
+class _Cond(torch.nn.Module):
+    """``torch.cond`` between two branches: a higher-order op opsmath does not lower."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.cond(h.sum() > 0, lambda t: torch.sin(t) * 2, lambda t: torch.cos(t) + 1, (h,))).sum()
+
+
+def test_control_flow_left_unlowered_is_compiled_as_torch_compile_does():
+    """Under Inductor a ``cond`` region is compiled by Inductor (not run op by op); both branches train as
+    eager does."""
+    torch.manual_seed(0)
+    model = _Cond()
+    eager, opt = copy.deepcopy(model), opsmath.optimize(model, inductor=True)
+    for sign in (1, -1):
+        x = torch.randn(4, 8) * sign
+        lo, le = opt(x), eager(x)
+        lo.backward()
+        le.backward()
+        torch.testing.assert_close(lo, le)
+    torch.testing.assert_close(model.a.weight.grad, eager.a.weight.grad)
+    rep = opsmath.report(opt)
+    assert [r.reason for r in rep.eager_regions if r.kind == "higher-order op cond"] == [
+        "compiled by Inductor, as torch.compile compiles it (not lowered: not rewritten)"], rep.eager_regions
+    assert not rep.fallback_errors

@@ -43,6 +43,7 @@ FUNCTION = "autograd_function_apply"
 # where the graph is compiled by Inductor: a Function dynamo traced (forward and backward bodies) is
 # compiled as ``torch.compile`` compiles it, AOTAutograd keeping its backward
 FUNCTION_COMPILED = "compiled by Inductor with its own backward, as torch.compile compiles it"
+HOP_COMPILED = "compiled by Inductor, as torch.compile compiles it (not lowered: not rewritten)"
 _WHY = {
     FUNCTION: ("autograd.Function", "custom backward kept as written"),
     "register_hook": ("tensor hook", "hook registered on the real tensor"),
@@ -257,22 +258,25 @@ def _computes(sub: fx.GraphModule) -> bool:
 def compile_functions(parent: fx.GraphModule, regions: dict, alone: dict, compile_fx, errors: list) -> None:
     """Under Inductor: each user ``autograd.Function`` dynamo traced (its node alone in a submodule of
     ``parent``) is compiled by ``compile_fx(gm, args)`` at its first call, as ``torch.compile`` compiles
-    it: AOTAutograd traces its forward body and keeps its backward body as the gradient. Where that
-    fails the region runs as traced, and ``errors`` says so. A region is compiled for at most
+    it: AOTAutograd traces its forward body and keeps its backward body as the gradient; so is every other
+    higher-order op opsmath does not lower (``cond``, ``scan``, ``associative_scan``: control flow), tensor
+    hooks and checkpoints excepted. Where that fails the region runs as traced, and ``errors`` says so. A region is compiled for at most
     ``PIECE_SIZES`` input sizes (each compile is specialized to its sizes); further sizes run as traced."""
-    def compile_region(gm, args):
-        try:
-            with hooks_off_while_tracing():   # on a copy: Inductor may rewrite the graph it gets (its output)
-                return compile_fx(copy.deepcopy(gm), args)
-        except Exception as e:  # noqa: BLE001  (the region still runs, as dynamo traced it)
-            errors.append(f"an autograd.Function region: Inductor failed ({type(e).__name__}: {str(e)[:200]}); "
-                          "running it as traced")
-            return gm.forward
+    def compiler(label: str):
+        def compile_region(gm, args):
+            try:
+                with hooks_off_while_tracing():   # on a copy: Inductor may rewrite the graph it gets (its output)
+                    return compile_fx(copy.deepcopy(gm), args)
+            except Exception as e:  # noqa: BLE001  (the region still runs, as dynamo traced it)
+                errors.append(f"{label}: Inductor failed ({type(e).__name__}: {str(e)[:200]}); running it as traced")
+                return gm.forward
+        return compile_region
     for node, region in regions.items():
-        if node.target.name() == FUNCTION and node in alone:
-            setattr(parent, alone[node], LazyPiece(getattr(parent, alone[node]), compile_region, errors,
-                                                   "an autograd.Function region"))
-            region.reason = FUNCTION_COMPILED
+        name = node.target.name()
+        if (name == FUNCTION or name not in _WHY) and node in alone:   # Functions, control flow (cond, scans)
+            label = "an autograd.Function region" if name == FUNCTION else f"a {name} region"
+            setattr(parent, alone[node], LazyPiece(getattr(parent, alone[node]), compiler(label), errors, label))
+            region.reason = FUNCTION_COMPILED if name == FUNCTION else HOP_COMPILED
 
 
 def hooks_off_while_tracing():
