@@ -36,7 +36,8 @@ class _Sites(logging.Handler):
         inner = f"{at.group(1)}:{at.group(2)}"
         frames = _FRAME.findall(text.split("User code traceback:", 1)[1])
         # the model's frames: after opsmath's own call of the model (before it, the training loop's)
-        ours = [i for i, (path, _, _) in enumerate(frames) if os.path.abspath(path).startswith(_PACKAGE)]
+        ours = [i for i, (path, _, _) in enumerate(frames) if os.path.abspath(path).startswith(_PACKAGE)
+                and _internal(path)]   # (the bundled examples are model code)
         mine = [f for f in frames[ours[-1] + 1 if ours else 0:] if not _internal(f[0])]
         if mine:
             path, lineno, code = mine[-1]
