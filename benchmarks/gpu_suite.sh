@@ -80,6 +80,6 @@ step grouped ${GROUPED_TIMEOUT:-400} $B grouped_gemm --rounds 5 --iters 10 \
 step gather ${GATHER_TIMEOUT:-560} bash -c "$B grouped_gemm --rounds 5 --iters 10 --tag -gather \
     --variants 'index+bf16 (top-2),gather (top-2)' --shapes ${GATHER_SHAPES:-16384:8:1024:5632,65536:64:1024:1408,16384:16:1024:1024}; \
     $B moe --models ${GATHER_MODELS:-qwen2_moe,mixtral} --recipe bf16 --rounds 5 --steps 3 \
-    --variants 'torch.compile,opsmath.optimize(no gather),opsmath.optimize(gather)'; \
+    --variants 'torch.compile,opsmath.optimize(no gather),opsmath.optimize(gather),opsmath.optimize(gather auto)'; \
     $B moe --models loop,loop64 --recipe amp --rounds 5 --steps 3 \
     --variants 'opsmath.optimize(no gather),opsmath.optimize(gather)'"

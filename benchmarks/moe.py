@@ -22,8 +22,9 @@ kernel time per step, the step's peak memory above what is resident, and for ops
 
 ``opsmath.optimize(one graph)``: every expert loop traced in the model's one graph, as before
 ``patterns/experts/regional.py`` (which traces a repeated loop once for all its modules).
-``opsmath.optimize(gather)`` / ``(no gather)``: the experts' first GEMMs forced to read the token rows through
-the routing index (``opsmath::grouped_mm_gather``) or to gather them first, instead of measured per shape.
+``opsmath.optimize(gather)`` / ``(no gather)`` / ``(gather auto)``: the experts' first GEMMs reading the token
+rows through the routing index (``opsmath::grouped_mm_gather``), gathering them first (the default), or
+whichever measures faster per shape.
     python -m benchmarks moe --curve 200 --models loop --batch 2 --seq 1024 [--curve-fp8]   # loss curves vs eager
 """
 from __future__ import annotations
@@ -130,11 +131,12 @@ def _one_graph(model):
 VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m,
             "opsmath.optimize(fp8=True)": lambda m: opsmath.optimize(m, fp8=True),
             "opsmath.optimize(one graph)": _one_graph, "opsmath.optimize(gather)": opsmath.optimize,
-            "opsmath.optimize(no gather)": opsmath.optimize}
+            "opsmath.optimize(no gather)": opsmath.optimize, "opsmath.optimize(gather auto)": opsmath.optimize}
 # set while the variant captures: the experts' first GEMMs reading the token rows through the routing index
 # (``kernels/grouped_gather.py``), forced on or off instead of measured
 CAPTURE_ENV = {"opsmath.optimize(gather)": {"OPSMATH_GATHER_GEMM": "1"},
-               "opsmath.optimize(no gather)": {"OPSMATH_GATHER_GEMM": "0"}}
+               "opsmath.optimize(no gather)": {"OPSMATH_GATHER_GEMM": "0"},
+               "opsmath.optimize(gather auto)": {"OPSMATH_GATHER_GEMM": "auto"}}
 
 
 def run(name, rounds, steps, device, labels, B, T):

@@ -72,14 +72,15 @@ def test_a_linear_stacks_weight_gradient_arrives_in_its_layout(triton_on_cpu, de
     assert arrived == [w.stride()]
 
 
-def test_the_choice_is_forced_by_the_environment_and_off_on_cpu(monkeypatch):
-    args = (64, 32, 16, 16, 4, torch.bfloat16, torch.device("cpu"), True)
+def test_the_choice_is_opt_in_and_measured_only_on_cuda(monkeypatch):
+    """Off by default (GPU or not); ``1`` on; ``auto`` measures on CUDA only (off elsewhere)."""
+    cpu = (64, 32, 16, 16, 4, torch.bfloat16, torch.device("cpu"), True)
     monkeypatch.delenv("OPSMATH_GATHER_GEMM", raising=False)
-    assert not gather_wins(*args)
+    assert not gather_wins(*cpu) and not gather_wins(*cpu[:6], torch.device("cuda"), True)
     monkeypatch.setenv("OPSMATH_GATHER_GEMM", "1")
-    assert gather_wins(*args)
-    monkeypatch.setenv("OPSMATH_GATHER_GEMM", "0")
-    assert not gather_wins(*args[:6], torch.device("cuda"), True)
+    assert gather_wins(*cpu)
+    monkeypatch.setenv("OPSMATH_GATHER_GEMM", "auto")
+    assert not gather_wins(*cpu)
 
 
 def test_the_measured_candidates_compute_the_same():

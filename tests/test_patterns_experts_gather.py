@@ -1,6 +1,5 @@
 """The experts rewrite with its first GEMMs reading the token rows through the routing index
-(``opsmath::grouped_mm_gather``, forced with ``OPSMATH_GATHER_GEMM=1``; on CUDA it is chosen by
-measurement): every loop spelling trains like eager, the sorted copy of the tokens is no longer saved for
+(``opsmath::grouped_mm_gather``, opt-in: ``OPSMATH_GATHER_GEMM=1``, or ``auto``: measured on CUDA): every loop spelling trains like eager, the sorted copy of the tokens is no longer saved for
 backward, and the Triton kernels (Triton's interpreter on CPU) train like eager too."""
 import copy
 

@@ -18,9 +18,9 @@ Backward: ``dx = zeros(T, K).index_put_((rows,), grouped(dy, w^T), accumulate=Tr
 Caveats:
 - The Triton kernels run for 16-bit operands on CUDA (and in Triton's interpreter); elsewhere the op
   gathers, then runs ``grouped_mm``: the same values, none of the savings.
-- On CUDA ``gather_wins`` decides per shape, by measurement against the gather followed by
-  ``torch._grouped_mm`` (Inductor fuses the gather with autocast's cast there), cached per GPU like
-  attention's; ``OPSMATH_GATHER_GEMM=1`` or ``0`` forces the choice (on CPU the op is only taken when forced).
+- Opt-in until GPU measurements decide its default: ``OPSMATH_GATHER_GEMM=1`` takes it wherever it applies,
+  ``auto`` where it measures faster on CUDA than the gather followed by ``torch._grouped_mm`` (Inductor fuses
+  the gather with autocast's cast there), per shape, cached per GPU like attention's (``gather_wins``).
 """
 from __future__ import annotations
 
@@ -123,12 +123,13 @@ def reference(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, offs: torch.
 
 def gather_wins(S: int, T: int, K: int, N: int, G: int, dtype: torch.dtype, device: torch.device,
                 transposed: bool) -> bool:
-    """Whether ``grouped_mm_gather`` runs this shape faster (forward and backward, GPU kernel time) than
-    ``x[rows]`` followed by ``grouped_mm``. Forced by ``OPSMATH_GATHER_GEMM`` (``1``/``0``); off the GPU,
-    off unless forced; on CUDA measured once per (GPU, shape bucket) and cached on disk."""
-    forced = os.environ.get("OPSMATH_GATHER_GEMM")
-    if forced in ("0", "1"):
-        return forced == "1"
+    """Whether to run this shape as ``grouped_mm_gather`` rather than ``x[rows]`` followed by ``grouped_mm``,
+    by ``OPSMATH_GATHER_GEMM``: ``1`` always, ``auto`` where it measures faster (forward and backward, GPU
+    kernel time; on CUDA, 16-bit, once per GPU and shape, cached on disk), else (the default, until GPU
+    measurements decide it: the measurement compiles and tunes the kernels at the first step) never."""
+    mode = os.environ.get("OPSMATH_GATHER_GEMM", "0")
+    if mode != "auto":
+        return mode == "1"
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or not S or not T:
         return False
     key = f"{str(dtype).replace('torch.', '')} S={S} T={T} G={G} K={K} N={N}{' linear' if transposed else ''}"

@@ -13,8 +13,9 @@ group in the operands' dtype, forward and backward, with its backward opaque too
 and compiles. Same dtypes, same per-group GEMMs: the values are eager's.
 
 The library's first grouped GEMM reads ``hidden[perm // k]``, the token rows sorted by expert, a copy k times
-the tokens that backward keeps. Where ``grouped_gather.gather_wins`` (measured on CUDA) says so, the gather
-and the GEMM become ``opsmath::grouped_mm_gather``, which reads the rows through the index (``gather_rows``).
+the tokens that backward keeps. Where ``grouped_gather.gather_wins`` says so (opt-in, ``OPSMATH_GATHER_GEMM``),
+the gather and the GEMM become ``opsmath::grouped_mm_gather``, which reads the rows through the index
+(``gather_rows``).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ _CASTS = (aten._to_copy.default, aten.to.dtype)
 
 def gather_rows(ctx: RewriteContext, pattern: str) -> None:
     """Each grouped GEMM ``grouped(src[rows], w, offs)`` (the gathered rows, possibly cast, read by it alone)
-    to ``opsmath::grouped_mm_gather(src, rows, w, offs)`` where that measures faster."""
+    to ``opsmath::grouped_mm_gather(src, rows, w, offs)`` where ``gather_wins`` says so."""
     for node in [n for n in ctx.graph.nodes if n.op == "call_function" and n.target in _GROUPED]:
         plan = _gather_plan(node)
         if plan is not None:
@@ -133,4 +134,4 @@ def _gather(ctx: RewriteContext, pattern: str, node: fx.Node, plan) -> None:
     for n in replaced:   # the GEMM, then its input's cast and gather, which only it read
         ctx.graph.erase_node(n)
     ctx.replaced(pattern, new, replaced, "opsmath::grouped_mm_gather (the grouped GEMM reads its sorted rows through "
-                 "the routing index: no sorted copy of the tokens, measured faster)", before)
+                 "the routing index: no sorted copy of the tokens)", before)
