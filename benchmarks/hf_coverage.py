@@ -124,6 +124,25 @@ MORE = {
                  q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
  "granite_moe_shared": ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig", dict(S, num_local_experts=4,
                         num_experts_per_tok=2, shared_intermediate_size=32)),
+ # state-space and hybrid models: Mamba's scan through torch's associative_scan (vmap under dynamo: the graph
+ # is not lowered, and runs as torch.compile would), Mamba-2's chunked scan, RWKV, RG-LRU, short convolutions
+ "mamba": ("MambaForCausalLM", "MambaConfig", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=8)),
+ "falcon_mamba": ("FalconMambaForCausalLM", "FalconMambaConfig", dict(vocab_size=128, hidden_size=64,
+                  num_hidden_layers=2, state_size=8)),
+ "mamba2": ("Mamba2ForCausalLM", "Mamba2Config", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=8,
+            num_heads=8, head_dim=16, n_groups=1, chunk_size=8)),
+ "jamba": ("JambaForCausalLM", "JambaConfig", dict(S, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+           expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, use_mamba_kernels=False)),
+ "bamba": ("BambaForCausalLM", "BambaConfig", dict(S, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
+           mamba_d_state=8, mamba_chunk_size=8)),
+ "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(S, layer_types=["mamba", "attention"],
+                      num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8,
+                      mamba_chunk_size=8, shared_intermediate_size=64)),
+ "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(S, layer_types=["conv", "full_attention"])),
+ "rwkv": ("RwkvForCausalLM", "RwkvConfig", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+          attention_hidden_size=64, intermediate_size=128, context_length=32)),
+ "recurrent_gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", dict(S, num_hidden_layers=3, lru_width=64,
+                     attention_window_size=8, block_types=["recurrent", "attention", "recurrent"])),
 }
 
 
