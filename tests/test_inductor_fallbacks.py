@@ -165,6 +165,7 @@ def test_a_graph_the_lowering_cannot_follow_runs_as_torch_compile_would(inductor
     torch.testing.assert_close(model.lin.weight.grad, eager.lin.weight.grad)
     errors = opsmath.report(opt).fallback_errors
     assert len(errors) == 1 and "vmap" in errors[0], errors
+    assert "nothing rewritten: every graph fell back" in opsmath.report(opt).render(width=140)
     assert ("compiled by Inductor without rewrites" in errors[0]) == inductor, errors
 
 

@@ -160,7 +160,9 @@ class Report(Rendered):
             yield Text(f"FP8 weights flushed to zero by e4m3 scaling: mean "
                        f"{sum(r['underflow'] for r in flushed) / len(flushed):.3%}, most {worst['underflow']:.3%} "
                        f"({worst['weight']}), over {len(flushed)} weights", style="dim")
-        if not self.graphs and self.unoptimized_calls:
+        if not self.graphs and self.unoptimized_calls and self.fallback_errors:
+            yield Text("nothing rewritten: every graph fell back (below)", style="red")
+        elif not self.graphs and self.unoptimized_calls:
             yield Text("nothing captured: dynamo found no graph in the forward it could hand to opsmath (its graph "
                        "breaks are below); the model runs as plain PyTorch, as it would under torch.compile",
                        style="red")
