@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+
 from opsmath.capture.lower import _PACKAGE, _internal
 
 _SITES: list[tuple[int, str, str, str, str]] = []   # (number, log text, user location, user code, torch frame)

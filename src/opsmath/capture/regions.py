@@ -260,8 +260,9 @@ def compile_functions(parent: fx.GraphModule, regions: dict, alone: dict, compil
     ``parent``) is compiled by ``compile_fx(gm, args)`` at its first call, as ``torch.compile`` compiles
     it: AOTAutograd traces its forward body and keeps its backward body as the gradient; so is every other
     higher-order op opsmath does not lower (``cond``, ``scan``, ``associative_scan``: control flow), tensor
-    hooks and checkpoints excepted. Where that fails the region runs as traced, and ``errors`` says so. A region is compiled for at most
-    ``PIECE_SIZES`` input sizes (each compile is specialized to its sizes); further sizes run as traced."""
+    hooks and checkpoints excepted. Where that fails the region runs as traced, and ``errors`` says so. A
+    region is compiled for at most ``PIECE_SIZES`` input sizes (each compile is specialized to its sizes);
+    further sizes run as traced."""
     def compiler(label: str):
         def compile_region(gm, args):
             try:

@@ -33,7 +33,7 @@ from opsmath.kernels import autotune
 from opsmath.kernels._common import first_order_only, launch_precision
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
 from opsmath.kernels.grouped_mm import (FWD_TILES, WGRAD_TILES, _grouped_fwd, _grouped_wgrad, _on_triton, _tiles,
-                                        grouped_mm, weight_grad)
+                                        grouped_mm, linear_layout, weight_grad)
 
 
 def _forward_triton(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -102,9 +102,8 @@ def _backward(ctx, dy):
         dxs = _past_end_zeroed(grouped_mm(dy, w.transpose(1, 2), offs), offs)
         dx = x.new_zeros(x.shape).index_put_((rows,), dxs.to(x.dtype), accumulate=True)
     if ctx.needs_input_grad[2]:
-        transposed = w.stride(-2) == 1 and w.stride(-1) != 1
-        dw = _weight_grad_triton(x, rows, dy, offs, transposed) if _on_triton(x, dy) \
-            else weight_grad(x[rows], dy, offs, transposed)
+        dw = _weight_grad_triton(x, rows, dy, offs, linear_layout(w)) if _on_triton(x, dy) \
+            else weight_grad(x[rows], dy, offs, linear_layout(w))
     return dx, None, dw, None
 
 

@@ -228,6 +228,8 @@ class Emitter:
         self.env: dict[fx.Node, fx.Node] = {}
         self.stacks: dict[fx.Node, fx.Node] = {}
         self.gemms: list[str] = []
+        self.unread: list[fx.Node] = []   # GEMM inputs a gathered GEMM reads through the index instead
+        self.casts: dict[tuple, fx.Node] = {}   # (tokens, dtype) -> their cast, for gathered GEMMs
 
     def call(self, target, *args, **kwargs) -> fx.Node:
         return self.ctx.call(target, args, self.like, kwargs)
@@ -279,21 +281,24 @@ class Emitter:
             return self.call(n.target, *self.arg(n.args), **self.arg(n.kwargs))
         weights = self.stack(w)                                  # [E, N, K] (linear) or [E, K, N]
         cdt = val(n).dtype
-        if cdt in (torch.float16, torch.bfloat16):   # autocast's casts, explicit: the grouped op sees raw inputs
-            x, weights = self.ctx.cast(x, cdt, self.like), self.ctx.cast(weights, cdt, self.like)
-        if n.target is aten.linear.default:
+        autocast = cdt in (torch.float16, torch.bfloat16)   # autocast's casts, explicit: the grouped op sees raw inputs
+        weights = self.ctx.cast(weights, cdt, self.like) if autocast else weights
+        linear = n.target is aten.linear.default
+        if linear:
             weights = self.call(aten.transpose.int, weights, 1, 2)
-        k, out = val(w).shape[-1 if n.target is aten.linear.default else 0], val(n).shape[-1]
+        k, out = val(w).shape[-1 if linear else 0], val(n).shape[-1]
         # (FP8 experts, which run after, take grouped GEMMs over sorted rows: those stay as they are)
-        src = None if "fp8_experts" in self.ctx.families else self._token_rows(self.arg(n.args[0]))
-        if src is not None and gather_wins(val(self.arg(n.args[0])).shape[0], val(src).shape[0], k, out,
-                                           val(weights).shape[0], cdt, val(src).device,
-                                           n.target is aten.linear.default):
+        src = None if "fp8_experts" in self.ctx.families else self._token_rows(x)
+        if src is not None and gather_wins(val(x).shape[0], val(src).shape[0], k, out, val(weights).shape[0], cdt,
+                                           val(src).device, linear):
             self.gemms.append("opsmath::grouped_mm_gather")   # zeros past the last group: nothing to mask
-            src = self.ctx.cast(src, cdt, self.like) if cdt != val(src).dtype else src
-            y = self.call(torch.ops.opsmath.grouped_mm_gather.default, src, self.routed["tok"], weights,
-                          self.routed["offs"])
+            self.unread.append(x)   # the gathered rows, erased at the end of ``emit`` where nothing else reads them
+            if (src, cdt) not in self.casts:   # the tokens cast once for every GEMM that reads them
+                self.casts[src, cdt] = self.ctx.cast(src, cdt, self.like)
+            y = self.call(torch.ops.opsmath.grouped_mm_gather.default, self.casts[src, cdt], self.routed["tok"],
+                          weights, self.routed["offs"])
         else:
+            x = self.ctx.cast(x, cdt, self.like) if autocast else x
             op = grouped_op(val(x).dtype, val(weights).dtype, k, out)
             self.gemms.append("torch._grouped_mm" if op is aten._grouped_mm.default else "opsmath::grouped_mm")
             y = self.masked(self.call(op, self.masked(x), weights, self.routed["offs"]))
@@ -338,4 +343,5 @@ class Emitter:
             rank = val(n).dim() if isinstance(val(n), torch.Tensor) else 0
             args = [self.gathered(a, rank) if a in self.params else self.arg(a) for a in n.args]
             self.env[n] = self.call(n.target, *args, **self.arg(n.kwargs))
+        self.ctx.erase_dead(self.unread)
         return self.env[self.first.contrib]

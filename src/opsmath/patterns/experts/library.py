@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from opsmath.kernels.grouped_gather import gather_wins
+from opsmath.kernels.grouped_mm import linear_layout
 from opsmath.rewrite.canonicalize import aten, dtype, shape, under_bf16_autocast, val
 from opsmath.rewrite.match import RewriteContext, node_line
 
@@ -99,8 +100,7 @@ def _gather_plan(node: fx.Node):
     S, T, (G, K, N) = shape(x)[0], shape(src)[0], shape(w)
     if not all(isinstance(d, int) for d in (S, T, G, K, N)) or not _in_range(rows[0], T):
         return None
-    transposed = val(w).stride(-2) == 1 and val(w).stride(-1) != 1
-    if not gather_wins(S, T, K, N, G, dtype(w), val(w).device, transposed):
+    if not gather_wins(S, T, K, N, G, dtype(w), val(w).device, linear_layout(val(w))):
         return None
     return src, rows[0], index, cast
 
@@ -131,7 +131,6 @@ def _gather(ctx: RewriteContext, pattern: str, node: fx.Node, plan) -> None:
         new = ctx.call(torch.ops.opsmath.grouped_mm_gather.default, (x, rows, w, offs), node)
     node.replace_all_uses_with(new)
     replaced = [node] + [n for n in (cast, index) if n is not None]
-    for n in replaced:   # the GEMM, then its input's cast and gather, which only it read
-        ctx.graph.erase_node(n)
+    ctx.erase_dead([node])   # and its input's cast and gather, which only it read
     ctx.replaced(pattern, new, replaced, "opsmath::grouped_mm_gather (the grouped GEMM reads its sorted rows through "
                  "the routing index: no sorted copy of the tokens)", before)
