@@ -64,7 +64,8 @@ QUICK = {
     "test_autotune_database", "test_optim_state", "test_patterns_norms", "test_patterns_attention",
     "test_patterns_activations", "test_unmatched", "test_user_errors", "test_dynamo_backend", "test_outer_compile",
     "test_autocast", "test_inference_in_training", "test_buffer_guards", "test_dropout_seeds", "test_op_times",
-    "test_examples", "test_patterns_attention_spellings", "test_layout", "test_capture_scalars",
+    "test_examples", "test_patterns_attention_spellings", "test_patterns_attention_declines", "test_layout",
+    "test_capture_scalars",
 }
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
-import re
 from dataclasses import dataclass
 from typing import Optional
 
