@@ -37,6 +37,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     ["moe", "--smoke", "--curve", "3"],
     ["multi_gpu", "--smoke"],
     ["first_call", "--smoke", "--cases", "bert-mask"],
+    ["first_step", "--smoke", "--models", "gpt2", "--variants", "opsmath.optimize"],
 ], ids=lambda a: a[0])
 def test_benchmark_script_smoke(args, tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
