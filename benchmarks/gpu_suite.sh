@@ -77,7 +77,7 @@ step grouped ${GROUPED_TIMEOUT:-400} $B grouped_gemm --rounds 5 --iters 10 \
     --shapes ${GROUPED_SHAPES:-16384:8:1024:5632,16384:8:4096:14336,32768:64:2048:1408}
 # the experts' first GEMM reading its rows through the routing index (opsmath::grouped_mm_gather) against
 # the gather then torch's grouped GEMM, per shape (S:G:K:N, top-2 over S/2 tokens), and in MoE training steps
-step gather ${GATHER_TIMEOUT:-560} bash -c "$B grouped_gemm --rounds 5 --iters 10 --tag -gather \
+step gather ${GATHER_TIMEOUT:-560} bash -c "$B grouped_gemm --rounds 5 --iters 10 --tag=-gather \
     --variants 'index+bf16 (top-2),gather (top-2)' --shapes ${GATHER_SHAPES:-16384:8:1024:5632,65536:64:1024:1408,16384:16:1024:1024}; \
     $B moe --models ${GATHER_MODELS:-qwen2_moe,mixtral} --recipe bf16 --rounds 5 --steps 3 \
     --variants 'torch.compile,opsmath.optimize(no gather),opsmath.optimize(gather),opsmath.optimize(gather auto)'; \

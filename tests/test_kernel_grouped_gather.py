@@ -90,3 +90,29 @@ def test_the_measured_candidates_compute_the_same():
     (dx0, dw0), (dx1, dw1) = runs["index+grouped"](), runs["gather"]()
     torch.testing.assert_close(dx1, dx0)
     torch.testing.assert_close(dw1, dw0)
+
+
+
+def test_a_compiled_backward_records_the_gathered_weight_gradient(triton_on_cpu, device, monkeypatch):
+    """AOTAutograd traces the op's backward on fake tensors, where no kernel can launch (Inductor failed on
+    every graph holding the op on the GPU): the weight gradient is an op the backward graph records, and
+    the compiled step equals the eager op's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    monkeypatch.setattr(gm, "TRITON_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
+    x, rows, w, offs, dy = (t.to(device) for t in _case(21, 30, 12, 10, [9, 0, 14], True, seed=7))
+    backward_ops = []
+
+    def keep(g, _):
+        return make_boxed_func(g.forward)
+
+    def record(g, _):
+        backward_ops.extend(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+        return make_boxed_func(g.forward)
+
+    def f(u, v):
+        return grouped_mm_gather(u, rows, v, offs)
+    compiled = torch.compile(f, backend=aot_autograd(fw_compiler=keep, bw_compiler=record), fullgraph=True)
+    for got, want in zip(_grads(compiled, x, w, dy), _grads(f, x, w, dy)):
+        torch.testing.assert_close(got, want)
+    assert "opsmath.grouped_mm_gather_weight_grad.default" in backward_ops, backward_ops

@@ -88,6 +88,23 @@ def _past_end_zeroed(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch.where(inside[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
+@torch.library.custom_op("opsmath::grouped_mm_gather_weight_grad", mutates_args=())
+def gather_weight_grad(x: torch.Tensor, rows: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
+                       transposed: bool) -> torch.Tensor:
+    """``dw[g] = x[rows_g]^T dy_g`` [G, K, N], laid out [G, N, K] in memory when ``transposed``: an op of its
+    own, so that a backward traced on fake tensors (AOTAutograd, Inductor) records it rather than
+    launching its kernel."""
+    if _on_triton(x, dy):
+        return _weight_grad_triton(x, rows, dy, offs, transposed)
+    return weight_grad(x[rows], dy, offs, transposed)
+
+
+@gather_weight_grad.register_fake
+def _(x, rows, dy, offs, transposed):
+    G, K, N = offs.shape[0], x.shape[1], dy.shape[1]
+    return x.new_empty(G, N, K).transpose(1, 2) if transposed else x.new_empty(G, K, N)
+
+
 def _setup(ctx, inputs, output):
     x, rows, w, offs = inputs
     ctx.save_for_backward(x, rows, w, offs)
@@ -102,8 +119,7 @@ def _backward(ctx, dy):
         dxs = _past_end_zeroed(grouped_mm(dy, w.transpose(1, 2), offs), offs)
         dx = x.new_zeros(x.shape).index_put_((rows,), dxs.to(x.dtype), accumulate=True)
     if ctx.needs_input_grad[2]:
-        dw = _weight_grad_triton(x, rows, dy, offs, linear_layout(w)) if _on_triton(x, dy) \
-            else weight_grad(x[rows], dy, offs, linear_layout(w))
+        dw = gather_weight_grad(x, rows, dy, offs, linear_layout(w))
     return dx, None, dw, None
 
 
