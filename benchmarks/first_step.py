@@ -121,6 +121,7 @@ def main(argv=None):
     ap.add_argument("--recipe", choices=["amp", "bf16"], default="amp")
     ap.add_argument("--variants", default="torch.compile,opsmath.optimize")
     ap.add_argument("--no-profile", action="store_true", help="the unprofiled first steps only")
+    ap.add_argument("--profile-only", action="store_true", help="the profiled first steps only")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script")
     ap.add_argument("--tag", default="")
@@ -134,7 +135,7 @@ def main(argv=None):
     rows = []
     for model in args.models.split(","):
         for variant in args.variants.split(","):
-            for profile in ([False] if args.no_profile else [False, True]):
+            for profile in [False] * (not args.profile_only) + [True] * (not args.no_profile):
                 rows.append(spawn(model, args.recipe, variant, profile, args.smoke))
                 report(rows[-1])
     print("wrote", write(f"first_step-{args.recipe}{args.tag}", dict(rows=rows)))
