@@ -38,6 +38,7 @@ STAGES = {
     "Inductor compile_fx": ("torch/_inductor/compile_fx.py", "compile_fx"),
     "Inductor graphs (fwd + bwd)": ("torch/_inductor/compile_fx.py", "compile_fx_inner"),
     "Triton compile (main thread)": ("triton/compiler/compiler.py", "compile"),
+    "user Triton kernels' TTIR analysis": ("_higher_order_ops/triton_kernel_wrap.py", "identify_accessed_tensors"),
     "waits on compile workers": ("concurrent/futures/_base.py", "result"),
 }
 
@@ -79,9 +80,9 @@ def child(model: str, recipe: str, variant: str, profile: bool) -> dict:
     return out
 
 
-def top_entries(stats: pstats.Stats, n: int = 25) -> list[str]:
+def top_entries(stats: pstats.Stats, n: int = 40) -> list[str]:
     """The ``n`` largest cumulative entries of opsmath, Inductor, AOTAutograd and Triton, as lines."""
-    keep = ("opsmath/", "_inductor/", "_functorch/", "triton/", "_dynamo/convert_frame")
+    keep = ("opsmath/", "_inductor/", "_functorch/", "triton/", "_dynamo/convert_frame", "_higher_order_ops/")
     rows = [(cum, f"{os.path.basename(path)}:{line}({func})") for (path, line, func), (_, _, _, cum, _)
             in stats.stats.items() if any(k in path.replace(os.sep, "/") for k in keep)]
     return [f"{cum:8.2f}  {name}" for cum, name in sorted(rows, reverse=True)[:n]]
