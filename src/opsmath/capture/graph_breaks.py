@@ -15,7 +15,7 @@ import logging
 import os
 import re
 
-from opsmath.capture.lower import _PACKAGE, _internal
+from opsmath.capture.frames import PACKAGE, internal
 
 _SITES: list[tuple[int, str, str, str, str]] = []   # (number, log text, user location, user code, torch frame)
 _MAX_SITES = 256
@@ -37,9 +37,9 @@ class _Sites(logging.Handler):
         inner = f"{at.group(1)}:{at.group(2)}"
         frames = _FRAME.findall(text.split("User code traceback:", 1)[1])
         # the model's frames: after opsmath's own call of the model (before it, the training loop's)
-        ours = [i for i, (path, _, _) in enumerate(frames) if os.path.abspath(path).startswith(_PACKAGE)
-                and _internal(path)]   # (the bundled examples are model code)
-        mine = [f for f in frames[ours[-1] + 1 if ours else 0:] if not _internal(f[0])]
+        ours = [i for i, (path, _, _) in enumerate(frames) if os.path.abspath(path).startswith(PACKAGE)
+                and internal(path)]   # (the bundled examples are model code)
+        mine = [f for f in frames[ours[-1] + 1 if ours else 0:] if not internal(f[0])]
         if mine:
             path, lineno, code = mine[-1]
             loc = f"{os.path.basename(path)}:{lineno}"
@@ -47,7 +47,7 @@ class _Sites(logging.Handler):
             loc, code = _short(inner), next((c for p, n, c in reversed(frames) if f"{p}:{n}" == inner), "")
         del _SITES[:-_MAX_SITES]
         _RECORDED[0] += 1
-        _SITES.append((_RECORDED[0], text, loc, code.strip(), _short(inner) if _internal(at.group(1)) and mine else ""))
+        _SITES.append((_RECORDED[0], text, loc, code.strip(), _short(inner) if internal(at.group(1)) and mine else ""))
 
 
 _HANDLER = _Sites()

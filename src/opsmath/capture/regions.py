@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import CheckpointPolicy
 
-from opsmath.capture.lower import source_location
+from opsmath.capture.frames import source_location
 from opsmath.capture.pieces import LazyPiece
 from opsmath.meta_keys import USER_REGION
 

@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from opsmath.capture.lower import note_source
+from opsmath.capture.frames import note_source
 from opsmath.memory.budget import STEP_SLACK, cuda_device, grad_bytes, resident_bytes, step_peak
 from opsmath.memory.plan import InfeasibleBudget, clone_graph_module, parse_budget, plan_and_emit
 

@@ -21,7 +21,8 @@ from opsmath.kernels._common import new_seed, new_seeds
 
 from opsmath.rewrite import price
 from opsmath.rewrite.canonicalize import aten, dtype, private_temporary
-from opsmath.capture.lower import Captured, source_location, split_size_calls
+from opsmath.capture.frames import source_location
+from opsmath.capture.lower import Captured, split_size_calls
 from opsmath.rewrite.normalize import drop_dead_code, einsums_as_matmuls, type_as_casts
 from opsmath.rewrite.unmatched import flag_unmatched
 

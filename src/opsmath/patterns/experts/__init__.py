@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from opsmath.rewrite.canonicalize import aten, shape, val
-from opsmath.capture.lower import source_location
+from opsmath.capture.frames import source_location
 from opsmath.kernels.grouped_mm import new_load_site
 from opsmath.rewrite.match import RewriteContext, node_line
 from opsmath.rewrite.rules import Rule, register_rule
