@@ -18,9 +18,11 @@ Backward: ``dx = zeros(T, K).index_put_((rows,), grouped(dy, w^T), accumulate=Tr
 Caveats:
 - The Triton kernels run for 16-bit operands on CUDA (and in Triton's interpreter); elsewhere the op
   gathers, then runs ``grouped_mm``: the same values, none of the savings.
-- Opt-in until GPU measurements decide its default: ``OPSMATH_GATHER_GEMM=1`` takes it wherever it applies,
-  ``auto`` where it measures faster on CUDA than the gather followed by ``torch._grouped_mm`` (Inductor fuses
-  the gather with autocast's cast there), per shape, cached per GPU like attention's (``gather_wins``).
+- Off by default: on an H100 (bf16, fwd + bwd) it ran at 0.78-0.89x the GPU time of the gather followed by
+  ``torch._grouped_mm``, whose CUTLASS GEMM outruns these Triton kernels by more than the gather costs
+  (BENCHMARKS.md, ``results/grouped-gemm-gather-h100-20261205.*``). ``OPSMATH_GATHER_GEMM=1`` takes it wherever
+  it applies (the memory: ``x[rows]`` is not saved), ``auto`` where it measures faster on CUDA, per shape,
+  cached per GPU like attention's (``gather_wins``).
 """
 from __future__ import annotations
 
@@ -140,8 +142,8 @@ def gather_wins(S: int, T: int, K: int, N: int, G: int, dtype: torch.dtype, devi
                 transposed: bool) -> bool:
     """Whether to run this shape as ``grouped_mm_gather`` rather than ``x[rows]`` followed by ``grouped_mm``,
     by ``OPSMATH_GATHER_GEMM``: ``1`` always, ``auto`` where it measures faster (forward and backward, GPU
-    kernel time; on CUDA, 16-bit, once per GPU and shape, cached on disk), else (the default, until GPU
-    measurements decide it: the measurement compiles and tunes the kernels at the first step) never."""
+    kernel time; on CUDA, 16-bit, once per GPU and shape, cached on disk), else (the default: it measured
+    slower, module docstring) never."""
     mode = os.environ.get("OPSMATH_GATHER_GEMM", "0")
     if mode != "auto":
         return mode == "1"
