@@ -3,7 +3,7 @@
 # repository root; everything lands in $OUT.
 #   STEPS="gpu_smoke hf_sdpa lengths attention lce ce dan act train gap recompute memory memory_llama long
 #          curve tune llama cuda_graphs fp8_curve fp8_speed window bloom alibi memory_llama_fractions
-#          window_model plan_estimate fp8_rowwise budget_windows bloom_rewrites grouped gather"   (default: DEFAULT_STEPS)
+#          window_model plan_estimate fp8_rowwise budget_windows bloom_rewrites grouped gather first_step"   (default: DEFAULT_STEPS)
 # Each step's timeout and arguments can be set by the variables it reads (TRAIN_TIMEOUT, MEMORY_ARGS, ...).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
@@ -77,9 +77,11 @@ step grouped ${GROUPED_TIMEOUT:-400} $B grouped_gemm --rounds 5 --iters 10 \
     --shapes ${GROUPED_SHAPES:-16384:8:1024:5632,16384:8:4096:14336,32768:64:2048:1408}
 # the experts' first GEMM reading its rows through the routing index (opsmath::grouped_mm_gather) against
 # the gather then torch's grouped GEMM, per shape (S:G:K:N, top-2 over S/2 tokens), and in MoE training steps
+# (about 60 s of first step per variant and model on an H100)
 step gather ${GATHER_TIMEOUT:-560} bash -c "$B grouped_gemm --rounds 5 --iters 10 --tag=-gather \
     --variants 'index+bf16 (top-2),gather (top-2)' --shapes ${GATHER_SHAPES:-16384:8:1024:5632,65536:64:1024:1408,16384:16:1024:1024}; \
-    $B moe --models ${GATHER_MODELS:-qwen2_moe,mixtral} --recipe bf16 --rounds 5 --steps 3 \
-    --variants 'torch.compile,opsmath.optimize(no gather),opsmath.optimize(gather),opsmath.optimize(gather auto)'; \
-    $B moe --models loop,loop64 --recipe amp --rounds 5 --steps 3 \
+    $B moe --models ${GATHER_MODELS:-loop} --recipe amp --rounds 3 --steps 3 --tag=-gather \
     --variants 'opsmath.optimize(no gather),opsmath.optimize(gather)'"
+# where a cold first step goes (fresh processes, empty caches): opsmath's first step profiled (about 2-3x its
+# 54 s on an H100 under cProfile), torch.compile's beside it with FIRST_STEP_ARGS
+step first_step ${FIRST_STEP_TIMEOUT:-560} $B first_step ${FIRST_STEP_ARGS:---models mistral --variants opsmath.optimize --profile-only}
