@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from opsmath.kernels import SPECS
 
-from opsmath.memory.analysis import kernel_launches, saved_bytes_by_node, to_networkx
+from opsmath.memory.analysis import DeferredSavedBytes, kernel_launches, saved_bytes_by_node, to_networkx
 from opsmath.capture.lower import data_dependent, lower_to_aten, static_inputs
 from opsmath.capture.autocast import autocast_inside, hoist_whole_region
 from opsmath.capture.guards import after_change, guarded
@@ -114,7 +114,7 @@ class GraphRecord:
     declines: list[Decline]
     capture_seconds: float
     launches: tuple = (None, None)          # forward kernel launches (estimate), before -> after
-    saved_bytes: tuple = (None, None)       # activation bytes saved for backward, before -> after
+    analysis: object = field(default=None, repr=False)   # DeferredSavedBytes: ``saved_bytes`` at first read
     graph: Optional[fx.GraphModule] = field(default=None, repr=False)
     before_nx: object = field(default=None, repr=False)   # networkx.DiGraph of the captured graph
     calls: int = 0                          # how many times the graph ran (one graph can serve many modules)
@@ -133,12 +133,19 @@ class GraphRecord:
     left_on_gpu: list = field(default_factory=list)   # rewritten here (op by op), left to Inductor on CUDA
     source: object = field(default=None, repr=False)     # dynamo's graph, unrewritten (the fallback ladder)
 
+    @property
+    def saved_bytes(self) -> tuple:
+        """Activation bytes saved for backward, before -> after (None where not analyzed), counted at the
+        first read (``analysis.DeferredSavedBytes``)."""
+        return self.analysis.get() if self.analysis is not None else (None, None)
+
     def to_dict(self) -> dict:
+        saved = self.saved_bytes   # first: counting sets the matches' saved_delta
         return dict(index=self.index, training=self.training, input_shapes=self.input_shapes,
                     before_ops=dict(self.before_ops), after_ops=dict(self.after_ops),
                     matches=[m.to_dict() for m in self.matches], declines=[d.to_dict() for d in self.declines],
                     capture_seconds=self.capture_seconds, calls=self.calls, launches=list(self.launches),
-                    saved_bytes=list(self.saved_bytes), plan=self.plan.to_dict() if self.plan else None,
+                    saved_bytes=list(saved), plan=self.plan.to_dict() if self.plan else None,
                     inductor=self.inductor, inductor_seconds=self.inductor_seconds,
                     left_to_inductor=list(self.left_to_inductor), cuda_graphs=self.cuda_graphs,
                     dynamic=self.dynamic, static_only=list(self.static_only), left_on_gpu=list(self.left_on_gpu),
@@ -266,9 +273,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
     # a graph with data-dependent sizes (a loop over experts) is slow to run on fake tensors and its
     # byte counts would be bounds: the replacement (static sizes, once the loop is rewritten) is analyzed
     unbacked = analyze and data_dependent(captured.gm, "val")
-    before_by_node = saved_bytes_by_node(captured.gm, captured.requires_grad) \
-        if analyze and not unbacked else None
-    before_saved = sum(before_by_node.values()) if before_by_node is not None else None
+    before_gm = clone_graph_module(captured.gm) if analyze and not unbacked else None   # rewriting edits it
     before_nx = to_networkx(captured.gm)
     use_inductor = _uses_inductor(state, example_inputs)
     patterns, left, priced = _patterns_for(state, gm, use_inductor)
@@ -276,14 +281,11 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
         if captured.dynamic else []
     ctx = run_patterns(captured, [p for p in patterns if p.name not in static_only], state.skip, use_inductor,
                        example_inputs, budget=state.memory_budget is not None, priced=priced)
-    # one fake-tensor liveness run serves both the report and the planner
+    # the planner's fake-tensor liveness run serves the report too; without a budget the report counts later
     by_node = saved_bytes_by_node(ctx.gm, captured.requires_grad) \
-        if analyze or (state.memory_budget is not None and not captured.dynamic) else None
-    after_saved = sum(by_node.values()) if by_node is not None and analyze else None
-    if before_by_node is not None and after_saved is not None:
-        for m in ctx.matches:
-            m.saved_delta = (sum(by_node.get(n, 0) for n in m.inserted)
-                             - sum(before_by_node.get(n, 0) for n in m.nodes))
+        if state.memory_budget is not None and not captured.dynamic else None
+    analysis = DeferredSavedBytes(before_gm, by_node if by_node is not None else clone_graph_module(ctx.gm),
+                                  captured.requires_grad, ctx.matches) if analyze else None
     plan = base = None
     if state.memory_budget is not None:
         if by_node is None:
@@ -298,7 +300,7 @@ def compile_graph(state, model: torch.nn.Module, gm: fx.GraphModule, example_inp
         before_code=before_code, after_code=ctx.gm.code, before_ops=before_ops, after_ops=op_counts(ctx.gm),
         matches=ctx.matches, declines=ctx.declines,
         capture_seconds=time.perf_counter() - t0, launches=(before_launches, kernel_launches(ctx.gm)),
-        saved_bytes=(before_saved, after_saved), graph=ctx.gm, before_nx=before_nx, plan=plan,
+        analysis=analysis, graph=ctx.gm, before_nx=before_nx, plan=plan,
         left_to_inductor=sorted(p.name for p in state.patterns if p.name in left),
         dynamic=captured.dynamic, static_only=static_only,
         left_on_gpu=_left_on_gpu(state, use_inductor, ctx.matches))
