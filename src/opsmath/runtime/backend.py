@@ -30,7 +30,7 @@ from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite import price
 from opsmath.rewrite.match import Decline, Match, run_patterns
-from opsmath.runtime import blocks, fp8_weights, ladder, offload_async
+from opsmath.runtime import blocks, ladder, offload_async
 from opsmath.memory import offload, weight_casts
 from opsmath.memory.budget import InfeasibleBudget
 from opsmath.runtime.budgets import plan_graph, reserve_floors, step_in_backward
