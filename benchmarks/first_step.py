@@ -1,21 +1,25 @@
 """Where a cold first training step goes: one fleet model's first step under ``torch.compile`` and under
-``opsmath.optimize``, each in a fresh process on empty Inductor, Triton and opsmath caches, profiled.
+``opsmath.optimize``, each in a fresh process on empty Inductor, Triton and opsmath caches, split by stage.
 
 The fleet (``benchmarks/fleet.py``) measures each variant's first step; this splits it. Per variant: the
-first step's forward, backward and optimizer wall seconds (the device waited for), and the main thread's
-cProfile cumulative seconds of the stages that the two share or that opsmath adds: dynamo's tracing
-(``convert_frame._compile``, which includes the backend), opsmath's lowering to ATen, its fake-tensor
-liveness runs, its pattern pass and planning, Inductor's forward and backward compiles (AOTAutograd's
-backward compile runs at the first backward), Triton compiles run in the main thread and opsmath's
-tuning. Inductor's parallel compile workers show only as the main thread's waits. cProfile slows Python
-(dynamo's tracing most), so its seconds are shares, and the unprofiled wall of each phase is given beside.
+first step's forward, backward and optimizer wall seconds (the device waited for), and the inclusive
+seconds of the stages the two share or that opsmath adds, timed by wrappers around their functions
+(``TIMED``; a call inside another call of the same stage counts once): dynamo's frame compiles (its backend
+included), opsmath's backend and within it the lowering to ATen, the pattern pass, the fake-tensor
+liveness runs and its call of Inductor; Inductor's graph compiles, forward and backward (AOTAutograd
+compiles the backward at the first backward); the TTIR analysis of user Triton kernels that Inductor and
+AOTAutograd trace into (attention's ``triton_op``s); opsmath's tuning (``autotune.SPENT``). Inductor's
+parallel compile workers show only inside the stage that waits for them. ``--profile`` adds a run under
+cProfile (about twice as slow) with its largest cumulative entries.
 
-    python -m benchmarks first_step [--models mistral,gemma2] [--recipe amp] [--variants ...]
+    python -m benchmarks first_step [--models mistral,gemma2] [--recipe amp] [--variants ...] [--profile]
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
+import importlib
 import json
 import os
 import pstats
@@ -26,37 +30,54 @@ import time
 
 from benchmarks import ROOT
 
-# stage: (file suffix, function name): the cumulative seconds of these calls, summed over calls
-STAGES = {
-    "dynamo (backend included)": ("convert_frame.py", "_compile"),
-    "opsmath backend": ("opsmath/runtime/backend.py", "compile_graph"),
-    "opsmath lowering": ("opsmath/capture/lower.py", "lower_to_aten"),
-    "opsmath liveness": ("opsmath/memory/analysis.py", "saved_bytes_by_node"),
-    "opsmath patterns": ("opsmath/rewrite/match.py", "run_patterns"),
-    "opsmath planning": ("opsmath/runtime/backend.py", "plan_graph"),
-    "opsmath tuning": ("opsmath/kernels/autotune.py", "tune"),
-    "Inductor compile_fx": ("torch/_inductor/compile_fx.py", "compile_fx"),
-    "Inductor graphs (fwd + bwd)": ("torch/_inductor/compile_fx.py", "compile_fx_inner"),
-    "Triton compile (main thread)": ("triton/compiler/compiler.py", "compile"),
-    "user Triton kernels' TTIR analysis": ("_higher_order_ops/triton_kernel_wrap.py", "identify_accessed_tensors"),
-    "waits on compile workers": ("concurrent/futures/_base.py", "result"),
+# stage: (module, function) wrapped; a callable name labels each call from its arguments
+TIMED = {
+    "dynamo (backend included)": ("torch._dynamo.convert_frame", "_compile"),
+    "opsmath backend": ("opsmath.runtime.backend", "compile_graph"),
+    "opsmath lowering": ("opsmath.runtime.backend", "lower_to_aten"),
+    "opsmath patterns": ("opsmath.runtime.backend", "run_patterns"),
+    "opsmath liveness": ("opsmath.runtime.backend", "saved_bytes_by_node"),
+    "opsmath liveness (report)": ("opsmath.memory.analysis", "saved_bytes_by_node"),
+    "Inductor, opsmath's call": ("opsmath.runtime.backend", "compile_fx"),
+    "Inductor graph": ("torch._inductor.compile_fx", "_compile_fx_inner"),
+    "user Triton kernels' TTIR analysis": ("torch._higher_order_ops.triton_kernel_wrap", "identify_accessed_tensors"),
 }
+SECONDS: dict = {}
 
 
-def stage_seconds(stats: pstats.Stats) -> dict:
-    """Cumulative seconds per ``STAGES`` entry (outermost calls only: recursion is not double counted)."""
-    out = dict.fromkeys(STAGES, 0.0)
-    for (path, _, func), (_, _, _, cum, _) in stats.stats.items():
-        for stage, (suffix, name) in STAGES.items():
-            if func == name and path.replace(os.sep, "/").endswith(suffix):
-                out[stage] += cum
-    return {k: round(v, 2) for k, v in out.items()}
+def _timed(stage: str, fn):
+    """``fn`` adding its inclusive seconds to ``SECONDS[stage]`` (Inductor's graphs: forward or backward)."""
+    depth = [0]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if depth[0]:
+            return fn(*args, **kwargs)
+        depth[0], t = 1, time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            depth[0] = 0
+            label = stage + (" backward" if kwargs.get("is_backward") else " forward") \
+                if stage == "Inductor graph" else stage
+            SECONDS[label] = SECONDS.get(label, 0.0) + time.perf_counter() - t
+    return wrapper
+
+
+def install_timers() -> None:
+    for stage, (module, name) in TIMED.items():
+        mod = importlib.import_module(module)
+        setattr(mod, name, _timed(stage, getattr(mod, name)))
 
 
 def child(model: str, recipe: str, variant: str, profile: bool) -> dict:
-    """One variant's first step in this (fresh) process: phases, wall, and the profile's stages."""
+    """One variant's first step in this (fresh) process: phases, wall, the stages' seconds (timers, or with
+    ``profile`` cProfile's largest entries)."""
     import torch
     from benchmarks.fleet import VARIANTS, FleetVariant, build, inputs
+    from opsmath.kernels import autotune
+    if not profile:
+        install_timers()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     smoke = device == "cpu"
     torch.empty(1, device=device)   # the device context, not a phase of the step
@@ -74,9 +95,10 @@ def child(model: str, recipe: str, variant: str, profile: bool) -> dict:
     out = dict(model=model, recipe=recipe, variant=variant, shape=shape, profiled=profile,
                first_step_s=round(wall, 2), phases=v.phases)
     if prof:
-        stats = pstats.Stats(prof)
-        out["stages_s"] = stage_seconds(stats)
-        out["top"] = top_entries(stats)
+        out["top"] = top_entries(pstats.Stats(prof))
+    else:
+        out["stages_s"] = {k: round(v, 2) for k, v in SECONDS.items()}
+        out["stages_s"]["opsmath tuning"] = round(autotune.SPENT["seconds"], 2)
     return out
 
 
@@ -94,7 +116,7 @@ def spawn(model: str, recipe: str, variant: str, profile: bool, smoke: bool) -> 
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cold, "inductor"),
                TRITON_CACHE_DIR=os.path.join(cold, "triton"), OPSMATH_CACHE_DIR=os.path.join(cold, "opsmath"))
     cmd = [sys.executable, "-m", "benchmarks", "first_step", "--child", "--models", model, "--recipe", recipe,
-           "--variants", variant] + (["--no-profile"] if not profile else []) + (["--smoke"] if smoke else [])
+           "--variants", variant] + (["--profile"] if profile else []) + (["--smoke"] if smoke else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     for line in done.stdout.splitlines():
         if line.startswith("FIRST_STEP "):
@@ -121,14 +143,13 @@ def main(argv=None):
     ap.add_argument("--models", default="mistral,gemma2")
     ap.add_argument("--recipe", choices=["amp", "bf16"], default="amp")
     ap.add_argument("--variants", default="torch.compile,opsmath.optimize")
-    ap.add_argument("--no-profile", action="store_true", help="the unprofiled first steps only")
-    ap.add_argument("--profile-only", action="store_true", help="the profiled first steps only")
+    ap.add_argument("--profile", action="store_true", help="also a run under cProfile per variant")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     if args.child:
-        print("FIRST_STEP " + json.dumps(child(args.models, args.recipe, args.variants, not args.no_profile)))
+        print("FIRST_STEP " + json.dumps(child(args.models, args.recipe, args.variants, args.profile)))
         return
     from benchmarks._harness import smoke_out, write
     if args.smoke:
@@ -136,7 +157,7 @@ def main(argv=None):
     rows = []
     for model in args.models.split(","):
         for variant in args.variants.split(","):
-            for profile in [False] * (not args.profile_only) + [True] * (not args.no_profile):
+            for profile in [False, True][:1 + args.profile]:
                 rows.append(spawn(model, args.recipe, variant, profile, args.smoke))
                 report(rows[-1])
     print("wrote", write(f"first_step-{args.recipe}{args.tag}", dict(rows=rows)))
