@@ -251,6 +251,7 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
     experts = tracing_settings(model) \
         if any(p.name == "experts" for p in state.patterns) and "experts" not in state.skip else {}
     guard = guard_for(model, state)
+    logs = graph_breaks.reordered_logs()
 
     def call(*args, **kwargs):
         # Run op by op under autograd, the rewritten graph fires DDP's per-parameter gradient hooks as
@@ -267,6 +268,7 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
         patches = dict(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit),
                        skip_nnmodule_hook_guards=False)
         patches.update(experts)   # a torch.where per expert traced (an unbacked size), not a graph break
+        patches.update(logs)      # HF's logger.warning_once after the graph, not a graph break
         if inductor is False or (inductor is None and not _on_cuda(model)):
             patches["optimize_ddp"] = False
         # the first capture (dynamo's tracing included) takes Ctrl-C at its end (capture/interrupts.py)

@@ -115,3 +115,17 @@ def note(before: tuple[dict, int], regions: list) -> None:
             if (loc, why_here) not in listed:
                 listed.add((loc, why_here))
                 regions.append(EagerRegion("graph break", loc, code, why_here))
+
+
+def reordered_logs() -> dict:
+    """The dynamo setting under which a one-time log call in the model's code is no graph break: Hugging
+    Face's ``logger.warning_once`` (installed on ``logging.Logger`` by transformers; its models call it from
+    ``forward`` and from ``loss_function``, where every enclosing frame was traced again up to it, four
+    whole traces of the model instead of one, and the loss fell into a graph of its own) runs after the
+    graph instead of inside it: the same message, printed once. Empty where transformers is not loaded."""
+    warning_once = getattr(logging.Logger, "warning_once", None)
+    if warning_once is None:
+        return {}
+    import torch
+    current = torch._dynamo.config.reorderable_logging_functions
+    return {"reorderable_logging_functions": current | {warning_once}}
