@@ -2,7 +2,8 @@
 with left and right padding: how many attention layers opsmath rewrites, the loss difference to eager, and the worst parameter
 gradient error ``||g - g_eager|| / (||g_eager|| + 1e-3 max ||g_eager||)`` (the atol keeps gradients that
 are zero in exact arithmetic, a key projection's bias under softmax, from reading as errors), and the
-attention declines with their reasons. Every model has 2 layers: ``attn 2`` is full coverage.
+attention declines with their reasons; the graphs captured, the graph breaks, and whether the LM head and
+its loss were fused (``lce 1``: they were in one graph). Every model has 2 layers: ``attn 2`` is full coverage.
 
     python -m benchmarks hf_coverage [--more] [--amp] [model ...]
 
@@ -189,7 +190,8 @@ def check(cls, cfg_cls, kw, attn) -> str:
     declines = sorted({d.reason[:70] for d in rep.declines if d.pattern == "attention"})
     windows = [m.details.get("window", 0) for m in rep.matches if m.pattern == "attention"]
     line = (f"attn {rep.count('attention')}  dloss {(loss - loss_e).abs().item():.1e}  dgrad {grad:.1e}  "
-            f"fallbacks {len(rep.fallback_errors)}  declines {declines}  windows {windows}")
+            f"fallbacks {len(rep.fallback_errors)}  declines {declines}  windows {windows}  graphs {len(rep.graphs)}  "
+            f"breaks {sum(e.kind == 'graph break' for e in rep.eager_regions)}  lce {rep.count('linear_cross_entropy')}")
     if PRICED[0]:
         kept = sum("priced" in m.details for m in rep.matches)
         back = sum("Inductor's fusion" in d.reason for d in rep.declines)
