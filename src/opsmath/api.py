@@ -141,6 +141,7 @@ def optimize(model: torch.nn.Module, memory_budget=None, *, patterns=None, skip=
                          "path, not inductor=False")
     state = new_state(type(model).__name__, memory_budget, patterns, skip, analyze, inductor, cuda_graphs, fp8)
     graph_breaks.watch()   # the report names each graph break's line
+    graph_breaks.hf_loss_resolved(model)   # HF's loss_function logs on each access: no graph break
     model._opsmath = state
     state.notes = [note for p in state.patterns if p.name not in state.skip for note in p.prepare(model)]
     state.notes += [CUDA_GRAPHS_NOTE] if cuda_graphs else []

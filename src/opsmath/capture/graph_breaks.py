@@ -117,15 +117,33 @@ def note(before: tuple[dict, int], regions: list) -> None:
                 regions.append(EagerRegion("graph break", loc, code, why_here))
 
 
+
 def reordered_logs() -> dict:
     """The dynamo setting under which a one-time log call in the model's code is no graph break: Hugging
-    Face's ``logger.warning_once`` (installed on ``logging.Logger`` by transformers; its models call it from
-    ``forward`` and from ``loss_function``, where every enclosing frame was traced again up to it, four
-    whole traces of the model instead of one, and the loss fell into a graph of its own) runs after the
-    graph instead of inside it: the same message, printed once. Empty where transformers is not loaded."""
-    warning_once = getattr(logging.Logger, "warning_once", None)
-    if warning_once is None:
-        return {}
+    Face's ``logger.warning_once`` (installed on ``logging.Logger`` by transformers, called from many
+    ``forward``s) runs after the graph instead of inside it, the same message printed once. Dynamo reorders
+    ``logging.Logger`` methods from torch 2.14 on; before, the call stays a graph break (as under
+    ``torch.compile``; ``hf_loss_resolved`` removes the most common one). Empty where it does not apply."""
     import torch
+    warning_once = getattr(logging.Logger, "warning_once", None)
+    if warning_once is None or tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2]) < (2, 14):
+        return {}
     current = torch._dynamo.config.reorderable_logging_functions
     return {"reorderable_logging_functions": current | {warning_once}}
+
+
+def hf_loss_resolved(model) -> None:
+    """Read Hugging Face's ``loss_function`` once before capture and keep it (its own setter). The property
+    logs a warning on every access when the config names no known loss type (``GPT2LMHeadModel``: "loss_type
+    =None ... Using the default loss"); traced, that log call was a graph break before the loss, so every
+    enclosing frame was traced again up to it (four whole traces of the model instead of one) and the LM head
+    and its loss fell into different graphs, never fused. The same function is used, and the message is
+    printed now, once, instead of at the first forward."""
+    for m in model.modules():
+        prop = getattr(type(m), "loss_function", None)
+        if isinstance(prop, property) and prop.fset is not None and "_loss_function" not in vars(m) \
+                and type(m).__module__.startswith("transformers."):
+            try:
+                m.loss_function = m.loss_function
+            except Exception:  # noqa: BLE001 (a model whose loss cannot be resolved yet keeps the property)
+                pass
