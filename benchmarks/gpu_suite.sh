@@ -82,6 +82,6 @@ step gather ${GATHER_TIMEOUT:-560} bash -c "$B grouped_gemm --rounds 5 --iters 1
     --variants 'index+bf16 (top-2),gather (top-2)' --shapes ${GATHER_SHAPES:-16384:8:1024:5632,65536:64:1024:1408,16384:16:1024:1024}; \
     $B moe --models ${GATHER_MODELS:-loop} --recipe amp --rounds 3 --steps 3 --tag=-gather \
     --variants 'opsmath.optimize(no gather),opsmath.optimize(gather)'"
-# where a cold first step goes (fresh processes, empty caches): opsmath's first step profiled (about 2-3x its
-# 54 s on an H100 under cProfile), torch.compile's beside it with FIRST_STEP_ARGS
-step first_step ${FIRST_STEP_TIMEOUT:-560} $B first_step ${FIRST_STEP_ARGS:---models mistral --variants opsmath.optimize --profile-only}
+# where a cold first step goes (fresh processes, empty caches), stage by stage, torch.compile beside opsmath
+# (about 30 and 55 s a model on an H100; --profile adds cProfile runs at about twice that)
+step first_step ${FIRST_STEP_TIMEOUT:-560} $B first_step ${FIRST_STEP_ARGS:---models mistral,gpt2}
