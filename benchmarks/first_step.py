@@ -30,7 +30,7 @@ import time
 
 from benchmarks import ROOT
 
-# stage: (module, function) wrapped; a callable name labels each call from its arguments
+# stage: (module, function) wrapped by ``_timed``; Inductor's graph compiles are told apart by ``is_backward``
 TIMED = {
     "dynamo (backend included)": ("torch._dynamo.convert_frame", "_compile"),
     "opsmath backend": ("opsmath.runtime.backend", "compile_graph"),

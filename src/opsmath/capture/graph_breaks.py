@@ -15,6 +15,9 @@ import logging
 import os
 import re
 
+import torch
+from torch.torch_version import Version
+
 from opsmath.capture.frames import PACKAGE, internal
 
 _SITES: list[tuple[int, str, str, str, str]] = []   # (number, log text, user location, user code, torch frame)
@@ -117,16 +120,14 @@ def note(before: tuple[dict, int], regions: list) -> None:
                 regions.append(EagerRegion("graph break", loc, code, why_here))
 
 
-
 def reordered_logs() -> dict:
     """The dynamo setting under which a one-time log call in the model's code is no graph break: Hugging
     Face's ``logger.warning_once`` (installed on ``logging.Logger`` by transformers, called from many
     ``forward``s) runs after the graph instead of inside it, the same message printed once. Dynamo reorders
     ``logging.Logger`` methods from torch 2.14 on; before, the call stays a graph break (as under
     ``torch.compile``; ``hf_loss_resolved`` removes the most common one). Empty where it does not apply."""
-    import torch
     warning_once = getattr(logging.Logger, "warning_once", None)
-    if warning_once is None or tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2]) < (2, 14):
+    if warning_once is None or Version(torch.__version__).release[:2] < (2, 14):
         return {}
     current = torch._dynamo.config.reorderable_logging_functions
     return {"reorderable_logging_functions": current | {warning_once}}
