@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opsmath
-from test_patterns_attention import AttnModel, D, H, T, _compare, _inputs
+from attention_harness import AttnModel, D, H, T, _compare, _inputs
 from tolerance import rel_err
 
 

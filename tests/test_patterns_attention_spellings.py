@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import opsmath
 
-from test_patterns_attention import D, T, AttnModel, _compare, _inputs
+from attention_harness import D, T, AttnModel, _compare, _inputs
 from tolerance import rel_err
 
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opsmath
-from test_patterns_attention import C, D, H, T, AttnModel, _compare, _inputs
+from attention_harness import C, D, H, T, AttnModel, _compare, _inputs
 from tolerance import optimized_matches_eager, rel_err
 
 
