@@ -76,6 +76,7 @@ def child(model: str, recipe: str, variant: str, profile: bool) -> dict:
     import torch
     from benchmarks.fleet import VARIANTS, FleetVariant, build, inputs
     from opsmath.kernels import autotune
+    from opsmath.runtime import ttir_cache
     if not profile:
         install_timers()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,6 +100,7 @@ def child(model: str, recipe: str, variant: str, profile: bool) -> dict:
     else:
         out["stages_s"] = {k: round(v, 2) for k, v in SECONDS.items()}
         out["stages_s"]["opsmath tuning"] = round(autotune.SPENT["seconds"], 2)
+        out["ttir_analyses"] = dict(ttir_cache.STATS)   # opsmath's kernels: analyzed (misses), served (hits)
     return out
 
 
@@ -131,6 +133,8 @@ def report(r: dict) -> None:
     phases = ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in r["phases"].items())
     print(f"{r['model']:8} {r['recipe']} {r['variant']:17} first step {r['first_step_s']:6.1f} s"
           f"{' (profiled)' if r['profiled'] else ''}: {phases}", flush=True)
+    if "ttir_analyses" in r:
+        print(f"    TTIR analyses of opsmath's kernels: {r['ttir_analyses']}", flush=True)
     for stage, s in r.get("stages_s", {}).items():
         if s:
             print(f"    {stage:30} {s:7.2f} s", flush=True)

@@ -30,7 +30,7 @@ from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite import price
 from opsmath.rewrite.match import Decline, Match, run_patterns
-from opsmath.runtime import blocks, ladder, offload_async
+from opsmath.runtime import blocks, ladder, offload_async, ttir_cache
 from opsmath.memory import offload, weight_casts
 from opsmath.memory.budget import InfeasibleBudget
 from opsmath.runtime.budgets import plan_graph, reserve_floors, step_in_backward
@@ -51,6 +51,7 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
     would be served the partition of an identical graph compiled with other tags or none. Parameters are
     static inputs, as in dynamo's graphs (``capture.static_inputs``)."""
     from torch._inductor.compile_fx import compile_fx as inductor
+    ttir_cache.install()
     tagged = any("recompute" in n.meta for n in gm.graph.nodes) or offload.has_offload(gm) \
         or weight_casts.has_marks(gm)
     static_inputs(gm)

@@ -1,0 +1,110 @@
+"""One TTIR analysis per distinct launch of opsmath's Triton kernels while Inductor compiles.
+
+AOTAutograd (functionalizing a ``triton_op``'s ``wrap_triton`` launch) and Inductor (lowering it to a
+user-defined Triton kernel) each ask ``torch._higher_order_ops.triton_kernel_wrap`` which of the kernel's
+tensors it reads and writes. Each ask builds the kernel's TTIR with Triton's front end (about 0.05 s for
+attention's kernels on a server core) and walks it; nothing is cached, so a model with L attention layers
+pays 2 x 3 x L of them in its first step (forward, dQ and dK/dV kernels).
+
+The analysis is a pure function of the kernel, the dtypes of its tensor arguments (``generate_ttir``
+replaces every tensor by a 2-element one of the same dtype), the values of its other arguments (symbolic
+sizes all become 2) and the TMA metadata. That tuple is the key here, so a cached answer is the answer the
+analysis would give. Only kernels defined in opsmath are cached: a user's kernels keep torch's path. Each
+call returns a deep copy, as a fresh analysis would."""
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+
+import torch
+
+NAMES = ("identify_accessed_tensors", "identify_mutated_tensors")   # torch's name, by version
+STATS = {"hits": 0, "misses": 0}
+_LOCK = threading.Lock()
+_installed = False
+
+
+def _python_fn(kernel):
+    """The Python function behind ``kernel`` (a ``JITFunction``, or an ``Autotuner`` holding one)."""
+    from triton.runtime.jit import JITFunction
+    for _ in range(4):
+        if isinstance(kernel, JITFunction):
+            return kernel.fn
+        kernel = getattr(kernel, "fn", None)
+    return None
+
+
+def _ours(kernel) -> bool:
+    return getattr(_python_fn(kernel), "__module__", "").startswith("opsmath.")
+
+
+def _value_key(v):
+    """What the TTIR analysis sees of one argument, hashable; ``None`` where unknown (no caching)."""
+    import sympy
+    if isinstance(v, torch.Tensor):
+        return ("T", v.dtype)
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
+        return ("S",)
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype)):
+        return (type(v).__name__, v)
+    get_dtype = getattr(v, "get_dtype", None)    # Inductor's TensorBox
+    if callable(get_dtype):
+        return ("T", get_dtype())
+    return None
+
+
+def key(kernel, kwargs: dict, tma) -> tuple | None:
+    """The analysis's inputs as a hashable key, or ``None`` where an argument is of an unknown kind."""
+    items = []
+    for name in sorted(kwargs):
+        k = _value_key(kwargs[name])
+        if k is None:
+            return None
+        items.append((name, k))
+    try:
+        tma_key = repr(sorted((tma or {}).items()))
+    except TypeError:
+        return None
+    return (id(kernel), tuple(items), tma_key)   # opsmath's kernels are module globals: ids stay
+
+
+def _cached(fn):
+    cache: dict = {}
+
+    @functools.wraps(fn)
+    def analysis(kernel, kwargs, tma_descriptor_metadata, *args, **kw):
+        k = key(kernel, kwargs, tma_descriptor_metadata) if _ours(kernel) and not args and not kw else None
+        if k is None:
+            return fn(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
+        with _LOCK:
+            hit = k in cache
+        if not hit:
+            result = fn(kernel, kwargs, tma_descriptor_metadata)
+            with _LOCK:
+                cache[k] = result
+                STATS["misses"] += 1
+        else:
+            STATS["hits"] += 1
+        return copy.deepcopy(cache[k])
+    analysis.cache = cache
+    return analysis
+
+
+def install() -> None:
+    """Cache torch's TTIR analysis for opsmath's kernels (once per process; Inductor's ``ir`` module too,
+    where it holds the function by name)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+    import torch._inductor.ir as ir
+    for name in NAMES:
+        fn = getattr(wrap, name, None)
+        if fn is None:
+            continue
+        cached = _cached(fn)
+        setattr(wrap, name, cached)
+        if getattr(ir, name, None) is fn:
+            setattr(ir, name, cached)

@@ -1,0 +1,85 @@
+"""The TTIR analysis of opsmath's Triton kernels runs once per distinct launch (``runtime/ttir_cache``) and
+answers as the analysis itself does. On a CPU machine Triton's front end builds TTIR for a faked sm_90
+target (no device is touched); the kernels here are built as ``JITFunction``s, not interpreted ones."""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+from torch._higher_order_ops import triton_kernel_wrap as wrap  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from opsmath.runtime import ttir_cache  # noqa: E402
+
+
+def _scale_rows(X, Y, N, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs, mask=offs < N) * scale, mask=offs < N)
+
+
+class _Sm90:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+@pytest.fixture
+def sm90_target():
+    active = triton.runtime.driver._active
+    triton.runtime.driver.set_active(_Sm90())
+    yield
+    triton.runtime.driver._active = active
+
+
+def _kernel(module: str) -> JITFunction:
+    # a fresh function object per kernel, its module named as the kernel's owner's would be
+    fn = type(_scale_rows)(_scale_rows.__code__, _scale_rows.__globals__, "_scale_rows")
+    fn.__module__, fn.__annotations__ = module, dict(_scale_rows.__annotations__)
+    return JITFunction(fn)
+
+
+def _args(dtype):
+    with FakeTensorMode():
+        x, y = torch.empty(64, dtype=dtype), torch.empty(64, dtype=dtype)
+    return dict(X=x, Y=y, N=64, scale=0.5, BLOCK=32)
+
+
+def _writes(accesses):
+    return sorted(d.name for d in accesses.read_writes.writes)
+
+
+@pytest.mark.skipif(not hasattr(wrap, "identify_accessed_tensors"), reason="torch names the analysis otherwise")
+def test_an_opsmath_kernel_is_analyzed_once_per_launch_signature_and_answers_as_the_analysis(sm90_target):
+    ttir_cache.install()
+    analysis = wrap.identify_accessed_tensors
+    fresh = analysis.__wrapped__
+    kernel = _kernel("opsmath.kernels.example")
+    before = dict(ttir_cache.STATS)
+    first = analysis(kernel, _args(torch.bfloat16), {})
+    again = analysis(kernel, _args(torch.bfloat16), {})
+    assert _writes(first) == _writes(again) == _writes(fresh(kernel, _args(torch.bfloat16), {})) == ["Y"]
+    assert ttir_cache.STATS["misses"] - before["misses"] == 1 and ttir_cache.STATS["hits"] - before["hits"] == 1
+    assert again is not first and again.read_writes is not first.read_writes   # a copy: callers may edit it
+    analysis(kernel, _args(torch.float32), {})                                  # another dtype: analyzed again
+    analysis(kernel, dict(_args(torch.bfloat16), N=65), {})                     # another size: analyzed again
+    assert ttir_cache.STATS["misses"] - before["misses"] == 3
+
+
+@pytest.mark.skipif(not hasattr(wrap, "identify_accessed_tensors"), reason="torch names the analysis otherwise")
+def test_a_users_kernel_keeps_torchs_uncached_analysis(sm90_target):
+    ttir_cache.install()
+    kernel = _kernel("user_model.kernels")
+    before = dict(ttir_cache.STATS)
+    for _ in range(2):
+        assert _writes(wrap.identify_accessed_tensors(kernel, _args(torch.bfloat16), {})) == ["Y"]
+    assert ttir_cache.STATS == before
+
+
+def test_an_argument_of_unknown_kind_is_not_keyed():
+    assert ttir_cache.key(object(), dict(X=object()), {}) is None
+    with FakeTensorMode():
+        t = torch.empty(3)
+    kernel = _kernel("opsmath.kernels.example")
+    assert ttir_cache.key(kernel, dict(n=4, X=t), {}) == \
+        (id(kernel), (("X", ("T", torch.float32)), ("n", ("int", 4))), "[]")
