@@ -83,3 +83,33 @@ def test_an_argument_of_unknown_kind_is_not_keyed():
     kernel = _kernel("opsmath.kernels.example")
     assert ttir_cache.key(kernel, dict(n=4, X=t), {}) == \
         (id(kernel), (("X", ("T", torch.float32)), ("n", ("int", 4))), "[]")
+
+
+class _TwoLayers(torch.nn.Module):
+    """Two causal attention layers of one shape: the second layer's launches repeat the first's."""
+    def __init__(self, c=64, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(c, 3 * c) for _ in range(2))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        for qkv in self.qkv:
+            q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in qkv(x).split(C, dim=2))
+            x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) \
+                .transpose(1, 2).reshape(B, T, C)
+        return x
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor traces attention's triton_op on CUDA")
+def test_on_the_gpu_a_repeated_layers_launches_are_analyzed_once_and_nothing_is_assumed_mutated(caplog):
+    import opsmath
+    opt = opsmath.optimize(_TwoLayers().cuda())
+    x = torch.randn(2, 128, 64, device="cuda", requires_grad=True)
+    before = dict(ttir_cache.STATS)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = opt(x)
+    y.float().sum().backward()
+    assert sum(m.pattern == "attention" for m in opsmath.report(opt).matches) == 2
+    assert ttir_cache.STATS["hits"] > before["hits"], ttir_cache.STATS
+    assert "assuming every input is mutated" not in caplog.text
