@@ -1,6 +1,11 @@
 """The TTIR analysis of opsmath's Triton kernels runs once per distinct launch (``runtime/ttir_cache``) and
 answers as the analysis itself does. On a CPU machine Triton's front end builds TTIR for a faked sm_90
 target (no device is touched); the kernels here are built as ``JITFunction``s, not interpreted ones."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -24,12 +29,14 @@ class _Sm90:
         return GPUTarget("cuda", 90, 32)
 
 
-@pytest.fixture
-def sm90_target():
+def _with_sm90_target(fn):
+    """``fn()`` with Triton's active driver answering an sm_90 target (no device is touched)."""
     active = triton.runtime.driver._active
     triton.runtime.driver.set_active(_Sm90())
-    yield
-    triton.runtime.driver._active = active
+    try:
+        return fn()
+    finally:
+        triton.runtime.driver._active = active
 
 
 def _kernel(module: str) -> JITFunction:
@@ -49,31 +56,48 @@ def _writes(accesses):
     return sorted(d.name for d in accesses.read_writes.writes)
 
 
-@pytest.mark.skipif(not hasattr(wrap, "identify_accessed_tensors"), reason="torch names the analysis otherwise")
-def test_an_opsmath_kernel_is_analyzed_once_per_launch_signature_and_answers_as_the_analysis(sm90_target):
+def _probe() -> dict:
+    """What the cached analysis answers and counts, for an opsmath kernel and a user's (run in a process of
+    its own: Triton's interpreter, which the other tests run in, leaves ``triton.language`` unfit for
+    building TTIR in the process that used it)."""
     ttir_cache.install()
     analysis = wrap.identify_accessed_tensors
-    fresh = analysis.__wrapped__
-    kernel = _kernel("opsmath.kernels.example")
-    before = dict(ttir_cache.STATS)
-    first = analysis(kernel, _args(torch.bfloat16), {})
-    again = analysis(kernel, _args(torch.bfloat16), {})
-    assert _writes(first) == _writes(again) == _writes(fresh(kernel, _args(torch.bfloat16), {})) == ["Y"]
-    assert ttir_cache.STATS["misses"] - before["misses"] == 1 and ttir_cache.STATS["hits"] - before["hits"] == 1
-    assert again is not first and again.read_writes is not first.read_writes   # a copy: callers may edit it
-    analysis(kernel, _args(torch.float32), {})                                  # another dtype: analyzed again
-    analysis(kernel, dict(_args(torch.bfloat16), N=65), {})                     # another size: analyzed again
-    assert ttir_cache.STATS["misses"] - before["misses"] == 3
+    ours, users = _kernel("opsmath.kernels.example"), _kernel("user_model.kernels")
+    counts = lambda: dict(ttir_cache.STATS)  # noqa: E731
+    out = dict(start=counts())
+    first = analysis(ours, _args(torch.bfloat16), {})
+    again = analysis(ours, _args(torch.bfloat16), {})
+    out.update(first=_writes(first), again=_writes(again), fresh=_writes(analysis.__wrapped__(ours, _args(
+        torch.bfloat16), {})), copied=again is not first and again.read_writes is not first.read_writes,
+        after_two=counts())
+    analysis(ours, _args(torch.float32), {})                 # another dtype: analyzed again
+    analysis(ours, dict(_args(torch.bfloat16), N=65), {})    # another size: analyzed again
+    out["after_four"] = counts()
+    out["users"] = [_writes(analysis(users, _args(torch.bfloat16), {})) for _ in range(2)]
+    out["after_users"] = counts()
+    return out
+
+
+@pytest.fixture(scope="module")
+def probe():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not hasattr(wrap, "identify_accessed_tensors"), reason="torch names the analysis otherwise")
-def test_a_users_kernel_keeps_torchs_uncached_analysis(sm90_target):
-    ttir_cache.install()
-    kernel = _kernel("user_model.kernels")
-    before = dict(ttir_cache.STATS)
-    for _ in range(2):
-        assert _writes(wrap.identify_accessed_tensors(kernel, _args(torch.bfloat16), {})) == ["Y"]
-    assert ttir_cache.STATS == before
+def test_an_opsmath_kernel_is_analyzed_once_per_launch_signature_and_answers_as_the_analysis(probe):
+    assert probe["first"] == probe["again"] == probe["fresh"] == ["Y"]
+    assert probe["after_two"] == dict(misses=probe["start"]["misses"] + 1, hits=probe["start"]["hits"] + 1)
+    assert probe["copied"]                                      # a copy: callers may edit what they get
+    assert probe["after_four"]["misses"] == probe["start"]["misses"] + 3
+
+
+@pytest.mark.skipif(not hasattr(wrap, "identify_accessed_tensors"), reason="torch names the analysis otherwise")
+def test_a_users_kernel_keeps_torchs_uncached_analysis(probe):
+    assert probe["users"] == [["Y"], ["Y"]]
+    assert probe["after_users"] == probe["after_four"]
 
 
 def test_an_argument_of_unknown_kind_is_not_keyed():
@@ -113,3 +137,7 @@ def test_on_the_gpu_a_repeated_layers_launches_are_analyzed_once_and_nothing_is_
     assert sum(m.pattern == "attention" for m in opsmath.report(opt).matches) == 2
     assert ttir_cache.STATS["hits"] > before["hits"], ttir_cache.STATS
     assert "assuming every input is mutated" not in caplog.text
+
+
+if __name__ == "__main__":
+    print(json.dumps(_with_sm90_target(_probe)))
