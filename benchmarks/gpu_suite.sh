@@ -3,7 +3,8 @@
 # repository root; everything lands in $OUT.
 #   STEPS="gpu_smoke hf_sdpa lengths attention lce ce dan act train gap recompute memory memory_llama long
 #          curve tune llama cuda_graphs fp8_curve fp8_speed window bloom alibi memory_llama_fractions
-#          window_model plan_estimate fp8_rowwise budget_windows bloom_rewrites grouped gather first_step"   (default: DEFAULT_STEPS)
+#          window_model plan_estimate fp8_rowwise budget_windows bloom_rewrites grouped gather first_step
+#          fleet fleet_bf16"   (default: DEFAULT_STEPS)
 # Each step's timeout and arguments can be set by the variables it reads (TRAIN_TIMEOUT, MEMORY_ARGS, ...).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
@@ -85,3 +86,9 @@ step gather ${GATHER_TIMEOUT:-560} bash -c "$B grouped_gemm --rounds 5 --iters 1
 # where a cold first step goes (fresh processes, empty caches), stage by stage, torch.compile beside opsmath
 # (about 30 and 55 s a model on an H100; --profile adds cProfile runs at about twice that)
 step first_step ${FIRST_STEP_TIMEOUT:-560} $B first_step ${FIRST_STEP_ARGS:---models mistral,gpt2}
+# fleet rows beside torch.compile, in the recipe users run first and in bf16 weights (models by FLEET_MODELS and
+# FLEET_BF16_MODELS; each row's first steps run on the caches the steps before left)
+step fleet ${FLEET_TIMEOUT:-540} $B fleet --recipes amp --models ${FLEET_MODELS:-gpt2,t5} --rounds ${FLEET_ROUNDS:-3} \
+    --deadline-s $(( ${FLEET_TIMEOUT:-540} / 2 )) --tag=${FLEET_TAG:-}
+step fleet_bf16 ${FLEET_BF16_TIMEOUT:-540} $B fleet --recipes bf16 --models ${FLEET_BF16_MODELS:-mistral,llama} \
+    --rounds ${FLEET_ROUNDS:-3} --deadline-s $(( ${FLEET_BF16_TIMEOUT:-540} / 2 )) --tag=${FLEET_TAG:-}
