@@ -106,7 +106,7 @@ def test_an_argument_of_unknown_kind_is_not_keyed():
         t = torch.empty(3)
     kernel = _kernel("opsmath.kernels.example")
     assert ttir_cache.key(kernel, dict(n=4, X=t), {}) == \
-        (id(kernel), (("X", ("T", torch.float32)), ("n", ("int", 4))), "[]")
+        (id(kernel), (("X", ("T", torch.float32, "FakeTensor")), ("n", ("int", 4))), "[]")
 
 
 class _TwoLayers(torch.nn.Module):

@@ -7,9 +7,10 @@ attention's kernels on a server core) and walks it; nothing is cached, so a mode
 pays 2 x 3 x L of them in its first step (forward, dQ and dK/dV kernels).
 
 The analysis is a pure function of the kernel, the dtypes of its tensor arguments (``generate_ttir``
-replaces every tensor by a 2-element one of the same dtype), the values of its other arguments (symbolic
-sizes all become 2) and the TMA metadata. That tuple is the key here, so a cached answer is the answer the
-analysis would give. Only kernels defined in opsmath are cached: a user's kernels keep torch's path. Each
+replaces every fake tensor and ``TensorBox`` by a 2-element tensor of the same dtype), the values of its
+other arguments (symbolic sizes all become 2) and the TMA metadata. That tuple, each tensor argument's
+type beside its dtype (an IR node of another kind reaches the analysis as it is; a launch with a real
+tensor is not cached), is the key here, so a cached answer is the answer the analysis would give. Only kernels defined in opsmath are cached: a user's kernels keep torch's path. Each
 call returns a deep copy, as a fresh analysis would."""
 from __future__ import annotations
 
@@ -42,15 +43,18 @@ def _ours(kernel) -> bool:
 def _value_key(v):
     """What the TTIR analysis sees of one argument, hashable; ``None`` where unknown (no caching)."""
     import sympy
-    if isinstance(v, torch.Tensor):
-        return ("T", v.dtype)
+    from torch._subclasses.fake_tensor import FakeTensor
+    if isinstance(v, FakeTensor):
+        return ("T", v.dtype, "FakeTensor")
+    if isinstance(v, torch.Tensor):   # a real tensor reaches Triton as it is (its alignment specializes)
+        return None
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
         return ("S",)
     if v is None or isinstance(v, (bool, int, float, str, torch.dtype)):
         return (type(v).__name__, v)
-    get_dtype = getattr(v, "get_dtype", None)    # Inductor's TensorBox
+    get_dtype = getattr(v, "get_dtype", None)    # Inductor's TensorBox (and any other IR node)
     if callable(get_dtype):
-        return ("T", get_dtype())
+        return ("T", get_dtype(), type(v).__name__)
     return None
 
 
