@@ -10,8 +10,9 @@ The analysis is a pure function of the kernel, the dtypes of its tensor argument
 replaces every fake tensor and ``TensorBox`` by a 2-element tensor of the same dtype), the values of its
 other arguments (symbolic sizes all become 2) and the TMA metadata. That tuple, each tensor argument's
 type beside its dtype (an IR node of another kind reaches the analysis as it is; a launch with a real
-tensor is not cached), is the key here, so a cached answer is the answer the analysis would give. Only kernels defined in opsmath are cached: a user's kernels keep torch's path. Each
-call returns a deep copy, as a fresh analysis would."""
+tensor is not cached), is the key here, so a cached answer is the answer the analysis would give. Only
+kernels defined in opsmath are cached: a user's kernels keep torch's path. Each call returns a deep copy,
+as a fresh analysis would."""
 from __future__ import annotations
 
 import copy
