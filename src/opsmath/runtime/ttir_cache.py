@@ -83,15 +83,14 @@ def _cached(fn):
         if k is None:
             return fn(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
         with _LOCK:
-            hit = k in cache
-        if not hit:
-            result = fn(kernel, kwargs, tma_descriptor_metadata)
-            with _LOCK:
-                cache[k] = result
-                STATS["misses"] += 1
-        else:
-            STATS["hits"] += 1
-        return copy.deepcopy(cache[k])
+            known = cache.get(k)
+            STATS["hits" if known is not None else "misses"] += 1
+        if known is None:
+            known = cache.setdefault(k, fn(kernel, kwargs, tma_descriptor_metadata))
+        try:
+            return copy.deepcopy(known)
+        except Exception:  # noqa: BLE001  (an answer that cannot be copied: analyzed afresh)
+            return fn(kernel, kwargs, tma_descriptor_metadata)
     analysis.cache = cache
     return analysis
 
