@@ -42,6 +42,7 @@ TIMED = {
     "Inductor graph": ("torch._inductor.compile_fx", "_compile_fx_inner"),
     "user Triton kernels' TTIR analysis": ("torch._higher_order_ops.triton_kernel_wrap", "identify_accessed_tensors"),
 }
+ALIASES = {"identify_accessed_tensors": ("identify_mutated_tensors",)}   # torch's older name (2.11)
 SECONDS: dict = {}
 
 
@@ -67,7 +68,9 @@ def _timed(stage: str, fn):
 def install_timers() -> None:
     for stage, (module, name) in TIMED.items():
         mod = importlib.import_module(module)
-        setattr(mod, name, _timed(stage, getattr(mod, name)))
+        name = next((n for n in (name, *ALIASES.get(name, ())) if hasattr(mod, n)), None)
+        if name is not None:
+            setattr(mod, name, _timed(stage, getattr(mod, name)))
 
 
 def child(model: str, recipe: str, variant: str, profile: bool) -> dict:

@@ -59,8 +59,27 @@ def _value_key(v):
     return None
 
 
+def _kernel_key(kernel) -> tuple | None:
+    """The kernel as the analysis reads it. ``wrap_triton(...)[grid](..., num_warps=w, num_stages=s)`` wraps
+    the ``JITFunction`` in a new one-config ``Autotuner`` at every launch: the analysis takes its first
+    config's keyword arguments and its ``fn`` (launch options such as ``num_warps`` do not reach TTIR)."""
+    from triton.runtime.jit import JITFunction
+    config = ()
+    if not isinstance(kernel, JITFunction):
+        configs = getattr(kernel, "configs", None)
+        if configs:
+            config = tuple((n, _value_key(v)) for n, v in sorted(configs[0].kwargs.items()))
+            if any(v is None for _, v in config):
+                return None
+        kernel = getattr(kernel, "fn", None)
+    return (id(kernel), config) if isinstance(kernel, JITFunction) else None
+
+
 def key(kernel, kwargs: dict, tma) -> tuple | None:
     """The analysis's inputs as a hashable key, or ``None`` where an argument is of an unknown kind."""
+    kernel_key = _kernel_key(kernel)
+    if kernel_key is None:
+        return None
     items = []
     for name in sorted(kwargs):
         k = _value_key(kwargs[name])
@@ -71,7 +90,7 @@ def key(kernel, kwargs: dict, tma) -> tuple | None:
         tma_key = repr(sorted((tma or {}).items()))
     except TypeError:
         return None
-    return (id(kernel), tuple(items), tma_key)   # opsmath's kernels are module globals: ids stay
+    return (kernel_key, tuple(items), tma_key)   # opsmath's kernels are module globals: ids stay
 
 
 def _cached(fn):
