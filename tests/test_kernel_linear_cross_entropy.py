@@ -58,7 +58,7 @@ def test_matches_eager(case, dtype, path, softcap, request, monkeypatch):
     *_, smoothing, reduction, chunk = case
     x, w, b, t = make(case, dtype, DEVICE)
     if chunk:  # force several chunks through the op, and dW accumulated in three row blocks
-        monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.chunk_rows", lambda V, N: chunk)
+        monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.chunk_rows", lambda V, N, *_: chunk)
         monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.DW_BLOCK_MIN_ROWS", 1)
         monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.DW_BLOCK_BYTES", 4 * x.shape[1] * -(-w.shape[0] // 3))
     fused = grads_of(lambda x, w, b: linear_cross_entropy(x, w, b, t, -100, smoothing, reduction, softcap),
@@ -102,16 +102,26 @@ def test_opcheck(return_logits, softcap):
     torch.library.opcheck(linear_cross_entropy_op, (x, w, b, t, -100, 0.0, "mean", True, return_logits, softcap))
 
 
-def test_returned_logits_and_their_own_gradient():
-    """With ``return_logits`` the op also returns the logits; a loss on them (here a z-loss) adds its
-    gradient through x and W exactly as eager autograd does."""
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("softcap", [0.0, 1.5])
+def test_returned_logits_and_their_own_gradient(path, softcap, request, monkeypatch):
+    """With ``return_logits`` the op also returns the logits (each chunk's GEMM writes into them, G goes to
+    a buffer of its own; three chunks here); a loss on them (here a z-loss) adds its gradient through x and
+    W exactly as eager autograd does."""
+    if path == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    elif DEVICE == "cuda":
+        pytest.skip("CUDA tensors always take the Triton path")
     x, w, b, t = make(CASES[1], torch.float32, DEVICE)
+    monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.chunk_rows", lambda V, N, *_: -(-N // 3))
     xs = [a.clone().requires_grad_() for a in (x, w, b)]
-    loss, _, _, _, logits = linear_cross_entropy_op(*xs, t, -100, 0.0, "mean", True, True)
+    loss, _, _, _, logits = linear_cross_entropy_op(*xs, t, -100, 0.0, "mean", True, True, softcap)
     (loss + 1e-2 * torch.logsumexp(logits, -1).pow(2).mean()).backward()
     xr = [a.clone().requires_grad_() for a in (x, w, b)]
     z = F.linear(*xr)
+    z = softcap * torch.tanh(z / softcap) if softcap else z
     (F.cross_entropy(z, t) + 1e-2 * torch.logsumexp(z, -1).pow(2).mean()).backward()
+    torch.testing.assert_close(loss, F.cross_entropy(z, t).detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, z.detach(), rtol=1e-5, atol=1e-5)
     for a, r in zip(xs, xr):
         torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)

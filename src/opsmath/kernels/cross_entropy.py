@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from opsmath.kernels.linear_cross_entropy import grad_scale, reduce, rows
+from opsmath.kernels.ce_rows import grad_scale, reduce, rows
 from opsmath.kernels._common import first_order_only
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
 
