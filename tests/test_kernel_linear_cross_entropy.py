@@ -127,6 +127,22 @@ def test_returned_logits_and_their_own_gradient(path, softcap, request, monkeypa
         torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("used", ["loss", "logits"])
+def test_returned_logits_with_one_of_the_two_gradients(used, monkeypatch):
+    """Gradients computed in backward from the returned logits (``grads_in_backward``) where only the loss
+    (the returned logits unread, as a training loop leaves HF's) or only the logits carry a gradient."""
+    x, w, b, t = make(CASES[2], torch.float32, DEVICE)
+    monkeypatch.setattr("opsmath.kernels.linear_cross_entropy.chunk_rows", lambda V, N, *_: 64)
+    xs = [a.clone().requires_grad_() for a in (x, w, b)]
+    loss, *_, logits = linear_cross_entropy_op(*xs, t, -100, 0.1, "sum", True, True)
+    (loss if used == "loss" else logits.pow(2).mean()).backward()
+    xr = [a.clone().requires_grad_() for a in (x, w, b)]
+    z = F.linear(*xr)
+    (F.cross_entropy(z, t, label_smoothing=0.1, reduction="sum") if used == "loss" else z.pow(2).mean()).backward()
+    for a, r in zip(xs, xr):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_dw_blocks_cover_the_vocabulary_once():
     from opsmath.kernels.linear_cross_entropy import _dw_blocks
     for V, C in [(1, 8), (4095, 768), (50304, 768), (128256, 4096), (0, 16)]:

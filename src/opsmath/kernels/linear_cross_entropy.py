@@ -20,8 +20,8 @@ sum, then the gradient) and overwrites them with ``G`` in place, so the gradient
 logits-sized buffer; two more GEMMs add the chunk's share of dx and dW (dW accumulated in fp32, in place,
 in row blocks that are rounded and freed one by one at the end: see ``_dw_blocks``). One chunk buffer
 is reused for every chunk's logits. Where the model also returns the logits, each chunk's GEMM writes into
-them and G goes to a buffer of ``RETURNED_CHUNK_BYTES`` (64 MiB) of rows: the per-row pass is
-``ce_rows.rows``.
+them, and G goes to a buffer of ``RETURNED_CHUNK_BYTES`` (64 MiB) of rows, in backward unless a softcap
+hides the uncapped logits (``grads_in_backward``). The per-row pass is ``ce_rows.rows``.
 Because the loss is a scalar at the end of the graph, the gradients are computed in the forward (as
 Liger-Kernel does) and backward only scales them by the incoming gradient: no logits are recomputed.
 With ``compute_grad=False`` (eval graphs) only the loss is computed.
@@ -147,21 +147,65 @@ def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: 
         if return_logits and softcap:
             z.copy_(capped(z, softcap))
         if compute_grad:                                                      # g holds G
-            torch.mm(g, w, out=dx[s:s + chunk])
-            for (v0, v1), acc in zip(blocks, dws):
-                _accumulate(acc, g[:, v0:v1].t(), xc)
-            if b is not None:
-                db += g.sum(0, dtype=torch.float32)
+            _add_chunk(g, w, xc, dx[s:s + chunk], blocks, dws, db if b is not None else None)
     z = g = zbuf = None
-    if compute_grad:   # round block by block, freeing each fp32 block as soon as it is rounded
-        parts = []
-        while dws:
-            parts.append(dws.pop(0).to(w.dtype))
-        dw = torch.cat(parts) if len(parts) > 1 else parts[0]
-        parts = None
-    else:
-        dw = w.new_empty(0)
+    dw = _rounded(dws, w.dtype) if compute_grad else w.new_empty(0)
     return (reduce(losses, valid, reduction), dx, dw, db.to(b.dtype) if db.numel() else db, logits)
+
+
+def _add_chunk(g, w, xc, dx, blocks, dws, db) -> None:
+    """A chunk's G (rows, V) into dx (its rows), the fp32 dW blocks and db (fp32, or None)."""
+    torch.mm(g, w, out=dx)
+    for (v0, v1), acc in zip(blocks, dws):
+        _accumulate(acc, g[:, v0:v1].t(), xc)
+    if db is not None:
+        db += g.sum(0, dtype=torch.float32)
+
+
+def _rounded(dws: list, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 dW blocks as one dW in ``dtype``, each block freed as soon as it is rounded (``dws`` is
+    emptied)."""
+    parts = []
+    while dws:
+        parts.append(dws.pop(0).to(dtype))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def grads_in_backward(compute_grad: bool, return_logits: bool, softcap: float) -> bool:
+    """Where the model also returns the logits (no softcap), the gradients are computed in backward from
+    them (``backward_from_logits``): the returned logits' own gradient (zeros, where the model's caller
+    never reads them) joins G before the two GEMMs, so the step runs three GEMMs as an unfused graph
+    does, not five, and holds no dX or fp32 dW from forward to backward. Under a softcap the returned
+    logits are capped and G needs the uncapped ones: the gradients stay in the forward."""
+    return compute_grad and return_logits and not softcap
+
+
+def backward_from_logits(x, w, logits, target, dloss, dlogits, ignore_index: int, smoothing: float,
+                         reduction: str, has_bias: bool, chunk: Optional[int] = None):
+    """(dx, dW, db) of ``dloss * loss + <dlogits, logits>``: per chunk of rows, G = dloss * G_ce (the
+    module doc's G, recomputed from the returned logits, log-sum-exp included) + dlogits, then dx = G W,
+    dW = G^T x (fp32 blocks, rounded to W's dtype), db = sum_n G_n. Either gradient may be None."""
+    N, C = x.shape
+    V = w.shape[0]
+    chunk = chunk or chunk_rows(V, N, True)
+    _, scale = grad_scale(target, ignore_index, reduction)
+    scale = scale * dloss.float().reshape(1) if dloss is not None else scale
+    dx = torch.empty_like(x)
+    blocks = _dw_blocks(V, C)
+    dws = [torch.zeros(v1 - v0, C, device=x.device, dtype=torch.float32) for v0, v1 in blocks]
+    db = torch.zeros(V, device=x.device, dtype=torch.float32) if has_bias else None
+    gbuf = x.new_empty(min(chunk, N), V)
+    for s in range(0, N, chunk):
+        g = gbuf[:min(chunk, N - s)]
+        if dloss is not None:
+            rows(logits[s:s + chunk], target[s:s + chunk], ignore_index, smoothing, scale, True, out=g)
+            if dlogits is not None:
+                g += dlogits[s:s + chunk]
+        else:
+            g.copy_(dlogits[s:s + chunk])
+        _add_chunk(g, w, x[s:s + chunk], dx[s:s + chunk], blocks, dws, db)
+    gbuf = g = None
+    return dx, _rounded(dws, w.dtype), db
 
 
 @torch.library.custom_op("opsmath::linear_cross_entropy", mutates_args=())
@@ -173,7 +217,8 @@ def linear_cross_entropy_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.
         raise ValueError(f"opsmath::linear_cross_entropy takes reduction 'mean' or 'sum', got {reduction!r}")
     if softcap < 0:
         raise ValueError(f"opsmath::linear_cross_entropy takes a softcap >= 0 (0: none), got {softcap}")
-    return linear_cross_entropy_forward(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad,
+    in_forward = compute_grad and not grads_in_backward(compute_grad, return_logits, softcap)
+    return linear_cross_entropy_forward(x, w, b, target, ignore_index, label_smoothing, reduction, in_forward,
                                         return_logits, softcap)
 
 
@@ -181,7 +226,7 @@ def linear_cross_entropy_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.
 def _(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad, return_logits=False, softcap=0.0):
     loss = x.new_empty((), dtype=torch.float32)
     logits = x.new_empty(x.shape[0], w.shape[0]) if return_logits else x.new_empty(0)
-    if not compute_grad:
+    if not compute_grad or grads_in_backward(compute_grad, return_logits, softcap):
         return loss, x.new_empty(0), w.new_empty(0), w.new_empty(0), logits
     db = b.new_empty(b.shape) if b is not None else w.new_empty(0)
     return loss, torch.empty_like(x), torch.empty_like(w), db, logits
@@ -195,9 +240,15 @@ def _setup_context(ctx, inputs, output):
     # the returned logits can carry a gradient of their own (a z-loss, a distillation term): then
     # dx += G_l W and dW += G_l^T x, so x and W are kept too (and the capped logits, for tanh's derivative)
     kept = ((x, w, logits) if ctx.softcap else (x, w)) if ctx.return_logits else ()
-    ctx.save_for_backward(dx, dw, db, *kept)
     ctx.has_bias = inputs[2] is not None
     ctx.compute_grad = inputs[7]
+    ctx.deferred = grads_in_backward(ctx.compute_grad, ctx.return_logits, ctx.softcap)
+    if ctx.deferred:   # backward_from_logits
+        ctx.save_for_backward(x, w, logits, inputs[3])
+        ctx.loss_args = inputs[4:7]   # ignore_index, label_smoothing, reduction
+        ctx.bias_dtype = inputs[2].dtype if ctx.has_bias else None
+    else:
+        ctx.save_for_backward(dx, dw, db, *kept)
     ctx.set_materialize_grads(False)
 
 
@@ -206,6 +257,12 @@ def _backward(ctx, dloss, _ddx, _ddw, _ddb, dlogits):
     if not ctx.compute_grad:
         raise RuntimeError("opsmath::linear_cross_entropy was called with compute_grad=False; "
                            "it has no gradient to give")
+    if ctx.deferred:
+        x, w, logits, target = ctx.saved_tensors
+        if dloss is None and dlogits is None:
+            return (None,) * 10
+        gx, gw, gb = backward_from_logits(x, w, logits, target, dloss, dlogits, *ctx.loss_args, ctx.has_bias)
+        return gx, gw, gb.to(ctx.bias_dtype) if gb is not None else None, None, None, None, None, None, None, None
     dx, dw, db, *xw = ctx.saved_tensors
     g = dloss.to(torch.float32) if dloss is not None else torch.zeros((), device=dx.device)
     gx, gw = (dx * g).to(dx.dtype), (dw * g).to(dw.dtype)
@@ -251,9 +308,10 @@ def _workspace(x, w, b, target, ignore_index, smoothing, reduction, compute_grad
     after the chunks; an fp32 weight's blocks are the returned dW)."""
     N, C = x.shape
     V = w.shape[0]
-    chunk = min(chunk_rows(V, N, return_logits), N) * V * x.element_size() if compute_grad or not return_logits \
+    in_forward = compute_grad and not grads_in_backward(compute_grad, return_logits, softcap)
+    chunk = min(chunk_rows(V, N, return_logits), N) * V * x.element_size() if in_forward or not return_logits \
         else 0
-    return chunk + (V * C * (4 - w.element_size()) if compute_grad and w.dtype != torch.float32 else 0)
+    return chunk + (V * C * (4 - w.element_size()) if in_forward and w.dtype != torch.float32 else 0)
 
 
 def _exercise(dtype: torch.dtype) -> None:
@@ -272,4 +330,5 @@ def _exercise(dtype: torch.dtype) -> None:
 SPEC = register(OpSpec("linear_cross_entropy", ops=(torch.ops.opsmath.linear_cross_entropy.default,),
                        flops=_flops, inductor_fuses_better=True, kept_under_budget=True, exercise=_exercise,
                        workspace=_workspace,
-                       saves="dX and dW computed in forward; the logits are never kept"))
+                       saves="dX and dW computed in forward, the logits never kept; where the model returns "
+                             "the logits, they are kept and the gradients computed from them in backward"))
