@@ -178,7 +178,7 @@ def test_cuda_graphs_option_reaches_inductor(monkeypatch):
     ref, batch = copy.deepcopy(model), (torch.randn(4, 16),)
     model = opsmath.optimize(_Loss(model), inductor=True, cuda_graphs=True)
     step_equals_eager(model, _Loss(ref), batch)
-    assert patches[0] == {"triton.cudagraphs": True}   # (compile_fx then calls itself inside the patch)
+    assert patches[0].get("triton.cudagraphs") is True   # (compile_fx then calls itself inside the patch)
     assert "for CUDA-graph replay" in opsmath.report(model).render(width=200)
     with pytest.raises(ValueError, match="cuda_graphs"):
         opsmath.optimize(torch.nn.Linear(2, 2), inductor=False, cuda_graphs=True)

@@ -30,7 +30,7 @@ from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite import price
 from opsmath.rewrite.match import Decline, Match, run_patterns
-from opsmath.runtime import blocks, ladder, offload_async, ttir_cache
+from opsmath.runtime import blocks, cache_key, ladder, offload_async, ttir_cache
 from opsmath.memory import offload, weight_casts
 from opsmath.memory.budget import InfeasibleBudget
 from opsmath.runtime.budgets import plan_graph, reserve_floors, step_in_backward
@@ -57,7 +57,7 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
     static_inputs(gm)
     offloading = offload_async.offloading(gm, example_inputs)
     passes = [p for p in (weight_casts.joint_pass(gm, example_inputs),) if p]
-    patches = {"triton.cudagraphs": True} if cuda_graphs else {}
+    patches = dict(cache_key.patches(), **({"triton.cudagraphs": True} if cuda_graphs else {}))
     if _cpu_gather_with_grad(gm, example_inputs):
         patches["cpp.simdlen"] = 0
     if passes:   # after any joint-graph pass already configured
