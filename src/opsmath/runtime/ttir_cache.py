@@ -63,9 +63,10 @@ def _kernel_key(kernel) -> tuple | None:
     """The kernel as the analysis reads it. ``wrap_triton(...)[grid](..., num_warps=w, num_stages=s)`` wraps
     the ``JITFunction`` in a new one-config ``Autotuner`` at every launch: the analysis takes its first
     config's keyword arguments and its ``fn`` (launch options such as ``num_warps`` do not reach TTIR)."""
+    from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
     config = ()
-    if not isinstance(kernel, JITFunction):
+    if isinstance(kernel, Autotuner):   # (any other wrapper is not keyed: the analysis reads only these two)
         configs = getattr(kernel, "configs", None)
         if configs:
             config = tuple((n, _value_key(v)) for n, v in sorted(configs[0].kwargs.items()))
