@@ -27,18 +27,19 @@ _LOCK = threading.Lock()
 _installed = False
 
 
-def _python_fn(kernel):
-    """The Python function behind ``kernel`` (a ``JITFunction``, or an ``Autotuner`` holding one)."""
+def _jit_function(kernel):
+    """The ``JITFunction`` the analysis reads: ``kernel`` itself, or the one an ``Autotuner`` holds; ``None``
+    for any other wrapper (the analysis takes only these two)."""
+    from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
-    for _ in range(4):
-        if isinstance(kernel, JITFunction):
-            return kernel.fn
+    if isinstance(kernel, Autotuner):
         kernel = getattr(kernel, "fn", None)
-    return None
+    return kernel if isinstance(kernel, JITFunction) else None
 
 
 def _ours(kernel) -> bool:
-    return getattr(_python_fn(kernel), "__module__", "").startswith("opsmath.")
+    jit = _jit_function(kernel)
+    return jit is not None and getattr(jit.fn, "__module__", "").startswith("opsmath.")
 
 
 def _value_key(v):
@@ -63,17 +64,12 @@ def _kernel_key(kernel) -> tuple | None:
     """The kernel as the analysis reads it. ``wrap_triton(...)[grid](..., num_warps=w, num_stages=s)`` wraps
     the ``JITFunction`` in a new one-config ``Autotuner`` at every launch: the analysis takes its first
     config's keyword arguments and its ``fn`` (launch options such as ``num_warps`` do not reach TTIR)."""
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import JITFunction
-    config = ()
-    if isinstance(kernel, Autotuner):   # (any other wrapper is not keyed: the analysis reads only these two)
-        configs = getattr(kernel, "configs", None)
-        if configs:
-            config = tuple((n, _value_key(v)) for n, v in sorted(configs[0].kwargs.items()))
-            if any(v is None for _, v in config):
-                return None
-        kernel = getattr(kernel, "fn", None)
-    return (id(kernel), config) if isinstance(kernel, JITFunction) else None
+    jit = _jit_function(kernel)
+    if jit is None:
+        return None
+    configs = getattr(kernel, "configs", None) if kernel is not jit else None
+    config = tuple((n, _value_key(v)) for n, v in sorted(configs[0].kwargs.items())) if configs else ()
+    return None if any(v is None for _, v in config) else (id(jit), config)
 
 
 def key(kernel, kwargs: dict, tma) -> tuple | None:
