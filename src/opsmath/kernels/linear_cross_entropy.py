@@ -122,15 +122,12 @@ def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: 
     ``compute_grad``, ``logits`` (N, V) in the compute dtype only with ``return_logits`` (when the model
     also returns them: the fp32 copy, log-softmax and gradient still never exist whole; softcapped where
     ``softcap`` is given)."""
-    N, C = x.shape
+    N = x.shape[0]
     V = w.shape[0]
     chunk = chunk or chunk_rows(V, N, return_logits)
     valid, scale = grad_scale(target, ignore_index, reduction)
     losses = torch.empty(N, device=x.device, dtype=torch.float32)
-    dx = torch.empty_like(x) if compute_grad else x.new_empty(0)
-    blocks = _dw_blocks(V, C) if compute_grad else []
-    dws = [torch.zeros(v1 - v0, C, device=x.device, dtype=torch.float32) for v0, v1 in blocks]
-    db = torch.zeros(V, device=x.device, dtype=torch.float32) if compute_grad and b is not None else w.new_empty(0)
+    dx, blocks, dws, db = _accumulators(x, V, b is not None) if compute_grad else (x.new_empty(0), [], [], None)
     logits = x.new_empty(N, V) if return_logits else x.new_empty(0)
     # one chunk's buffer, reused: the logits chunk, overwritten by G; beside returned logits, G's alone
     zbuf = x.new_empty(min(chunk, N) if compute_grad or not return_logits else 0, V)
@@ -147,10 +144,19 @@ def linear_cross_entropy_forward(x, w, b, target, ignore_index: int, smoothing: 
         if return_logits and softcap:
             z.copy_(capped(z, softcap))
         if compute_grad:                                                      # g holds G
-            _add_chunk(g, w, xc, dx[s:s + chunk], blocks, dws, db if b is not None else None)
+            _add_chunk(g, w, xc, dx[s:s + chunk], blocks, dws, db)
     z = g = zbuf = None
     dw = _rounded(dws, w.dtype) if compute_grad else w.new_empty(0)
-    return (reduce(losses, valid, reduction), dx, dw, db.to(b.dtype) if db.numel() else db, logits)
+    return (reduce(losses, valid, reduction), dx, dw, db.to(b.dtype) if db is not None else w.new_empty(0), logits)
+
+
+def _accumulators(x, V: int, with_bias: bool):
+    """(dx, dW's row blocks, their fp32 accumulators, fp32 db or None) for x (N, C) and V classes."""
+    C = x.shape[1]
+    blocks = _dw_blocks(V, C)
+    dws = [torch.zeros(v1 - v0, C, device=x.device, dtype=torch.float32) for v0, v1 in blocks]
+    db = torch.zeros(V, device=x.device, dtype=torch.float32) if with_bias else None
+    return torch.empty_like(x), blocks, dws, db
 
 
 def _add_chunk(g, w, xc, dx, blocks, dws, db) -> None:
@@ -180,20 +186,22 @@ def grads_in_backward(compute_grad: bool, return_logits: bool, softcap: float) -
     return compute_grad and return_logits and not softcap
 
 
+def grads_in_forward(compute_grad: bool, return_logits: bool, softcap: float) -> bool:
+    """Whether the forward computes dX, dW and db (the op's usual path; ``grads_in_backward``'s complement)."""
+    return compute_grad and not grads_in_backward(compute_grad, return_logits, softcap)
+
+
 def backward_from_logits(x, w, logits, target, dloss, dlogits, ignore_index: int, smoothing: float,
                          reduction: str, has_bias: bool, chunk: Optional[int] = None):
     """(dx, dW, db) of ``dloss * loss + <dlogits, logits>``: per chunk of rows, G = dloss * G_ce (the
     module doc's G, recomputed from the returned logits, log-sum-exp included) + dlogits, then dx = G W,
     dW = G^T x (fp32 blocks, rounded to W's dtype), db = sum_n G_n. Either gradient may be None."""
-    N, C = x.shape
+    N = x.shape[0]
     V = w.shape[0]
     chunk = chunk or chunk_rows(V, N, True)
     _, scale = grad_scale(target, ignore_index, reduction)
     scale = scale * dloss.float().reshape(1) if dloss is not None else scale
-    dx = torch.empty_like(x)
-    blocks = _dw_blocks(V, C)
-    dws = [torch.zeros(v1 - v0, C, device=x.device, dtype=torch.float32) for v0, v1 in blocks]
-    db = torch.zeros(V, device=x.device, dtype=torch.float32) if has_bias else None
+    dx, blocks, dws, db = _accumulators(x, V, has_bias)
     gbuf = x.new_empty(min(chunk, N), V)
     for s in range(0, N, chunk):
         g = gbuf[:min(chunk, N - s)]
@@ -217,16 +225,15 @@ def linear_cross_entropy_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.
         raise ValueError(f"opsmath::linear_cross_entropy takes reduction 'mean' or 'sum', got {reduction!r}")
     if softcap < 0:
         raise ValueError(f"opsmath::linear_cross_entropy takes a softcap >= 0 (0: none), got {softcap}")
-    in_forward = compute_grad and not grads_in_backward(compute_grad, return_logits, softcap)
-    return linear_cross_entropy_forward(x, w, b, target, ignore_index, label_smoothing, reduction, in_forward,
-                                        return_logits, softcap)
+    return linear_cross_entropy_forward(x, w, b, target, ignore_index, label_smoothing, reduction,
+                                        grads_in_forward(compute_grad, return_logits, softcap), return_logits, softcap)
 
 
 @linear_cross_entropy_op.register_fake
 def _(x, w, b, target, ignore_index, label_smoothing, reduction, compute_grad, return_logits=False, softcap=0.0):
     loss = x.new_empty((), dtype=torch.float32)
     logits = x.new_empty(x.shape[0], w.shape[0]) if return_logits else x.new_empty(0)
-    if not compute_grad or grads_in_backward(compute_grad, return_logits, softcap):
+    if not grads_in_forward(compute_grad, return_logits, softcap):
         return loss, x.new_empty(0), w.new_empty(0), w.new_empty(0), logits
     db = b.new_empty(b.shape) if b is not None else w.new_empty(0)
     return loss, torch.empty_like(x), torch.empty_like(w), db, logits
@@ -237,9 +244,6 @@ def _setup_context(ctx, inputs, output):
     _, dx, dw, db, logits = output
     ctx.return_logits = inputs[8] if len(inputs) > 8 else False
     ctx.softcap = inputs[9] if len(inputs) > 9 else 0.0
-    # the returned logits can carry a gradient of their own (a z-loss, a distillation term): then
-    # dx += G_l W and dW += G_l^T x, so x and W are kept too (and the capped logits, for tanh's derivative)
-    kept = ((x, w, logits) if ctx.softcap else (x, w)) if ctx.return_logits else ()
     ctx.has_bias = inputs[2] is not None
     ctx.compute_grad = inputs[7]
     ctx.deferred = grads_in_backward(ctx.compute_grad, ctx.return_logits, ctx.softcap)
@@ -247,7 +251,9 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(x, w, logits, inputs[3])
         ctx.loss_args = inputs[4:7]   # ignore_index, label_smoothing, reduction
         ctx.bias_dtype = inputs[2].dtype if ctx.has_bias else None
-    else:
+    else:   # the returned logits can carry a gradient of their own (a z-loss under a softcap): then dx +=
+        # G_l W and dW += G_l^T x, so x and W are kept too (and the capped logits, for tanh's derivative)
+        kept = ((x, w, logits) if ctx.softcap else (x, w)) if ctx.return_logits else ()
         ctx.save_for_backward(dx, dw, db, *kept)
     ctx.set_materialize_grads(False)
 
@@ -308,7 +314,7 @@ def _workspace(x, w, b, target, ignore_index, smoothing, reduction, compute_grad
     after the chunks; an fp32 weight's blocks are the returned dW)."""
     N, C = x.shape
     V = w.shape[0]
-    in_forward = compute_grad and not grads_in_backward(compute_grad, return_logits, softcap)
+    in_forward = grads_in_forward(compute_grad, return_logits, softcap)
     chunk = min(chunk_rows(V, N, return_logits), N) * V * x.element_size() if in_forward or not return_logits \
         else 0
     return chunk + (V * C * (4 - w.element_size()) if in_forward and w.dtype != torch.float32 else 0)
