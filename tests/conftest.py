@@ -65,7 +65,7 @@ QUICK = {
     "test_patterns_activations", "test_unmatched", "test_user_errors", "test_dynamo_backend", "test_outer_compile",
     "test_autocast", "test_inference_in_training", "test_buffer_guards", "test_dropout_seeds", "test_op_times",
     "test_examples", "test_patterns_attention_spellings", "test_patterns_attention_declines", "test_layout",
-    "test_capture_scalars", "test_ttir_cache", "test_cache_key",
+    "test_capture_scalars", "test_ttir_cache", "test_cache_key", "test_loss_head",
 }
 
 

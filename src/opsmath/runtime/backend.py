@@ -38,6 +38,7 @@ from opsmath.memory.plan import clone_graph_module
 from opsmath.memory.replan import runner
 from opsmath.capture.regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
                                      inline_checkpoint, route_checkpoints, split_around)
+from opsmath.capture.loss_head import split_loss_head
 
 log = logging.getLogger("opsmath")
 
@@ -185,6 +186,13 @@ def make_backend(state, model: torch.nn.Module):
         if note and inductor and note not in state.notes:   # op by op, gradients arrive one by one anyway
             state.notes.append(note)
         if not regions:
+            if parts is None and inductor and state.memory_budget is None:
+                split = split_loss_head(gm, example_inputs)
+                if split is not None:
+                    parent, pieces, note = split
+                    if note not in state.notes:
+                        state.notes.append(note)
+                    return lazy(parent, pieces)
             if parts is None:
                 try:
                     return compile_graph(state, model, gm, list(example_inputs))
@@ -192,22 +200,24 @@ def make_backend(state, model: torch.nn.Module):
                     parts = step_in_backward(state, model, gm, e)
             parent, pieces = parts   # one graph per block: its gradients are final at its backward's end
             reserve_floors(state, parent, pieces, inductor, piece_rewrite(state, inductor))
-            for name in pieces:
-                setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors,
-                                                symbolic=state.memory_budget is None))
             state.notes.append(f"{len(pieces)} graphs, one per block: the optimizer steps inside backward")
-            return parent.forward
+            return lazy(parent, pieces)
         # autograd Functions (compiled by Inductor where the graph is) and tensor hooks run as dynamo
         # traced them, checkpoints as the user wrote them; the pieces between them and the checkpoints'
         # bodies (which may hold regions of their own) go through this backend at their first call
         state.eager_regions.extend(regions.values())
         parent, pieces, alone = split_around(gm, set(regions))
-        for name in pieces:   # a second size: once with symbolic sizes (a budget plans each size exactly)
-            setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors,
-                                            symbolic=state.memory_budget is None))
+        lazy(parent, pieces)   # a second size: once with symbolic sizes (a budget plans each size exactly)
         if _uses_inductor(state, example_inputs):
             compile_functions(parent, regions, alone, compile_fx, state.fallback_errors)
         route_checkpoints(parent, opsmath_backend, state.fallback_errors)
+        return parent.forward
+
+    def lazy(parent: fx.GraphModule, pieces: list[str]):
+        """``parent``'s pieces compiled through this backend at their first call; its forward."""
+        for name in pieces:
+            setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors,
+                                            symbolic=state.memory_budget is None))
         return parent.forward
     return opsmath_backend
 

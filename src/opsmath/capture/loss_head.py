@@ -1,0 +1,140 @@
+"""A loss head compiled as a graph of its own, where the graph also returns the tensor the loss reads.
+
+Hugging Face's task models return ``(loss, logits)``: the loss is computed in ``forward`` from the
+logits it also returns. Captured as one graph, AOTAutograd's backward takes one gradient input per
+differentiable output, the logits' among them. A caller that reads only ``.loss`` sends none, and
+autograd materializes it as zeros: a ``[B, T, V]`` tensor (0.38 GiB for GPT-2 at B8 T1024 in bf16)
+allocated at the start of backward, at the step's peak. ``torch.compile`` breaks its graph at HF's
+``loss_function``, so its body graph gets one real gradient for the logits instead.
+
+``loss_head`` finds that structure in dynamo's graph: an output tensor ``x`` that needs a gradient and
+that nodes of the graph read, whose descendants (the head) read no parameter, switch no autocast or
+grad mode, and compute a scalar output that needs a gradient (the loss). The graph is then split in
+two pieces, everything but the head, and the head with ``x`` as an input; the head's backward hands the
+body's backward ``x``'s gradient (autograd adds whatever the caller sends through the returned ``x``).
+Values: exactly the single graph's (the same ops on the same inputs); cost: the head and the body are
+fused apart, as under ``torch.compile``'s graph break.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from opsmath.capture.autocast import _ENTER, _EXIT
+from opsmath.capture.regions import split_by
+
+MIN_BYTES = 16 << 20     # outputs smaller than this cost less as a zero gradient than a graph boundary
+MAX_HEAD_NODES = 256     # a loss head is a few dozen nodes (upcast, shift, cross-entropy, mean)
+_SWITCHES = {_ENTER, _EXIT, torch._C._set_grad_enabled}
+log = logging.getLogger("opsmath")
+
+
+def _val(n: fx.Node):
+    return n.meta.get("example_value", n.meta.get("val"))
+
+
+def _bytes(v: torch.Tensor) -> int:
+    """``v``'s bytes at the sizes dynamo traced with (a symbolic size's hint; 0 where one has none),
+    read without adding a guard."""
+    n = v.element_size()
+    for s in v.shape:
+        hint = s.node.hint if isinstance(s, torch.SymInt) else s
+        if hint is None:
+            return 0
+        n *= int(hint)
+    return n
+
+
+def _descendants(x: fx.Node, output: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [u for u in x.users if u is not output]
+    while stack and len(seen) <= MAX_HEAD_NODES:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(u for u in n.users if u is not output)
+    return seen
+
+
+def _reads_parameter(head: set[fx.Node], params: set[fx.Node]) -> bool:
+    return any(a in params or a.op == "get_attr" for n in head for a in n.all_input_nodes)
+
+
+def _inside_mode_region(gm: fx.GraphModule, head: set[fx.Node]) -> bool:
+    """Whether a node of ``head`` runs inside an autocast region the graph entered or under a grad
+    mode the graph switched: splitting there would cut the region apart."""
+    depth, grad_switched = 0, False
+    for n in gm.graph.nodes:
+        if n.target is _ENTER:
+            depth += 1
+        elif n.target is _EXIT:
+            depth -= 1
+        elif n.target is torch._C._set_grad_enabled:
+            grad_switched = not bool(n.args[0])
+        elif n in head and (depth or grad_switched):
+            return True
+    return False
+
+
+def _loss_out(head: set[fx.Node], outputs: list[fx.Node]) -> bool:
+    for n in outputs:
+        v = _val(n)
+        if n in head and isinstance(v, torch.Tensor) and v.dim() == 0 and v.requires_grad:
+            return True
+    return False
+
+
+def loss_head(gm: fx.GraphModule, example_inputs: list) -> Optional[tuple[fx.Node, set[fx.Node]]]:
+    """The returned tensor and the loss head computed from it in dynamo's graph ``gm`` (module
+    docstring), or None where the graph has no such structure."""
+    output = gm.graph.output_node()
+    outputs = [a for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)]
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    params = {p for p, t in zip(placeholders, example_inputs) if isinstance(t, torch.nn.Parameter)}
+    for x in dict.fromkeys(outputs):
+        v = _val(x)
+        if not isinstance(v, torch.Tensor) or not v.requires_grad or x.op == "placeholder":
+            continue
+        if _bytes(v) < MIN_BYTES:
+            continue
+        head = _descendants(x, output)
+        if not head or len(head) > MAX_HEAD_NODES or _reads_parameter(head, params) \
+                or any(n.target in _SWITCHES for n in head) or not _loss_out(head, outputs) \
+                or _inside_mode_region(gm, head):
+            continue
+        return x, head
+    return None
+
+
+def head_ids(gm: fx.GraphModule, head: set[fx.Node]) -> dict[fx.Node, int]:
+    """Piece of every computing node: 1 for the head, 0 for the rest. The head's nodes are moved to the
+    graph's end first, in their order: the rest never reads the head (which holds every descendant of
+    the split tensor), and ``split_module`` needs the pieces in order where the graph enters an autocast
+    region or switches grad mode (HF's rotary embedding does)."""
+    output = gm.graph.output_node()
+    for n in [n for n in gm.graph.nodes if n in head]:
+        output.prepend(n)
+    gm.recompile()
+    return {n: int(n in head) for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")}
+
+
+def split_loss_head(gm: fx.GraphModule, example_inputs) -> Optional[tuple[fx.GraphModule, list[str], str]]:
+    """``gm`` split into its body and the loss head that reads a tensor it also returns: the parent, its
+    two piece names and the report's note; None where the graph has no such head (it stays whole)."""
+    found = loss_head(gm, list(example_inputs))
+    if found is None:
+        return None
+    x, head = found
+    try:   # (moving the head to the graph's end and copying index values into it keep gm's values)
+        parent, pieces = split_by(gm, head_ids(gm, head), set(), {0, 1})
+    except Exception as e:   # the graph stays whole, as before
+        log.debug("opsmath: loss head not split off: %s", e)
+        return None
+    if len(pieces) != 2:
+        return None
+    return parent, pieces, (f"the loss computed from `{x.name}` is a graph of its own: the `{x.name}` the model "
+                            "returns gets no zero gradient in backward (as torch.compile's graph break at the loss)")

@@ -1,0 +1,108 @@
+"""The loss head compiled as a graph of its own where the model also returns the logits it reads
+(``capture/loss_head.py``): the body's backward gets the logits' real gradient, never a zero tensor
+autograd materializes for an unread output; values and gradients stay eager's."""
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import opsmath
+from opsmath.capture import loss_head as loss_head_mod
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="Inductor on CPU needs a C++ compiler")
+V, D, B, T = 96, 32, 2, 16
+
+
+class TaskModel(torch.nn.Module):
+    """An HF-style task model: ``(loss, logits)``, the loss computed from the returned logits."""
+
+    def __init__(self, aux_weight: bool = False):
+        super().__init__()
+        self.emb, self.body = torch.nn.Embedding(V, D), torch.nn.Linear(D, D)
+        self.head = torch.nn.Linear(D, V, bias=False)
+        self.aux_weight = aux_weight
+
+    def forward(self, ids, labels):
+        with torch.autocast("cpu", enabled=False):   # a mode region in the graph (HF's rotary embedding)
+            h = torch.tanh(self.body(self.emb(ids)).float())
+        logits = self.head(h)
+        shift = logits[:, :-1].float().reshape(-1, V)
+        loss = F.cross_entropy(shift, labels[:, 1:].reshape(-1), ignore_index=-100)
+        if self.aux_weight:   # a head that applies a parameter to the logits is not split off
+            loss = loss + 1e-3 * (logits @ self.head.weight).square().mean()
+        return loss, logits, h.detach().norm()   # the body's last node after the head's in the graph
+
+
+def _pair(**kw):
+    torch.manual_seed(0)
+    ref = TaskModel(**kw)
+    model = TaskModel(**kw)
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, V, (B, T))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ref, model, (ids, labels)
+
+
+@pytest.fixture
+def any_size(monkeypatch):
+    monkeypatch.setattr(loss_head_mod, "MIN_BYTES", 0)   # the test's logits are small
+
+
+class ZerosOfShape(TorchDispatchMode):
+    """Counts the zero tensors of one shape created while active (autograd's materialized gradients)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = torch.Size(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like, torch.ops.aten.new_zeros) \
+                and isinstance(out, torch.Tensor) and out.shape == self.shape:
+            self.count += 1
+        return out
+
+
+def _step(model, batch, read_logits: bool):
+    loss, logits, _ = model(*batch)
+    total = loss + logits.float().mean() if read_logits else loss
+    mode = ZerosOfShape(logits.shape)
+    with mode:
+        total.backward()
+    return loss, mode.count
+
+
+@pytest.mark.parametrize("read_logits", [False, True])
+def test_split_head_equals_eager_and_gets_no_zero_gradient(any_size, read_logits):
+    ref, model, batch = _pair()
+    opt = opsmath.optimize(model, inductor=True)
+    loss, zeros = _step(opt, batch, read_logits)
+    ref_loss, _ = _step(ref, batch, read_logits)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    rep = opsmath.report(opt)
+    assert len(rep.graphs) == 2 and any("loss computed from `logits`" in n for n in rep.notes), rep.notes
+    assert zeros == 0
+
+
+def test_one_graph_materializes_the_zero_gradient(monkeypatch):
+    """What the split mends: one graph's backward takes a logits-sized zero tensor (the logits are below
+    ``MIN_BYTES`` here, so the graph is not split)."""
+    ref, model, batch = _pair()
+    opt = opsmath.optimize(model, inductor=True)
+    _, zeros = _step(opt, batch, read_logits=False)
+    assert len(opsmath.report(opt).graphs) == 1 and zeros == 1
+
+
+def test_head_reading_a_parameter_is_not_split(any_size):
+    ref, model, batch = _pair(aux_weight=True)
+    opt = opsmath.optimize(model, inductor=True)
+    loss, _ = _step(opt, batch, read_logits=False)
+    ref_loss, _ = _step(ref, batch, read_logits=False)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert len(opsmath.report(opt).graphs) == 1
