@@ -11,6 +11,10 @@ its loss were fused (``lce 1``: they were in one graph). Every model has 2 layer
 path with ``OPSMATH_PRICE=1``, each priced occurrence given a random verdict (its sides run op by op, the
 whole graph too), so about half are put back; the row adds how many were kept and put back.
 
+``--loss-head``: opsmath on the Inductor path (as on CUDA), SDPA models only, with the loss head split off at
+any size (``capture/loss_head.MIN_BYTES = 0``; the tiny models' logits are far below the real threshold):
+``graphs 2`` where the head became a graph of its own, its loss and gradients against eager's.
+
 ``--amp``: both sides under ``torch.autocast("cpu", dtype=torch.bfloat16)`` with fp32 weights, and beside
 each row opsmath's and eager's errors against eager in fp32 (the tolerance rule's form: a fused op that
 keeps more precision than eager's bf16 intermediates differs from eager by more than from fp32) and
@@ -149,6 +153,7 @@ MORE = {
 
 AMP = [False]   # ``--amp``: both sides under CPU bf16 autocast, fp32 weights (the mixed-precision recipe)
 PRICED = [False]   # ``--priced``: random verdicts for priced occurrences (``random_verdicts``)
+INDUCTOR = [False]   # ``--loss-head``: the Inductor path, the loss head split off at any size
 
 
 def random_verdicts() -> None:
@@ -173,7 +178,7 @@ def check(cls, cfg_cls, kw, attn) -> str:
         return f"not built ({type(ex).__name__})"
     eager, reference = copy.deepcopy(model), copy.deepcopy(model)
     torch._dynamo.reset()
-    opt = opsmath.optimize(model, inductor=True if PRICED[0] else None)
+    opt = opsmath.optimize(model, inductor=True if PRICED[0] or INDUCTOR[0] else None)
     ids = torch.randint(0, 128, (2, 20))
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[0, :3] = 0    # left padding: under a causal mask the first rows see no key at all
@@ -223,6 +228,10 @@ def main(models=MODELS, variants=("eager", "sdpa"), check=check):
         args.remove("--priced")
         PRICED[0] = True
         random_verdicts()
+    if "--loss-head" in args:
+        from opsmath.capture import loss_head
+        args.remove("--loss-head")
+        INDUCTOR[0], loss_head.MIN_BYTES, variants = True, 0, ("sdpa",)
     if "--more" in args:
         args.remove("--more")
         models = {**models, **MORE} if args else MORE
