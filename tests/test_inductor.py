@@ -337,9 +337,9 @@ def test_function_region_stops_compiling_when_sizes_keep_changing(monkeypatch):
 
 @pytest.mark.parametrize("inductor", [False, True])
 def test_pieces_between_regions_compile_once_with_symbolic_sizes(monkeypatch, inductor):
-    """The lowered pieces around a Function compile for their first size, then once with symbolic sizes
-    (through dynamo, which guards it): every later length runs compiled and rewritten, past
-    ``PIECE_SIZES``, training exact, and no fallback note."""
+    """The lowered pieces around a Function compile for their first size, then, cut from dynamo's graph
+    with symbolic sizes, once with symbolic sizes (through dynamo, which guards it): every later length
+    runs compiled and rewritten, past ``PIECE_SIZES``, training exact, and no fallback note."""
     from semantics_idioms import IDIOMS, reduce_output
     from opsmath.capture import pieces
     monkeypatch.setattr(pieces, "PIECE_SIZES", 2)
@@ -354,9 +354,9 @@ def test_pieces_between_regions_compile_once_with_symbolic_sizes(monkeypatch, in
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     rep = opsmath.report(optimized)
     assert not [e for e in rep.fallback_errors if "a graph piece" in e], rep.fallback_errors
-    # the static parent's two pieces (3 rows), the dynamic parent's at their first size (4 rows), then
-    # once each with symbolic sizes (from 5 rows on): 6 compiles for 7 lengths, none after the sixth
-    assert len(rep.graphs) == 6, [g.input_shapes for g in rep.graphs]
+    # the static parent's two pieces (3 rows), then the dynamic parent's (dynamo's second trace, symbolic
+    # sizes) once each with symbolic sizes from its first call (4 rows on): 4 compiles for 7 lengths
+    assert len(rep.graphs) == 4, [g.input_shapes for g in rep.graphs]
     assert [g.dynamic for g in rep.graphs[-2:]] == [True, True]
 
 

@@ -106,3 +106,61 @@ def test_head_reading_a_parameter_is_not_split(any_size):
     ref_loss, _ = _step(ref, batch, read_logits=False)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert len(opsmath.report(opt).graphs) == 1
+
+
+class BufferAfterLoss(TaskModel):
+    """The loss reads a buffer the forward then updates in place: the head must not move past the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, ids, labels):
+        loss, logits, norm = super().forward(ids, labels)
+        loss = loss + self.scale
+        self.scale.mul_(0.5)
+        return loss, logits, norm
+
+
+def test_head_reading_a_buffer_written_later_is_not_split(any_size):
+    torch.manual_seed(0)
+    ref = BufferAfterLoss()
+    model = BufferAfterLoss()
+    model.load_state_dict(ref.state_dict())
+    opt = opsmath.optimize(model, inductor=True)
+    ids = torch.randint(0, V, (B, T))
+    for _ in range(2):
+        torch.testing.assert_close(opt(ids, ids)[0], ref(ids, ids)[0], rtol=1e-5, atol=1e-6)
+    assert len(opsmath.report(opt).graphs) == 1
+
+
+class LossUnderEnableGrad(TaskModel):
+    def forward(self, ids, labels):
+        with torch.enable_grad():   # a model called under no_grad that differentiates its own loss
+            return super().forward(ids, labels)
+
+
+def test_loss_inside_an_enable_grad_block_keeps_its_gradient(any_size):
+    """Moved past the block's end the head would run without grad: the loss must still need one."""
+    torch.manual_seed(0)
+    model = LossUnderEnableGrad()
+    opt = opsmath.optimize(model, inductor=True)
+    ids = torch.randint(0, V, (B, T))
+    with torch.no_grad():
+        loss, _, _ = opt(ids, ids)
+    assert loss.requires_grad
+    assert torch.autograd.grad(loss, model.head.weight)[0].abs().sum() > 0
+
+
+def test_varying_lengths_compile_each_piece_once_more_with_symbolic_sizes(any_size):
+    """After dynamo's second trace (symbolic sizes) the body and the head compile once each with symbolic
+    sizes at their first call: four compiles for four lengths, none per later length."""
+    ref, model, _ = _pair()
+    opt = opsmath.optimize(model, inductor=True)
+    for t in (16, 24, 32, 40):
+        ids = torch.randint(0, V, (B, t))
+        loss, _ = _step(opt, (ids, ids.clone()), read_logits=False)
+        ref_loss, _ = _step(ref, (ids, ids.clone()), read_logits=False)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    rep = opsmath.report(opt)
+    assert [g.dynamic for g in rep.graphs] == [False, False, True, True], [g.input_shapes for g in rep.graphs]

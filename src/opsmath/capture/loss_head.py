@@ -8,8 +8,9 @@ allocated at the start of backward, at the step's peak. ``torch.compile`` breaks
 ``loss_function``, so its body graph gets one real gradient for the logits instead.
 
 ``loss_head`` finds that structure in dynamo's graph: an output tensor ``x`` that needs a gradient and
-that nodes of the graph read, whose descendants (the head) read no parameter, switch no autocast or
-grad mode, and compute a scalar output that needs a gradient (the loss). The graph is then split in
+that nodes of the graph read, whose descendants (the head) read no parameter, run in the graph's
+entry grad and autocast state, write in place only what they make themselves (nor does anything
+computed after them write in place), and compute a scalar output that needs a gradient (the loss). The graph is then split in
 two pieces, everything but the head, and the head with ``x`` as an input; the head's backward hands the
 body's backward ``x``'s gradient (autograd adds whatever the caller sends through the returned ``x``).
 Values: exactly the single graph's (the same ops on the same inputs); cost: the head and the body are
@@ -25,11 +26,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from opsmath.capture.autocast import _ENTER, _EXIT
-from opsmath.capture.regions import split_by
+from opsmath.capture.regions import _INPLACE_OPERATORS, _name, split_by
 
 MIN_BYTES = 16 << 20     # outputs smaller than this cost less as a zero gradient than a graph boundary
 MAX_HEAD_NODES = 256     # a loss head is a few dozen nodes (upcast, shift, cross-entropy, mean)
-_SWITCHES = {_ENTER, _EXIT, torch._C._set_grad_enabled}
 log = logging.getLogger("opsmath")
 
 
@@ -64,20 +64,48 @@ def _reads_parameter(head: set[fx.Node], params: set[fx.Node]) -> bool:
     return any(a in params or a.op == "get_attr" for n in head for a in n.all_input_nodes)
 
 
-def _inside_mode_region(gm: fx.GraphModule, head: set[fx.Node]) -> bool:
-    """Whether a node of ``head`` runs inside an autocast region the graph entered or under a grad
-    mode the graph switched: splitting there would cut the region apart."""
-    depth, grad_switched = 0, False
+def _moved_safely(gm: fx.GraphModule, head: set[fx.Node]) -> bool:
+    """Whether moving ``head`` to the graph's end (and running it as a graph of its own after the rest)
+    keeps every value: no node of the rest after the head's first node writes a tensor in place (the
+    head would read it after the write: a buffer updated after the loss read it), no head node writes a
+    tensor the head did not make, and every head node runs under the grad mode and autocast state the
+    graph ends in (the entry state: dynamo restores it), which the head's own graph runs under. A
+    ``torch.enable_grad()`` block around the loss in a model called under ``no_grad`` is refused: moved
+    past the block's end, the loss would come back without a gradient."""
+    depth, grad, end_grad, started = 0, None, torch.is_grad_enabled(), False
     for n in gm.graph.nodes:
         if n.target is _ENTER:
             depth += 1
         elif n.target is _EXIT:
             depth -= 1
         elif n.target is torch._C._set_grad_enabled:
-            grad_switched = not bool(n.args[0])
-        elif n in head and (depth or grad_switched):
-            return True
-    return False
+            grad = bool(n.args[0])
+        elif n in head:
+            started = True
+            if depth or (grad is not None and grad != end_grad):
+                return False
+            if _mutates(n) and not (n.args and n.args[0] in head):
+                return False
+        elif started and _mutates(n):
+            return False
+    return True
+
+
+def _mutates(n: fx.Node) -> bool:
+    """Whether dynamo's node ``n`` writes a tensor in place (an ``op_`` method or function, a Python
+    in-place operator, ``out=``, ``inplace=True``, a mutable ATen schema)."""
+    if n.op not in ("call_function", "call_method"):
+        return False
+    if "out" in n.kwargs or n.kwargs.get("inplace") is True:
+        return True
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._schema.is_mutable
+    name = _name(n)
+    if getattr(n.target, "__module__", None) in ("_operator", "operator"):
+        return name in _INPLACE_OPERATORS
+    if name.startswith("__") and name.endswith("__"):
+        return name[2:-2] in _INPLACE_OPERATORS
+    return name.endswith("_") and not name.startswith("_")
 
 
 def _loss_out(head: set[fx.Node], outputs: list[fx.Node]) -> bool:
@@ -103,8 +131,7 @@ def loss_head(gm: fx.GraphModule, example_inputs: list) -> Optional[tuple[fx.Nod
             continue
         head = _descendants(x, output)
         if not head or len(head) > MAX_HEAD_NODES or _reads_parameter(head, params) \
-                or any(n.target in _SWITCHES for n in head) or not _loss_out(head, outputs) \
-                or _inside_mode_region(gm, head):
+                or not _loss_out(head, outputs) or not _moved_safely(gm, head):
             continue
         return x, head
     return None
@@ -138,3 +165,11 @@ def split_loss_head(gm: fx.GraphModule, example_inputs) -> Optional[tuple[fx.Gra
         return None
     return parent, pieces, (f"the loss computed from `{x.name}` is a graph of its own: the `{x.name}` the model "
                             "returns gets no zero gradient in backward (as torch.compile's graph break at the loss)")
+
+
+def symbolic_sizes(gm: fx.GraphModule) -> bool:
+    """Whether dynamo traced ``gm`` with symbolic sizes (a size input, or an input tensor's size that is one)."""
+    vals = [_val(p) for p in gm.graph.find_nodes(op="placeholder")]
+    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
+                                                                                      for d in v.shape))
+               for v in vals)

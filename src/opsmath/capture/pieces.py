@@ -28,13 +28,17 @@ class LazyPiece(torch.nn.Module):
     later size (if it fails, the piece falls back to the per-size compiles); without, the piece compiles
     again for the new sizes, up to ``PIECE_SIZES`` sizes (each compile costs seconds under Inductor), and
     further sizes run the piece as dynamo traced it (eager, unrewritten: what ``torch.compile`` does at
-    its recompile limit), and ``errors`` gets a line saying so (once)."""
+    its recompile limit), and ``errors`` gets a line saying so (once). ``symbolic_first``: the piece was
+    cut from a graph dynamo already traced with symbolic sizes (sizes vary): its first call compiles
+    with symbolic sizes at once, not once more for its first size."""
 
     def __init__(self, gm: fx.GraphModule, compile_piece, errors: Optional[list] = None,
-                 what: str = "a graph piece between regions left to eager", symbolic: bool = False):
+                 what: str = "a graph piece between regions left to eager", symbolic: bool = False,
+                 symbolic_first: bool = False):
         super().__init__()
         self.gm, self._compile, self._fns, self._errors, self._what = gm, compile_piece, {}, errors, what
         self._symbolic, self._dynamic = symbolic, None
+        self._first = symbolic and symbolic_first   # cut from a graph dynamo traced with symbolic sizes
 
     @staticmethod
     def _key(args) -> tuple:
@@ -56,7 +60,7 @@ class LazyPiece(torch.nn.Module):
 
     def forward(self, *args):
         key = self._key(args)
-        if not self._symbolic or not self._fns or key in self._fns:
+        if not self._symbolic or (not self._fns and not self._first) or key in self._fns:
             return self.compile_for(args, key)(*args)
         if self._dynamic is None:
             self._dynamic = torch.compile(self.gm, backend=self._compile, dynamic=True)

@@ -38,7 +38,7 @@ from opsmath.memory.plan import clone_graph_module
 from opsmath.memory.replan import runner
 from opsmath.capture.regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
                                      inline_checkpoint, route_checkpoints, split_around)
-from opsmath.capture.loss_head import split_loss_head
+from opsmath.capture.loss_head import split_loss_head, symbolic_sizes
 
 log = logging.getLogger("opsmath")
 
@@ -192,7 +192,7 @@ def make_backend(state, model: torch.nn.Module):
                     parent, pieces, note = split
                     if note not in state.notes:
                         state.notes.append(note)
-                    return lazy(parent, pieces)
+                    return lazy(parent, pieces, symbolic_first=symbolic_sizes(gm))
             if parts is None:
                 try:
                     return compile_graph(state, model, gm, list(example_inputs))
@@ -207,17 +207,18 @@ def make_backend(state, model: torch.nn.Module):
         # bodies (which may hold regions of their own) go through this backend at their first call
         state.eager_regions.extend(regions.values())
         parent, pieces, alone = split_around(gm, set(regions))
-        lazy(parent, pieces)   # a second size: once with symbolic sizes (a budget plans each size exactly)
+        # sizes that vary: compiled once with symbolic sizes (a budget plans each size exactly)
+        lazy(parent, pieces, symbolic_first=symbolic_sizes(gm))
         if _uses_inductor(state, example_inputs):
             compile_functions(parent, regions, alone, compile_fx, state.fallback_errors)
         route_checkpoints(parent, opsmath_backend, state.fallback_errors)
         return parent.forward
 
-    def lazy(parent: fx.GraphModule, pieces: list[str]):
+    def lazy(parent: fx.GraphModule, pieces: list[str], symbolic_first: bool = False):
         """``parent``'s pieces compiled through this backend at their first call; its forward."""
         for name in pieces:
             setattr(parent, name, LazyPiece(getattr(parent, name), opsmath_backend, state.fallback_errors,
-                                            symbolic=state.memory_budget is None))
+                                            symbolic=state.memory_budget is None, symbolic_first=symbolic_first))
         return parent.forward
     return opsmath_backend
 
