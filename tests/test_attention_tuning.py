@@ -183,10 +183,10 @@ def test_choose_stores_each_kernels_fastest_configuration(tmp_path, monkeypatch,
     assert [ac.launch_cfg(q, 16, key, n) for n in ac.KERNELS] == [(*t[:2], 16, *t[2:]) for t in tiles.values()]
 
 
-def test_compile_ahead_runs_each_configuration_in_its_own_thread(monkeypatch):
-    """Before timing, the tuner compiles opsmath's kernels in every block configuration at once, one thread
-    each: a thread's forced configuration is its own (the others' and the caller's launches do not see it),
-    the forward and the backward both launch with it, and a configuration that raises stops nothing.
+def test_compile_ahead_runs_each_kernel_and_configuration_in_its_own_thread(monkeypatch):
+    """Before timing, the tuner compiles opsmath's three kernels in every block configuration at once, one
+    thread per kernel and configuration: a thread's forced configuration is its own (the others' and the
+    caller's launches do not see it), each launch makes only its kernel, and one that raises stops nothing.
     (Stand-ins for the Triton launches and for CUDA: the threading is what is checked.)"""
     import threading
     from types import SimpleNamespace
@@ -201,31 +201,34 @@ def test_compile_ahead_runs_each_configuration_in_its_own_thread(monkeypatch):
         seen.append(("fwd", threading.get_ident(), cfg))
         return x, x
 
-    def backward(dout, q, k, v, out, stats, *rest):
+    def backward(dout, q, k, v, out, stats, *rest, kernels):
         assert len(rest) == 10 and rest[7] is False   # bias, mask, ..., seed, bias_grad, softcap, window
-        seen.append(("bwd", threading.get_ident(), ac.launch_cfg(x, 16, kernel="dq")))
+        assert out.shape == x.shape and stats.shape == (1, 1, 8, 2) and len(kernels) == 1
+        seen.append((kernels[0], threading.get_ident(), ac.launch_cfg(x, 16, kernel=kernels[0])))
     monkeypatch.setattr(vendor, "attention_forward_triton", forward)
     monkeypatch.setattr(vendor, "attention_backward_triton", backward)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
-    q = SimpleNamespace(device=torch.device("cuda"))
+    q = SimpleNamespace(device=torch.device("cuda"), shape=x.shape, dtype=x.dtype)
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: torch.empty(x.shape))
+    monkeypatch.setattr(torch, "empty", lambda shape, **kw: torch.zeros(shape))
     configs = ac.CONFIGS[64]
     vendor.compile_ahead(configs, (q, None, None, None, None, float("-inf"), True, 0.125, 0.0, None, 0.0, 0), x)
-    ran = [c for c in configs if c[:2] != (64, 32)]
-    assert sorted(c for kind, _, c in seen if kind == "fwd") == sorted((*c[:2], 16, *c[2:]) for c in ran)
-    for kind, thread, cfg in seen:   # the backward launched in the forward's thread, with its configuration
-        assert ("fwd" if kind == "bwd" else "bwd", thread, cfg) in seen
+    expect = {(kind, (*c[:2], 16, *c[2:])) for c in configs for kind in ("fwd", "dq", "dkdv")}
+    expect -= {("fwd", (64, 32, 16, 4, 3))}   # the configuration whose forward raised
+    assert {(kind, cfg) for kind, _, cfg in seen} == expect and len(seen) == len(expect)
     assert ac.launch_cfg(x, 16) == (16, 16, 16, 4, 1)   # the caller's thread: no forced configuration
     vendor.compile_ahead(configs, (SimpleNamespace(device=torch.device("cpu")),) + (None,) * 11, x)
-    assert len(seen) == 2 * len(ran), "CPU: nothing compiled ahead"
+    assert len(seen) == len(expect), "CPU: nothing compiled ahead"
 
 
 @pytest.mark.parametrize("default_ms, compiled", [(2.0, False), (1.2, True)])
 def test_beside_a_vendor_other_configurations_compile_only_when_timed(default_ms, compiled, tmp_path, monkeypatch,
                                                                       triton_on_cpu):
-    """A masked shape with an accurate vendor kernel: the vendor is timed, then opsmath's default
-    configuration. Where the vendor beat it by ``OWN_CONFIG_GAIN`` the other configurations are neither
-    timed nor compiled; else they are compiled (ahead, all at once) just before the first of them runs.
+    """A masked shape with an accurate vendor kernel: opsmath's default configuration is compiled ahead, the
+    vendor is timed, then the default. Where the vendor beat it by ``OWN_CONFIG_GAIN`` the other
+    configurations are neither timed nor compiled; else they are compiled (ahead, all at once) just before
+    the first of them runs.
     (Stand-ins for the SDPA backend, the accuracy check and the profiles; the tuner's order is checked.)"""
     from opsmath.kernels.attention import configs as ac
     from opsmath.kernels import autotune
@@ -253,8 +256,8 @@ def test_beside_a_vendor_other_configurations_compile_only_when_timed(default_ms
     assert choice == "sdpa_cudnn"
     others = ac.CONFIGS[64][1:]
     timed = [e[1] for e in events if e[0] == "timed"]
-    assert timed[:2] == [None, default]
+    assert events[0] == ("ahead", [default]) and timed[:2] == [None, default]   # the default: always timed
     if compiled:
-        assert events[2] == ("ahead", others) and timed[2:] == others
+        assert events[3] == ("ahead", others) and timed[2:] == others
     else:
-        assert len(timed) == 2 and not any(e[0] == "ahead" for e in events)
+        assert len(timed) == 2 and [e for e in events if e[0] == "ahead"] == [("ahead", [default])]

@@ -367,14 +367,13 @@ def attention_forward_triton(q, k, v, bias, mask, mask_fill, is_causal, scale, d
 
 
 def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, is_causal, scale, dropout_p, seed,
-                              bias_grad, softcap=0.0, window=0):
-    B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
+                              bias_grad, softcap=0.0, window=0, kernels=("dq", "dkdv")):
+    """dQ, dK, dV (and dBias where ``bias_grad``); ``kernels``: the launches made (a compile ahead makes one)."""
+    (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     dout, out = dout.contiguous(), out.contiguous()
     delta = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)   # rowsum(dO * O), by the dQ kernel
     dq = torch.empty((B, H, Sq, D), device=q.device, dtype=q.dtype)
-    dk = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=k.dtype)
-    dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
+    dk, dv = (torch.empty((B, Hkv, Sk, D), device=q.device, dtype=t.dtype) for t in (k, v))
     dbias = torch.empty((B, H, Sq, Sk), device=q.device, dtype=torch.float32) if bias_grad else q.new_empty(1)
     b, m, bs, ms, has_bias = bias_mask_args(q, k, bias, mask)
     key = bucket(q, k, bias, mask, is_causal, dropout_p, softcap, window)
@@ -387,13 +386,15 @@ def attention_backward_triton(dout, q, k, v, out, stats, bias, mask, mask_fill, 
     strides = (*q.stride(), *k.stride(), *v.stride(), *bs, *ms)
     seed_t = seed_arg(seed, q, dropout_p)
     t = tiles("dq")
-    wrap_triton(_attn_bwd_dq)[(triton.cdiv(Sq, t["BLOCK_M"]), B * H)](   # first: it writes delta, which the dK/dV kernel reads
-        q, k, v, b, m, dout, out, stats, delta, dq, dbias, seed_t, *strides,
-        H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
-        BIAS_GRAD=bias_grad, **common, **t)
+    if "dq" in kernels:   # first: it writes delta, which the dK/dV kernel reads
+        wrap_triton(_attn_bwd_dq)[(triton.cdiv(Sq, t["BLOCK_M"]), B * H)](
+            q, k, v, b, m, dout, out, stats, delta, dq, dbias, seed_t, *strides,
+            H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p),
+            int(window), BIAS_GRAD=bias_grad, **common, **t)
     t = tiles("dkdv")
-    wrap_triton(_attn_bwd_dkdv)[(triton.cdiv(Sk, t["BLOCK_N"]), B * Hkv)](
-        q, k, v, b, m, dout, stats, delta, dk, dv, seed_t, *strides,
-        Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p), int(window),
-        **common, **t)
+    if "dkdv" in kernels:
+        wrap_triton(_attn_bwd_dkdv)[(triton.cdiv(Sk, t["BLOCK_N"]), B * Hkv)](
+            q, k, v, b, m, dout, stats, delta, dk, dv, seed_t, *strides,
+            Hkv, H, H // Hkv, Sq, Sk, D, float(scale), float(softcap or 1.0), float(mask_fill), float(dropout_p),
+            int(window), **common, **t)
     return dq, dk, dv, (dbias if bias_grad else None)

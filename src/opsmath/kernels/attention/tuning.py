@@ -38,8 +38,8 @@ from opsmath.kernels._common import dropout_keep, flat_offsets
 from opsmath.kernels._spec import OpSpec, register
 from opsmath.kernels.attention import attention_flops, attention_op, attention_reference, exercise
 from opsmath.kernels.attention.kernel import attention_backward_triton, attention_forward_triton
-from opsmath.kernels.attention.configs import (_AHEAD, OWN_ONLY, TILES, bucket_key, config_name, configs_for,
-                                               forced_config, tiles_entry)
+from opsmath.kernels.attention.configs import (_AHEAD, KERNELS, OWN_ONLY, TILES, bucket_key, config_name,
+                                               configs_for, forced_config, tiles_entry)
 from opsmath.kernels.autotune import SPENT, AllCandidatesFailed, cached, measure, pick, store
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -152,9 +152,9 @@ def _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, 
 
     def timed(fn):   # ``measure``, keeping each own configuration's kernel times
         return measure(fn, on_kernels=(lambda per: per_config.update({own[fn]: per})) if fn in own else None)
-    if fresh and not later:   # counted as the candidates' first calls, where the lazy path's compile falls
-        t0 = time.perf_counter()
-        compile_ahead(configs, args, dout)
+    if fresh:   # all at once, or beside a vendor the default only (always timed); counted as the candidates'
+        t0 = time.perf_counter()   # first calls, where the lazy path's compile falls
+        compile_ahead(configs[:1] if later else configs, args, dout)
         spent = time.perf_counter() - t0
         SPENT["seconds"], SPENT["first_calls"] = SPENT["seconds"] + spent, SPENT["first_calls"] + spent
     choice = pick("attention", key, candidates, timed, skip=lambda n, t: own_configs_cannot_win(n, t, plain))
@@ -177,32 +177,42 @@ FAST_VENDORS = ("sdpa_cudnn", "sdpa_flash")
 
 
 def compile_ahead(configs, args: tuple, dout: torch.Tensor) -> None:
-    """Compile opsmath's three kernels in every block configuration at once, one thread per configuration,
-    before the tuner times them one by one: Triton's compile spends most of its time outside the GIL (LLVM,
-    ptxas; four kernels on a 2-core CPU: 7.15 s one after another, 3.59 s in two threads), and a cold
-    compile is 3.3-5.4 s per configuration (H200 host) against 0.1 s of timing. Each thread launches the
-    forward and the backward once on the tuner's random inputs (``args``: ``attention_op``'s; results
-    dropped) with its configuration forced for that thread alone. A configuration that fails here (out of
-    shared memory) fails again where the tuner meets it. Where a vendor kernel is a candidate, ``_choose``
-    calls it for the non-default configurations only when the tuner reaches the first of them (the vendor
-    may have beaten the default by ``OWN_CONFIG_GAIN`` and left them untimed: a cold BERT-shaped tuning
-    compiled four configurations and chose cuDNN, ``results/first_call-20261205.*``). CUDA only."""
+    """Compile opsmath's three kernels (forward, dQ, dK/dV) in every block configuration at once, one thread
+    per kernel and configuration, before the tuner times them one by one: Triton's compile spends most of
+    its time outside the GIL (LLVM, ptxas; four kernels on a 2-core CPU: 7.15 s one after another, 3.59 s in
+    two threads), and a cold compile is 3.3-5.4 s per configuration (H200 host) against 0.1 s of timing.
+    Each thread makes its one launch on the tuner's random inputs (``args``: ``attention_op``'s; the
+    backward kernels on an unwritten output and row statistics of the forward's shapes: what is compiled
+    depends on dtypes, alignment and the constant arguments only; results dropped) with its configuration
+    forced for that thread alone. A configuration that fails here (out of shared memory) fails again where
+    the tuner meets it. Where a vendor kernel is a candidate, ``_choose`` compiles the default
+    configuration ahead (it is always timed) and the others only when the tuner reaches the first of them
+    (the vendor may have beaten the default by ``OWN_CONFIG_GAIN`` and left them untimed: a cold BERT-shaped
+    tuning compiled four configurations and chose cuDNN, ``results/first_call-20261205.*``). CUDA only."""
     q = args[0]
-    if q.device.type != "cuda" or len(configs) < 2:
+    if q.device.type != "cuda" or not configs:
         return
+    B, H, Sq, D = q.shape
 
-    def one(cfg):
+    def one(job):
+        cfg, kernel = job
         _AHEAD.cfg = cfg
         try:   # (a new thread's current device is the first GPU: launches go to the inputs')
             with torch.no_grad(), torch.cuda.device(q.device):
-                out, stats = attention_forward_triton(*args)
-                attention_backward_triton(dout, *args[:3], out, stats, *args[3:10], False, *args[10:])
+                if kernel == "fwd":
+                    attention_forward_triton(*args)
+                else:
+                    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+                    stats = torch.empty((B, H, Sq, 2), device=q.device, dtype=torch.float32)
+                    attention_backward_triton(dout, *args[:3], out, stats, *args[3:10], False, *args[10:],
+                                              kernels=(kernel,))
         except Exception:   # noqa: BLE001 (the tuner's own launch reports it)
             pass
         finally:
             _AHEAD.cfg = None
-    with ThreadPoolExecutor(max_workers=min(len(configs), os.cpu_count() or 1)) as pool:
-        list(pool.map(one, configs))
+    jobs = [(cfg, kernel) for cfg in configs for kernel in KERNELS]
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        list(pool.map(one, jobs))
     torch.cuda.synchronize(q.device)
 
 
