@@ -209,6 +209,7 @@ def test_compile_ahead_runs_each_kernel_and_configuration_in_its_own_thread(monk
     monkeypatch.setattr(vendor, "attention_backward_triton", backward)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(vendor, "_ahead_workers", lambda q, k, jobs: jobs)
     q = SimpleNamespace(device=torch.device("cuda"), shape=x.shape, dtype=x.dtype)
     monkeypatch.setattr(torch, "empty_like", lambda t, **kw: torch.empty(x.shape))
     monkeypatch.setattr(torch, "empty", lambda shape, **kw: torch.zeros(shape))
@@ -220,6 +221,19 @@ def test_compile_ahead_runs_each_kernel_and_configuration_in_its_own_thread(monk
     assert ac.launch_cfg(x, 16) == (16, 16, 16, 4, 1)   # the caller's thread: no forced configuration
     vendor.compile_ahead(configs, (SimpleNamespace(device=torch.device("cpu")),) + (None,) * 11, x)
     assert len(seen) == len(expect), "CPU: nothing compiled ahead"
+
+
+@pytest.mark.parametrize("room_gib, workers", [(64.0, 2), (1.0, 1), (0.0, 1)])
+def test_compile_ahead_threads_fit_the_memory_left(monkeypatch, room_gib, workers):
+    """One thread per job, but no more than the CPUs, nor than a quarter of the memory the process may
+    still allocate holds the launches' buffers for (T = 65536: about 0.5 GiB a thread here)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (int(room_gib * 2**30), 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 1.0)
+    monkeypatch.setattr(vendor.os, "cpu_count", lambda: 2)
+    q = torch.empty(1, 12, 65536, 64, dtype=torch.bfloat16, device="meta")
+    assert vendor._ahead_workers(q, q, 9) == workers
 
 
 @pytest.mark.parametrize("default_ms, compiled", [(2.0, False), (1.2, True)])

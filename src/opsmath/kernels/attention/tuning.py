@@ -211,9 +211,22 @@ def compile_ahead(configs, args: tuple, dout: torch.Tensor) -> None:
         finally:
             _AHEAD.cfg = None
     jobs = [(cfg, kernel) for cfg in configs for kernel in KERNELS]
-    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=_ahead_workers(q, args[1], len(jobs))) as pool:
         list(pool.map(one, jobs))
     torch.cuda.synchronize(q.device)
+
+
+def _ahead_workers(q: torch.Tensor, k: torch.Tensor, jobs: int) -> int:
+    """Threads for ``compile_ahead``: one per job, at most one per CPU, and at most as many as a quarter of
+    the memory the process may still allocate holds one launch's buffers for (each thread allocates the
+    outputs of its launch: at most O, dQ and the row statistics of Q's size, dK and dV of K's; at T = 65536
+    one thread's are gigabytes, and a first step under a memory budget may run on an emulated smaller card)."""
+    per_job = 3 * q.numel() * q.element_size() + 2 * k.numel() * k.element_size() + 8 * q.numel() // q.shape[-1]
+    free, total = torch.cuda.mem_get_info(q.device)
+    cached = torch.cuda.memory_reserved(q.device) - torch.cuda.memory_allocated(q.device)
+    capped = torch.cuda.get_per_process_memory_fraction(q.device) * total - torch.cuda.memory_allocated(q.device)
+    room = max(0, min(free + cached, capped))
+    return max(1, min(jobs, os.cpu_count() or 1, int(room // (4 * max(per_job, 1)))))
 
 
 def _once(fn):
