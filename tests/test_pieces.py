@@ -115,3 +115,29 @@ def test_bloom_pieces_keep_attention_rewritten_across_lengths():
     attention = [m for g in symbolic for m in g.matches if m.pattern == "attention"]
     assert len(attention) == 2 and all(m.details["causal"] and m.details["has_bias"] for m in attention)
     assert not rep.fallback_errors
+
+
+def test_a_piece_of_fixed_sizes_reads_no_key_after_its_compile():
+    """A piece cut from a graph whose every size dynamo traced as a constant meets the one size the
+    parent's guards admit: after its one compile it calls it without reading its inputs' sizes (host time
+    on every step). A graph with a symbolic size keeps reading them."""
+    from opsmath.capture.pieces import LazyPiece, fixed_sizes
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(x):
+        return (x * 2).sum(0)
+    torch.compile(f, backend=capture)(torch.randn(3, 4))
+    torch.compile(f, backend=capture, dynamic=True)(torch.randn(5, 4))
+    static, dynamic = graphs
+    assert fixed_sizes(static) and not fixed_sizes(dynamic)
+    compiles = []
+    piece = LazyPiece(static, lambda gm, args: (compiles.append(1), gm.forward)[1])
+    x = torch.randn(3, 4)
+    piece(x)
+    piece._key = None   # any read of the sizes now raises
+    torch.testing.assert_close(piece(x)[0], (x * 2).sum(0))
+    assert compiles == [1]

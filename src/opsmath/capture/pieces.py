@@ -39,6 +39,8 @@ class LazyPiece(torch.nn.Module):
         self.gm, self._compile, self._fns, self._errors, self._what = gm, compile_piece, {}, errors, what
         self._symbolic, self._dynamic = symbolic, None
         self._first = symbolic and symbolic_first   # cut from a graph dynamo traced with symbolic sizes
+        self._only = None   # the one compile of a piece whose every size is fixed (``fixed_sizes``)
+        self._fixed = fixed_sizes(gm)
 
     @staticmethod
     def _key(args) -> tuple:
@@ -56,9 +58,13 @@ class LazyPiece(torch.nn.Module):
                     self._errors.append(note)
                 return self.gm.forward
             self._fns[key] = self._compile(self.gm, list(args))
+            if self._fixed:
+                self._only = self._fns[key]
         return self._fns[key]
 
     def forward(self, *args):
+        if self._only is not None:   # sizes fixed by the parent's guards: no key to read at every call
+            return self._only(*args)
         key = self._key(args)
         if not self._symbolic or (not self._fns and not self._first) or key in self._fns:
             return self.compile_for(args, key)(*args)
@@ -72,3 +78,18 @@ class LazyPiece(torch.nn.Module):
                 self._symbolic = False
                 return self.compile_for(args, key)(*args)
         return self._dynamic(*args)
+
+
+def fixed_sizes(gm: fx.GraphModule) -> bool:
+    """Whether every value of ``gm`` has sizes dynamo traced as constants (no symbolic size, backed or data-
+    dependent): a piece of such a graph meets the one size its parent's guards admit at every call."""
+    def symbolic(v) -> bool:
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+        return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value", n.meta.get("val"))
+        if (v is None and n.op == "placeholder") or any(symbolic(x) for x in (v if isinstance(v, (list, tuple))
+                                                                            else [v])):
+            return False   # (an input traced without an example value: unknown, so not fixed)
+    return True
