@@ -164,3 +164,26 @@ def test_varying_lengths_compile_each_piece_once_more_with_symbolic_sizes(any_si
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     rep = opsmath.report(opt)
     assert [g.dynamic for g in rep.graphs] == [False, False, True, True], [g.input_shapes for g in rep.graphs]
+
+
+class WithCache(TaskModel):
+    """A model that returns a per-layer value needing a gradient beside its loss (as HF's K/V cache)."""
+
+    def forward(self, ids, labels):
+        loss, logits, norm = super().forward(ids, labels)
+        return loss, logits, torch.tanh(self.body(self.emb(ids))) * 2
+
+
+def test_returned_tensors_beside_the_loss_are_reported(any_size):
+    """Each gets a zero gradient in backward where the caller does not backpropagate through it: the
+    report says how many and how large; the logits the loss head reads are not among them."""
+    torch.manual_seed(0)
+    opt = opsmath.optimize(WithCache(), inductor=True)
+    ids = torch.randint(0, V, (B, T))
+    opt(ids, ids)[0].backward()
+    notes = [n for n in opsmath.report(opt).notes if "returned beside the loss" in n]
+    assert len(notes) == 1 and ": 1, " in notes[0], opsmath.report(opt).notes
+    ref, model, batch = _pair()
+    opt = opsmath.optimize(model, inductor=True)
+    _step(opt, batch, read_logits=False)
+    assert not [n for n in opsmath.report(opt).notes if "returned beside the loss" in n]

@@ -149,12 +149,11 @@ def head_ids(gm: fx.GraphModule, head: set[fx.Node]) -> dict[fx.Node, int]:
     return {n: int(n in head) for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")}
 
 
-def split_loss_head(gm: fx.GraphModule, example_inputs) -> Optional[tuple[fx.GraphModule, list[str], str]]:
-    """``gm`` split into its body and the loss head that reads a tensor it also returns: the parent, its
-    two piece names and the report's note; None where the graph has no such head (it stays whole)."""
-    found = loss_head(gm, list(example_inputs))
-    if found is None:
-        return None
+def split_loss_head(gm: fx.GraphModule, found: tuple[fx.Node, set[fx.Node]]
+                    ) -> Optional[tuple[fx.GraphModule, list[str], str]]:
+    """``gm`` split into its body and the loss head ``found`` (``loss_head``: the tensor it reads, its
+    nodes): the parent, its two piece names and the report's note; None where the split fails (the
+    graph stays whole)."""
     x, head = found
     try:   # (moving the head to the graph's end and copying index values into it keep gm's values)
         parent, pieces = split_by(gm, head_ids(gm, head), set(), {0, 1})
@@ -173,3 +172,24 @@ def symbolic_sizes(gm: fx.GraphModule) -> bool:
     return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
                                                                                       for d in v.shape))
                for v in vals)
+
+
+def zero_gradient_note(gm: fx.GraphModule, split: Optional[fx.Node] = None) -> Optional[str]:
+    """The report's note where ``gm`` (dynamo's graph of a training step) returns tensors that need a
+    gradient beside a scalar loss, ``MIN_BYTES`` or more of them (the ``split`` tensor, whose gradient the
+    loss head's graph gives, aside): AOTAutograd's backward takes a gradient for each, which autograd
+    makes as zeros wherever the caller does not backpropagate through it (HF's K/V cache, returned in
+    training under the default ``use_cache=True``: two per layer). ``torch.compile`` makes the same zeros."""
+    output = gm.graph.output_node()
+    outputs = list(dict.fromkeys(a for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)))
+    vals = [(n, _val(n)) for n in outputs if n is not split and n.op != "placeholder"]
+    grads = [v for _, v in vals if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not any(v.dim() == 0 for v in grads):   # no loss in the graph: the caller's own
+        return None
+    extra = [v for v in grads if v.dim() > 0]
+    total = sum(_bytes(v) for v in extra)
+    if not extra or total < MIN_BYTES:
+        return None
+    return (f"tensors returned beside the loss that need a gradient: {len(extra)}, {total / 2**20:.0f} MiB; backward "
+            "allocates a zero gradient for each the caller does not backpropagate through (HF models return "
+            "their K/V cache in training unless `model.config.use_cache = False`)")

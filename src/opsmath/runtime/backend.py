@@ -38,7 +38,7 @@ from opsmath.memory.plan import clone_graph_module
 from opsmath.memory.replan import runner
 from opsmath.capture.regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
                                      inline_checkpoint, route_checkpoints, split_around)
-from opsmath.capture.loss_head import split_loss_head, symbolic_sizes
+from opsmath.capture.loss_head import loss_head, split_loss_head, symbolic_sizes, zero_gradient_note
 
 log = logging.getLogger("opsmath")
 
@@ -186,13 +186,15 @@ def make_backend(state, model: torch.nn.Module):
         if note and inductor and note not in state.notes:   # op by op, gradients arrive one by one anyway
             state.notes.append(note)
         if not regions:
-            if parts is None and inductor and state.memory_budget is None:
-                split = split_loss_head(gm, example_inputs)
-                if split is not None:
-                    parent, pieces, note = split
-                    if note not in state.notes:
-                        state.notes.append(note)
-                    return lazy(parent, pieces, symbolic_first=symbolic_sizes(gm))
+            head = loss_head(gm, list(example_inputs)) if parts is None and inductor and \
+                state.memory_budget is None else None
+            if inductor:   # (op by op, autograd makes no gradient for an output nothing reads)
+                _note(state, zero_gradient_note(gm, head[0] if head else None))
+            split = split_loss_head(gm, head) if head else None
+            if split is not None:
+                parent, pieces, note = split
+                _note(state, note)
+                return lazy(parent, pieces, symbolic_first=symbolic_sizes(gm))
             if parts is None:
                 try:
                     return compile_graph(state, model, gm, list(example_inputs))
@@ -221,6 +223,11 @@ def make_backend(state, model: torch.nn.Module):
                                             symbolic=state.memory_budget is None, symbolic_first=symbolic_first))
         return parent.forward
     return opsmath_backend
+
+
+def _note(state, note: Optional[str]) -> None:
+    if note and note not in state.notes:
+        state.notes.append(note)
 
 
 def _left_on_gpu(state, use_inductor: bool, matches) -> list[str]:
