@@ -187,3 +187,56 @@ def test_returned_tensors_beside_the_loss_are_reported(any_size):
     opt = opsmath.optimize(model, inductor=True)
     _step(opt, batch, read_logits=False)
     assert not [n for n in opsmath.report(opt).notes if "returned beside the loss" in n]
+
+
+def test_pieces_run_op_by_op_where_inductor_fails(any_size, monkeypatch):
+    """The fallback ladder's last rung on a split graph: each piece runs its rewritten graph op by op and
+    hands the next what the split graph passes (the body's one output as itself, not in a list)."""
+    from opsmath.runtime import backend
+
+    def fail(gm, *args, **kwargs):   # as Inductor's compile_fx, which makes a one-output graph return a tuple
+        out = gm.graph.output_node()   # in place before compiling (make_graph_return_tuple), then fails
+        if isinstance(out.args[0], torch.fx.Node):
+            out.args = ((out.args[0],),)
+            gm.recompile()
+        raise RuntimeError("injected Inductor failure")
+    monkeypatch.setattr(backend, "compile_fx", fail)
+    ref, model, batch = _pair()
+    opt = opsmath.optimize(model, inductor=True)
+    loss, _ = _step(opt, batch, read_logits=True)
+    ref_loss, _ = _step(ref, batch, read_logits=True)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    rep = opsmath.report(opt)
+    assert len(rep.graphs) == 2 and sum("op by op" in e for e in rep.fallback_errors) == 2, rep.fallback_errors
+
+
+class Normed(TaskModel):
+    """A norm whose eps is a float attribute: two models of the class with different eps in one process."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = h / (h.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, V), labels.view(-1)), logits
+
+
+def test_a_second_model_whose_float_attribute_differs_stays_one_graph(any_size):
+    """Dynamo passes a float attribute that changed since its first capture as a tensor it reads with
+    ``.item()``; a piece compiled at its first call could not (no shape environment): the graph stays
+    whole, compiled by Inductor, no fallback, values as eager's."""
+    ids = torch.randint(0, V, (B, T))
+    for eps, graphs in ((1e-6, 2), (1e-5, 1)):
+        torch.manual_seed(0)
+        ref = Normed(eps)
+        model = Normed(eps)
+        model.load_state_dict(ref.state_dict())
+        opt = opsmath.optimize(model, inductor=True)
+        torch.testing.assert_close(opt(ids, ids)[0], ref(ids, ids)[0], rtol=1e-5, atol=1e-6)
+        rep = opsmath.report(opt)
+        assert len(rep.graphs) == graphs and not rep.fallback_errors, rep.fallback_errors

@@ -41,6 +41,7 @@ class LazyPiece(torch.nn.Module):
         self._first = symbolic and symbolic_first   # cut from a graph dynamo traced with symbolic sizes
         self._only = None   # the one compile of a piece whose every size is fixed (``fixed_sizes``)
         self._fixed = fixed_sizes(gm)
+        self._one_tensor = _returns_one_tensor(gm)   # read before any compile can change the graph
 
     @staticmethod
     def _key(args) -> tuple:
@@ -57,7 +58,8 @@ class LazyPiece(torch.nn.Module):
                 if self._errors is not None and note not in self._errors:   # said once
                     self._errors.append(note)
                 return self.gm.forward
-            self._fns[key] = self._compile(self.gm, list(args))
+            fn = self._compile(self.gm, list(args))
+            self._fns[key] = _bare(fn) if self._one_tensor else fn
             if self._fixed:
                 self._only = self._fns[key]
         return self._fns[key]
@@ -93,3 +95,19 @@ def fixed_sizes(gm: fx.GraphModule) -> bool:
                                                                             else [v])):
             return False   # (an input traced without an example value: unknown, so not fixed)
     return True
+
+
+def _returns_one_tensor(gm: fx.GraphModule) -> bool:
+    """Whether the piece ``gm`` returns one tensor bare (``split_module``'s form for a single output)."""
+    out = gm.graph.output_node().args[0]
+    return isinstance(out, fx.Node) and isinstance(out.meta.get("example_value", out.meta.get("val")), torch.Tensor)
+
+
+def _bare(fn):
+    """``fn`` returning a one-element list's element: Inductor's ``compile_fx`` makes a graph that returns
+    one value return it in a tuple, in place, so after a failed compile (the fallback ladder's second
+    rung) the piece and its op-by-op run return a list the next piece would read as its input."""
+    def call(*args):
+        got = fn(*args)
+        return got[0] if isinstance(got, (list, tuple)) and len(got) == 1 else got
+    return call
