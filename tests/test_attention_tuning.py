@@ -275,3 +275,12 @@ def test_beside_a_vendor_other_configurations_compile_only_when_timed(default_ms
         assert events[3] == ("ahead", others) and timed[2:] == others
     else:
         assert len(timed) == 2 and [e for e in events if e[0] == "ahead"] == [("ahead", [default])]
+
+
+def test_compile_ahead_threads_when_memory_cannot_be_read(monkeypatch):
+    """Where the device's memory cannot be read, one thread: the tuning itself goes on."""
+    def unreadable(d=None):
+        raise RuntimeError("no memory info")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", unreadable)
+    q = torch.empty(1, 12, 1024, 64, dtype=torch.bfloat16, device="meta")
+    assert vendor._ahead_workers(q, q, 9) == 1

@@ -222,10 +222,13 @@ def _ahead_workers(q: torch.Tensor, k: torch.Tensor, jobs: int) -> int:
     outputs of its launch: at most O, dQ and the row statistics of Q's size, dK and dV of K's; at T = 65536
     one thread's are gigabytes, and a first step under a memory budget may run on an emulated smaller card)."""
     per_job = 3 * q.numel() * q.element_size() + 2 * k.numel() * k.element_size() + 8 * q.numel() // q.shape[-1]
-    free, total = torch.cuda.mem_get_info(q.device)
-    cached = torch.cuda.memory_reserved(q.device) - torch.cuda.memory_allocated(q.device)
-    capped = torch.cuda.get_per_process_memory_fraction(q.device) * total - torch.cuda.memory_allocated(q.device)
-    room = max(0, min(free + cached, capped))
+    try:
+        free, total = torch.cuda.mem_get_info(q.device)
+        cached = torch.cuda.memory_reserved(q.device) - torch.cuda.memory_allocated(q.device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(q.device)   # (newer torch)
+        room = max(0, min(free + cached, fraction * total - torch.cuda.memory_allocated(q.device)))
+    except Exception:   # noqa: BLE001 (memory not readable here: one thread, as the tuner's own launches)
+        return 1
     return max(1, min(jobs, os.cpu_count() or 1, int(room // (4 * max(per_job, 1)))))
 
 
