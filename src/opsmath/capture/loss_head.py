@@ -3,16 +3,17 @@
 Hugging Face's task models return ``(loss, logits)``: the loss is computed in ``forward`` from the
 logits it also returns. Captured as one graph, AOTAutograd's backward takes one gradient input per
 differentiable output, the logits' among them. A caller that reads only ``.loss`` sends none, and
-autograd materializes it as zeros: a ``[B, T, V]`` tensor (0.38 GiB for GPT-2 at B8 T1024 in bf16)
-allocated at the start of backward, at the step's peak. ``torch.compile`` breaks its graph at HF's
-``loss_function``, so its body graph gets one real gradient for the logits instead.
+autograd materializes it as zeros: a ``[B, T, V]`` tensor (0.38 GiB for GPT-2 at B4 T1024 in bf16)
+allocated at the start of backward, at the step's peak. Where ``torch.compile`` breaks its graph at HF's
+``loss_function`` (GPT-2 under torch 2.11), its body graph gets one real gradient for the logits instead.
 
 ``loss_head`` finds that structure in dynamo's graph: an output tensor ``x`` that needs a gradient and
 that nodes of the graph read, whose descendants (the head) read no parameter, run in the graph's
 entry grad and autocast state, write in place only what they make themselves (nor does anything
-computed after them write in place), and compute a scalar output that needs a gradient (the loss). The graph is then split in
-two pieces, everything but the head, and the head with ``x`` as an input; the head's backward hands the
-body's backward ``x``'s gradient (autograd adds whatever the caller sends through the returned ``x``).
+computed after them write in place), and compute a scalar output that needs a gradient (the loss).
+The graph is then split in two pieces, everything but the head, and the head with ``x`` as an input;
+the head's backward hands the body's backward ``x``'s gradient (autograd adds whatever the caller
+sends through the returned ``x``).
 Values: exactly the single graph's (the same ops on the same inputs); cost: the head and the body are
 fused apart, as under ``torch.compile``'s graph break.
 """
