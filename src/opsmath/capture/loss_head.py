@@ -27,15 +27,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from opsmath.capture.autocast import _ENTER, _EXIT
+from opsmath.capture.pieces import example
 from opsmath.capture.regions import _INPLACE_OPERATORS, _name, split_by
 
 MIN_BYTES = 16 << 20     # outputs smaller than this cost less as a zero gradient than a graph boundary
 MAX_HEAD_NODES = 256     # a loss head is a few dozen nodes (upcast, shift, cross-entropy, mean)
 log = logging.getLogger("opsmath")
-
-
-def _val(n: fx.Node):
-    return n.meta.get("example_value", n.meta.get("val"))
 
 
 def _bytes(v: torch.Tensor) -> int:
@@ -121,7 +118,7 @@ def _reads_input_scalars(placeholders: list[fx.Node]) -> bool:
 
 def _loss_out(head: set[fx.Node], outputs: list[fx.Node]) -> bool:
     for n in outputs:
-        v = _val(n)
+        v = example(n)
         if n in head and isinstance(v, torch.Tensor) and v.dim() == 0 and v.requires_grad:
             return True
     return False
@@ -137,7 +134,7 @@ def loss_head(gm: fx.GraphModule, example_inputs: list) -> Optional[tuple[fx.Nod
     if _reads_input_scalars(placeholders):
         return None
     for x in dict.fromkeys(outputs):
-        v = _val(x)
+        v = example(x)
         if not isinstance(v, torch.Tensor) or not v.requires_grad or x.op == "placeholder":
             continue
         if _bytes(v) < MIN_BYTES:
@@ -179,14 +176,6 @@ def split_loss_head(gm: fx.GraphModule, found: tuple[fx.Node, set[fx.Node]]
                             "returns gets no zero gradient in backward (as torch.compile's graph break at the loss)")
 
 
-def symbolic_sizes(gm: fx.GraphModule) -> bool:
-    """Whether dynamo traced ``gm`` with symbolic sizes (a size input, or an input tensor's size that is one)."""
-    vals = [_val(p) for p in gm.graph.find_nodes(op="placeholder")]
-    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
-                                                                                      for d in v.shape))
-               for v in vals)
-
-
 def zero_gradient_note(gm: fx.GraphModule, split: Optional[fx.Node] = None) -> Optional[str]:
     """The report's note where ``gm`` (dynamo's graph of a training step) returns tensors that need a
     gradient beside a scalar loss, ``MIN_BYTES`` or more of them (the ``split`` tensor, whose gradient the
@@ -195,7 +184,7 @@ def zero_gradient_note(gm: fx.GraphModule, split: Optional[fx.Node] = None) -> O
     training under the default ``use_cache=True``: two per layer). ``torch.compile`` makes the same zeros."""
     output = gm.graph.output_node()
     outputs = list(dict.fromkeys(a for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)))
-    vals = [(n, _val(n)) for n in outputs if n is not split and n.op != "placeholder"]
+    vals = [(n, example(n)) for n in outputs if n is not split and n.op != "placeholder"]
     grads = [v for _, v in vals if isinstance(v, torch.Tensor) and v.requires_grad]
     if not any(v.dim() == 0 for v in grads):   # no loss in the graph: the caller's own
         return None

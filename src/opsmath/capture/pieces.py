@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from opsmath.capture.lower import _symbolic
+
 PIECE_SIZES = 8   # sizes a piece or Function region is compiled for (as dynamo's recompile limit)
 log = logging.getLogger("opsmath")
 
@@ -82,17 +84,24 @@ class LazyPiece(torch.nn.Module):
         return self._dynamic(*args)
 
 
+def example(n: fx.Node):
+    """Node ``n``'s example value as dynamo (``example_value``) or make_fx (``val``) recorded it."""
+    return n.meta.get("example_value", n.meta.get("val"))
+
+
+def symbolic_sizes(gm: fx.GraphModule) -> bool:
+    """Whether dynamo traced ``gm`` with symbolic sizes (a size input, or an input tensor's size that is one):
+    its pieces compile once with symbolic sizes at their first call (``symbolic_first``)."""
+    return any(_symbolic(example(p)) for p in gm.graph.find_nodes(op="placeholder"))
+
+
 def fixed_sizes(gm: fx.GraphModule) -> bool:
     """Whether every value of ``gm`` has sizes dynamo traced as constants (no symbolic size, backed or data-
     dependent): a piece of such a graph meets the one size its parent's guards admit at every call."""
-    def symbolic(v) -> bool:
-        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            return True
-        return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
     for n in gm.graph.nodes:
-        v = n.meta.get("example_value", n.meta.get("val"))
-        if (v is None and n.op == "placeholder") or any(symbolic(x) for x in (v if isinstance(v, (list, tuple))
-                                                                            else [v])):
+        v = example(n)
+        if (v is None and n.op == "placeholder") or any(_symbolic(x) or isinstance(x, (torch.SymFloat, torch.SymBool))
+                                                        for x in (v if isinstance(v, (list, tuple)) else [v])):
             return False   # (an input traced without an example value: unknown, so not fixed)
     return True
 
@@ -100,7 +109,7 @@ def fixed_sizes(gm: fx.GraphModule) -> bool:
 def _returns_one_tensor(gm: fx.GraphModule) -> bool:
     """Whether the piece ``gm`` returns one tensor bare (``split_module``'s form for a single output)."""
     out = gm.graph.output_node().args[0]
-    return isinstance(out, fx.Node) and isinstance(out.meta.get("example_value", out.meta.get("val")), torch.Tensor)
+    return isinstance(out, fx.Node) and isinstance(example(out), torch.Tensor)
 
 
 def _bare(fn):

@@ -38,7 +38,8 @@ from opsmath.memory.plan import clone_graph_module
 from opsmath.memory.replan import runner
 from opsmath.capture.regions import (EagerRegion, LazyPiece, compile_functions, eager_nodes, hooks_off_while_tracing,
                                      inline_checkpoint, route_checkpoints, split_around)
-from opsmath.capture.loss_head import loss_head, split_loss_head, symbolic_sizes, zero_gradient_note
+from opsmath.capture.loss_head import loss_head, split_loss_head, zero_gradient_note
+from opsmath.capture.pieces import symbolic_sizes
 
 log = logging.getLogger("opsmath")
 
