@@ -240,3 +240,20 @@ def test_a_second_model_whose_float_attribute_differs_stays_one_graph(any_size):
         torch.testing.assert_close(opt(ids, ids)[0], ref(ids, ids)[0], rtol=1e-5, atol=1e-6)
         rep = opsmath.report(opt)
         assert len(rep.graphs) == graphs and not rep.fallback_errors, rep.fallback_errors
+
+
+def test_a_budget_plans_for_the_gradient_of_the_returned_logits():
+    """Under a byte budget the graph stays whole (the chunked loss needs the head's GEMM), so its backward
+    takes a logits-sized gradient as it starts: the first plan holds those bytes at the end of the forward
+    (``Plan.returned``), before any step measured them, and the report says what they are."""
+    ref, model, batch = _pair()
+    opt = opsmath.optimize(model, inductor=True, memory_budget=1 << 40)
+    loss, zeros = _step(opt, batch, read_logits=False)
+    ref_loss, _ = _step(ref, batch, read_logits=False)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    rep = opsmath.report(opt)
+    plan = rep.graphs[0].plan
+    assert len(rep.graphs) == 1 and zeros == 1
+    assert plan.returned == B * T * V * 4 and plan.head_excess >= plan.returned
+    assert plan.predicted_peak >= plan.modelled[0] + plan.returned
+    assert "returned beside the loss" in str(rep)

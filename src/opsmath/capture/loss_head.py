@@ -176,19 +176,32 @@ def split_loss_head(gm: fx.GraphModule, found: tuple[fx.Node, set[fx.Node]]
                             "returns gets no zero gradient in backward (as torch.compile's graph break at the loss)")
 
 
-def zero_gradient_note(gm: fx.GraphModule, split: Optional[fx.Node] = None) -> Optional[str]:
-    """The report's note where ``gm`` (dynamo's graph of a training step) returns tensors that need a
-    gradient beside a scalar loss, ``MIN_BYTES`` or more of them (the ``split`` tensor, whose gradient the
-    loss head's graph gives, aside): AOTAutograd's backward takes a gradient for each, which autograd
-    makes as zeros wherever the caller does not backpropagate through it (HF's K/V cache, returned in
-    training under the default ``use_cache=True``: two per layer). ``torch.compile`` makes the same zeros."""
+def returned_gradients(gm: fx.GraphModule, split: Optional[fx.Node] = None) -> list[torch.Tensor]:
+    """The example values of the tensors ``gm`` (dynamo's graph of a training step) returns beside a
+    scalar loss that need a gradient (the ``split`` tensor, whose gradient the loss head's graph gives,
+    aside); empty where the graph returns no loss. AOTAutograd's backward takes a gradient for each,
+    allocated when that backward starts: the caller's, or zeros autograd makes wherever the caller does
+    not backpropagate through it."""
     output = gm.graph.output_node()
     outputs = list(dict.fromkeys(a for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)))
-    vals = [(n, example(n)) for n in outputs if n is not split and n.op != "placeholder"]
-    grads = [v for _, v in vals if isinstance(v, torch.Tensor) and v.requires_grad]
+    vals = [example(n) for n in outputs if n is not split and n.op != "placeholder"]
+    grads = [v for v in vals if isinstance(v, torch.Tensor) and v.requires_grad]
     if not any(v.dim() == 0 for v in grads):   # no loss in the graph: the caller's own
-        return None
-    extra = [v for v in grads if v.dim() > 0]
+        return []
+    return [v for v in grads if v.dim() > 0]
+
+
+def returned_gradient_bytes(gm: fx.GraphModule) -> int:
+    """The bytes of ``returned_gradients(gm)``: what a memory plan holds at the end of the forward for
+    them (the backward's first ops free them)."""
+    return sum(_bytes(v) for v in returned_gradients(gm))
+
+
+def zero_gradient_note(gm: fx.GraphModule, split: Optional[fx.Node] = None) -> Optional[str]:
+    """The report's note where ``gm`` returns ``MIN_BYTES`` or more of ``returned_gradients`` (HF's K/V
+    cache, returned in training under the default ``use_cache=True``: two per layer). ``torch.compile``
+    makes the same zeros."""
+    extra = returned_gradients(gm, split)
     total = sum(_bytes(v) for v in extra)
     if not extra or total < MIN_BYTES:
         return None

@@ -94,6 +94,7 @@ class Plan:
     first_margin: int = 0       # bytes step 1 held back for the model's error before measuring it (replan.py)
     allocator: str = ""         # what the caching allocator was set to for the budget (budget.py), if anything
     optimizer: str = ""         # the optimizer state's form the budget chose (first_plan.py), if it chose one
+    returned: int = 0           # gradients backward takes for tensors returned beside the loss (plan_and_emit)
 
     def target(self, resident: int | None = None) -> int:
         """The budget in bytes of the whole step with ``resident`` bytes resident (default: the plan's):
@@ -177,7 +178,7 @@ class Plan:
                     expected_peak=self.expected_peak, excess=self.excess, timed=self.timed,
                     head_excess=self.head_excess, modelled=list(self.modelled), measured_ops=self.measured_ops,
                     to_come=self.to_come, first_margin=self.first_margin, allocator=self.allocator,
-                    optimizer=self.optimizer,
+                    optimizer=self.optimizer, returned=self.returned,
                     timeline=[list(t) for t in self.timeline()])
 
 
@@ -192,7 +193,7 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident: int,
                   how: str = "checkpoint", earlier: tuple = (), link: float | None = None,
                   grads: dict[str, int] | None = None, timed: bool = True, head: int | None = None,
-                  step: tuple | None = None) -> Plan:
+                  step: tuple | None = None, returned: int = 0) -> Plan:
     """Plan recompute for ``gm`` under ``budget`` given its per-node saved bytes (``analysis``) and rewrite
     it in place: ``how="checkpoint"`` emits ``checkpoint`` calls (eager), ``"tag"`` recompute tags (for Inductor). ``earlier``: the plans
     of the step's graphs captured before this one. A fraction is a share of the whole step's activations:
@@ -204,8 +205,10 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     (with ``timed``) is planned against that timeline: the peak it predicts is the timeline's maximum. A
     fraction keeps its meaning, a share of the activations, every gradient counted from the start.
     ``head``: bytes live at the end of the forward alone, held there only: measured (``replan.py``), or
-    by default the largest workspace an op of the graph declares (the chunked loss's logits), less the
-    gradients a plan that counts them all from the start already holds there. ``step``: for a fraction
+    by default the largest workspace an op of the graph declares (the chunked loss's logits) or the
+    ``returned`` bytes, whichever is more (the gradients AOTAutograd's backward takes for the tensors the
+    graph returns beside its loss, HF's logits: allocated as the backward starts, zeros where the caller
+    does not read them), less the gradients a plan that counts them all from the start already holds there. ``step``: for a fraction
     re-planned with its whole step known (``replan.rebalance``), ``(limit, kept)`` in bytes of this
     graph's activations: its backward's peak under ``limit``, what it keeps under ``kept`` (or as little
     as its limit allows)."""
@@ -234,7 +237,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         link = None
     timing = grads if timed and grads and kind == "bytes" else None
     if head is None:
-        ws = max((node_workspace(n) for n in order), default=0)
+        ws = max(max((node_workspace(n) for n in order), default=0), returned)
         head = max(0, ws - (0 if timing else sum((grads or {}).values())))
     earlier = [p for p in earlier if p is not None]
     if step is not None:
@@ -260,7 +263,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     plan.measured_ops = measured
     plan.modelled = _modelled(plan)
     plan.predicted_peak = max(plan.modelled[1], plan.modelled[0] + head)
-    plan.head_excess = head
+    plan.head_excess, plan.returned = head, returned
     if chosen or selective:
         (emit_checkpoints if how == "checkpoint" else tag_recompute)(gm, segs, chosen, selective, gemms)
     weight_casts.mark(n for i in casts for n in order[segs[i].start:segs[i].end + 1])

@@ -9,6 +9,7 @@ import logging
 import torch
 import torch.fx as fx
 
+from opsmath.capture.loss_head import returned_gradient_bytes
 from opsmath.capture.lower import lower_to_aten
 from opsmath.memory import offload, replan
 from opsmath.memory.analysis import partitioned_saved_bytes, saved_bytes_by_node
@@ -58,7 +59,7 @@ def plan_graph(state, model, source: fx.GraphModule, gm: fx.GraphModule, by_node
     measured = replan.measures(example_inputs)
     kw = dict(how=how, earlier=[r.plan for r in state.graphs if r.last_run > state.step_start],
               link=None if state.cuda_graphs else offload.link_for(example_inputs, how),
-              grads=grad_bytes(gm, example_inputs))
+              grads=grad_bytes(gm, example_inputs), returned=returned_gradient_bytes(source) if use_inductor else 0)
     plan, share = None, share_budget(state.memory_budget, source.meta.get(BLOCK_SHARE), resident)
     if share is not None:   # untimed: what it keeps is bounded too, alive while the later pieces run
         plan = _at_share(gm, by_node, share, parse_budget(state.memory_budget)[1], resident, to_come, measured,

@@ -306,7 +306,9 @@ class Report(Rendered):
         as_bytes, share = p.budget_both_units()
         beyond = (f" + held back for step 1's error, not yet measured {_mib(p.first_margin)}" if p.first_margin
                   else f" + measured beyond the model {_mib(p.excess)}" if p.excess else "")
-        at_end = f"; {_mib(p.head_excess)} more at the end of the forward (the loss's workspace)" if p.head_excess else ""
+        why = "the gradients of the tensors returned beside the loss" if p.returned >= p.head_excess > 0 \
+            else "the loss's workspace"
+        at_end = f"; {_mib(p.head_excess)} more at the end of the forward ({why})" if p.head_excess else ""
         if p.timed:   # a byte budget, planned against the gradients' timing
             how = (f" on the step's timeline (resident {_mib(p.resident - sum(p.grads))}, kept {_mib(p.kept)}, "
                    f"gradients {_mib(sum(p.grads))} as backward allocates them{beyond}{at_end})")
