@@ -29,6 +29,7 @@ import tempfile
 import time
 
 from benchmarks import ROOT
+from benchmarks.triton_caches import summarize
 
 # stage: (module, function) wrapped by ``_timed``; Inductor's graph compiles are told apart by ``is_backward``
 TIMED = {
@@ -125,7 +126,8 @@ def spawn(model: str, recipe: str, variant: str, profile: bool, smoke: bool) -> 
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     for line in done.stdout.splitlines():
         if line.startswith("FIRST_STEP "):
-            return json.loads(line[len("FIRST_STEP "):])
+            # kernels the cold Triton cache holds twice: compiles the first step paid twice
+            return dict(json.loads(line[len("FIRST_STEP "):]), triton_cache=summarize(env["TRITON_CACHE_DIR"]))
     return dict(model=model, recipe=recipe, variant=variant, error=done.stderr[-2000:])
 
 
@@ -136,6 +138,12 @@ def report(r: dict) -> None:
     phases = ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in r["phases"].items())
     print(f"{r['model']:8} {r['recipe']} {r['variant']:17} first step {r['first_step_s']:6.1f} s"
           f"{' (profiled)' if r['profiled'] else ''}: {phases}", flush=True)
+    cache = r.get("triton_cache")
+    if cache:
+        print(f"    Triton cache: {cache['entries']} entries of {cache['kernels']} kernels, "
+              f"{len(cache['twice'])} of them compiled more than once", flush=True)
+        for name, diffs in list(cache["twice"].items())[:8]:
+            print(f"      {name}: " + " | ".join("; ".join(d[:3]) for d in diffs), flush=True)
     if "ttir_analyses" in r:
         print(f"    TTIR analyses of opsmath's kernels: {r['ttir_analyses']}", flush=True)
     for stage, s in r.get("stages_s", {}).items():
