@@ -1,11 +1,12 @@
 """A fleet of Hugging Face architectures, each trained for a few steps under ``torch.compile`` and under
 ``opsmath.optimize``, interleaved in one process: where opsmath gains, where it loses, what it rewrote.
 
-Twelve architectures at 0.1-0.4B parameters, built from their config classes as they load by default (no
-``attn_implementation``: SDPA, Gemma-2's eager), dropout off, ``use_cache=False`` where the call takes it:
-LLaMA, Mistral (sliding window 512 at T1024), Qwen2, Gemma-2, Phi-3, GPT-NeoX, GPT-2 (causal LM, B4 T1024),
-BERT (masked LM, B16 T512, odd rows padded), ViT (image classification, B32 224x224), T5 (B8, 512 tokens
-in, 128 out), Mixtral (8 experts top-2) and Qwen2-MoE (16 experts top-4 and a shared expert).
+Twelve architectures at 0.1-0.4B parameters (``--width 2``: widths and head counts doubled, 0.4-0.9B), built
+from their config classes as they load by default (no ``attn_implementation``: SDPA, Gemma-2's eager), dropout
+off, ``use_cache=False`` where the call takes it: LLaMA, Mistral (sliding window 512 at T1024), Qwen2, Gemma-2,
+Phi-3, GPT-NeoX, GPT-2 (causal LM, B4 T1024), BERT (masked LM, B16 T512, odd rows padded), ViT (image
+classification, B32 224x224), T5 (B8, 512 tokens in, 128 out), Mixtral (8 experts top-2) and Qwen2-MoE (16
+experts top-4 and a shared expert).
 
 Two recipes (``--recipes``), torch fused AdamW in both:
 - ``amp``: fp32 weights, the forward under ``torch.autocast("cuda", dtype=torch.bfloat16)`` and the backward
@@ -22,7 +23,7 @@ and recipe, so a run cut short keeps what it measured. At the end, per recipe: t
 baseline / variant step time, and the rows whose peak is off the baseline's by more than 2%.
 
     python -m benchmarks fleet [--models llama,bert] [--recipes amp,bf16] [--rounds 5] [--steps 3]
-        [--variants torch.compile,opsmath.optimize] [--tag NAME] [--host]
+        [--variants torch.compile,opsmath.optimize] [--tag NAME] [--host] [--width 2]
     python -m benchmarks fleet --smoke [--models gpt2,bert]   # tiny models on CPU: runs, measures nothing
 
 ``--smoke`` compares eager with opsmath (torch.compile's C++ compiles are slow on a CPU) unless
@@ -122,12 +123,18 @@ PEAK_BAND = (0.98, 1.02)   # the summary lists rows whose peak is off the baseli
 FIRST_BOUND = 1.5          # ... and those whose first step takes more than this times the baseline's
 
 
-def config(name: str, smoke: bool) -> dict:
-    """The config kwargs of ``name``; every key must be a parameter of the config class (transformers
-    5 accepts unknown keys silently, so a misspelt one would change nothing), but for ``EXTRA``."""
+WIDE = ("hidden_size", "intermediate_size", "n_embd", "d_model", "d_ff", "num_attention_heads", "n_head", "num_heads",
+        "num_key_value_heads", "moe_intermediate_size", "shared_expert_intermediate_size")   # what --width multiplies
+
+
+def config(name: str, smoke: bool, width: int = 1) -> dict:
+    """The config kwargs of ``name``, its widths and head counts times ``width``; every key must be a
+    parameter of the config class (transformers 5 accepts unknown keys silently, so a misspelt one would
+    change nothing), but for ``EXTRA``."""
     import transformers
     _, cfg_cls, cfg, tiny, *_ = ALL[name]
     cfg = dict(cfg, **tiny) if smoke else dict(cfg)
+    cfg.update({k: v * width for k, v in cfg.items() if k in WIDE and cfg_cls is not None})
     if cfg_cls is None:   # timm: create_model checks its own keyword arguments
         return cfg
     unknown = set(cfg) - set(inspect.signature(getattr(transformers, cfg_cls).__init__).parameters) - EXTRA
@@ -136,7 +143,7 @@ def config(name: str, smoke: bool) -> dict:
     return cfg
 
 
-def build(name: str, recipe: str, device: str, smoke: bool) -> torch.nn.Module:
+def build(name: str, recipe: str, device: str, smoke: bool, width: int = 1) -> torch.nn.Module:
     import transformers
     cls, cfg_cls, *_ = ALL[name]
     torch.manual_seed(0)
@@ -144,7 +151,7 @@ def build(name: str, recipe: str, device: str, smoke: bool) -> torch.nn.Module:
         import timm
         model = TimmLoss(timm.create_model(cls[5:], pretrained=False, **config(name, smoke)))
     else:   # default attention
-        model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**config(name, smoke)))
+        model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**config(name, smoke, width)))
     dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
     return model.to(device=device, dtype=dtype).train()
 
@@ -177,8 +184,7 @@ def inputs(name: str, model: torch.nn.Module, device: str, smoke: bool) -> tuple
 
 
 class TimmLoss(torch.nn.Module):
-    """A timm classifier and the loss a training loop takes on its logits (the step reads a tensor output as
-    the loss, an HF output's ``.loss`` otherwise)."""
+    """A timm classifier and the loss a training loop takes on its logits (the step's loss: a tensor output)."""
 
     def __init__(self, net: torch.nn.Module):
         super().__init__()
@@ -244,13 +250,13 @@ class FleetVariant(Variant):
         return r
 
 
-def run(name, recipe, labels, rounds, steps, device, smoke, host=False) -> list[dict]:
+def run(name, recipe, labels, rounds, steps, device, smoke, host=False, width=1) -> list[dict]:
     """The rows of one model under one recipe: every variant built from one seed, warmed up, then timed
     in interleaved rounds. A variant that fails to build or warm up is an error row. ``host``: each row
     also gets where its step's host time goes (``_harness.host_breakdown``)."""
     torch._dynamo.reset()
     with torch.device("meta"):   # the parameter count and the inputs' dtype, nothing allocated
-        probe = build(name, recipe, "meta", smoke)
+        probe = build(name, recipe, "meta", smoke, width)
     batch, shape = inputs(name, probe, device, smoke)
     info = dict(model=name, shape=shape, params=sum(p.numel() for p in probe.parameters()))
     print(f"{name} {recipe}: {info['params'] / 1e6:.1f}M parameters, {shape}", flush=True)
@@ -258,7 +264,7 @@ def run(name, recipe, labels, rounds, steps, device, smoke, host=False) -> list[
     variants, errors = [], []
     for label in labels:
         try:
-            v = FleetVariant(label, VARIANTS[label](build(name, recipe, device, smoke)), batch, device, recipe)
+            v = FleetVariant(label, VARIANTS[label](build(name, recipe, device, smoke, width)), batch, device, recipe)
             v.warm_up()
         except Exception as e:  # noqa: BLE001
             v = None   # its model, grads and optimizer state freed before the next variant builds
@@ -340,8 +346,7 @@ def summary(rows: list[dict], recipes) -> dict:
 
 def free(device: str):
     gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache() if device == "cuda" else None
     torch._dynamo.reset()
 
 
@@ -358,6 +363,7 @@ def main():
                     help="start no model/recipe after this many seconds (an error row each): the summary still prints")
     ap.add_argument("--host", action="store_true", help="also profile where each row's host time goes")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script, measures nothing")
+    ap.add_argument("--width", type=int, default=1, help="widths and head counts times this (2: 0.4-0.9B)")
     args = ap.parse_args()
     models, recipes = args.models.split(","), args.recipes.split(",")
     labels = (args.variants or ("eager," if args.smoke else "torch.compile,") + "opsmath.optimize").split(",")
@@ -369,7 +375,8 @@ def main():
         args.rounds, args.steps = 1, 1
         smoke_out("fleet")
     name = "fleet-" + (args.tag or ("all" if models == list(MODELS) else "-".join(models))) \
-        + ("" if set(recipes) == set(RECIPES) else "-" + "-".join(recipes)) + ("-smoke" if args.smoke else "")
+        + ("" if set(recipes) == set(RECIPES) else "-" + "-".join(recipes)) + ("-smoke" if args.smoke else "") \
+        + (f"-width{args.width}" if args.width != 1 else "")
     rows, payload, start = [], dict(args=vars(args), variants=labels, configs={}), time.monotonic()
     for model in models:
         for recipe in recipes:
@@ -378,8 +385,8 @@ def main():
                 print(line(rows[-1]), flush=True)
                 continue
             try:
-                payload["configs"][model] = config(model, args.smoke)
-                rows += run(model, recipe, labels, args.rounds, args.steps, device, args.smoke, args.host)
+                payload["configs"][model] = config(model, args.smoke, args.width)
+                rows += run(model, recipe, labels, args.rounds, args.steps, device, args.smoke, args.host, args.width)
             except Exception as e:  # noqa: BLE001
                 rows.append(dict(model=model, recipe=recipe, variant=None, error=f"{type(e).__name__}: {e}"[:2000]))
                 print(line(rows[-1]), flush=True)
