@@ -20,9 +20,14 @@ _NOT_OPTIONS = {"hash", "triton_version", "name", "shared", "tmem_size", "global
                 "global_scratch_align", "profile_scratch_size", "profile_scratch_align"}
 
 
+# Inductor's generated kernels (``triton_poi_fused_...``) are compiled once per candidate configuration by design
+GENERATED = ("triton_poi_", "triton_per_", "triton_red_", "triton_tem_")
+
+
 def entries(root: str, match: str = "") -> dict[str, list[dict]]:
     """Kernel name -> its entries in the cache ``root``: ``hash`` (the entry's directory), ``options``
-    (the metadata's compile options) and ``signature`` (the TTIR's ``tt.func`` line, or "")."""
+    (the metadata's compile options) and ``signature`` (the TTIR's ``tt.func`` line, or ""). Inductor's
+    generated kernels are left out (``GENERATED``)."""
     found: dict[str, list[dict]] = {}
     if not os.path.isdir(root):
         return found
@@ -34,7 +39,7 @@ def entries(root: str, match: str = "") -> dict[str, list[dict]]:
             if not f.endswith(".json") or f.startswith("__grp__"):
                 continue
             name = f[:-5]
-            if match and match not in name:
+            if name.startswith(GENERATED) or (match and match not in name):
                 continue
             try:
                 with open(os.path.join(folder, f)) as fh:

@@ -24,6 +24,8 @@ def test_kernels_held_twice_and_what_differs(tmp_path):
     _entry(root, "K2", "attn_fwd", dict(num_warps=8, num_stages=3), a.replace(", %arg1: i32", ", %arg1: i32 {tt.divisibility = 16 : i32}"))
     _entry(root, "K3", "attn_fwd", dict(num_warps=4, num_stages=3), a)
     _entry(root, "K4", "other", dict(num_warps=4, num_stages=3), a)
+    _entry(root, "K5", "triton_poi_fused_add_0", dict(num_warps=4, num_stages=1), a)   # Inductor's: its
+    _entry(root, "K6", "triton_poi_fused_add_0", dict(num_warps=8, num_stages=1), a)   # configs, by design
     s = summarize(root)
     assert (s["entries"], s["kernels"]) == (4, 2) and list(s["twice"]) == ["attn_fwd"]
     second, third = s["twice"]["attn_fwd"]
