@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -141,3 +142,56 @@ def test_a_piece_of_fixed_sizes_reads_no_key_after_its_compile():
     piece._key = None   # any read of the sizes now raises
     torch.testing.assert_close(piece(x)[0], (x * 2).sum(0))
     assert compiles == [1]
+
+
+class Annealed(nn.Module):
+    """A float attribute (a temperature, a norm's eps) read on both sides of an autograd Function: after
+    dynamo's recompile for a second value it is a 0-dim tensor the graph reads with ``.item()``, and the
+    piece after the Function receives it as a Python number."""
+
+    def __init__(self, temp: float = 1.0):
+        super().__init__()
+        self.emb, self.body, self.head = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 50)
+        self.temp = temp
+
+    def forward(self, ids):
+        h = self.emb(ids) / self.temp
+        h = GradReverse.apply(self.body(h), 0.5)
+        return nn.functional.cross_entropy((self.head(h) * self.temp).view(-1, 50), ids.view(-1))
+
+
+_CXX = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on CPU needs a C++ compiler")
+
+
+@pytest.mark.parametrize("inductor", [False, pytest.param(True, marks=_CXX)])
+def test_a_float_attribute_changed_every_step_is_read_anew_by_every_piece(inductor):
+    """Each step's value reaches both pieces: the first compiles the number it reads into a copy per value,
+    and the second, which gets it from the first, is compiled per value too (it had kept the first value
+    it was compiled with: a wrong loss from the third step)."""
+    torch.manual_seed(0)
+    ref = Annealed()
+    model = copy.deepcopy(ref)
+    opt = opsmath.optimize(model, inductor=inductor)
+    ids = torch.randint(0, 50, (2, 8))
+    for step in range(5):
+        model.temp = ref.temp = 1.0 + 0.5 * step
+        loss, ref_loss = opt(ids), ref(ids)
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert not opsmath.report(opt).fallback_errors
+
+
+@_CXX
+def test_a_second_model_whose_float_attribute_differs_compiles_its_pieces():
+    """The second model's pieces read its eps as a number: compiled with it in place by Inductor, not run
+    op by op after Inductor failed on the ``.item()``."""
+    ids = torch.randint(0, 50, (2, 8))
+    for temp in (1.0, 2.0):
+        torch.manual_seed(0)
+        ref = Annealed(temp)
+        opt = opsmath.optimize(copy.deepcopy(ref), inductor=True)
+        torch.testing.assert_close(opt(ids), ref(ids), rtol=1e-5, atol=1e-6)
+        assert not opsmath.report(opt).fallback_errors, opsmath.report(opt).fallback_errors

@@ -7,6 +7,10 @@ each, up to ``PIECE_SIZES``. A piece between regions (``symbolic=True``) compile
 then, at a second size, once more through dynamo with symbolic sizes (``torch.compile(piece,
 dynamic=True)`` with the same backend): dynamo guards that compile by itself, so a loader with many
 sequence lengths keeps one rewritten, compiled piece instead of running it as traced past the limit.
+Numbers: a piece that reads an input as a Python number (``.item()`` of a 0-dim CPU tensor: dynamo's form
+for a float attribute that changed between captures, two models of a class whose norms' eps differ) is
+compiled with the number in place of the read, once per value it meets (the same limit): compiled on its
+own, without dynamo's shape environment, Inductor cannot read it and the piece would run op by op.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.node import map_arg
 
 from opsmath.capture.lower import _symbolic
 
@@ -44,23 +49,28 @@ class LazyPiece(torch.nn.Module):
         self._only = None   # the one compile of a piece whose every size is fixed (``fixed_sizes``)
         self._fixed = fixed_sizes(gm)
         self._one_tensor = _returns_one_tensor(gm)   # read before any compile can change the graph
+        self._numbers = number_inputs(gm)   # inputs read as Python numbers: their values join the key
+        if self._numbers:
+            self._symbolic = self._first = self._fixed = False
 
-    @staticmethod
-    def _key(args) -> tuple:
-        return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a if isinstance(a, int) else None
-                     for a in args)
+    def _key(self, args) -> tuple:
+        # a number an input passes (a float the piece before computed) is compiled in as a constant
+        return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a if isinstance(a, (int, float)) else None
+                     for a in args) + tuple(args[i].item() for i in self._numbers)
 
     def compile_for(self, args, key=None):
         key = self._key(args) if key is None else key
         if key not in self._fns:   # (the backend it compiles through turns saved-tensor hooks off)
             if len(self._fns) >= PIECE_SIZES:
-                note = (f"{self._what} met more than {PIECE_SIZES} input sizes: "
+                note = (f"{self._what} met more than {PIECE_SIZES} input sizes (or values of the numbers it reads): "
                         "further sizes run it as traced (not rewritten, not compiled); padding lengths to a few "
                         "buckets keeps it optimized")
                 if self._errors is not None and note not in self._errors:   # said once
                     self._errors.append(note)
                 return self.gm.forward
-            fn = self._compile(self.gm, list(args))
+            gm, returned = with_numbers(self.gm, {i: args[i].item() for i in self._numbers}) \
+                if self._numbers else (self.gm, {})
+            fn = _returning(self._compile(gm, list(args)), returned)
             self._fns[key] = _bare(fn) if self._one_tensor else fn
             if self._fixed:
                 self._only = self._fns[key]
@@ -84,6 +94,54 @@ class LazyPiece(torch.nn.Module):
         return self._dynamic(*args)
 
 
+def _reads_number(n: fx.Node) -> bool:
+    return n.op in ("call_method", "call_function") and getattr(n.target, "__name__", n.target) == "item"
+
+
+def number_inputs(gm: fx.GraphModule) -> list[int]:
+    """Positions of ``gm``'s inputs it reads as Python numbers: 0-dim CPU tensors read with ``.item()``."""
+    out = []
+    for i, p in enumerate(gm.graph.find_nodes(op="placeholder")):
+        v = example(p)
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu" and \
+                any(_reads_number(u) for u in p.users):
+            out.append(i)
+    return out
+
+
+def with_numbers(gm: fx.GraphModule, values: dict) -> tuple[fx.GraphModule, dict]:
+    """A copy of ``gm`` in which each ``.item()`` read of the input at position ``i`` is ``values[i]``
+    (the input stays, unread), and ``{output position: number}`` for the numbers it returned (the next
+    piece's input), which the copy no longer returns (a compiled graph returns tensors only)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    placeholders, out = graph.find_nodes(op="placeholder"), graph.output_node()
+    reads = {r: values[i] for i in values for r in placeholders[i].users if _reads_number(r)}
+    returned = {}
+    if isinstance(out.args[0], (tuple, list)):
+        returned = {k: reads[a] for k, a in enumerate(out.args[0]) if a in reads}
+        out.args = (tuple(a for k, a in enumerate(out.args[0]) if k not in returned),)
+    for read, value in reads.items():
+        for user in list(read.users):
+            user.args = map_arg(user.args, lambda a, r=read, v=value: v if a is r else a)
+            user.kwargs = map_arg(user.kwargs, lambda a, r=read, v=value: v if a is r else a)
+        graph.erase_node(read)
+    return fx.GraphModule(gm, graph), returned
+
+
+def _returning(fn, returned: dict):
+    """``fn`` with the numbers ``returned`` ({output position: number}) put back into its outputs."""
+    if not returned:
+        return fn
+
+    def call(*args):
+        out = list(fn(*args))
+        for k in sorted(returned):
+            out.insert(k, returned[k])
+        return tuple(out)
+    return call
+
+
 def example(n: fx.Node):
     """Node ``n``'s example value as dynamo (``example_value``) or make_fx (``val``) recorded it."""
     return n.meta.get("example_value", n.meta.get("val"))
@@ -100,9 +158,10 @@ def fixed_sizes(gm: fx.GraphModule) -> bool:
     dependent): a piece of such a graph meets the one size its parent's guards admit at every call."""
     for n in gm.graph.nodes:
         v = example(n)
-        if (v is None and n.op == "placeholder") or any(_symbolic(x) or isinstance(x, (torch.SymFloat, torch.SymBool))
-                                                        for x in (v if isinstance(v, (list, tuple)) else [v])):
-            return False   # (an input traced without an example value: unknown, so not fixed)
+        if (n.op == "placeholder" and (v is None or isinstance(v, float))) or \
+                any(_symbolic(x) or isinstance(x, (torch.SymFloat, torch.SymBool))
+                    for x in (v if isinstance(v, (list, tuple)) else [v])):
+            return False   # (an input traced without an example value: unknown; a number: its value is keyed)
     return True
 
 
