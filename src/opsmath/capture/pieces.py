@@ -62,9 +62,9 @@ class LazyPiece(torch.nn.Module):
         key = self._key(args) if key is None else key
         if key not in self._fns:   # (the backend it compiles through turns saved-tensor hooks off)
             if len(self._fns) >= PIECE_SIZES:
-                note = (f"{self._what} met more than {PIECE_SIZES} input sizes (or values of the numbers it reads): "
-                        "further sizes run it as traced (not rewritten, not compiled); padding lengths to a few "
-                        "buckets keeps it optimized")
+                note = (f"{self._what} met more than {PIECE_SIZES} input sizes or values of the numbers it "
+                        "reads: further ones run it as traced (not rewritten, not compiled); padding lengths to "
+                        "a few buckets (or passing a number that changes as a tensor) keeps it optimized")
                 if self._errors is not None and note not in self._errors:   # said once
                     self._errors.append(note)
                 return self.gm.forward
