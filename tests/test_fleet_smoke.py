@@ -30,3 +30,18 @@ def test_fleet_smoke_rows_for_both_recipes(tmp_path):
         if row["variant"] == "opsmath.optimize":
             assert row["rewrites"] and row["graphs"] >= 1 and row["declines"] >= 0 and row["fallbacks"] == [], row
     assert set(out["summary"]["recipes"]) == {"amp opsmath.optimize", "bf16 opsmath.optimize"}
+
+
+def test_width_doubles_widths_and_head_counts_not_head_sizes():
+    """``--width 2``: every model's widths and head counts twice, its depth, head size and vocabulary kept."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.fleet import MODELS as FLEET, config
+    for name in FLEET:
+        one, two = config(name, False), config(name, False, 2)
+        widened = {k for k in one if two[k] != one[k]}
+        assert widened and all(two[k] == 2 * one[k] for k in widened), name
+        assert not widened & {"head_dim", "d_kv", "num_hidden_layers", "n_layer", "num_layers", "vocab_size"}, name
+        heads = [k for k in ("num_attention_heads", "n_head", "num_heads") if k in one]
+        size = one.get("hidden_size", one.get("n_embd", one.get("d_model")))
+        if heads and "head_dim" not in one and "d_kv" not in one:   # head size implied: width / heads, kept
+            assert size // one[heads[0]] == 2 * size // two[heads[0]], name
