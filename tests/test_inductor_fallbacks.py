@@ -209,3 +209,38 @@ def test_control_flow_left_unlowered_is_compiled_as_torch_compile_does():
     assert [r.reason for r in rep.eager_regions if r.kind == "higher-order op cond"] == [
         "compiled by Inductor, as torch.compile compiles it (not lowered: not rewritten)"], rep.eager_regions
     assert not rep.fallback_errors
+
+
+class Smoothed(torch.nn.Module):
+    """Label smoothing and a logit scale changed every step: floats Inductor's scalar pass cannot turn into
+    tensors, so its first compile of the graph asks to start again (``TensorifyScalarRestartAnalysis``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.body, self.head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 50)
+        self.smoothing, self.scale = 0.0, 1.0
+
+    def forward(self, ids):
+        logits = self.head(torch.tanh(self.body(self.emb(ids)))) * self.scale
+        return torch.nn.functional.cross_entropy(logits.view(-1, 50), ids.view(-1), label_smoothing=self.smoothing)
+
+
+def test_a_scalar_restart_compiles_the_rewritten_graph_again_not_dynamos():
+    """The restart signal is not a failure: the rewritten graph compiles at the second try, so the ladder
+    drops no rewrite and the report names no failure; every step equals eager."""
+    torch.manual_seed(0)
+    ref = Smoothed()
+    model = copy.deepcopy(ref)
+    opt = opsmath.optimize(model, inductor=True)
+    ids = torch.randint(0, 50, (2, 16))
+    for step in range(3):
+        model.smoothing = ref.smoothing = 0.05 * step
+        model.scale = ref.scale = 1.0 + 0.3 * step
+        loss, ref_loss = opt(ids), ref(ids)
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+            p.grad = q.grad = None
+    assert not opsmath.report(opt).fallback_errors, opsmath.report(opt).fallback_errors

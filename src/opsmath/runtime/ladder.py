@@ -2,7 +2,8 @@
 
 A compile that fails must not cost the user more than ``torch.compile`` would:
 
-1. Inductor on the rewritten graph;
+1. Inductor on the rewritten graph (twice where its scalar pass asks to start again: a float it cannot make a
+   tensor, specialized by then);
 2. if it raises, Inductor on dynamo's graph as captured (what ``torch.compile`` runs for the same frame):
    the graph's rewrites and plan are then reported as declined with the failure;
 3. if that raises too with an error dynamo itself answers with a graph break (a data-dependent output, an
@@ -31,16 +32,19 @@ def finish(state, record, gm, example_inputs, use_inductor: bool, compile_fx, gr
     where Inductor fails."""
     if not use_inductor:
         return fp8_weights.with_copies(state.weight_casts, gm, gm)
-    try:
-        t1 = time.perf_counter()
-        fn = compile_fx(gm, fp8_weights.example_inputs(state.weight_casts, gm, example_inputs),
-                        cuda_graphs=state.cuda_graphs)
-        record.inductor, record.inductor_seconds = True, record.inductor_seconds + time.perf_counter() - t1
-        record.cuda_graphs = state.cuda_graphs
-        return fp8_weights.with_copies(state.weight_casts, gm, fn)
-    except Exception as e:
-        failure = f"Inductor failed on the rewritten graph ({type(e).__name__}: {str(e)[:300]})"
-        log.info("opsmath: graph %d: %s", record.index, failure, exc_info=True)
+    for attempt in range(2):   # a second time only after a scalar's restart signal (``_restarts``)
+        try:
+            t1 = time.perf_counter()
+            fn = compile_fx(gm, fp8_weights.example_inputs(state.weight_casts, gm, example_inputs),
+                            cuda_graphs=state.cuda_graphs)
+            record.inductor, record.inductor_seconds = True, record.inductor_seconds + time.perf_counter() - t1
+            record.cuda_graphs = state.cuda_graphs
+            return fp8_weights.with_copies(state.weight_casts, gm, fn)
+        except Exception as e:
+            failure = f"Inductor failed on the rewritten graph ({type(e).__name__}: {str(e)[:300]})"
+            log.info("opsmath: graph %d: %s", record.index, failure, exc_info=True)
+            if attempt or not _restarts(e):
+                break
     if record.source is not None:
         try:
             fn = compile_fx(record.source, example_inputs, cuda_graphs=state.cuda_graphs)
@@ -62,6 +66,14 @@ def finish(state, record, gm, example_inputs, use_inductor: bool, compile_fx, gr
             return fn
     _note(state, f"graph {record.index}: {failure}; running the rewritten graph op by op")
     return fp8_weights.with_copies(state.weight_casts, gm, gm)
+
+
+def _restarts(e: Exception) -> bool:
+    """Whether ``e`` is Inductor's scalar pass asking to start again (``TensorifyScalarRestartAnalysis``: a
+    float it cannot turn into a tensor, now specialized in the shape environment), which a second compile
+    of the same graph passes."""
+    from torch._dynamo import exc
+    return isinstance(e, getattr(exc, "TensorifyScalarRestartAnalysis", ()))
 
 
 def breaks_graph(e: Exception) -> bool:
