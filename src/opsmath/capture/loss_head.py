@@ -106,16 +106,6 @@ def _mutates(n: fx.Node) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
-def _reads_input_scalars(placeholders: list[fx.Node]) -> bool:
-    """Whether the graph reads an input's value as a Python number (``.item()``): dynamo passes a float
-    attribute that changed between captures (two models of one class in a process, their norms' eps
-    differing) as a 0-dim tensor it reads so. Compiled whole, Inductor reads it under dynamo's shape
-    environment; a piece compiled at its first call has none, Inductor fails on it and the piece runs
-    op by op (a tiny LLaMA's second model): such graphs stay whole."""
-    return any(u.op in ("call_method", "call_function") and getattr(u.target, "__name__", u.target) == "item"
-               for p in placeholders for u in p.users)
-
-
 def _loss_out(head: set[fx.Node], outputs: list[fx.Node]) -> bool:
     for n in outputs:
         v = example(n)
@@ -131,8 +121,6 @@ def loss_head(gm: fx.GraphModule, example_inputs: list) -> Optional[tuple[fx.Nod
     outputs = [a for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)]
     placeholders = gm.graph.find_nodes(op="placeholder")
     params = {p for p, t in zip(placeholders, example_inputs) if isinstance(t, torch.nn.Parameter)}
-    if _reads_input_scalars(placeholders):
-        return None
     for x in dict.fromkeys(outputs):
         v = example(x)
         if not isinstance(v, torch.Tensor) or not v.requires_grad or x.op == "placeholder":
