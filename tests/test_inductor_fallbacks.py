@@ -236,11 +236,7 @@ def test_a_scalar_restart_compiles_the_rewritten_graph_again_not_dynamos():
     for step in range(3):
         model.smoothing = ref.smoothing = 0.05 * step
         model.scale = ref.scale = 1.0 + 0.3 * step
-        loss, ref_loss = opt(ids), ref(ids)
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
-            p.grad = q.grad = None
+        step_equals_eager(model, ref, (ids,), run=opt)
+        model.zero_grad()
+        ref.zero_grad()
     assert not opsmath.report(opt).fallback_errors, opsmath.report(opt).fallback_errors

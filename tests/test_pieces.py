@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import opsmath
 from semantics_idioms import GradReverse
+from test_inductor import step_equals_eager
 from test_semantics import MODES, assert_trains_like_eager
 
 
@@ -175,12 +176,7 @@ def test_a_float_attribute_changed_every_step_is_read_anew_by_every_piece(induct
     ids = torch.randint(0, 50, (2, 8))
     for step in range(5):
         model.temp = ref.temp = 1.0 + 0.5 * step
-        loss, ref_loss = opt(ids), ref(ids)
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        step_equals_eager(model, ref, (ids,), run=opt)
     assert not opsmath.report(opt).fallback_errors
 
 
