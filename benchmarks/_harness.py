@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import platform
 import statistics
 import tempfile
@@ -213,3 +214,21 @@ def host_breakdown(step, steps: int = 3, top: int = 20) -> dict:
                 sync_sites=sync_sites(step) if syncs else [],
                 ops=[dict(name=n, self_cpu_ms=round(ms, 3), calls=c) for n, ms, c in ops],
                 python=[dict(name=n, own_ms=round(ms, 3), calls=c) for n, ms, c in py])
+
+
+# what a training step's GPU time goes to, by kernel name (``kernel_classes``), first match wins
+KERNEL_CLASSES = (
+    ("optimizer", re.compile(r"multi_tensor_apply|Adam|adamw", re.I)),
+    ("attention", re.compile(r"sdpa|flash|fmha|_attn_|attention", re.I)),
+    ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|sm90_|cublas|_mm_|grouped_mm", re.I)),
+    ("casts", re.compile(r"^triton_\w+_fused__to_copy(_(t|view|permute|clone|_unsafe_view|transpose))*_\d+$")),
+)
+
+
+def kernel_classes(per: dict) -> dict:
+    """``{kernel name: ms}`` summed by class (``KERNEL_CLASSES``; "casts": Inductor kernels that only change
+    a dtype, the views around it included), the rest as "other"."""
+    out = dict.fromkeys([c for c, _ in KERNEL_CLASSES] + ["other"], 0.0)
+    for name, ms in per.items():
+        out[next((c for c, pat in KERNEL_CLASSES if pat.search(name)), "other")] += ms
+    return {k: round(v, 4) for k, v in out.items()}

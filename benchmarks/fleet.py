@@ -32,7 +32,6 @@ baseline / variant step time, and the rows whose peak is off the baseline's by m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import inspect
 import math
@@ -114,10 +113,11 @@ AT_1B = {
 }
 ALL = {**MODELS, **AT_1B}
 RECIPES = ("amp", "bf16")
-# "(priced)": OPSMATH_PRICE=1 while it captures (rewrite/price.py: the families Inductor may fuse as well,
-# kept per occurrence only where they measure faster)
+# variants that capture with an environment variable set: "(priced)" (rewrite/price.py: the families Inductor may
+# fuse as well, kept where they measure faster); "(bf16 wgrad)": weight gradients rounded as eager's (runtime/wgrad.py)
+ENV = {"opsmath.optimize(priced)": {"OPSMATH_PRICE": "1"}, "opsmath.optimize(bf16 wgrad)": {"OPSMATH_FP32_WGRAD": "0"}}
 VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m,
-            "opsmath.optimize(priced)": opsmath.optimize}
+            **dict.fromkeys(ENV, opsmath.optimize)}
 EXTRA = {"num_labels", "decoder_start_token_id"}   # config attributes the config classes take as **kwargs
 PEAK_BAND = (0.98, 1.02)   # the summary lists rows whose peak is off the baseline's by more than this
 FIRST_BOUND = 1.5          # ... and those whose first step takes more than this times the baseline's
@@ -225,9 +225,8 @@ class FleetVariant(Variant):
     def warm_up(self):
         """The harness's warm-up; for opsmath also where its first step went (``first_parts``)."""
         tuned = dict(autotune.SPENT)
-        priced = self.label.endswith("(priced)")
         self._start = time.perf_counter()
-        with mock.patch.dict(os.environ, OPSMATH_PRICE="1") if priced else contextlib.nullcontext():
+        with mock.patch.dict(os.environ, ENV.get(self.label, {})):
             super().warm_up()
         if hasattr(self.model, "_opsmath"):
             graphs = opsmath.report(self.model).graphs

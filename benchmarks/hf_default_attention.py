@@ -24,7 +24,7 @@ import torch
 import opsmath
 import opsmath.patterns
 from opsmath.api import INDUCTOR_FUSES_BETTER
-from benchmarks._harness import Stepper, interleave, kernel_ms, write
+from benchmarks._harness import Stepper, interleave, kernel_classes, kernel_ms, write
 
 GEMMA2_9B = dict(   # Gemma-2-9B's layers, 4 of them, its vocabulary cut to 32000
     hidden_size=3584, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
@@ -131,6 +131,7 @@ class Variant(Stepper):
             per = kernel_ms(lambda: self.step(accumulate), calls=3)
             r["gpu_ms"], r["step_peak_gib"] = sum(per.values()), self.peak_gib
             r["top_kernels"] = sorted(per.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+            r["kernel_classes"] = kernel_classes(per)
         if hasattr(self.model, "_opsmath"):
             casts = self.model._opsmath.weight_casts
             r["fp8_copies_gib"], r["fp8_weight_casts"], r["fp8_copies_reused"] = \

@@ -36,3 +36,17 @@ def test_a_users_own_post_grad_pass_is_kept():
     with torch._inductor.config.patch(post_grad_custom_pre_pass=cache_key.SourceKey()):
         assert cache_key.patches() == {}
     assert cache_key.patches()
+
+
+def test_joint_passes_are_keyed_only_where_every_pass_is():
+    from opsmath.runtime import wgrad
+    seen = []
+    keyed = wgrad.joint_pass(frozenset({0}))
+    unkeyed = seen.append
+    both = cache_key.JointPasses([None, keyed])
+    assert both.uuid() and "fp32-wgrad [0]" in both.uuid()
+    assert cache_key.JointPasses([keyed, unkeyed]).uuid() is None
+    graph = torch.fx.Graph()
+    graph.output(())
+    cache_key.JointPasses([unkeyed, None])(graph)
+    assert seen == [graph]

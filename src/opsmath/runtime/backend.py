@@ -10,7 +10,6 @@ what its first steps measured and made again if needed (``replan.py``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import time
@@ -30,7 +29,7 @@ from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite import price
 from opsmath.rewrite.match import Decline, Match, run_patterns
-from opsmath.runtime import blocks, cache_key, ladder, offload_async, ttir_cache
+from opsmath.runtime import blocks, cache_key, ladder, offload_async, ttir_cache, wgrad
 from opsmath.memory import offload, weight_casts
 from opsmath.memory.budget import InfeasibleBudget
 from opsmath.runtime.budgets import plan_graph, reserve_floors, step_in_backward
@@ -58,13 +57,13 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
         or weight_casts.has_marks(gm)
     static_inputs(gm)
     offloading = offload_async.offloading(gm, example_inputs)
-    passes = [p for p in (weight_casts.joint_pass(gm, example_inputs),) if p]
+    passes = [p for p in (weight_casts.joint_pass(gm, example_inputs), _wgrad_pass(gm, example_inputs)) if p]
     patches = dict(cache_key.patches(), **({"triton.cudagraphs": True} if cuda_graphs else {}))
     if _cpu_gather_with_grad(gm, example_inputs):
         patches["cpp.simdlen"] = 0
     if passes:   # after any joint-graph pass already configured
-        patches["joint_custom_post_pass"] = functools.partial(
-            _joint_passes, [torch._inductor.config.joint_custom_post_pass, *passes])
+        patches["joint_custom_post_pass"] = cache_key.JointPasses(
+            [torch._inductor.config.joint_custom_post_pass, *passes])
     with torch._functorch.config.patch(enable_autograd_cache=False) if tagged else contextlib.nullcontext(), \
             offloading:
         return inductor(gm, example_inputs, config_patches=patches or None)
@@ -88,11 +87,11 @@ _GATHERS = (torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor, torch
             torch.embedding)
 
 
-def _joint_passes(passes, graph) -> None:
-    """Joint-graph passes run in turn (``None`` entries skipped): Inductor's ``joint_custom_post_pass``."""
-    for p in passes:
-        if p is not None:
-            p(graph)
+def _wgrad_pass(gm: fx.GraphModule, example_inputs):
+    """``wgrad``'s joint-graph pass where ``gm`` runs on CUDA (None elsewhere, or where it is off)."""
+    if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+        return None
+    return wgrad.joint_pass(weight_casts.param_positions(gm, example_inputs))
 
 
 # Families Inductor does better than opsmath's opaque op when it compiles the graph anyway (each op
@@ -129,6 +128,7 @@ class GraphRecord:
     pending: object = field(default=None, repr=False)    # (plan, graph) to install at its next call
     inductor: bool = False                  # whether the emitted graph was compiled by Inductor
     inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
+    fp32_wgrad: int = 0                     # weight-gradient GEMMs writing fp32 (wgrad.py), where Inductor traced them
     left_to_inductor: list = field(default_factory=list)   # families not applied: Inductor does them better
     cuda_graphs: bool = False               # compiled for CUDA-graph replay (optimize(cuda_graphs=True))
     dynamic: bool = False                   # symbolic sizes: one graph serves every value of a changing dim
@@ -149,7 +149,7 @@ class GraphRecord:
                     matches=[m.to_dict() for m in self.matches], declines=[d.to_dict() for d in self.declines],
                     capture_seconds=self.capture_seconds, calls=self.calls, launches=list(self.launches),
                     saved_bytes=list(saved), plan=self.plan.to_dict() if self.plan else None,
-                    inductor=self.inductor, inductor_seconds=self.inductor_seconds,
+                    inductor=self.inductor, inductor_seconds=self.inductor_seconds, fp32_wgrad=self.fp32_wgrad,
                     left_to_inductor=list(self.left_to_inductor), cuda_graphs=self.cuda_graphs,
                     dynamic=self.dynamic, static_only=list(self.static_only), left_on_gpu=list(self.left_on_gpu),
                     before_code=self.before_code, after_code=self.after_code)

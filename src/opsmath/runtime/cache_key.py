@@ -45,6 +45,25 @@ if CustomGraphPass is not None:
             return "opsmath-" + source_hash()
 
 
+class JointPasses(*([CustomGraphPass] if CustomGraphPass is not None else [])):
+    """Joint-graph passes run in turn (``None`` entries skipped), as Inductor's ``joint_custom_post_pass``.
+    Keyed (Inductor's and AOTAutograd's caches stay on) where every pass carries a ``cache_key`` attribute
+    or a ``uuid``: opsmath's source hash and theirs; otherwise the caches are bypassed for the graph, as
+    for any unkeyed custom pass."""
+
+    def __init__(self, passes):
+        self.passes = [p for p in passes if p is not None]
+        keys = [getattr(p, "cache_key", None) or (p.uuid() if hasattr(p, "uuid") else None) for p in self.passes]
+        self.key = "opsmath-joint-" + source_hash() + repr(keys) if keys and all(keys) else None
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self):
+        return self.key
+
+
 def patches() -> dict:
     """Inductor config patches that put opsmath's source in its cache keys ({} where the user set a
     post-grad pre-pass, or torch has no keyed passes)."""
