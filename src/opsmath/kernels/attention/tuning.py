@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -99,9 +100,11 @@ def choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill: f
            scale: float, dropout_p: float, vendors: bool = True, softcap: float = 0.0, window: int = 0) -> str:
     """Measure and return the fastest correct implementation for these shapes (see module doc);
     ``vendors=False`` (a bias that needs its gradient) tunes opsmath's block configurations only.
-    Runs outside the caller's autocast (which would turn the fp32 reference into bf16) and grad mode."""
+    Runs outside the caller's autocast (which would turn the fp32 reference into bf16) and grad mode, its
+    probes' warnings (SDPA's, for each backend that cannot take the inputs) silenced."""
     try:
-        with torch.autocast(device.type, enabled=False), torch.enable_grad():
+        with torch.autocast(device.type, enabled=False), torch.enable_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
             return _choose(q_shape, k_shape, dtype, device, bias_shape, mask_shape, mask_fill, is_causal, scale,
                            dropout_p, vendors and not softcap, softcap, window)
     finally:   # the random inputs and the fp32 reference are gone: give their blocks back
