@@ -10,10 +10,10 @@ from opsmath.runtime import wgrad
 aten, prims = torch.ops.aten, torch.ops.prims
 
 
-def _joint(primals_1, primals_2, tangents_1):
+def _joint(primals_1, primals_2, tangents_1, dtype=torch.bfloat16):
     """A linear's joint graph as AOTAutograd traces it under autocast: ``y = x @ W.T`` with an fp32 weight
     (primal 1) and a bf16 activation (primal 2); outputs ``y``, then one gradient per primal."""
-    w = prims.convert_element_type(primals_1, torch.bfloat16)
+    w = prims.convert_element_type(primals_1, dtype)
     y = aten.mm(primals_2, aten.permute(w, [1, 0]))
     dw = aten.mm(aten.permute(tangents_1, [1, 0]), primals_2)             # (out, in), bf16
     dx = aten.mm(tangents_1, w)
@@ -21,11 +21,13 @@ def _joint(primals_1, primals_2, tangents_1):
             prims.convert_element_type(dx, torch.float32)]
 
 
-def _graph(device="cuda"):
+def _graph(device="cuda", dtype=torch.bfloat16):
     with FakeTensorMode():
-        args = (torch.empty(24, 40, device=device), torch.empty(17, 40, device=device, dtype=torch.bfloat16),
-                torch.empty(17, 24, device=device, dtype=torch.bfloat16))
-        return make_fx(_joint)(*args)
+        args = (torch.empty(24, 40, device=device), torch.empty(17, 40, device=device, dtype=dtype),
+                torch.empty(17, 24, device=device, dtype=dtype))
+        def joint(primals_1, primals_2, tangents_1):   # make_fx names the placeholders after the arguments
+            return _joint(primals_1, primals_2, tangents_1, dtype)
+        return make_fx(joint)(*args)
 
 
 def _grad(gm, i):
@@ -54,6 +56,8 @@ def test_activation_gradients_and_other_devices_keep_eagers_rounding():
     assert wgrad.fp32_weight_grads(gm.graph, frozenset()) == 0   # neither primal a parameter: nothing rewritten
     cpu = _graph("cpu")   # mm.dtype has no CPU kernel
     assert wgrad.fp32_weight_grads(cpu.graph, frozenset({0})) == 0
+    fp16 = _graph(dtype=torch.float16)   # an overflow must reach GradScaler as eager's inf
+    assert wgrad.fp32_weight_grads(fp16.graph, frozenset({0})) == 0
 
 
 def test_a_gemm_read_elsewhere_is_left_alone():

@@ -17,7 +17,8 @@ what Megatron-LM's gradient-accumulation fusion does. ``OPSMATH_FP32_WGRAD=0`` k
 
 Scope: a joint-graph pass (Inductor's ``joint_custom_post_pass``) on CUDA (``mm.dtype`` has no CPU kernel),
 for the gradients of parameters only (an activation's gradient keeps eager's values), where the GEMM's
-result feeds nothing but the cast (through single-use views). A weight used twice (tied embeddings) sums
+result feeds nothing but the cast (through single-use views), in bf16 only (an fp16 gradient that
+overflows must reach GradScaler as the inf eager's would). A weight used twice (tied embeddings) sums
 two gradients first and is left as it is.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ _MM, _MM_FP32 = aten.mm.default, aten.mm.dtype
 _CASTS = {prims.convert_element_type.default, aten._to_copy.default}
 _VIEWS = {aten.permute.default, aten.t.default, aten.view.default, aten._unsafe_view.default,
           aten.reshape.default, aten.transpose.int}
-_NARROW = (torch.bfloat16, torch.float16)
+_NARROW = (torch.bfloat16,)   # fp16 keeps eager's values: GradScaler's overflow check sees what eager's would
 REWRITTEN = [0]   # GEMMs rewritten in this process (``ladder.finish`` counts a graph's by difference)
 
 
@@ -80,8 +81,8 @@ def _plain_cast(cast: fx.Node) -> bool:
 
 
 def _rewrite(graph: fx.Graph, cast: fx.Node) -> bool:
-    """``cast(views(mm(a, b)))`` -> ``views(mm.dtype(a, b, float32))`` where ``a``, ``b`` are bf16 or fp16
-    CUDA tensors and the GEMM and each view have one user."""
+    """``cast(views(mm(a, b)))`` -> ``views(mm.dtype(a, b, float32))`` where ``a``, ``b`` are bf16 CUDA
+    tensors and the GEMM and each view have one user."""
     if not _plain_cast(cast):
         return False
     chain, src = [], cast.args[0]   # the views from the cast up to the GEMM
