@@ -23,6 +23,8 @@ two gradients first and is left as it is.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
 import torch
@@ -38,7 +40,17 @@ REWRITTEN = [0]   # GEMMs rewritten in this process (``ladder.finish`` counts a 
 
 
 def enabled() -> bool:
-    return os.environ.get("OPSMATH_FP32_WGRAD", "1") != "0"
+    """On unless ``OPSMATH_FP32_WGRAD=0``, where this torch's Inductor lowers ``mm`` with an ``out_dtype``."""
+    return os.environ.get("OPSMATH_FP32_WGRAD", "1") != "0" and _lowered()
+
+
+@functools.lru_cache(maxsize=1)
+def _lowered() -> bool:
+    try:
+        from torch._inductor.kernel.mm import tuned_mm
+        return "out_dtype" in inspect.signature(tuned_mm).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
 
 
 def joint_pass(params: frozenset[int]):
