@@ -36,7 +36,9 @@ _CASTS = {prims.convert_element_type.default, aten._to_copy.default}
 _VIEWS = {aten.permute.default, aten.t.default, aten.view.default, aten._unsafe_view.default,
           aten.reshape.default, aten.transpose.int}
 _NARROW = (torch.bfloat16,)   # fp16 keeps eager's values: GradScaler's overflow check sees what eager's would
-REWRITTEN = [0]   # GEMMs rewritten in this process (``ladder.finish`` counts a graph's by difference)
+# GEMMs rewritten in this process (``ladder.finish`` counts a graph's by difference; a graph Inductor's cache
+# serves runs no joint pass, and counts none)
+REWRITTEN = [0]
 
 
 def enabled() -> bool:
