@@ -19,7 +19,7 @@ FAMILIES = {  # family: its modules, in the order the listing shows them
     "numerics": ["learning_curve", "fp8_curve"],
     "coverage (CPU)": ["hf_coverage", "hf_moe_coverage", "timm_coverage", "diffusers_coverage", "library_coverage"],
     "multi-GPU": ["multi_gpu"],
-    "tools": ["first_step", "first_call", "triton_caches", "profile_step", "profile_gap", "profile_offload", "sass_stats"],
+    "tools": ["first_step", "first_call", "triton_caches", "peak_snapshot", "profile_step", "profile_gap", "profile_offload", "sass_stats"],
 }
 
 
