@@ -4,7 +4,7 @@
 #   STEPS="gpu_smoke hf_sdpa lengths attention lce ce dan act train gap recompute memory memory_llama long
 #          curve tune llama cuda_graphs fp8_curve fp8_speed window bloom alibi memory_llama_fractions
 #          window_model plan_estimate fp8_rowwise budget_windows bloom_rewrites grouped gather first_step
-#          fleet fleet_bf16"   (default: DEFAULT_STEPS)
+#          fleet fleet_bf16 peak_snapshot"   (default: DEFAULT_STEPS)
 # Each step's timeout and arguments can be set by the variables it reads (TRAIN_TIMEOUT, MEMORY_ARGS, ...).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
@@ -92,3 +92,5 @@ step fleet ${FLEET_TIMEOUT:-540} $B fleet --recipes amp --models ${FLEET_MODELS:
     --deadline-s $(( ${FLEET_TIMEOUT:-540} / 2 )) --tag=${FLEET_TAG:-}
 step fleet_bf16 ${FLEET_BF16_TIMEOUT:-540} $B fleet --recipes bf16 --models ${FLEET_BF16_MODELS:-mistral,llama} \
     --rounds ${FLEET_ROUNDS:-3} --deadline-s $(( ${FLEET_BF16_TIMEOUT:-540} / 2 )) --tag=${FLEET_TAG:-}
+# what is alive at a step's peak, opsmath beside compile (a row whose peak is over compile's: PEAK_MODEL at width 2)
+step peak_snapshot ${PEAK_TIMEOUT:-400} $B peak_snapshot --model ${PEAK_MODEL:-mixtral} --recipe amp --width 2
