@@ -87,10 +87,10 @@ step gather ${GATHER_TIMEOUT:-560} bash -c "$B grouped_gemm --rounds 5 --iters 1
 # (about 30 and 55 s a model on an H100; --profile adds cProfile runs at about twice that)
 step first_step ${FIRST_STEP_TIMEOUT:-560} $B first_step ${FIRST_STEP_ARGS:---models mistral,gpt2}
 # fleet rows beside torch.compile, in the recipe users run first and in bf16 weights (models by FLEET_MODELS and
-# FLEET_BF16_MODELS; each row's first steps run on the caches the steps before left)
+# FLEET_BF16_MODELS, more arguments by FLEET_EXTRA: "--width 2"; each row's first steps run on the caches the steps before left)
 step fleet ${FLEET_TIMEOUT:-540} $B fleet --recipes amp --models ${FLEET_MODELS:-gpt2,t5} --rounds ${FLEET_ROUNDS:-3} \
-    --deadline-s $(( ${FLEET_TIMEOUT:-540} / 2 )) --tag=${FLEET_TAG:-}
+    --deadline-s $(( ${FLEET_TIMEOUT:-540} / 2 )) --tag=${FLEET_TAG:-} ${FLEET_EXTRA:-}
 step fleet_bf16 ${FLEET_BF16_TIMEOUT:-540} $B fleet --recipes bf16 --models ${FLEET_BF16_MODELS:-mistral,llama} \
-    --rounds ${FLEET_ROUNDS:-3} --deadline-s $(( ${FLEET_BF16_TIMEOUT:-540} / 2 )) --tag=${FLEET_TAG:-}
+    --rounds ${FLEET_ROUNDS:-3} --deadline-s $(( ${FLEET_BF16_TIMEOUT:-540} / 2 )) --tag=${FLEET_TAG:-} ${FLEET_EXTRA:-}
 # what is alive at a step's peak, opsmath beside compile (a row whose peak is over compile's: PEAK_MODEL at width 2)
 step peak_snapshot ${PEAK_TIMEOUT:-400} $B peak_snapshot --model ${PEAK_MODEL:-mixtral} --recipe amp --width 2
