@@ -128,7 +128,7 @@ class GraphRecord:
     pending: object = field(default=None, repr=False)    # (plan, graph) to install at its next call
     inductor: bool = False                  # whether the emitted graph was compiled by Inductor
     inductor_seconds: float = 0.0           # of capture_seconds, the time spent in Inductor
-    fp32_wgrad: int = 0                     # weight-gradient GEMMs writing fp32 (wgrad.py), where Inductor traced them
+    fp32_wgrad: Optional[int] = None        # GEMMs wgrad.py made write fp32 weight gradients (None: pass not on)
     left_to_inductor: list = field(default_factory=list)   # families not applied: Inductor does them better
     cuda_graphs: bool = False               # compiled for CUDA-graph replay (optimize(cuda_graphs=True))
     dynamic: bool = False                   # symbolic sizes: one graph serves every value of a changing dim

@@ -34,11 +34,11 @@ def finish(state, record, gm, example_inputs, use_inductor: bool, compile_fx, gr
         return fp8_weights.with_copies(state.weight_casts, gm, gm)
     for attempt in range(2):   # a second time only after a scalar's restart signal (``_restarts``)
         try:
-            t1, rewritten = time.perf_counter(), wgrad.REWRITTEN[0]
+            t1, passes, rewritten = time.perf_counter(), wgrad.PASSES[0], wgrad.REWRITTEN[0]
             fn = compile_fx(gm, fp8_weights.example_inputs(state.weight_casts, gm, example_inputs),
                             cuda_graphs=state.cuda_graphs)
             record.inductor, record.inductor_seconds = True, record.inductor_seconds + time.perf_counter() - t1
-            record.fp32_wgrad = wgrad.REWRITTEN[0] - rewritten
+            record.fp32_wgrad = wgrad.REWRITTEN[0] - rewritten if wgrad.PASSES[0] > passes else None
             record.cuda_graphs = state.cuda_graphs
             return fp8_weights.with_copies(state.weight_casts, gm, fn)
         except Exception as e:

@@ -36,9 +36,9 @@ _CASTS = {prims.convert_element_type.default, aten._to_copy.default}
 _VIEWS = {aten.permute.default, aten.t.default, aten.view.default, aten._unsafe_view.default,
           aten.reshape.default, aten.transpose.int}
 _NARROW = (torch.bfloat16,)   # fp16 keeps eager's values: GradScaler's overflow check sees what eager's would
-# GEMMs rewritten in this process (``ladder.finish`` counts a graph's by difference; a graph Inductor's cache
-# serves runs no joint pass, and counts none)
-REWRITTEN = [0]
+# in this process: graphs compiled with the pass, and GEMMs it rewrote (``ladder.finish`` reads a graph's by
+# difference; a graph Inductor's cache serves runs no joint pass, so its GEMMs are not counted)
+PASSES, REWRITTEN = [0], [0]
 
 
 def enabled() -> bool:
@@ -60,6 +60,8 @@ def joint_pass(params: frozenset[int]):
     (``weight_casts.param_positions``), or None where it is off."""
     if not enabled():
         return None
+
+    PASSES[0] += 1
 
     def rewrite(graph: fx.Graph) -> None:
         REWRITTEN[0] += fp32_weight_grads(graph, params)
@@ -125,3 +127,15 @@ def _copy(graph: fx.Graph, like: fx.Node, target, args: tuple, kwargs: dict) -> 
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
     node.meta["val"] = target(*vals, **kwargs)
     return node
+
+
+def report_note(graphs) -> list[str]:
+    """The report's line: where a graph was compiled with the pass (``fp32_wgrad`` not None), and its counts."""
+    on = [g.fp32_wgrad for g in graphs if getattr(g, "fp32_wgrad", None) is not None]
+    if not on:
+        return []
+    none = sum(1 for n in on if not n)
+    counted = f"{sum(on)} GEMMs rewritten" + (f" ({none} graphs count none: no such GEMM, or served from "
+                                               "Inductor's cache)" if none else "")
+    return [f"weight gradients of bf16 GEMMs written in fp32 by the GEMM, no bf16 rounding or cast kernel, in "
+            f"{len(on)} graphs: {counted}; OPSMATH_FP32_WGRAD=0 rounds them as eager"]

@@ -20,6 +20,7 @@ from opsmath.kernels.grouped_mm import LOAD_STEPS, LOADS
 
 from opsmath.api import state_of
 from opsmath.patterns.experts.regional import eager_notes
+from opsmath.runtime import wgrad
 from opsmath.ui.fp8_stats import fp8_rows
 from opsmath.rewrite.match import Decline, Match
 from opsmath.ui.rendering import Rendered
@@ -73,9 +74,7 @@ class Report(Rendered):
         self.notes = list(state.notes) + [f"Inductor did not replay a graph as a CUDA graph: {m}"
                                           for m in state.cuda_graph_skips]
         self.notes += eager_notes(model) if model is not None else []   # (a module's len() may raise)
-        wgrads = sum(getattr(g, "fp32_wgrad", 0) for g in self.graphs)
-        self.notes += [f"{wgrads} weight gradients written in fp32 by their bf16 GEMMs (no bf16 rounding, "
-                       "no cast kernel; OPSMATH_FP32_WGRAD=0 rounds them as eager)"] if wgrads else []
+        self.notes += wgrad.report_note(self.graphs)
 
     @property
     def matches(self) -> list[Match]:
