@@ -27,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 CASTS = "opsmath_recompute_casts"   # meta["custom"] key: the parameter casts traced from this node recompute
 _AC_ID = 1 << 30   # an ac_graph_id above every segment's: the partitioner never pins a cast as a region output
-_CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
+CAST_OPS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}   # dtype casts in ATen
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default   # aliases its input, though its schema is not a view's
 
 
@@ -42,11 +42,16 @@ def param_positions(gm: fx.GraphModule, example_inputs) -> frozenset[int]:
 
 def narrowing(n: fx.Node) -> bool:
     """``n`` casts a float tensor (its first argument, a node) to a narrower float dtype."""
-    if n.op != "call_function" or n.target not in _CASTS or not n.args or not isinstance(n.args[0], fx.Node):
+    if n.op != "call_function" or n.target not in CAST_OPS or not n.args or not isinstance(n.args[0], fx.Node):
         return False
     val, out = n.args[0].meta.get("val"), n.meta.get("val")
     return (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.is_floating_point()
             and out.is_floating_point() and out.dtype.itemsize < val.dtype.itemsize)
+
+
+def is_view(n: fx.Node) -> bool:
+    """``n`` calls an ATen view of its first argument (``_unsafe_view`` included)."""
+    return n.op == "call_function" and (getattr(n.target, "is_view", False) or n.target is _UNSAFE_VIEW)
 
 
 def is_param_cast(n: fx.Node, params: frozenset[int]) -> bool:
@@ -56,8 +61,7 @@ def is_param_cast(n: fx.Node, params: frozenset[int]) -> bool:
     if not narrowing(n):
         return False
     src = n.args[0]
-    while src.op == "call_function" and (getattr(src.target, "is_view", False) or src.target is _UNSAFE_VIEW) \
-            and isinstance(src.args[0], fx.Node):
+    while is_view(src) and isinstance(src.args[0], fx.Node):
         src = src.args[0]   # a transposed weight cast after its transpose (an LM head, a down projection)
     if src.op != "placeholder" or not src.name.startswith("primals_"):
         return False

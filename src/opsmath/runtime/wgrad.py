@@ -8,8 +8,9 @@ casts to the weight's fp32::
 
 The GEMM writes 2 bytes per weight, a cast kernel reads them and writes 4: 8 bytes of traffic and a
 launch per weight per step where writing the fp32 gradient takes 4 (LLaMA-shaped 0.5B, B4 T1024 on an H100:
-the casts' 0.97 ms a step go, the GEMMs take 0.26 ms more for their wider output). ``aten.mm.dtype(dY^T, X, float32)`` has cuBLAS write its fp32 accumulator
-directly (Inductor lowers it to ``at::mm_dtype_out``); the views follow as before, the cast goes.
+the casts' 0.97 ms a step go, the GEMMs take 0.26 ms more for their wider output).
+``aten.mm.dtype(dY^T, X, float32)`` has cuBLAS write its fp32 accumulator directly (Inductor lowers it to
+``at::mm_dtype_out``); the views follow as before, the cast goes.
 
 Numerics: the gradient is the GEMM's fp32 accumulator unrounded, so it is closer to an fp32 reference than
 eager's bf16-rounded one (the tolerance rule holds by construction), not bit-identical to eager. This is
@@ -30,11 +31,10 @@ import os
 import torch
 import torch.fx as fx
 
+from opsmath.memory.weight_casts import CAST_OPS, is_view
+
 aten, prims = torch.ops.aten, torch.ops.prims
 _MM, _MM_FP32 = aten.mm.default, aten.mm.dtype
-_CASTS = {prims.convert_element_type.default, aten._to_copy.default}
-_VIEWS = {aten.permute.default, aten.t.default, aten.view.default, aten._unsafe_view.default,
-          aten.reshape.default, aten.transpose.int}
 _NARROW = (torch.bfloat16,)   # fp16 keeps eager's values: GradScaler's overflow check sees what eager's would
 # in this process: graphs compiled with the pass, and GEMMs it rewrote (``ladder.finish`` reads a graph's by
 # difference; a graph Inductor's cache serves runs no joint pass, so its GEMMs are not counted)
@@ -84,7 +84,7 @@ def fp32_weight_grads(graph: fx.Graph, params: frozenset[int]) -> int:
 
 def _plain_cast(cast: fx.Node) -> bool:
     """``cast`` changes the dtype of a float tensor to fp32 and nothing else (strides preserved)."""
-    if cast.op != "call_function" or cast.target not in _CASTS or not isinstance(cast.args[0], fx.Node):
+    if cast.op != "call_function" or cast.target not in CAST_OPS or not isinstance(cast.args[0], fx.Node):
         return False
     out = cast.meta.get("val")
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
@@ -102,7 +102,7 @@ def _rewrite(graph: fx.Graph, cast: fx.Node) -> bool:
     if not _plain_cast(cast):
         return False
     chain, src = [], cast.args[0]   # the views from the cast up to the GEMM
-    while src.op == "call_function" and src.target in _VIEWS and len(src.users) == 1:
+    while is_view(src) and len(src.users) == 1 and isinstance(src.args[0], fx.Node):
         chain.append(src)
         src = src.args[0]
     if src.op != "call_function" or src.target is not _MM or len(src.users) != 1:
