@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import platform
+import re
 import statistics
 import tempfile
 import time

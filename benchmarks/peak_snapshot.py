@@ -14,9 +14,8 @@ import gc
 
 import torch
 
-import opsmath
 from benchmarks._harness import write
-from benchmarks.fleet import FleetVariant, build, inputs
+from benchmarks.fleet import VARIANTS, FleetVariant, build, inputs
 
 # frames worth naming: the model's, opsmath's, and Inductor's generated code (torch's own are left out)
 KEEP = ("transformers/", "opsmath/", "torchinductor", "benchmarks/")
@@ -27,18 +26,25 @@ def peak_live(trace: list, top: int = 12) -> dict:
     ``frames``), the bytes allocated at the highest point (above the trace's start) and the ``top`` largest
     allocations live there, each ``{"mib", "frames"}``. ``alloc`` adds a block, ``free_completed`` (the block
     back in the allocator's pool) removes it; a free of a block allocated before the trace is ignored."""
-    live, total, best, at_best = {}, 0, 0, {}
-    for ev in trace:
+    _, best, at = _replay(trace, len(trace))
+    at_best = _replay(trace, at + 1)[0]   # a second pass up to the peak: no copy of the live set at every new high
+    biggest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]
+    return dict(peak_mib=best / 2**20, live=[dict(mib=round(e["size"] / 2**20, 2), frames=_named(e.get("frames", [])))
+                                             for e in biggest])
+
+
+def _replay(trace: list, stop: int) -> tuple[dict, int, int]:
+    """The blocks live after ``trace[:stop]`` ({addr: event}), the highest total reached and its event's index."""
+    live, total, best, at = {}, 0, 0, -1
+    for i, ev in enumerate(trace[:stop]):
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
             total += ev["size"]
             if total > best:
-                best, at_best = total, dict(live)
+                best, at = total, i
         elif ev["action"] == "free_completed" and ev["addr"] in live:
             total -= live.pop(ev["addr"])["size"]
-    biggest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]
-    return dict(peak_mib=best / 2**20, live=[dict(mib=round(e["size"] / 2**20, 2), frames=_named(e.get("frames", [])))
-                                             for e in biggest])
+    return live, best, at
 
 
 def _named(frames: list) -> list:
@@ -66,13 +72,12 @@ def main():
     ap.add_argument("--variants", default="torch.compile,opsmath.optimize")
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
-    wraps = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize}
     rows = []
     for label in args.variants.split(","):
         torch._dynamo.reset()
         model = build(args.model, args.recipe, "cuda", False, args.width)
         batch, _ = inputs(args.model, model, "cuda", False)
-        v = FleetVariant(label, wraps[label](model), batch, "cuda", args.recipe)
+        v = FleetVariant(label, VARIANTS[label](model), batch, "cuda", args.recipe)
         v.warm_up()
         v.step()
         row = dict(variant=label, **traced_step(v))
