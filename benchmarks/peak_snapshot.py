@@ -29,8 +29,14 @@ def peak_live(trace: list, top: int = 12) -> dict:
     _, best, at = _replay(trace, len(trace))
     at_best = _replay(trace, at + 1)[0]   # a second pass up to the peak: no copy of the live set at every new high
     biggest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]
+    sites: dict = {}
+    for e in at_best.values():   # live bytes by the innermost named frame: where two variants' sets differ
+        site = (_named(e.get("frames", [])) or ["(torch)"])[0]
+        sites[site] = sites.get(site, 0) + e["size"]
+    by_site = sorted(sites.items(), key=lambda kv: -kv[1])[:2 * top]
     return dict(peak_mib=best / 2**20, live=[dict(mib=round(e["size"] / 2**20, 2), frames=_named(e.get("frames", [])))
-                                             for e in biggest])
+                                             for e in biggest],
+                by_site=[dict(site=k, mib=round(v / 2**20, 2)) for k, v in by_site])
 
 
 def _replay(trace: list, stop: int) -> tuple[dict, int, int]:
@@ -54,6 +60,8 @@ def _named(frames: list) -> list:
 
 def traced_step(v: FleetVariant) -> dict:
     torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=400_000)
     try:
         v.step()
@@ -61,7 +69,16 @@ def traced_step(v: FleetVariant) -> dict:
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    return peak_live(snap["device_traces"][torch.cuda.current_device()])
+    return dict(start_mib=start / 2**20, max_allocated_mib=torch.cuda.max_memory_allocated() / 2**20,
+                **peak_live(snap["device_traces"][torch.cuda.current_device()]))
+
+
+def _wrap(label: str):
+    """A fleet variant, or ``skip=FAMILY+FAMILY``: ``opsmath.optimize`` without those rewrite families."""
+    if label.startswith("skip="):
+        import opsmath
+        return lambda m: opsmath.optimize(m, skip=label[len("skip="):].split("+"))
+    return VARIANTS[label]
 
 
 def main():
@@ -69,7 +86,7 @@ def main():
     ap.add_argument("--model", default="mixtral")
     ap.add_argument("--recipe", default="amp")
     ap.add_argument("--width", type=int, default=2)
-    ap.add_argument("--variants", default="torch.compile,opsmath.optimize")
+    ap.add_argument("--variants", default="torch.compile,opsmath.optimize", help="fleet variants or skip=FAMILY+...")
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
     rows = []
@@ -77,14 +94,18 @@ def main():
         torch._dynamo.reset()
         model = build(args.model, args.recipe, "cuda", False, args.width)
         batch, _ = inputs(args.model, model, "cuda", False)
-        v = FleetVariant(label, VARIANTS[label](model), batch, "cuda", args.recipe)
+        v = FleetVariant(label, _wrap(label)(model), batch, "cuda", args.recipe)
         v.warm_up()
         v.step()
         row = dict(variant=label, **traced_step(v))
         rows.append(row)
-        print(f"{label}: peak {row['peak_mib']:.1f} MiB above the step's start", flush=True)
+        print(f"{label}: peak {row['peak_mib']:.1f} MiB above the step's start ({row['start_mib']:.1f} MiB; "
+              f"max allocated {row['max_allocated_mib']:.1f} MiB)", flush=True)
         for e in row["live"]:
             print(f"  {e['mib']:9.2f} MiB  {' <- '.join(e['frames'][:3])}", flush=True)
+        print("  by site:", flush=True)
+        for e in row["by_site"]:
+            print(f"  {e['mib']:9.2f} MiB  {e['site']}", flush=True)
         del v, model
         gc.collect()
         torch.cuda.empty_cache()
