@@ -57,7 +57,8 @@ def check(cls, cfg_cls, kw, impl) -> str:
     grad = worst_grad_error(opt, eager)
     rep = opsmath.report(opt)
     declines = sorted({d.reason[:60] for d in rep.declines if d.pattern == "experts"})
-    notes = "switched to grouped_mm" if rep.notes else ""
+    notes = "switched to grouped_mm" if any("switched to its 'grouped_mm'" in n for n in rep.notes) else \
+        "kept eager experts" if any("keeps experts_implementation" in n for n in rep.notes) else ""
     return (f"graphs {len(rep.graphs)}  experts rewrites {rep.count('experts')} {notes}  dloss "
             f"{(loss - loss_e).abs().item():.1e}  dgrad {grad:.1e}  fallbacks {len(rep.fallback_errors)}  "
             f"declines {declines}")

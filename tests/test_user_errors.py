@@ -140,3 +140,41 @@ def test_graph_breaks_name_their_line_without_printing_dynamos_log(capfd):
     inside = [loc for loc in breaks if loc.startswith("torch/nn/modules/transformer.py:")]
     assert inside and "mask" in breaks[inside[0]].code, breaks
     assert "Graph break in user code" not in capfd.readouterr().err
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.lin(x)
+        for i in (x.sum(-1) > 0).nonzero():    # iterates a data-dependent index (DBRX's experts: ``for e in hit``)
+            x = x + i[0]
+        return x
+
+
+class _LoopBreak(nn.Module):
+    """Blocks in a loop, each breaking inside its own loop. Under the experts family's dynamo settings (a
+    data-dependent size traced, not a break) the block's break is one dynamo cannot resume from, inside the
+    caller's loop: dynamo skips the caller's whole frame, which then runs as plain Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([_Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.experts:
+            x = block(x)
+        return x.sum()
+
+
+def test_a_frame_dynamo_skips_for_a_break_in_a_loop_is_reported():
+    torch._dynamo.reset()
+    opt = opsmath.optimize(_LoopBreak())
+    opt(torch.randn(4, 8)).backward()
+    breaks = [(r.location, r.reason) for r in opsmath.report(opt).eager_regions if r.kind == "graph break"]
+    line = _LoopBreak.forward.__code__.co_firstlineno
+    assert any("graph break in loop" in why and f"frame skipped: forward at test_user_errors.py:{line}" in why
+               for _, why in breaks), breaks
+    assert any("data-dependent" in why for _, why in breaks), breaks

@@ -85,23 +85,42 @@ def counts() -> tuple[dict, int]:
     return dict(counters["graph_break"]), _RECORDED[0]
 
 
-def _sites(reason: str, after: int) -> list[tuple[str, str, str]]:
+def _sites(reason: str, after: int, claimed: set) -> list[tuple[str, str, str]]:
     """(user location, code, torch frame) of each break recorded after site ``after`` whose log names
-    ``reason`` (one per location)."""
+    ``reason`` (one per location); their site numbers go into ``claimed``."""
     first = str(reason).strip().splitlines()[0] if str(reason).strip() else ""
     found = {}
     for number, text, loc, code, inner in _SITES:
         if number > after and first and first in text:
+            claimed.add(number)
             found.setdefault(loc, (loc, code, inner))
     return list(found.values())
+
+
+def _logged_reason(text: str) -> str:
+    """A break's reason as its log record gives it: what dynamo encountered (``graph break in loop: torch.compile
+    detected a graph break in a for/while loop. Skipping the frame ...``), else its "Graph Break Reason" line."""
+    body = text.split("Graph Break Reason:", 1)[-1].split("User code traceback:", 1)[0]
+    lines = [ln.strip() for ln in body.split("Graph break encountered:", 1)[-1].splitlines() if ln.strip()]
+    if not lines:
+        return "graph break"
+    what = lines[0]
+    if what.endswith(":") and len(lines) > 1:     # "... a variadic function call, e.g. f(*args):" then the cause
+        what = f"{what} {lines[1]}"
+    why = next((ln.split(":", 1)[1].strip() for ln in lines[1:3] if ln.startswith("Explanation:")), "")
+    skipped = re.search(r"frame skipped: (\S+) \((.+?) line (\d+)\)", body)
+    where = f" (frame skipped: {skipped.group(1)} at {os.path.basename(skipped.group(2))}:{skipped.group(3)})" \
+        if skipped else ""
+    return (f"{what}: {why}" if why else what)[:300 - len(where)] + where
 
 
 def note(before: tuple[dict, int], regions: list) -> None:
     """Append a region for each graph break since ``before`` (``counts()``) that ``regions`` does not list
     yet, at each of its recorded places: the code around a graph break runs as plain Python, unrewritten."""
-    from opsmath.capture.regions import EagerRegion
     seen, recorded = before
     listed = {(r.location, r.reason) for r in regions if r.kind == "graph break"}
+    claimed: set = set()
+    placeless = []
     for reason, n in counts()[0].items():
         if n <= seen.get(reason, 0):
             continue
@@ -110,14 +129,28 @@ def note(before: tuple[dict, int], regions: list) -> None:
         why = re.search(r"\(reason: (.+?)\)(?: Hint:|$)", flat)     # a ``disable(..., reason=...)``'s own
         if why and why.group(1) != "None":
             text = f"{text}: {why.group(1)}"[:300]
-        places = _sites(reason, recorded)
+        places = _sites(reason, recorded, claimed)
         if not places and any(t == text or t.startswith(text + " (in ") for _, t in listed):
             continue   # broken again where it broke before (dynamo logs a repeat without its stack)
-        for loc, code, inner in places or [("", "", "")]:
-            why_here = f"{text} (in {inner})" if inner else text
-            if (loc, why_here) not in listed:
-                listed.add((loc, why_here))
-                regions.append(EagerRegion("graph break", loc, code, why_here))
+        if not places:
+            placeless.append(text)
+        for loc, code, inner in places:
+            _add(regions, listed, loc, code, f"{text} (in {inner})" if inner else text)
+    # Breaks dynamo logs but does not count by reason (``counters["graph_break"]``): a break in a loop makes it
+    # skip the whole frame (its ``counters["unimplemented"]``), so that frame runs as plain Python.
+    unclaimed = [site for site in _SITES if site[0] > recorded and site[0] not in claimed]
+    for _, text, loc, code, inner in unclaimed:
+        why = _logged_reason(text)
+        _add(regions, listed, loc, code, f"{why} (in {inner})" if inner else why)
+    for text in placeless if not unclaimed else []:
+        _add(regions, listed, "", "", text)
+
+
+def _add(regions: list, listed: set, loc: str, code: str, why: str) -> None:
+    from opsmath.capture.regions import EagerRegion
+    if (loc, why) not in listed:
+        listed.add((loc, why))
+        regions.append(EagerRegion("graph break", loc, code, why))
 
 
 def reordered_logs() -> dict:
