@@ -1,6 +1,7 @@
-"""Where an offloaded plan's step time goes: the compute stream's idle gaps, the copies' time and rate,
-and how much of the copies overlaps kernels (HF LLaMA 1.1B as ``recompute_overhead.py --model llama``,
-no CUDA graphs, one torch.profiler trace of ``--steps`` steps per variant, one process).
+"""Where an offloaded plan's step time goes: the compute stream's idle gaps, the copies' time and rate, how
+much of the copies overlaps kernels, and where the host's enqueue time goes (syncs, the CUDA runtime calls and
+ops with the most CPU self time: ``_harness.host_breakdown``). HF LLaMA 1.1B as ``recompute_overhead.py --model
+llama``, no CUDA graphs, one torch.profiler trace of ``--steps`` steps per variant, one process.
 
 A variant is ``BUDGET:EXPOSED``: the plan made with offload's copies priced at ``EXPOSED`` of their time
 (``OPSMATH_OFFLOAD_EXPOSED``; ``none`` plans without offload).
@@ -15,7 +16,7 @@ import os
 
 import torch
 
-from benchmarks._harness import write
+from benchmarks._harness import host_breakdown, write
 from benchmarks.recompute_overhead import Variant
 from benchmarks._models import gpt2_batch
 
@@ -85,8 +86,12 @@ def main():
             os.environ.pop("OPSMATH_OFFLOAD_EXPOSED", None)
         v.timed_round(5)
         row = dict(variant=spec, wall_ms=v.wall[-1], host_ms=v.host[-1], step_peak_gib=v.step_peak_gib, **trace(v, args.steps))
+        row["host"] = host_breakdown(v.step, steps=args.steps)   # where the enqueue time goes: syncs, runtime calls
         rows.append(row)
-        print(row, flush=True)
+        print({k: val for k, val in row.items() if k != "host"}, flush=True)
+        h = row["host"]
+        print(f"  host: {h['syncs']:.0f} syncs a step {h['sync_sites'][:3]}; most CPU self time: "
+              + ", ".join(f"{o['name']} {o['self_cpu_ms']:.2f} ms x{o['calls']:.0f}" for o in h["ops"][:8]), flush=True)
     print("wrote", write("profile_offload-llama", dict(rows=rows)))
 
 
