@@ -153,6 +153,26 @@ def test_transfer_stream_offload_trains_bit_equal_to_keeping():
     assert sent_kept <= keep_kept - placed.nbytes
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the transfer stream runs on CUDA")
+def test_a_copy_source_freed_by_the_graph_is_still_copied_whole():
+    """Inductor may compute a pointwise ``y`` into one buffer per custom op reading it and free
+    ``offload_start``'s right after the call, its copy still running on the transfer stream (the generated
+    code has ``del buf0`` there). The ops keep the source alive until ``offload_wait``: the next same-sized
+    allocation, written at once on the compute stream, cannot take its block mid-copy. 64 MiB, ten times,
+    bit for bit."""
+    ops = torch.ops.opsmath
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(10):
+        y = x.sin()
+        h = ops.offload_start(y)
+        del y                     # as the generated code does
+        other = x * 2             # a 64 MiB block, written at once
+        ops.offload_wait(h, other)
+        r = ops.reload_start(h, other, list(x.shape), list(x.stride()), x.device)
+        ops.reload_wait(r)
+        assert torch.equal(r, x.sin())
+
+
 @needs_cxx
 def test_hf_llama_under_autocast_offloads_its_activations_not_its_weights(monkeypatch):
     """HF LLaMA (SDPA, bf16 autocast, 2 layers) at 0.3 (its floor is 0.28) with a fast (pretended) link:

@@ -15,14 +15,16 @@ places them). Ordering and lifetimes, the only things that make this safe:
 
 - The transfer stream waits for the compute stream at each ``*_start`` (``x`` was written there; ``y``'s
   memory came from the compute stream's pool and may still be read by kernels queued before).
-- ``x`` is an argument of ``offload_wait``, so the graph keeps it alive until the compute stream has
-  waited for its copy; only then can its memory be reused (no ``record_stream``, no freed-too-early
-  block). ``offload_wait`` declares that it writes ``h`` and ``reload_wait`` that it writes ``y``: the
-  compiler can neither drop them nor move a reader of ``y`` above the wait.
+- A copy's source stays referenced here until the compute stream has waited for the copy; only then can
+  its memory be reused (no ``record_stream``, no freed-too-early block). ``x`` is also an argument of
+  ``offload_wait``, but that alone is not enough: Inductor may compute a pointwise ``x`` into two buffers,
+  one per custom op, and free the one ``offload_start`` read right after the call. ``offload_wait``
+  declares that it writes ``h`` and ``reload_wait`` that it writes ``y``: the compiler can neither drop
+  them nor move a reader of ``y`` above the wait.
 - Pinned buffers come from PyTorch's caching host allocator, which records the copies' stream and reuses a
   buffer only after they are done.
 
-Each copy's completion event is kept by its buffer's ``data_ptr`` between start and wait. Off CUDA (CPU
+Each copy's completion event and source are kept by its buffer's ``data_ptr`` between start and wait. Off CUDA (CPU
 tests) the ops are plain copies and the waits do nothing.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from torch.library import custom_op
 
 _streams: dict = {}    # device -> its transfer stream
-_pending: dict = {}    # data_ptr of a buffer being copied -> the copy's completion event
+_pending: dict = {}    # data_ptr of a buffer being copied -> (the copy's completion event, its source)
 
 
 def _transfer(device: torch.device) -> torch.cuda.Stream:
@@ -42,19 +44,19 @@ def _transfer(device: torch.device) -> torch.cuda.Stream:
 
 def _copy_on_transfer(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
     """``dst.copy_(src)`` on ``device``'s transfer stream, after the work queued so far on the current
-    stream; its completion event is kept under ``dst.data_ptr()``."""
+    stream; its completion event, and ``src`` (alive until ``_wait``), are kept under ``dst.data_ptr()``."""
     side, current = _transfer(device), torch.cuda.current_stream(device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
-    _pending[dst.data_ptr()] = done
+    _pending[dst.data_ptr()] = (done, src)
 
 
 def _wait(buf: torch.Tensor, device: torch.device) -> None:
-    done = _pending.pop(buf.data_ptr(), None)
-    if done is not None:
+    done, _src = _pending.pop(buf.data_ptr(), (None, None))
+    if done is not None:   # the compute stream waits; ``_src`` goes back to the allocator after, in stream order
         torch.cuda.current_stream(device).wait_event(done)
 
 
