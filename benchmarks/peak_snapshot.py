@@ -3,9 +3,14 @@ allocator history, and the largest allocations live at the step's peak with the 
 
 For a row whose step peak differs from ``torch.compile``'s (the fleet's Mixtral at width 2, AMP: 1.060x), the
 two variants' live sets side by side say which tensor the difference is. Each variant runs two steps
-untraced (capture, compile, tuning), then one step under ``torch.cuda.memory._record_memory_history``.
+untraced (capture, compile, tuning), then one step under ``torch.cuda.memory._record_memory_history``. A row
+gives the bytes allocated at the step's start (``start_mib``), ``max_memory_allocated`` over the step
+(``max_allocated_mib``), the highest point above the start (``peak_mib``), the largest allocations live there
+(``live``) and the live bytes by the innermost named frame that allocated them (``by_site``). A variant is a
+fleet variant, or ``skip=FAMILY+FAMILY`` for ``opsmath.optimize`` without those rewrite families.
 
     python -m benchmarks peak_snapshot --model mixtral --recipe amp --width 2 [--top 12]
+        [--variants torch.compile,opsmath.optimize,skip=experts]
 """
 from __future__ import annotations
 
@@ -24,8 +29,9 @@ KEEP = ("transformers/", "opsmath/", "torchinductor", "benchmarks/")
 def peak_live(trace: list, top: int = 12) -> dict:
     """From an allocator trace (``_snapshot()["device_traces"][i]``: dicts with ``action``, ``addr``, ``size``,
     ``frames``), the bytes allocated at the highest point (above the trace's start) and the ``top`` largest
-    allocations live there, each ``{"mib", "frames"}``. ``alloc`` adds a block, ``free_completed`` (the block
-    back in the allocator's pool) removes it; a free of a block allocated before the trace is ignored."""
+    allocations live there, each ``{"mib", "frames"}``, and the live bytes by site (``by_site``). ``alloc``
+    adds a block, ``free_completed`` (the block back in the allocator's pool) removes it; a free of a block
+    allocated before the trace is ignored."""
     _, best, at = _replay(trace, len(trace))
     at_best = _replay(trace, at + 1)[0]   # a second pass up to the peak: no copy of the live set at every new high
     biggest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]

@@ -64,7 +64,7 @@ def trace(v: Variant, steps: int) -> dict:
     return dict(streams={str(s): dict(events=len(es), busy_ms=sum(e.duration_ns() for e in es) / 1e6 / steps)
                          for s, es in streams.items()},
                 compute_gaps_ms=gaps / 1e6 / steps, copies=len(copies) // steps, copies_ms=copy_ns / 1e6 / steps,
-                copy_gbps=nbytes / copy_ns if copy_ns else None,
+                copy_gbps=nbytes / copy_ns if copy_ns and nbytes else None,   # None: the trace gave no byte counts
                 copies_under_kernels=_overlap(_intervals(copies), ck) / max(1, copy_ns))
 
 

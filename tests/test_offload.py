@@ -216,3 +216,35 @@ def test_a_view_of_a_graph_input_is_not_sent():
         n.meta["val"] = val
         n.meta["custom"] = {offload.OFFLOAD: True}
     assert [offload_async._eligible(n, False) for n in (t, m, v)] == [False, True, True]
+
+
+@needs_cxx
+def test_the_copy_source_is_one_buffer_inductor_keeps_until_the_wait(monkeypatch):
+    """A pointwise tensor offloaded by Inductor's generated code: one buffer feeds ``offload_start`` and
+    ``offload_wait`` (by default each op got its own copy, and the one being copied was freed right after
+    ``offload_start``), and no kernel reuses that buffer in between."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    from opsmath.runtime import offload_ops
+    ops = torch.ops.opsmath
+    offload_ops.lowerings()
+
+    def f(x):
+        y = x.sin()
+        h = ops.offload_start(y)
+        z = y.cos() + x @ x
+        ops.offload_wait(h, y)
+        r = ops.reload_start(h, z, list(y.shape), list(y.stride()), y.device)
+        w = z * 2
+        ops.reload_wait(r)
+        return w, r
+    torch._dynamo.reset()
+    x = torch.randn(64, 64)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        (w, r), (code, *_) = run_and_get_code(torch.compile(f, backend="inductor"), x)
+    assert torch.allclose(r, x.sin()) and torch.allclose(w, 2 * (x.sin().cos() + x @ x), atol=1e-5)
+    start = re.search(r"offload_start\.default\((buf\d+)\)", code)
+    wait = re.search(r"offload_wait\.default\(buf\d+, (buf\d+)\)", code)
+    assert start and wait and start.group(1) == wait.group(1), code
+    between = code[start.end():wait.start()]
+    assert f"del {start.group(1)}" not in between and f"= {start.group(1)};" not in between, code

@@ -169,6 +169,8 @@ class _LoopBreak(nn.Module):
         return x.sum()
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 11),
+                    reason="dynamo logs a frame it skips for a break in a loop from torch 2.11 on")
 def test_a_frame_dynamo_skips_for_a_break_in_a_loop_is_reported():
     torch._dynamo.reset()
     opt = opsmath.optimize(_LoopBreak())

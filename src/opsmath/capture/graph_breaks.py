@@ -85,33 +85,52 @@ def counts() -> tuple[dict, int]:
     return dict(counters["graph_break"]), _RECORDED[0]
 
 
-def _sites(reason: str, after: int, claimed: set) -> list[tuple[str, str, str]]:
-    """(user location, code, torch frame) of each break recorded after site ``after`` whose log names
-    ``reason`` (one per location); their site numbers go into ``claimed``."""
+def _sites(reason: str, after: int, claimed: set) -> list[tuple[str, str, str, str]]:
+    """(user location, code, torch frame, skipped frame) of each break recorded after site ``after`` whose log
+    names ``reason`` (one per location); their site numbers go into ``claimed``."""
     first = str(reason).strip().splitlines()[0] if str(reason).strip() else ""
     found = {}
     for number, text, loc, code, inner in _SITES:
         if number > after and first and first in text:
             claimed.add(number)
-            found.setdefault(loc, (loc, code, inner))
+            found.setdefault(loc, (loc, code, inner, _skipped(text)))
     return list(found.values())
 
 
+def _skipped(text: str) -> str:
+    """`` (frame skipped: forward at model.py:481)`` where the record says dynamo skipped a whole frame (a
+    break inside a loop), else ""."""
+    m = re.search(r"frame skipped: (\S+) \((.+?) line (\d+)\)", text)
+    return f" (frame skipped: {m.group(1)} at {os.path.basename(m.group(2))}:{m.group(3)})" if m else ""
+
+
 def _logged_reason(text: str) -> str:
-    """A break's reason as its log record gives it: what dynamo encountered (``graph break in loop: torch.compile
-    detected a graph break in a for/while loop. Skipping the frame ...``), else its "Graph Break Reason" line."""
+    """A break's reason as its log record gives it: what dynamo encountered ("graph break in loop", or the
+    cause: "... Could not extract specialized integer from data-dependent expression u0"), else its "Graph
+    Break Reason" line."""
     body = text.split("Graph Break Reason:", 1)[-1].split("User code traceback:", 1)[0]
     lines = [ln.strip() for ln in body.split("Graph break encountered:", 1)[-1].splitlines() if ln.strip()]
     if not lines:
         return "graph break"
     what = lines[0]
-    if what.endswith(":") and len(lines) > 1:     # "... a variadic function call, e.g. f(*args):" then the cause
-        what = f"{what} {lines[1]}"
-    why = next((ln.split(":", 1)[1].strip() for ln in lines[1:3] if ln.startswith("Explanation:")), "")
-    skipped = re.search(r"frame skipped: (\S+) \((.+?) line (\d+)\)", body)
-    where = f" (frame skipped: {skipped.group(1)} at {os.path.basename(skipped.group(2))}:{skipped.group(3)})" \
-        if skipped else ""
-    return (f"{what}: {why}" if why else what)[:300 - len(where)] + where
+    if what.endswith(":") and len(lines) > 1:     # "... a variadic function call, e.g. f(*args):", the cause next
+        what = lines[1]
+    if what == "graph break in loop":
+        return "graph break in loop: the whole frame runs as plain Python"
+    return what[:300]
+
+
+def _merged(whys: list, skipped: str) -> str:
+    """One break's reasons from its several log records (the cause, a repeat of it, the loop's frame skip):
+    the frame skip first with the frame it names, then each distinct cause."""
+    loop = [w for w in whys if w.startswith("graph break in loop")]
+    causes = []
+    for w in whys:
+        if w not in loop and not any(w[:60] in k or k[:60] in w for k in causes):
+            causes.append(w)
+    head = [loop[0] + skipped] if loop else []
+    text = "; ".join(head + causes) + ("" if loop else skipped)
+    return text[:300]
 
 
 def note(before: tuple[dict, int], regions: list) -> None:
@@ -120,7 +139,6 @@ def note(before: tuple[dict, int], regions: list) -> None:
     seen, recorded = before
     listed = {(r.location, r.reason) for r in regions if r.kind == "graph break"}
     claimed: set = set()
-    placeless = []
     for reason, n in counts()[0].items():
         if n <= seen.get(reason, 0):
             continue
@@ -132,21 +150,24 @@ def note(before: tuple[dict, int], regions: list) -> None:
         places = _sites(reason, recorded, claimed)
         if not places and any(t == text or t.startswith(text + " (in ") for _, t in listed):
             continue   # broken again where it broke before (dynamo logs a repeat without its stack)
-        if not places:
-            placeless.append(text)
-        for loc, code, inner in places:
-            _add(regions, listed, loc, code, f"{text} (in {inner})" if inner else text)
+        for loc, code, inner, skipped in places or [("", "", "", "")]:
+            _add(regions, listed, loc, code, (f"{text} (in {inner})" if inner else text) + skipped)
     # Breaks dynamo logs but does not count by reason (``counters["graph_break"]``): a break in a loop makes it
-    # skip the whole frame (its ``counters["unimplemented"]``), so that frame runs as plain Python.
-    unclaimed = [site for site in _SITES if site[0] > recorded and site[0] not in claimed]
-    for _, text, loc, code, inner in unclaimed:
-        why = _logged_reason(text)
-        _add(regions, listed, loc, code, f"{why} (in {inner})" if inner else why)
-    for text in placeless if not unclaimed else []:
-        _add(regions, listed, "", "", text)
+    # skip the whole frame (its ``counters["unimplemented"]``), so that frame runs as plain Python. Its records
+    # (the cause, a repeat, the skip) become one region per place.
+    places: dict = {}
+    for number, text, loc, code, inner in _SITES:
+        if number > recorded and number not in claimed:
+            place = places.setdefault(loc, dict(code=code, inner=inner, whys=[], skipped=""))
+            place["whys"].append(_logged_reason(text))
+            place["skipped"] = place["skipped"] or _skipped(text)
+    for loc, p in places.items():
+        why = _merged(p["whys"], p["skipped"])
+        _add(regions, listed, loc, p["code"], f"{why} (in {p['inner']})" if p["inner"] else why)
 
 
 def _add(regions: list, listed: set, loc: str, code: str, why: str) -> None:
+    """Append a graph-break region at ``loc`` unless ``listed`` (the (location, reason) pairs so far) has it."""
     from opsmath.capture.regions import EagerRegion
     if (loc, why) not in listed:
         listed.add((loc, why))

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import make_contiguous_strides_for
 
-from opsmath.runtime import offload_ops  # noqa: F401  (registers the ops)
+from opsmath.runtime import offload_ops   # (importing it registers the ops)
 from opsmath.memory import offload
 from opsmath.memory.offload import MARGIN, _marked
 from opsmath.memory.segments import _nbytes, node_cost
@@ -181,13 +181,15 @@ def partitioned_with_offload(link: float):
 
 def offloading(gm: fx.GraphModule, example_inputs):
     """The context to compile ``gm`` in: when it has offloaded nodes, Inductor's partition followed by
-    ``place`` over this machine's link, and Inductor's peak-memory reordering off (it would
-    move the waits and reloads the placement chose); else a null context."""
+    ``place`` over this machine's link, Inductor's peak-memory reordering off (it would move the waits and
+    reloads the placement chose), ``offload_start``'s lowering registered (``offload_ops.lowerings``) and
+    Inductor's graph cache off (its key does not see that lowering); else a null context."""
     if not offload.has_offload(gm):
         return contextlib.nullcontext()
+    offload_ops.lowerings()
     # off CUDA (tests) the copies are plain copies, and any link places them
     link = offload.link_for(example_inputs, "tag") or 55e9
     stack = contextlib.ExitStack()
     stack.enter_context(partitioned_with_offload(link))
-    stack.enter_context(torch._inductor.config.patch(reorder_for_peak_memory=False))
+    stack.enter_context(torch._inductor.config.patch(reorder_for_peak_memory=False, fx_graph_cache=False))
     return stack

@@ -29,10 +29,13 @@ tests) the ops are plain copies and the waits do nothing.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.library import custom_op
 
 _streams: dict = {}    # device -> its transfer stream
+_lowered = [False]     # ``lowerings()`` ran
 _pending: dict = {}    # data_ptr of a buffer being copied -> (the copy's completion event, its source)
 
 
@@ -51,7 +54,9 @@ def _copy_on_transfer(dst: torch.Tensor, src: torch.Tensor, device: torch.device
         dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
-    _pending[dst.data_ptr()] = (done, src)
+    key = dst.data_ptr()
+    _pending[key] = (done, src)
+    weakref.finalize(dst, _pending.pop, key, None)   # a graph that raised before the wait: drop the source
 
 
 def _wait(buf: torch.Tensor, device: torch.device) -> None:
@@ -115,3 +120,24 @@ def reload_wait(y: torch.Tensor) -> None:
 @reload_wait.register_fake
 def _(y):
     return None
+
+
+def lowerings() -> None:
+    """Inductor's lowering of ``offload_start`` (once per process; ``offload_async.place`` calls it before the
+    graphs that use it are lowered): its input realized as one buffer, the one ``offload_wait`` reads too
+    (by default a pointwise input is computed into a buffer per op), and kept out of Inductor's buffer reuse,
+    so no kernel of the graph writes it while the copy reads it."""
+    if _lowered[0]:
+        return
+    from torch._inductor.lowering import fallback_handler, register_lowering
+    from torch._inductor.virtualized import V
+    op = torch.ops.opsmath.offload_start.default
+    fallback = fallback_handler(op, add_to_fallback_set=False)
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _(x):
+        x.realize()
+        V.graph.never_reuse_buffers.add(x.get_name())
+        return fallback(x)
+    _lowered[0] = True
+
