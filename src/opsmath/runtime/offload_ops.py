@@ -136,8 +136,11 @@ def lowerings() -> None:
 
     @register_lowering(op, type_promotion_kind=None)
     def _(x):
-        x.realize()
-        V.graph.never_reuse_buffers.add(x.get_name())
+        try:
+            x.realize()
+            V.graph.never_reuse_buffers.add(x.get_name())
+        except (AttributeError, NotImplementedError):   # an input with no buffer of its own: ``_pending`` holds it
+            pass
         return fallback(x)
     _lowered[0] = True
 
