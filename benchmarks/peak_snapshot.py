@@ -6,8 +6,10 @@ two variants' live sets side by side say which tensor the difference is. Each va
 untraced (capture, compile, tuning), then one step under ``torch.cuda.memory._record_memory_history``. A row
 gives the bytes allocated at the step's start (``start_mib``), ``max_memory_allocated`` over the step
 (``max_allocated_mib``), the highest point above the start (``peak_mib``), the largest allocations live there
-(``live``) and the live bytes by the innermost named frame that allocated them (``by_site``). A variant is a
-fleet variant, or ``skip=FAMILY+FAMILY`` for ``opsmath.optimize`` without those rewrite families.
+(``live``) and the live bytes by the innermost named frame that allocated them (``by_site``); the same for the
+highest point in the step's last 40% of events (``late``: late backward, where a variant that saves less for
+backward peaks); and MiB allocated over the step (``timeline``). A variant is a fleet variant, or
+``skip=FAMILY+FAMILY`` for ``opsmath.optimize`` without those rewrite families.
 
     python -m benchmarks peak_snapshot --model mixtral --recipe amp --width 2 [--top 12]
         [--variants torch.compile,opsmath.optimize,skip=experts]
@@ -24,15 +26,17 @@ from benchmarks.fleet import VARIANTS, FleetVariant, build, inputs
 
 # frames worth naming: the model's, opsmath's, and Inductor's generated code (torch's own are left out)
 KEEP = ("transformers/", "opsmath/", "torchinductor", "benchmarks/")
+LATE = 0.6   # ``late``: the highest point in the trace's last 40% of events (late backward)
 
 
-def peak_live(trace: list, top: int = 12) -> dict:
+def peak_live(trace: list, top: int = 12, after: int = 0) -> dict:
     """From an allocator trace (``_snapshot()["device_traces"][i]``: dicts with ``action``, ``addr``, ``size``,
     ``frames``), the bytes allocated at the highest point (above the trace's start) and the ``top`` largest
     allocations live there, each ``{"mib", "frames"}``, and the live bytes by site (``by_site``). ``alloc``
     adds a block, ``free_completed`` (the block back in the allocator's pool) removes it; a free of a block
-    allocated before the trace is ignored."""
-    _, best, at = _replay(trace, len(trace))
+    allocated before the trace is ignored. ``after``: the highest point at or after that event (a late part of
+    the step: two variants whose peaks fall at different moments compared at the same one)."""
+    _, best, at = _replay(trace, len(trace), after)
     at_best = _replay(trace, at + 1)[0]   # a second pass up to the peak: no copy of the live set at every new high
     biggest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]
     sites: dict = {}
@@ -45,18 +49,33 @@ def peak_live(trace: list, top: int = 12) -> dict:
                 by_site=[dict(site=k, mib=round(v / 2**20, 2)) for k, v in by_site])
 
 
-def _replay(trace: list, stop: int) -> tuple[dict, int, int]:
-    """The blocks live after ``trace[:stop]`` ({addr: event}), the highest total reached and its event's index."""
+def _replay(trace: list, stop: int, after: int = 0) -> tuple[dict, int, int]:
+    """The blocks live after ``trace[:stop]`` ({addr: event}), the highest total reached at or after event
+    ``after`` and its event's index."""
     live, total, best, at = {}, 0, 0, -1
     for i, ev in enumerate(trace[:stop]):
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
             total += ev["size"]
-            if total > best:
+            if total > best and i >= after:
                 best, at = total, i
         elif ev["action"] == "free_completed" and ev["addr"] in live:
             total -= live.pop(ev["addr"])["size"]
     return live, best, at
+
+
+def timeline(trace: list, points: int = 40) -> list:
+    """MiB allocated above the trace's start at ``points`` evenly spaced events (the step's shape over time)."""
+    out, live, total, every = [], {}, 0, max(1, len(trace) // points)
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev["size"]
+            total += ev["size"]
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            total -= live.pop(ev["addr"])
+        if i % every == every - 1:
+            out.append(round(total / 2**20, 1))
+    return out
 
 
 def _named(frames: list) -> list:
@@ -75,8 +94,9 @@ def traced_step(v: FleetVariant) -> dict:
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][torch.cuda.current_device()]
     return dict(start_mib=start / 2**20, max_allocated_mib=torch.cuda.max_memory_allocated() / 2**20,
-                **peak_live(snap["device_traces"][torch.cuda.current_device()]))
+                timeline=timeline(trace), late=peak_live(trace, after=int(LATE * len(trace))), **peak_live(trace))
 
 
 def _wrap(label: str):
@@ -111,6 +131,10 @@ def main():
             print(f"  {e['mib']:9.2f} MiB  {' <- '.join(e['frames'][:3])}", flush=True)
         print("  by site:", flush=True)
         for e in row["by_site"]:
+            print(f"  {e['mib']:9.2f} MiB  {e['site']}", flush=True)
+        print(f"  MiB over the step: {row['timeline']}", flush=True)
+        print(f"  late in the step: {row['late']['peak_mib']:.1f} MiB; by site:", flush=True)
+        for e in row["late"]["by_site"]:
             print(f"  {e['mib']:9.2f} MiB  {e['site']}", flush=True)
         del v, model
         gc.collect()

@@ -17,3 +17,13 @@ def test_the_live_set_at_the_highest_point_and_frees_of_older_blocks_ignored():
     assert out["peak_mib"] == 40
     assert [e["mib"] for e in out["live"]] == [30, 10]
     assert out["live"][0]["frames"] == ["models/m.py:7 b"]   # torch's own frames left out
+
+
+def test_a_late_peak_and_the_timeline():
+    from benchmarks.peak_snapshot import timeline
+    trace = [_ev("alloc", 1, 30, "a"), _ev("free_completed", 1, 30), _ev("alloc", 2, 10, "b"),
+             _ev("alloc", 3, 5, "c")]
+    assert peak_live(trace)["peak_mib"] == 30
+    late = peak_live(trace, after=2)
+    assert late["peak_mib"] == 15 and [e["mib"] for e in late["live"]] == [10, 5]
+    assert timeline(trace, points=4) == [30.0, 0.0, 10.0, 15.0]
