@@ -17,9 +17,11 @@ FAMILIES = {  # family: its modules, in the order the listing shows them
     "memory": ["memory", "card", "recompute_overhead", "plan_estimate"],
     "planner (CPU)": ["plan_partition", "inductor_partition", "plan_floors", "plan_time"],
     "numerics": ["learning_curve", "fp8_curve"],
-    "coverage (CPU)": ["hf_coverage", "hf_coverage_wide", "hf_moe_coverage", "timm_coverage", "diffusers_coverage", "library_coverage"],
+    "coverage (CPU)": ["hf_coverage", "hf_coverage_wide", "hf_moe_coverage", "timm_coverage", "diffusers_coverage",
+                       "library_coverage"],
     "multi-GPU": ["multi_gpu"],
-    "tools": ["first_step", "first_call", "triton_caches", "peak_snapshot", "profile_step", "profile_gap", "profile_offload", "sass_stats"],
+    "tools": ["first_step", "first_call", "triton_caches", "peak_snapshot", "profile_step", "profile_gap",
+              "profile_offload", "sass_stats"],
 }
 
 

@@ -32,10 +32,9 @@ LATE = 0.6   # ``late``: the highest point in the trace's last 40% of events (la
 def peak_live(trace: list, top: int = 12, after: int = 0) -> dict:
     """From an allocator trace (``_snapshot()["device_traces"][i]``: dicts with ``action``, ``addr``, ``size``,
     ``frames``), the bytes allocated at the highest point (above the trace's start) and the ``top`` largest
-    allocations live there, each ``{"mib", "frames"}``, and the live bytes by site (``by_site``). ``alloc``
-    adds a block, ``free_completed`` (the block back in the allocator's pool) removes it; a free of a block
-    allocated before the trace is ignored. ``after``: the highest point at or after that event (a late part of
-    the step: two variants whose peaks fall at different moments compared at the same one)."""
+    allocations live there, each ``{"mib", "frames"}``, and the live bytes by site (``by_site``); the replay
+    is ``_walk``'s. ``after``: the highest point at or after that event (a late part of the step: two variants
+    whose peaks fall at different moments compared at the same one)."""
     _, best, at = _replay(trace, len(trace), after)
     at_best = _replay(trace, at + 1)[0]   # a second pass up to the peak: no copy of the live set at every new high
     biggest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]
@@ -49,33 +48,33 @@ def peak_live(trace: list, top: int = 12, after: int = 0) -> dict:
                 by_site=[dict(site=k, mib=round(v / 2**20, 2)) for k, v in by_site])
 
 
-def _replay(trace: list, stop: int, after: int = 0) -> tuple[dict, int, int]:
-    """The blocks live after ``trace[:stop]`` ({addr: event}), the highest total reached at or after event
-    ``after`` and its event's index."""
-    live, total, best, at = {}, 0, 0, -1
+def _walk(trace: list, stop: int):
+    """Replay ``trace[:stop]``: per event, ``(index, event, live blocks {addr: event}, bytes live)``. ``alloc``
+    adds a block, ``free_completed`` removes it; a free of a block allocated before the trace is ignored."""
+    live, total = {}, 0
     for i, ev in enumerate(trace[:stop]):
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
             total += ev["size"]
-            if total > best and i >= after:
-                best, at = total, i
         elif ev["action"] == "free_completed" and ev["addr"] in live:
             total -= live.pop(ev["addr"])["size"]
+        yield i, ev, live, total
+
+
+def _replay(trace: list, stop: int, after: int = 0) -> tuple[dict, int, int]:
+    """The blocks live after ``trace[:stop]`` ({addr: event}), the highest total reached at or after event
+    ``after`` and its event's index."""
+    live, best, at = {}, 0, -1
+    for i, ev, live, total in _walk(trace, stop):
+        if ev["action"] == "alloc" and total > best and i >= after:
+            best, at = total, i
     return live, best, at
 
 
 def timeline(trace: list, points: int = 40) -> list:
     """MiB allocated above the trace's start at ``points`` evenly spaced events (the step's shape over time)."""
-    out, live, total, every = [], {}, 0, max(1, len(trace) // points)
-    for i, ev in enumerate(trace):
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = ev["size"]
-            total += ev["size"]
-        elif ev["action"] == "free_completed" and ev["addr"] in live:
-            total -= live.pop(ev["addr"])
-        if i % every == every - 1:
-            out.append(round(total / 2**20, 1))
-    return out
+    every = max(1, len(trace) // points)
+    return [round(total / 2**20, 1) for i, _, _, total in _walk(trace, len(trace)) if i % every == every - 1]
 
 
 def _named(frames: list) -> list:

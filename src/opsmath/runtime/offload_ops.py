@@ -15,17 +15,18 @@ places them). Ordering and lifetimes, the only things that make this safe:
 
 - The transfer stream waits for the compute stream at each ``*_start`` (``x`` was written there; ``y``'s
   memory came from the compute stream's pool and may still be read by kernels queued before).
-- A copy's source stays referenced here until the compute stream has waited for the copy; only then can
-  its memory be reused (no ``record_stream``, no freed-too-early block). ``x`` is also an argument of
-  ``offload_wait``, but that alone is not enough: Inductor may compute a pointwise ``x`` into two buffers,
-  one per custom op, and free the one ``offload_start`` read right after the call. ``offload_wait``
+- ``x`` stays allocated until the compute stream has waited for its copy; only then can its memory be
+  reused (no ``record_stream``, no freed-too-early block). In Inductor's graphs, ``offload_start``'s lowering
+  (``lowerings``) makes ``x`` the one buffer ``offload_wait`` reads too, outside Inductor's buffer reuse (by
+  default a pointwise ``x`` was computed into a buffer per op and the copied one freed at once). Here, the
+  source is also referenced until the wait, for a caller that drops it earlier. ``offload_wait``
   declares that it writes ``h`` and ``reload_wait`` that it writes ``y``: the compiler can neither drop
   them nor move a reader of ``y`` above the wait.
 - Pinned buffers come from PyTorch's caching host allocator, which records the copies' stream and reuses a
   buffer only after they are done.
 
-Each copy's completion event and source are kept by its buffer's ``data_ptr`` between start and wait. Off CUDA (CPU
-tests) the ops are plain copies and the waits do nothing.
+Each copy's completion event and source are kept by its buffer's ``data_ptr`` between start and wait. Off
+CUDA (CPU tests) the ops are plain copies and the waits do nothing.
 """
 from __future__ import annotations
 
@@ -143,4 +144,3 @@ def lowerings() -> None:
             pass
         return fallback(x)
     _lowered[0] = True
-
