@@ -51,10 +51,15 @@ def bench(fn, warmup_ms: float = 25, rep_ms: float = 100, device: bool = False) 
     return out
 
 
-def write(name: str, payload: dict) -> str:
+def out_path(filename: str) -> str:
+    """``filename`` in the results folder: ``$OUT`` where set, else ``benchmarks/results``."""
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}-{time.strftime('%Y%m%d')}.json")
+    return os.path.join(out_dir, filename)
+
+
+def write(name: str, payload: dict) -> str:
+    path = out_path(f"{name}-{time.strftime('%Y%m%d')}.json")
     with open(path, "w") as f:
         json.dump(dict(env=env(), **payload), f, indent=1)
     return path
@@ -177,12 +182,64 @@ def sync_sites(step, frames: int = 6) -> list[dict]:
     return [dict(event=k[0], stack=list(k[1]), count=c) for k, c in sorted(sites.items(), key=lambda kv: -kv[1])]
 
 
-def host_breakdown(step, steps: int = 3, top: int = 20) -> dict:
+def gpu_idle(step, steps: int = 2, trace: str | None = None) -> dict:
+    """Where the GPU waits for the host inside a synchronized step: per step, its host wall time, the time
+    from its start to the first kernel (``first_kernel_ms``), and the time no kernel or copy runs on any
+    stream between the first kernel and the step's end (``idle_ms``), with the longest such gaps and the
+    kernel each one ends at. ``trace``: a gzipped Chrome trace of the steps is written there (CPU and CUDA
+    activity) for reading offline. Without CUDA: the wall times only."""
+    import gzip
+    import shutil
+    from torch.profiler import ProfilerActivity, profile, record_function
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for i in range(steps):
+            with record_function(f"opsmath-bench step {i}"):
+                step()
+                sync()
+    evs = list(prof.profiler.kineto_results.events())
+    marks = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in evs if e.name().startswith("opsmath-bench step"))
+    device = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in evs
+                    if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0)
+    rows = []
+    for s, e in marks:
+        ks = [k for k in device if s <= k[0] < e]
+        row = dict(wall_ms=(e - s) / 1e6)
+        if ks:
+            gaps, reach = [], ks[0][1]
+            for a, b, name in ks[1:]:
+                if a > reach:
+                    gaps.append((a - reach, name))
+                reach = max(reach, b)
+            row.update(first_kernel_ms=(ks[0][0] - s) / 1e6, idle_ms=sum(g for g, _ in gaps) / 1e6,
+                       after_last_kernel_ms=(e - reach) / 1e6,
+                       longest=[dict(us=round(g / 1e3, 1), before=n[:80]) for g, n in sorted(gaps, reverse=True)[:12]])
+        rows.append(row)
+    if trace:
+        tmp = trace + ".tmp.json"
+        prof.export_chrome_trace(tmp)
+        with open(tmp, "rb") as f, gzip.open(trace, "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(tmp)
+    return dict(steps=rows)
+
+
+def idle_line(idle: dict) -> str:
+    """``gpu_idle``'s steps in one line: wall, wait for the first kernel, idle, and the longest gaps."""
+    return "; ".join(f"step {r['wall_ms']:.2f} ms: first kernel {r.get('first_kernel_ms', 0):.2f}, idle "
+                     f"{r.get('idle_ms', 0):.2f}, after the last {r.get('after_last_kernel_ms', 0):.2f}; gaps "
+                     + ", ".join(f"{g['us']}us<{g['before'][:40]}" for g in r.get("longest", [])[:6])
+                     for r in idle["steps"])
+
+
+def host_breakdown(step, steps: int = 3, top: int = 20, trace: str | None = None) -> dict:
     """Where the host time of a step goes: per step, the wall time with the GPU synchronized at the end,
     the kernel launches and host syncs (torch.profiler's CUDA runtime events; ``sync_sites``: where
     they come from, one more step profiled with stacks), the ops with the most CPU self time (``ops``),
     and the Python functions with the most own time (cProfile, ``python``; run without the profiler). A
-    host-bound step is one whose wall time outruns its kernels (``gpu_ms``)."""
+    host-bound step is one whose wall time outruns its kernels (``gpu_ms``); ``gpu_idle`` says where."""
     import cProfile
     import pstats
     from torch.profiler import ProfilerActivity, profile
@@ -209,7 +266,7 @@ def host_breakdown(step, steps: int = 3, top: int = 20) -> dict:
     py = sorted(((f"{os.path.basename(k[0])}:{k[1]}({k[2]})", v[2] * 1e3 / steps, v[1] / steps)
                  for k, v in stats.items()), key=lambda kv: -kv[1])[:top]
     syncs = sum(c for k, c in count.items() if _is_sync(k))
-    return dict(wall_ms_profiled=wall, python_calls=sum(v[1] for v in stats.values()) / steps,
+    return dict(wall_ms_profiled=wall, gpu_idle=gpu_idle(step, trace=trace), python_calls=sum(v[1] for v in stats.values()) / steps,
                 launches=sum(count.get(k, 0) for k in LAUNCHES), syncs=syncs,
                 sync_sites=sync_sites(step) if syncs else [],
                 ops=[dict(name=n, self_cpu_ms=round(ms, 3), calls=c) for n, ms, c in ops],

@@ -43,7 +43,7 @@ import torch
 
 import opsmath
 from opsmath.kernels import autotune
-from benchmarks._harness import host_breakdown, interleave, smoke_out, write
+from benchmarks._harness import host_breakdown, idle_line, interleave, out_path, smoke_out, write
 from benchmarks.hf_default_attention import Variant
 
 DEC = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
@@ -280,7 +280,8 @@ def run(name, recipe, labels, rounds, steps, device, smoke, host=False, width=1)
         r["first_ratio"] = r["first_step_s"] / max(base["first_step_s"], 1e-9)
         if host:
             v = next(v for v in variants if v.label == r["variant"])
-            r["host"] = host_breakdown(v.step)
+            r["host"] = host_breakdown(v.step, trace=out_path(
+                f"trace-{name}-{recipe}-{r['variant'].replace(' ', '_')}.json.gz"))
             print(host_line(r), flush=True)
         if "step_peak_gib" in r:
             r["peak_ratio"] = r["step_peak_gib"] / max(base["step_peak_gib"], 1e-9)
@@ -314,7 +315,7 @@ def host_line(r: dict) -> str:
     py = ", ".join(f"{o['name']} {o['own_ms']:.2f}" for o in h["python"][:8])
     return (f"  host {r['variant']}: {h['wall_ms_profiled']:.2f} ms/step under cProfile, {h['launches']:.0f} "
             f"launches, {h['syncs']:.0f} syncs, {h['python_calls']:.0f} Python calls\n    ops (self CPU ms): {ops}"
-            f"\n    Python (own ms): {py}" + "".join(f"\n    sync x{s['count']} {s['event']} at "
+            f"\n    Python (own ms): {py}\n    GPU idle: {idle_line(h['gpu_idle'])}" + "".join(f"\n    sync x{s['count']} {s['event']} at "
                                                   + " <- ".join(s['stack'][:4]) for s in h.get("sync_sites", [])))
 
 
