@@ -200,7 +200,8 @@ def gpu_idle(step, steps: int = 2, trace: str | None = None) -> dict:
                 step()
                 sync()
     evs = list(prof.profiler.kineto_results.events())
-    marks = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in evs if e.name().startswith("opsmath-bench step"))
+    marks = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in evs   # the host's ranges, not the GPU's
+                   if e.name().startswith("opsmath-bench step") and e.device_type() == torch.autograd.DeviceType.CPU)
     device = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in evs
                     if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0)
     rows = []

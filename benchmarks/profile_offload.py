@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from benchmarks._harness import host_breakdown, write
+from benchmarks._harness import host_breakdown, out_path, write
 from benchmarks.recompute_overhead import Variant
 from benchmarks._models import gpt2_batch
 
@@ -86,7 +86,8 @@ def main():
             os.environ.pop("OPSMATH_OFFLOAD_EXPOSED", None)
         v.timed_round(5)
         row = dict(variant=spec, wall_ms=v.wall[-1], host_ms=v.host[-1], step_peak_gib=v.step_peak_gib, **trace(v, args.steps))
-        row["host"] = host_breakdown(v.step, steps=args.steps)   # where the enqueue time goes: syncs, runtime calls
+        row["host"] = host_breakdown(v.step, steps=args.steps,   # where the enqueue time goes: syncs, runtime calls
+                                     trace=out_path(f"trace-offload-{spec.replace(':', '_')}.json.gz"))
         rows.append(row)
         print({k: val for k, val in row.items() if k != "host"}, flush=True)
         h = row["host"]
