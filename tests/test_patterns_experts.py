@@ -129,7 +129,7 @@ class MixedActivations(examples.SparseMoE):
 
 def _train_step(model, x):
     out = model(x)
-    loss = (out * torch.linspace(-1, 1, out.shape[-1])).sum()
+    loss = (out * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum()
     loss.backward()
     return loss
 
