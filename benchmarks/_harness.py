@@ -203,7 +203,8 @@ def gpu_idle(step, steps: int = 2, trace: str | None = None) -> dict:
     marks = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in evs   # the host's ranges, not the GPU's
                    if e.name().startswith("opsmath-bench step") and e.device_type() == torch.autograd.DeviceType.CPU)
     device = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in evs
-                    if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0)
+                    if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+                    and not e.name().startswith("opsmath-bench step"))   # the GPU's copy of a step's range
     rows = []
     for s, e in marks:
         ks = [k for k in device if s <= k[0] < e]
