@@ -8,30 +8,28 @@ Phi-3, GPT-NeoX, GPT-2 (causal LM, B4 T1024), BERT (masked LM, B16 T512, odd row
 classification, B32 224x224), T5 (B8, 512 tokens in, 128 out), Mixtral (8 experts top-2) and Qwen2-MoE (16
 experts top-4 and a shared expert).
 
-Two recipes (``--recipes``), torch fused AdamW in both:
-- ``amp``: fp32 weights, the forward under ``torch.autocast("cuda", dtype=torch.bfloat16)`` and the backward
-  outside it (HF Trainer's ``bf16=True``);
-- ``bf16``: weights cast with ``.to(torch.bfloat16)``, no autocast.
+Two recipes (``--recipes``), torch fused AdamW in both: ``amp``, fp32 weights, the forward under bf16 autocast
+and the backward outside it (HF Trainer's ``bf16=True``); ``bf16``, weights cast to bf16, no autocast.
 
 Per model, recipe and variant, after two warm-up steps (capture, compile, tuning), ``--rounds`` rounds of
 ``--steps`` timed steps, A B A B: median and spread (min-max) of the per-round median step time, GPU kernel
 time per step (torch.profiler), the step's peak memory above what is resident before it, the first
 step's wall time (capture and compile included) and loss; for opsmath its rewrites, declines, fallback
 errors and graphs; and the ratio of each variant's step time and peak to the baseline's (torch.compile).
-A model or variant that fails is an error row; the fleet goes on. The JSON is written after every model
-and recipe, so a run cut short keeps what it measured. At the end, per recipe: the geometric mean of
-baseline / variant step time, and the rows whose peak is off the baseline's by more than 2%.
+A failing model or variant is an error row; the JSON is written after every model and recipe. At the end,
+per recipe: the geometric mean of baseline / variant step time, and the rows whose peak is off by over 2%.
 
     python -m benchmarks fleet [--models llama,bert] [--recipes amp,bf16] [--rounds 5] [--steps 3]
         [--variants torch.compile,opsmath.optimize] [--tag NAME] [--host] [--width 2]
     python -m benchmarks fleet --smoke [--models gpt2,bert]   # tiny models on CPU: runs, measures nothing
 
-``--smoke`` compares eager with opsmath (torch.compile's C++ compiles are slow on a CPU) unless
-``--variants`` says otherwise, and writes its JSON to a temporary folder unless ``$OUT`` is set.
+``--smoke`` compares eager with opsmath (torch.compile's C++ compiles are slow on a CPU) unless ``--variants``
+says otherwise (``skip=FAMILY``: opsmath without one family), writing to a temporary folder unless ``$OUT`` is set.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import inspect
 import math
@@ -114,10 +112,12 @@ AT_1B = {
 ALL = {**MODELS, **AT_1B}
 RECIPES = ("amp", "bf16")
 # variants that capture with an environment variable set: "(priced)" (rewrite/price.py: the families Inductor may
-# fuse as well, kept where they measure faster); "(bf16 wgrad)": weight gradients rounded as eager's (runtime/wgrad.py)
+# fuse as well, kept where they measure faster); "(bf16 wgrad)": weight gradients rounded as eager's (runtime/wgrad.py);
+# "skip=F": without the family F
 ENV = {"opsmath.optimize(priced)": {"OPSMATH_PRICE": "1"}, "opsmath.optimize(bf16 wgrad)": {"OPSMATH_FP32_WGRAD": "0"}}
 VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m,
-            **dict.fromkeys(ENV, opsmath.optimize)}
+            **dict.fromkeys(ENV, opsmath.optimize), **{f"skip={f}": functools.partial(opsmath.optimize, skip=[f])
+                                                         for f in opsmath.patterns.NAMES}}
 EXTRA = {"num_labels", "decoder_start_token_id"}   # config attributes the config classes take as **kwargs
 PEAK_BAND = (0.98, 1.02)   # the summary lists rows whose peak is off the baseline's by more than this
 FIRST_BOUND = 1.5          # ... and those whose first step takes more than this times the baseline's
