@@ -173,6 +173,26 @@ def test_a_copy_source_freed_by_the_graph_is_still_copied_whole():
         assert torch.equal(r, x.sin())
 
 
+def test_host_buffers_are_reused_only_once_nothing_refers_to_them():
+    """``PinnedBuffers`` (unpinned here, on CPU): a buffer comes back for the next copy of its size once its
+    views are gone, not while one is alive, in Python or saved for backward by autograd (C++)."""
+    from opsmath.runtime.offload_ops import PinnedBuffers
+    pool = PinnedBuffers(pin=False)
+    h = pool.take((3, 5), torch.float32)
+    ptr = h.data_ptr()
+    assert pool.take((3, 5), torch.float32).data_ptr() != ptr           # h alive: a second buffer
+    w = torch.randn(3, 5, requires_grad=True)
+    loss = (h * w).sum()                                                 # h saved for backward
+    del h
+    taken = pool.take((3, 5), torch.float32)
+    assert taken.data_ptr() != ptr and len(pool.by_size[60]) == 2       # the other, now free, comes back
+    loss.backward()
+    del loss, taken
+    assert pool.take((3, 5), torch.float32).data_ptr() in {b.data_ptr() for b, _, _ in pool.by_size[60]}
+    assert len(pool.by_size[60]) == 2 and pool.take((5, 3), torch.float32).shape == (5, 3)
+    assert pool.take((2, 2), torch.bfloat16).data_ptr() not in {b.data_ptr() for b, _, _ in pool.by_size[60]}
+
+
 @needs_cxx
 def test_hf_llama_under_autocast_offloads_its_activations_not_its_weights(monkeypatch):
     """HF LLaMA (SDPA, bf16 autocast, 2 layers) at 0.3 (its floor is 0.28) with a fast (pretended) link:

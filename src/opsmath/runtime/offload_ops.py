@@ -22,22 +22,52 @@ places them). Ordering and lifetimes, the only things that make this safe:
   source is also referenced until the wait, for a caller that drops it earlier. ``offload_wait``
   declares that it writes ``h`` and ``reload_wait`` that it writes ``y``: the compiler can neither drop
   them nor move a reader of ``y`` above the wait.
-- Pinned buffers come from PyTorch's caching host allocator, which records the copies' stream and reuses a
-  buffer only after they are done.
+- Pinned buffers are opsmath's own (``PinnedBuffers``): allocated once per size and handed out again once no
+  tensor refers to them (a view saved in an autograd graph counts). A buffer's next copy queues on the same
+  transfer stream as its last one, so it never overtakes it. PyTorch's caching host allocator, used per copy,
+  stalled a traced LLaMA step on a 56 ms ``cudaHostAlloc`` of a block it had not yet taken back
+  (``results/profile_offload-llama-h100-20261206.*``).
 
 Each copy's completion event and source are kept by its buffer's ``data_ptr`` between start and wait. Off
 CUDA (CPU tests) the ops are plain copies and the waits do nothing.
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 from torch.library import custom_op
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _streams: dict = {}    # device -> its transfer stream
 _lowered = [False]     # ``lowerings()`` ran
 _pending: dict = {}    # data_ptr of a buffer being copied -> (the copy's completion event, its source)
+
+
+class PinnedBuffers:
+    """Host buffers by byte size, reused when unreferenced: ``take(shape, dtype)`` returns a view of a free one
+    or of a new one (pinned where ``pin``). Free means no tensor but the pool's own holds its storage,
+    counted through a weak reference (``torch._C._storage_Use_Count``), so a reference held by C++ (a
+    tensor saved for backward) keeps it taken."""
+
+    def __init__(self, pin: bool = True):
+        self.pin = pin
+        self.by_size: dict[int, list] = {}   # bytes -> [(buffer, weak ref to its storage, use count when free)]
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        slots = self.by_size.setdefault(nbytes, [])
+        for buf, ref, free in slots:
+            if torch._C._storage_Use_Count(ref.cdata) <= free:
+                return buf.view(dtype).view(shape)
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        ref = StorageWeakRef(buf.untyped_storage())
+        slots.append((buf, ref, torch._C._storage_Use_Count(ref.cdata)))
+        return buf.view(dtype).view(shape)
+
+
+_pinned = PinnedBuffers()
 
 
 def _transfer(device: torch.device) -> torch.cuda.Stream:
@@ -71,7 +101,7 @@ def offload_start(x: torch.Tensor) -> torch.Tensor:
     """A host copy of ``x`` (contiguous, pinned when ``x`` is on CUDA), queued on the transfer stream."""
     if not x.is_cuda:
         return x.to("cpu", copy=True).contiguous()
-    h = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+    h = _pinned.take(x.shape, x.dtype)
     _copy_on_transfer(h, x, x.device)
     return h
 
