@@ -83,14 +83,16 @@ def test_embeddings_it_leaves_alone(module, reason):
     assert (reason in declines[0].reason) if reason else not declines
 
 
-def test_hugging_face_t5_position_bias_is_rewritten_and_trains_as_eager(device):
-    """T5's encoder and decoder buckets (64 x 64 and 48 x 48 pairs into 32 rows): both rewritten, loss and
-    every gradient as eager's."""
+@pytest.mark.parametrize("name,per_layer", [("T5", 1), ("UMT5", 2)])
+def test_hugging_face_t5_position_bias_is_rewritten_and_trains_as_eager(name, per_layer, device):
+    """T5's encoder and decoder buckets (64 x 64 and 48 x 48 pairs into 32 rows; UMT5: a table per layer):
+    all rewritten, loss and every gradient as eager's."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.T5Config(d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                vocab_size=100, dropout_rate=0.0, decoder_start_token_id=0)
-    model = transformers.T5ForConditionalGeneration(cfg).to(device)
+    cfg = getattr(transformers, f"{name}Config")(d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2,
+                                                 num_decoder_layers=2, vocab_size=100, dropout_rate=0.0,
+                                                 decoder_start_token_id=0)
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(cfg).to(device)
     eager, opt = copy.deepcopy(model), opsmath.optimize(model)
     ids, labels = torch.randint(1, 100, (2, 64), device=device), torch.randint(1, 100, (2, 48), device=device)
     losses = [m(input_ids=ids, labels=labels).loss for m in (opt, eager)]
@@ -100,4 +102,4 @@ def test_hugging_face_t5_position_bias_is_rewritten_and_trains_as_eager(device):
     for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
         assert rel_err(p.grad, q.grad) < 1e-5, name
     rows = [m.details for m in opsmath.report(opt).matches if m.pattern == "table_gather"]
-    assert sorted(d["lookups"] for d in rows) == [48 * 48, 64 * 64], rows
+    assert sorted(d["lookups"] for d in rows) == [48 * 48] * per_layer + [64 * 64] * per_layer, rows
