@@ -2,9 +2,10 @@
 ``REPEATS`` times as many entries as ``table`` has rows, to ``opsmath::table_gather``
 (``src/opsmath/kernels/table_gather.py``), whose backward sums each row's gradient without atomics.
 
-The case is T5's relative position bias (and its family: mT5, Flan-T5, UMT5, LongT5): ``Embedding(32
+The cases are T5's relative position bias (and its family: mT5, Flan-T5, UMT5, Switch): ``Embedding(32
 buckets, heads)`` looked up at every (query, key) pair, whose gradient eager and Inductor scatter into 32
-rows with contended atomic adds. A token embedding (fewer lookups than rows) is not this family's.
+rows with contended atomic adds; and BERT's token-type embedding (2 rows, every token). A token embedding
+(fewer lookups than rows) is not this family's; LongT5's local blocks read too few lookups per row.
 
 Anchor: ``aten.embedding`` on a 2-D float table of at most ``MAX_ROWS`` rows that requires grad, integer
 indices, static sizes. Declined, keeping eager, with ``padding_idx``, ``scale_grad_by_freq`` or sparse
