@@ -2,6 +2,7 @@
 against recompute, reaches budgets below the recompute floor, and under Inductor the offloaded tensors
 go through its partitioner's offload and training equals eager. On CPU the "host" is the same memory:
 these tests check the choice, the marks and the exactness; the GPU rows in BENCHMARKS.md the speed."""
+import contextlib
 import shutil
 
 import pytest
@@ -268,3 +269,43 @@ def test_the_copy_source_is_one_buffer_inductor_keeps_until_the_wait(monkeypatch
     assert start and wait and start.group(1) == wait.group(1), code
     between = code[start.end():wait.start()]
     assert f"del {start.group(1)}" not in between and f"= {start.group(1)};" not in between, code
+
+
+def _reloaded(anchors=None):
+    """A backward whose three offloaded inputs are used together at its end, after 12 GEMMs and an early 256 KiB
+    temporary (its memory peak); reloads placed over a link on which one copy takes two GEMMs of modelled
+    time. ``anchors(loads) -> {placeholder: position}`` replaces the schedule (``_reload_anchors``)."""
+    from unittest import mock
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from opsmath.memory.segments import node_cost
+
+    def bw(a, b, c, x, w):
+        t = torch.cat([x] * 16).sum(0, keepdim=True)
+        for _ in range(12):
+            x = torch.mm(x, w)
+        return (torch.stack([a, b, c]) * x).sum() + t.sum()
+    gm = make_fx(bw)(*[torch.randn(64, 64) for _ in range(5)])
+    for n in gm.graph.nodes:
+        if isinstance(n.meta.get("val"), torch.Tensor):
+            n.meta["val"] = torch.empty_like(n.meta["val"], device="meta")
+    mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    link = 64 * 64 * 4 * offload_async.MARGIN / (2 * node_cost(mm))
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"][:3]
+    with mock.patch.object(offload_async, "_reload_anchors", anchors) if anchors else contextlib.nullcontext():
+        offload_async.reload_backward(gm, {k: ([64, 64], [64, 1], torch.device("meta")) for k in names}, link)
+    order = list(gm.graph.nodes)
+    starts = {n.args[0].name: order.index(n) for n in order if n.target is torch.ops.opsmath.reload_start.default}
+    return starts, max(offload_async._live_bytes(order, {n: i for i, n in enumerate(order)}, set()))
+
+
+def test_reloads_queue_latest_first_and_stay_under_the_graphs_own_peak():
+    """Used together, the three copies queue on the one transfer stream: each starts at or before where it
+    alone would (``own``, the schedule that ignored the queue), two of them earlier, one after another, and
+    the graph's modelled live bytes stay under those of reloads made at their use (the early temporary's).
+    Fails with the queue ignored (``queued == alone``)."""
+    queued, peak = _reloaded()
+    alone, _ = _reloaded(lambda order, pos, loads: {r[0]: r[3] for r in loads})
+    at_use, peak_at_use = _reloaded(lambda order, pos, loads: {r[0]: pos[r[1]] - 1 for r in loads})
+    assert all(queued[k] <= alone[k] for k in queued) and queued != alone, (queued, alone)
+    assert len(set(queued.values())) == 3, queued   # one after another on the stream, not all at one node
+    assert peak <= peak_at_use, (peak, peak_at_use)
