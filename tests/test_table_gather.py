@@ -103,3 +103,28 @@ def test_hugging_face_t5_position_bias_is_rewritten_and_trains_as_eager(name, pe
         assert rel_err(p.grad, q.grad) < 1e-5, name
     rows = [m.details for m in opsmath.report(opt).matches if m.pattern == "table_gather"]
     assert sorted(d["lookups"] for d in rows) == [48 * 48] * per_layer + [64 * 64] * per_layer, rows
+
+
+def test_t5_at_changing_lengths_keeps_the_rewrite_in_its_dynamic_graph():
+    """After the second length the encoder's sizes are symbolic (as under torch.compile): the one dynamic
+    graph still takes the bias table (judged at the lengths seen at its capture), and every later length
+    trains as eager, a length with fewer lookups than the threshold (20 x 20 into 8 rows) included."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=1, num_decoder_layers=1,
+                                vocab_size=100, dropout_rate=0.0, decoder_start_token_id=0,
+                                relative_attention_num_buckets=8)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    eager, opt = copy.deepcopy(model), opsmath.optimize(model)
+    for T in (40, 48, 56, 20):
+        ids, labels = torch.randint(1, 100, (2, T)), torch.randint(1, 100, (2, 24))
+        losses = [m(input_ids=ids, labels=labels).loss for m in (opt, eager)]
+        for loss in losses:
+            loss.backward()
+        assert rel_err(losses[0].detach(), losses[1].detach()) < 1e-6, T
+        for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
+            assert rel_err(p.grad, q.grad) < 1e-5, (T, name)
+            p.grad, q.grad = None, None
+    graphs = opsmath.report(opt).graphs
+    assert [g.dynamic for g in graphs] == [False, True], [(g.dynamic, g.calls) for g in graphs]
+    assert any(m.pattern == "table_gather" for m in graphs[1].matches), graphs[1].matches

@@ -8,7 +8,8 @@ rows with contended atomic adds; and BERT's token-type embedding (2 rows, every 
 (fewer lookups than rows) is not this family's; LongT5's local blocks read too few lookups per row.
 
 Anchor: ``aten.embedding`` on a 2-D float table of at most ``MAX_ROWS`` rows that requires grad, integer
-indices, static sizes. Declined, keeping eager, with ``padding_idx``, ``scale_grad_by_freq`` or sparse
+indices; symbolic index sizes (varying sequence lengths) are judged by their sizes at capture. Declined,
+keeping eager, with ``padding_idx``, ``scale_grad_by_freq`` or sparse
 gradients (whose semantics the op does not carry).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from opsmath.kernels.table_gather import MAX_ROWS
-from opsmath.rewrite.canonicalize import aten, dtype, shape
+from opsmath.rewrite.canonicalize import aten, dtype, shape, size_hint
 from opsmath.rewrite.match import RewriteContext, node_line
 from opsmath.rewrite.rules import Rule, register_rule
 
@@ -30,16 +31,16 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class TableGatherRule(Rule):
     name = "table_gather"
     anchors = (aten.embedding.default,)
+    dynamic_shapes = True    # sound at any number of lookups; the threshold reads the sizes seen at capture
 
     def match(self, ctx: RewriteContext, n: fx.Node):
         table, idx = n.args[0], n.args[1]
         if not isinstance(table, fx.Node) or not isinstance(idx, fx.Node) or len(shape(table)) != 2 \
                 or dtype(table) not in _FLOATS or dtype(idx) not in (torch.int32, torch.int64):
             return None
-        sizes = (*shape(table), *shape(idx))
-        if not all(isinstance(s, int) for s in sizes):
+        if not all(isinstance(s, int) for s in shape(table)):
             return None
-        rows, lookups = shape(table)[0], math.prod(shape(idx))
+        rows, lookups = shape(table)[0], math.prod(size_hint(s) for s in shape(idx))
         if rows > MAX_ROWS or lookups < REPEATS * max(rows, 1) or not ctx.may_require_grad(table):
             return None
         padding_idx, scale_by_freq, sparse = (list(n.args[2:]) + [-1, False, False][len(n.args) - 2:])[:3]
