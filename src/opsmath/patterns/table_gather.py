@@ -26,6 +26,7 @@ from opsmath.rewrite.rules import Rule, register_rule
 
 REPEATS = 64      # lookups per table row from which atomic adds contend (and the rewrite pays)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_EMBEDDING_ARGS = ("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse")   # aten.embedding's
 
 
 class TableGatherRule(Rule):
@@ -43,8 +44,8 @@ class TableGatherRule(Rule):
         rows, lookups = shape(table)[0], math.prod(size_hint(s) for s in shape(idx))
         if rows > MAX_ROWS or lookups < REPEATS * max(rows, 1) or not ctx.may_require_grad(table):
             return None
-        padding_idx, scale_by_freq, sparse = (list(n.args[2:]) + [-1, False, False][len(n.args) - 2:])[:3]
-        if padding_idx not in (-1, None) or scale_by_freq or sparse:
+        given = {**dict(zip(_EMBEDDING_ARGS, n.args)), **n.kwargs}
+        if given.get("padding_idx", -1) not in (-1, None) or given.get("scale_grad_by_freq") or given.get("sparse"):
             return ("padding_idx, scale_grad_by_freq or a sparse gradient: semantics opsmath::table_gather "
                     "does not carry")
         return table, idx, rows, lookups

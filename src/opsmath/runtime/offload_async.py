@@ -35,6 +35,7 @@ from torch._prims_common import make_contiguous_strides_for
 from opsmath.runtime import offload_ops   # (importing it registers the ops)
 from opsmath.memory import offload
 from opsmath.memory.offload import MARGIN, _marked
+from opsmath.memory.weight_casts import is_view
 from opsmath.memory.segments import _nbytes, node_cost
 
 placements: list = []   # every Placed of this process, in compile order (the report and benchmarks read it)
@@ -139,8 +140,7 @@ def _live_bytes(order: list[fx.Node], pos: dict, host: set) -> list[int]:
     delta = [0] * (len(order) + 1)
     for n in order:
         v = n.meta.get("val")
-        if not isinstance(v, torch.Tensor) or v.device.type == "cpu" or getattr(n.target, "is_view", False) \
-                or n in host:
+        if not isinstance(v, torch.Tensor) or v.device.type == "cpu" or is_view(n) or n in host:
             continue
         delta[0 if n.op == "placeholder" else pos[n]] += _nbytes(n)
         delta[last.get(n, pos[n]) + 1] -= _nbytes(n)
