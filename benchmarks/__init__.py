@@ -12,7 +12,7 @@ ROOT = os.path.dirname(HERE)
 
 FAMILIES = {  # family: its modules, in the order the listing shows them
     "kernels": ["attention", "attention_variants", "linear_cross_entropy", "cross_entropy", "dropout_add_norm",
-                "activations", "optimizer", "grouped_gemm"],
+                "activations", "optimizer", "grouped_gemm", "table_gather"],
     "training steps": ["train", "hf_default_attention", "hf_trainer", "moe", "fleet", "varying_lengths", "cuda_graph_loops"],
     "memory": ["memory", "card", "recompute_overhead", "plan_estimate"],
     "planner (CPU)": ["plan_partition", "inductor_partition", "plan_floors", "plan_time"],
