@@ -66,6 +66,7 @@ def test_a_relative_bias_is_rewritten_and_trains_as_eager():
     (nn.Embedding(16, 4, padding_idx=0), "padding_idx"),
     (nn.Embedding(16, 4, scale_grad_by_freq=True), "padding_idx"),
     (nn.Embedding(4096, 4), None),                      # a token embedding: fewer lookups than 64 per row
+    (nn.Embedding(72, 4), None),                        # more rows than the one-hot products pay for
 ])
 def test_embeddings_it_leaves_alone(module, reason):
     class Lookup(nn.Module):
@@ -76,7 +77,7 @@ def test_embeddings_it_leaves_alone(module, reason):
         def forward(self, idx):
             return self.emb(idx).sum(-1)
     torch.manual_seed(0)
-    idx = torch.randint(0, 16, (48, 48))
+    idx = torch.randint(0, 16, (96, 96))
     rep = optimized_matches_eager(Lookup(), idx)
     assert not [m for m in rep.matches if m.pattern == "table_gather"]
     declines = [d for d in rep.declines if d.pattern == "table_gather"]

@@ -7,7 +7,7 @@ buckets, heads)`` looked up at every (query, key) pair, whose gradient eager and
 rows with contended atomic adds; and BERT's token-type embedding (2 rows, every token). A token embedding
 (fewer lookups than rows) is not this family's; LongT5's local blocks read too few lookups per row.
 
-Anchor: ``aten.embedding`` on a 2-D float table of at most ``MAX_ROWS`` rows that requires grad, integer
+Anchor: ``aten.embedding`` on a 2-D float table of at most ``ROWS`` rows that requires grad, integer
 indices; symbolic index sizes (varying sequence lengths) are judged by their sizes at capture. Declined,
 keeping eager, with ``padding_idx``, ``scale_grad_by_freq`` or sparse
 gradients (whose semantics the op does not carry).
@@ -19,12 +19,15 @@ import math
 import torch
 import torch.fx as fx
 
-from opsmath.kernels.table_gather import MAX_ROWS
 from opsmath.rewrite.canonicalize import aten, dtype, shape, size_hint
 from opsmath.rewrite.match import RewriteContext, node_line
 from opsmath.rewrite.rules import Rule, register_rule
 
 REPEATS = 64      # lookups per table row from which atomic adds contend (and the rewrite pays)
+# rows from which the one-hot products cost more than the atomics they replace: they grow as rows x lookups
+# (H100, fp32, ``benchmarks/table_gather.py``: 32 rows x 262144 lookups 0.035 ms against compile's 0.555; 1024
+# rows x 65536 lookups 8.2 ms against 0.01-0.31)
+ROWS = 64
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _EMBEDDING_ARGS = ("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse")   # aten.embedding's
 
@@ -42,7 +45,7 @@ class TableGatherRule(Rule):
         if not all(isinstance(s, int) for s in shape(table)):
             return None
         rows, lookups = shape(table)[0], math.prod(size_hint(s) for s in shape(idx))
-        if rows > MAX_ROWS or lookups < REPEATS * max(rows, 1) or not ctx.may_require_grad(table):
+        if rows > ROWS or lookups < REPEATS * max(rows, 1) or not ctx.may_require_grad(table):
             return None
         given = {**dict(zip(_EMBEDDING_ARGS, n.args)), **n.kwargs}
         if given.get("padding_idx", -1) not in (-1, None) or given.get("scale_grad_by_freq") or given.get("sparse"):
