@@ -155,17 +155,20 @@ def test_an_argument_of_unknown_kind_is_not_keyed():
 
 
 class _TwoLayers(torch.nn.Module):
-    """Two causal attention layers of one shape: the second layer's launches repeat the first's."""
-    def __init__(self, c=64, heads=2):
+    """Two sliding-window attention layers of one shape (a window runs opsmath's Triton kernel on CUDA, where
+    plain causal attention runs cuDNN's): the second layer's launches repeat the first's."""
+    def __init__(self, c=64, heads=2, window=32):
         super().__init__()
-        self.heads = heads
+        self.heads, self.window = heads, window
         self.qkv = torch.nn.ModuleList(torch.nn.Linear(c, 3 * c) for _ in range(2))
 
     def forward(self, x):
         B, T, C = x.shape
+        i, j = torch.arange(T, device=x.device)[:, None], torch.arange(T, device=x.device)[None, :]
+        keep = (j <= i) & (j > i - self.window)
         for qkv in self.qkv:
             q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in qkv(x).split(C, dim=2))
-            x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) \
+            x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep) \
                 .transpose(1, 2).reshape(B, T, C)
         return x
 
