@@ -66,7 +66,7 @@ QUICK = {
     "test_autocast", "test_inference_in_training", "test_buffer_guards", "test_dropout_seeds", "test_op_times",
     "test_examples", "test_patterns_attention_spellings", "test_patterns_attention_declines", "test_layout",
     "test_capture_scalars", "test_ttir_cache", "test_cache_key", "test_loss_head",
-    "test_triton_caches", "test_wgrad", "test_peak_snapshot", "test_table_gather",
+    "test_triton_caches", "test_wgrad", "test_peak_snapshot", "test_table_gather", "test_checkpoint_side_effects",
 }
 
 

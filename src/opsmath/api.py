@@ -40,7 +40,7 @@ from opsmath.memory.plan import InfeasibleBudget, check_step_share, parse_budget
 from opsmath.memory.replan import rebalance
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.capture import graph_breaks
-from opsmath.capture.regions import EagerRegion
+from opsmath.capture.regions import CHECKPOINT_SIDE_EFFECTS, EagerRegion
 
 log = logging.getLogger("opsmath")
 
@@ -269,6 +269,7 @@ def _caller(state: OptimizeState, model: torch.nn.Module, compiled, inductor):
         patches = dict(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit),
                        skip_nnmodule_hook_guards=False)
         patches.update(experts)   # a torch.where per expert traced (an unbacked size), not a graph break
+        patches.update(CHECKPOINT_SIDE_EFFECTS)   # (capture/regions.py)
         patches.update(logs)      # HF's logger.warning_once after the graph, not a graph break
         if inductor is False or (inductor is None and not _on_cuda(model)):
             patches["optimize_ddp"] = False

@@ -43,10 +43,18 @@ FUNCTION = "autograd_function_apply"
 # compiled as ``torch.compile`` compiles it, AOTAutograd keeping its backward
 FUNCTION_COMPILED = "compiled by Inductor with its own backward, as torch.compile compiles it"
 HOP_COMPILED = "compiled by Inductor, as torch.compile compiles it (not lowered: not rewritten)"
+# dynamo settings for capture: a checkpointed region whose body writes a Python attribute or global
+# (transformers 5's layers set and reset the ``kernels`` package's context variable in every checkpointed
+# layer) is traced with its side effects run once, in forward. Dynamo's default breaks the graph there and
+# the layers run eagerly, as under torch.compile. Eager runs such side effects again in the recompute; the
+# tensors computed are the same, and the report's checkpoint rows say so.
+CHECKPOINT_SIDE_EFFECTS = {k: True for k in ("skip_fwd_side_effects_in_bwd_under_checkpoint",)
+                           if hasattr(torch._dynamo.config, k)}
 _WHY = {
     FUNCTION: ("autograd.Function", "custom backward kept as written"),
     "register_hook": ("tensor hook", "hook registered on the real tensor"),
-    CHECKPOINT: ("checkpoint", "recomputed in backward as written (RNG preserved); its body is rewritten"),
+    CHECKPOINT: ("checkpoint", "recomputed in backward as written (RNG preserved); its body is rewritten; "
+                 "Python side effects in it run once, in forward"),
 }
 
 

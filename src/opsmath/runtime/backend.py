@@ -266,8 +266,9 @@ def _inline_checkpoints(state, gm: fx.GraphModule, regions: dict, use_inductor: 
         tag = None if state.memory_budget is not None else region_id
         if inline_checkpoint(gm, node, tag, region=region_id if tag is None else None):
             del regions[node]
-            reason = ("handed to the recompute plan (memory_budget): a candidate segment of its own"
-                      if tag is None else "compiled inline, recomputed in the compiled backward (as written)")
+            reason = ("handed to the recompute plan (memory_budget): a candidate segment of its own" if tag is None
+                      else "compiled inline, recomputed in the compiled backward (as written); Python side effects "
+                      "in it run once, in forward")
             state.eager_regions.append(EagerRegion("checkpoint", region.location, region.code, reason))
 
 
