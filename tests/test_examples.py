@@ -17,6 +17,18 @@ def test_hf_trainer_recipe_trains_with_the_rewrites():
     assert len(report.graphs) == 1 and report.graphs[0].calls == 3 and not report.fallback_errors
 
 
+def test_hf_trainer_with_gradient_checkpointing_rewrites_inside_the_checkpointed_layers():
+    """``gradient_checkpointing=True``: transformers 5's layers write the ``kernels`` package's context
+    variable inside each checkpointed body, which dynamo's checkpoint refuses by default; opsmath traces it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    main = runpy.run_path(os.path.join(EXAMPLES, "hf_trainer.py"))["main"]
+    report = main(steps=3, gradient_checkpointing=True)
+    assert report.count("attention") == 2 and report.count("swiglu") == 2 and not report.fallback_errors
+    assert sum(r.kind == "checkpoint" for r in report.eager_regions) == 2, report.render(width=140)
+    assert not any("side effect" in r.reason.lower() and r.kind == "graph break" for r in report.eager_regions)
+
+
 def test_lightning_recipe_trains_with_the_rewrites():
     pytest.importorskip("lightning")
     pytest.importorskip("transformers")
