@@ -19,6 +19,7 @@ import torch
 from benchmarks._harness import host_breakdown, out_path, write
 from benchmarks.recompute_overhead import Variant
 from benchmarks._models import gpt2_batch
+from opsmath.runtime import offload_async
 
 
 def _intervals(events):
@@ -80,12 +81,15 @@ def main():
         budget, exposed = spec.split(":")
         if exposed != "none":
             os.environ["OPSMATH_OFFLOAD_EXPOSED"] = exposed
+        placed = len(offload_async.placements)
         try:
             v = Variant(spec, float(budget), False, batch, llama=True, offload=exposed != "none")
         finally:
             os.environ.pop("OPSMATH_OFFLOAD_EXPOSED", None)
         v.timed_round(5)
         row = dict(variant=spec, wall_ms=v.wall[-1], host_ms=v.host[-1], step_peak_gib=v.step_peak_gib, **trace(v, args.steps))
+        # the copies the forward cannot cover (waited for at once), by graph: what they are and where made
+        row["late"] = [p.late_tensors for p in offload_async.placements[placed:]]
         row["host"] = host_breakdown(v.step, steps=args.steps,   # where the enqueue time goes: syncs, runtime calls
                                      trace=out_path(f"trace-offload-{spec.replace(':', '_')}.json.gz"))
         rows.append(row)

@@ -309,3 +309,19 @@ def test_reloads_queue_latest_first_and_stay_under_the_graphs_own_peak():
     assert all(queued[k] <= alone[k] for k in queued) and queued != alone, (queued, alone)
     assert len(set(queued.values())) == 3, queued   # one after another on the stream, not all at one node
     assert peak <= peak_at_use, (peak, peak_at_use)
+
+
+def test_a_copy_the_forward_cannot_cover_is_named_with_its_shape():
+    """A saved tensor made by the forward's last GEMM has no compute after it to hide its copy: it is
+    waited for at once, counted late, and named (what it is, its shape) for the profile to show."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fw(x, w):
+        a = torch.mm(torch.mm(x, w), w)
+        return a.sum(), a
+    gm = make_fx(fw)(torch.randn(64, 32), torch.randn(32, 32))
+    last = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default][-1]
+    last.meta["custom"] = {offload.OFFLOAD: True}
+    placed, _ = offload_async.offload_forward(gm, 1, link=1.0)
+    assert placed.late == 1 and placed.late_tensors[0].startswith(f"{last.name} (64, 32) torch.float32"), \
+        placed.late_tensors

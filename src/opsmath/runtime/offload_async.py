@@ -48,6 +48,7 @@ class Placed:
     names: list = field(default_factory=list)   # the saved tensors sent to the host
     nbytes: int = 0
     late: int = 0        # of them, copies the forward cannot cover: waited for at once
+    late_tensors: list = field(default_factory=list)   # those, as "name shape dtype <- source line"
 
 
 def _eligible(x, users_out: bool) -> bool:
@@ -124,6 +125,9 @@ def offload_forward(fw: fx.GraphModule, num_fwd_outputs: int, link: float) -> tu
         placed.names.append(x.name)
         placed.nbytes += _nbytes(x)
         placed.late += late
+        if late:
+            where = (x.meta.get("stack_trace") or "").strip().splitlines()
+            placed.late_tensors.append(f"{x.name} {tuple(v.shape)} {v.dtype} <- {where[-1].strip() if where else '?'}")
     out.update_arg(0, tuple(swap.get(n, n) if i >= num_fwd_outputs else n for i, n in enumerate(outs)))
     graph.lint()
     fw.recompile()
