@@ -14,10 +14,9 @@ HF LLaMA 1.1B at a quarter of its activations with 0.87 GiB offloaded (34 ms of 
 of them under kernels, with ``offload_ops.PinnedBuffers`` and the queued reloads of ``offload_async``)
 recomputed 6.6 ms less a step than the plan without offload and took 0.7 ms less: about a sixth of the
 copy time showed, 0.2 with a margin (H100, ``results/recompute_overhead-llama-offload-h100-20261206.*``;
-before those two, half showed). A copy is placed
-under compute only while the forward's compute after it covers the queue of copies by ``MARGIN``
-(``late``); one that cannot be is waited for at once and priced at its whole time, and the plan solved
-again with that price (``plan_choice._late_priced``).
+before those two, half showed). A copy is placed under compute only while the forward's compute after it
+covers the queue of copies by ``MARGIN`` (``late``); one that cannot be is waited for at once and priced at
+its whole time, and the plan solved again with that price (``plan_choice._late_priced``).
 
 Only on the Inductor path (the CUDA default), on CUDA, and not under CUDA-graph replay (the host buffers
 are outside the graph's pool); the op-by-op path plans without offload.

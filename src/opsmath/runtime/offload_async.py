@@ -33,6 +33,7 @@ import torch.fx as fx
 from torch._prims_common import make_contiguous_strides_for
 
 from opsmath.runtime import offload_ops   # (importing it registers the ops)
+from opsmath.capture.frames import source_location
 from opsmath.memory import offload
 from opsmath.memory.offload import MARGIN, _marked
 from opsmath.memory.weight_casts import is_view
@@ -48,7 +49,7 @@ class Placed:
     names: list = field(default_factory=list)   # the saved tensors sent to the host
     nbytes: int = 0
     late: int = 0        # of them, copies the forward cannot cover: waited for at once
-    late_tensors: list = field(default_factory=list)   # those, as "name shape dtype <- source line"
+    late_tensors: list = field(default_factory=list)   # those, as "name shape dtype <- file:line: code"
 
 
 def _eligible(x, users_out: bool) -> bool:
@@ -126,8 +127,8 @@ def offload_forward(fw: fx.GraphModule, num_fwd_outputs: int, link: float) -> tu
         placed.nbytes += _nbytes(x)
         placed.late += late
         if late:
-            where = (x.meta.get("stack_trace") or "").strip().splitlines()
-            placed.late_tensors.append(f"{x.name} {tuple(v.shape)} {v.dtype} <- {where[-1].strip() if where else '?'}")
+            loc, code = source_location(x)
+            placed.late_tensors.append(f"{x.name} {tuple(v.shape)} {v.dtype} <- {loc}: {code.strip()}")
     out.update_arg(0, tuple(swap.get(n, n) if i >= num_fwd_outputs else n for i, n in enumerate(outs)))
     graph.lint()
     fw.recompile()
