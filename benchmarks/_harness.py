@@ -51,6 +51,26 @@ def bench(fn, warmup_ms: float = 25, rep_ms: float = 100, device: bool = False) 
     return out
 
 
+def timed_calls(fns: dict, rounds: int, calls: int, after_round=None) -> dict:
+    """{name: [ms per call, one per round]}: ``calls`` calls of each ``fns[name]()`` timed with CUDA events,
+    the variants alternating within every round (A B A B: the GPU host's drift falls on all of them);
+    ``after_round()`` runs after each round (e.g. to drop accumulated gradients)."""
+    times: dict = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / calls)
+        if after_round is not None:
+            after_round()
+    return times
+
+
 def out_path(filename: str) -> str:
     """``filename`` in the results folder: ``$OUT`` where set, else ``benchmarks/results``."""
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from benchmarks._harness import kernel_ms, new_shape, rel_err, write
+from benchmarks._harness import kernel_ms, new_shape, rel_err, timed_calls, write
 from opsmath.kernels.fp8_grouped_mm import fp8_grouped_mm
 
 SHAPES = ("16384:8:1024:5632,16384:8:2816:1024,65536:64:1024:1408,65536:64:704:1024,16384:8:512:1024,"
@@ -92,18 +92,10 @@ def measure(shape: str, rounds: int, iters: int, imbalanced: bool, names=("bf16"
             for dt in {VARIANTS[k][1] for k in names}}
     fns = {k: (torch.compile(VARIANTS[k][0]), args[VARIANTS[k][1]]) for k in ("bf16", *names)}
     outs = {k: step(f, *a).float() for k, (f, a) in fns.items()}
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, (f, a) in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                step(f, *a)
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end) / iters)
+    def drop_grads():
         for a in args.values():
             a[0].grad = a[1].grad = None
+    times = timed_calls({k: (lambda f=f, a=a: step(f, *a)) for k, (f, a) in fns.items()}, rounds, iters, drop_grads)
     med = {k: statistics.median(v) for k, v in times.items()}
     gpu = {k: sum(kernel_ms(lambda: step(f, *a), calls=iters).values()) for k, (f, a) in fns.items()}
     row = dict(shape=shape, S=S, G=G, K=K, N=N, imbalanced=imbalanced,

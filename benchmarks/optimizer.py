@@ -26,7 +26,7 @@ import time
 import torch
 
 from opsmath.optim import AdamW
-from benchmarks._harness import kernel_ms, rel_err, write
+from benchmarks._harness import kernel_ms, rel_err, timed_calls, write
 
 COPY_TBPS = 4.13
 V, C, L, T = 50304, 768, 12, 1024
@@ -85,22 +85,6 @@ def optimizers(baseline: str | None) -> dict:
     return out
 
 
-def interleaved(fns: dict, rounds: int, steps: int) -> dict:
-    """{name: [ms per step of each round]}, the variants alternating within every round."""
-    times: dict = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(steps):
-                fn()
-            b.record()
-            torch.cuda.synchronize()
-            times[name].append(a.elapsed_time(b) / steps)
-    return times
-
-
 def host_ms(fn, calls: int = 10) -> float:
     """Host milliseconds to issue one ``fn()`` (the GPU drained first, so nothing waits on it)."""
     torch.cuda.synchronize()
@@ -131,7 +115,7 @@ def param_set(set_name: str, shapes, args) -> list[dict]:
         fns[name] = step
         meta[name] = dict(dtype=str(dtype).replace("torch.", ""), floor_ms=n * floor_b / COPY_TBPS / 1e9,
                           state_gib=(torch.cuda.memory_allocated() - before) / 2**30)
-    times = interleaved(fns, args.rounds, args.steps)
+    times = timed_calls(fns, args.rounds, args.steps)
     if args.host_profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -195,7 +179,7 @@ def train(args) -> list[dict]:
         torch.cuda.synchronize()
         fns[name] = step
         resident[name] = (torch.cuda.memory_allocated() - before) / 2**30
-    times = interleaved(fns, args.rounds, args.steps)
+    times = timed_calls(fns, args.rounds, args.steps)
     rows = []
     for name, ts in times.items():
         gpu = sum(kernel_ms(fns[name], calls=3).values())

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from benchmarks._harness import kernel_ms, new_shape, rel_err, write
+from benchmarks._harness import kernel_ms, new_shape, rel_err, timed_calls, write
 from opsmath.kernels.table_gather import backward_triton
 
 SHAPES = "32:262144:32,32:16384:32,2:8192:2048,2:8192:1024,1024:65536:64"
@@ -59,16 +59,7 @@ def measure(shape: str, rounds: int, iters: int, order: str, dtype: torch.dtype)
     dy, idx = torch.randn(N, C, device="cuda", dtype=dtype), indices(R, N, order, "cuda")
     ref = torch.zeros(R, C, dtype=torch.float64, device="cuda").index_add_(0, idx, dy.double())
     outs = {k: f(dy, idx, R) for k, f in VARIANTS.items()}
-    times = {k: [] for k in VARIANTS}
-    for _ in range(rounds):
-        for k, f in VARIANTS.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                f(dy, idx, R)
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end) / iters)
+    times = timed_calls({k: (lambda f=f: f(dy, idx, R)) for k, f in VARIANTS.items()}, rounds, iters)
     med = {k: statistics.median(v) for k, v in times.items()}
     gpu = {k: sum(kernel_ms(lambda f=f: f(dy, idx, R), calls=iters).values()) for k, f in VARIANTS.items()}
     row = dict(shape=shape, R=R, N=N, C=C, order=order, dtype=str(dtype), ms={k: round(v, 4) for k, v in med.items()},

@@ -48,8 +48,12 @@ class Placed:
     """What ``place`` did to one forward/backward pair."""
     names: list = field(default_factory=list)   # the saved tensors sent to the host
     nbytes: int = 0
-    late: int = 0        # of them, copies the forward cannot cover: waited for at once
-    late_tensors: list = field(default_factory=list)   # those, as "name shape dtype <- file:line: code"
+    late_tensors: list = field(default_factory=list)   # of them, copies the forward cannot cover (waited
+    # for at once), as "name shape dtype <- file:line: code"
+
+    @property
+    def late(self) -> int:
+        return len(self.late_tensors)
 
 
 def _eligible(x, users_out: bool) -> bool:
@@ -125,7 +129,6 @@ def offload_forward(fw: fx.GraphModule, num_fwd_outputs: int, link: float) -> tu
         layouts[x.name] = (list(v.shape), list(v.stride()), v.device)
         placed.names.append(x.name)
         placed.nbytes += _nbytes(x)
-        placed.late += late
         if late:
             loc, code = source_location(x)
             placed.late_tensors.append(f"{x.name} {tuple(v.shape)} {v.dtype} <- {loc}: {code.strip()}")
