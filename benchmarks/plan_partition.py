@@ -30,18 +30,13 @@ class _Planned(Exception):
 def plan_once(layers: int, batch: int, seq: int, budget: float) -> dict:
     """Plan the model under ``budget`` (the capture on CPU, the partition read on fake tensors) and read
     Inductor's partition of the planned graph."""
-    found, real_plan = {}, backend.plan_and_emit
+    found, real_plan = {}, backend.plan_graph
 
-    def record(gm, saved_by, *args, **kwargs):
-        found["plan"] = real_plan(gm, saved_by, *args, **kwargs)
-        found["gm"], found["saved"] = gm, saved_by
+    def record(state, model, source, gm, by_node, example_inputs, use_inductor):
+        found["plan"], found["saved"] = real_plan(state, model, source, gm, by_node, example_inputs, use_inductor)
+        found["gm"], found["inputs"] = gm, example_inputs
         raise _Planned
-    real_partition = analysis.partitioned_saved_bytes
-
-    def inputs_too(gm, inputs):
-        found["inputs"] = inputs
-        return real_partition(gm, inputs)
-    backend.plan_and_emit, backend.partitioned_saved_bytes = record, inputs_too
+    backend.plan_graph = record
     torch._dynamo.reset()
     try:
         model = opsmath.optimize(build_llama(dict(num_hidden_layers=layers), "cpu", "eager"), memory_budget=budget,
@@ -53,11 +48,11 @@ def plan_once(layers: int, batch: int, seq: int, budget: float) -> dict:
         if "_Planned" not in repr(e) and not isinstance(e, _Planned):
             raise
     finally:
-        backend.plan_and_emit, backend.partitioned_saved_bytes = real_plan, real_partition
+        backend.plan_graph = real_plan
     plan = found["plan"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tagged = analysis.partitioned_saved_bytes(found["gm"], found["inputs"])
-    return dict(budget=budget, unconstrained=plan.unconstrained, weight_copies=sum(found["saved"].casts.values()),
+    return dict(budget=budget, offloaded_bytes=plan.offloaded_bytes, offloaded=len(plan.offloaded), unconstrained=plan.unconstrained, weight_copies=sum(found["saved"].casts.values()),
                 kept=plan.kept, partition_saves=sum(tagged.values()), recompute_ms=plan.recompute_seconds * 1e3,
                 planning_s=plan.planning_seconds, recomputed=len(plan.chosen), selective=len(plan.selective),
                 selective_free=sum(1 for i in plan.selective if plan.segments[i].only is not None) - len(plan.tensors),

@@ -3,8 +3,9 @@ much of the copies overlaps kernels, and where the host's enqueue time goes (syn
 ops with the most CPU self time: ``_harness.host_breakdown``). HF LLaMA 1.1B as ``recompute_overhead.py --model
 llama``, no CUDA graphs, one torch.profiler trace of ``--steps`` steps per variant, one process.
 
-A variant is ``BUDGET:EXPOSED``: the plan made with offload's copies priced at ``EXPOSED`` of their time
-(``OPSMATH_OFFLOAD_EXPOSED``; ``none`` plans without offload).
+A variant is ``BUDGET:EXPOSED[:MARGIN]``: the plan made with offload's copies priced at ``EXPOSED`` of their
+time (``OPSMATH_OFFLOAD_EXPOSED``; ``none`` plans without offload), and planned and placed with
+``OPSMATH_OFFLOAD_MARGIN`` at ``MARGIN``.
 
     python -m benchmarks profile_offload --variants 0.25:0.05,0.25:none
 """
@@ -78,14 +79,17 @@ def main():
     torch._dynamo.reset()
     rows = []
     for spec in args.variants.split(","):
-        budget, exposed = spec.split(":")
+        budget, exposed, *margin = spec.split(":")
         if exposed != "none":
             os.environ["OPSMATH_OFFLOAD_EXPOSED"] = exposed
+        if margin:
+            os.environ["OPSMATH_OFFLOAD_MARGIN"] = margin[0]
         placed = len(offload_async.placements)
         try:
             v = Variant(spec, float(budget), False, batch, llama=True, offload=exposed != "none")
         finally:
             os.environ.pop("OPSMATH_OFFLOAD_EXPOSED", None)
+            os.environ.pop("OPSMATH_OFFLOAD_MARGIN", None)
         v.timed_round(5)
         row = dict(variant=spec, wall_ms=v.wall[-1], host_ms=v.host[-1], step_peak_gib=v.step_peak_gib, **trace(v, args.steps))
         # the copies the forward cannot cover (waited for at once), by graph: what they are and where made

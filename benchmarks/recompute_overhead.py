@@ -49,12 +49,13 @@ class Variant:
     while it compiles (the partitioner reads it when the joint graph is split), instead of opsmath."""
 
     def __init__(self, name, budget, cuda_graphs, batch, llama=False, measured=False, steps="all", anchor=None,
-                 offload=True):
+                 offload=True, env=None):
         self.name, self.batch, self.wall, self.host = name, batch, [], []
         model = build_llama({}, "cuda", "eager") if llama else build(GPT2_SMALL, "cuda", "eager")
         # read when a graph is planned (and re-planned, in the warm-up steps)
         env = {"OPSMATH_MEASURED_COSTS": "1" if measured else "0", "OPSMATH_CHEAP_STEPS": "0" if steps == "none" else "1",
-               "OPSMATH_TENSOR_STEPS": "1" if steps == "all" else "0", "OPSMATH_OFFLOAD": "1" if offload else "0"}
+               "OPSMATH_TENSOR_STEPS": "1" if steps == "all" else "0", "OPSMATH_OFFLOAD": "1" if offload else "0",
+               **(env or {})}
         os.environ.update(env)
         try:
             self.model = (torch.compile(model, backend=_inductor_under(anchor)) if anchor is not None else
@@ -154,6 +155,11 @@ def main():
                     help="each budget also planned with OPSMATH_TENSOR_STEPS=0 (no selective-tensors runs)")
     ap.add_argument("--without-offload", action="store_true",
                     help="each budget also planned with OPSMATH_OFFLOAD=0 (recompute only, no host copies)")
+    ap.add_argument("--offload-exposed", default="",
+                    help="e.g. 0.05: each budget also planned with offload's copies priced at that share of their time "
+                         "(OPSMATH_OFFLOAD_EXPOSED)")
+    ap.add_argument("--offload-margins", default="",
+                    help="e.g. 1.5,2: each budget also planned and placed with OPSMATH_OFFLOAD_MARGIN at each")
     ap.add_argument("--measured-only", action="store_true", help="the budgets planned with measured costs only")
     ap.add_argument("--anchors", default="",
                     help="fractions, e.g. 0.5,0.25: also torch.compile of the SDPA model, unconstrained and with "
@@ -182,6 +188,10 @@ def main():
     if args.without_offload:
         variants += [_built(f"budget {b} (without offload)", float(b), False, batch, llama, offload=False)
                      for b in budgets]
+    for flag, var, what in ((args.offload_exposed, "OPSMATH_OFFLOAD_EXPOSED", "copies priced at"),
+                            (args.offload_margins, "OPSMATH_OFFLOAD_MARGIN", "offload margin")):
+        variants += [_built(f"budget {b} ({what} {m})", float(b), False, batch, llama, env={var: m})
+                     for m in flag.split(",") if m for b in budgets]
     if args.anchors:
         variants += [_built("torch.compile" + (f", activation_memory_budget={f}" if f < 1 else ""),
                             None, False, batch, llama, anchor=f)

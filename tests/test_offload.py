@@ -325,3 +325,19 @@ def test_a_copy_the_forward_cannot_cover_is_named_with_its_shape():
     placed, _ = offload_async.offload_forward(gm, 1, link=1.0)
     assert placed.late == 1 and placed.late_tensors[0].startswith(f"{last.name} (64, 32) torch.float32"), \
         placed.late_tensors
+
+
+def test_an_offloaded_segment_recasts_its_weight_copies_instead_of_sending_them():
+    """A kept segment's parameters' low-precision copies (``Segment.casts``, 40 of its 100 bytes here)
+    cost less to recast in backward (1e-9 s) than to send out and back: at 0.3, below what recasting and
+    recompute reach cheaply, the plan offloads segments but for their copies (``"offload+casts"``: 60
+    bytes sent), and the merged choice marks them for both."""
+    segs = [Segment(3 * k, 3 * k + 2, 100, 20, 1.0, casts=40, cast_cost=1e-9) for k in range(4)]
+    runs = {(i, j): Segment(segs[i].start, segs[j].end, 100 * (j - i + 1), 20, 1.0 * (j - i + 1), casts=40 * (j - i + 1),
+                            cast_cost=1e-9 * (j - i + 1)) for i in range(4) for j in range(i, 4)}
+    picked, kept, trans, _ = choose(segs, runs, 0, "fraction", 0.3, link=1e8)
+    sent = [st for st in picked if st.sent]
+    assert sent and {st.kind for st in sent} == {"offload+casts"} and all(st.sent == 60 for st in sent)
+    assert kept + trans <= 120
+    _, _, kinds = merged(segs, runs, picked)
+    assert "kept+casts" in kinds.values() and "kept" not in kinds.values()

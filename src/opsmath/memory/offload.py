@@ -8,15 +8,20 @@ stream and brings them back ahead of their backward use (``offload_ops``), so th
 compute. (Inductor's own offload copies on the compute stream, and torch 2.11's side-stream variant fails
 or frees nothing before the forward's end: ``results/host_link-offload-*``.)
 
-Cost model: a copy costs ``EXPOSED_SHARE * 2 b / link`` (``link``: this machine's host-link bandwidth,
-measured once per process, ``host_link``; 55 GB/s each way on the H200 host). The share is measured:
+Cost model: a copy costs ``EXPOSED_SHARE * MODEL_SCALE * 2 b / link`` (``link``: this machine's host-link
+bandwidth, measured once per process, ``host_link``; 55 GB/s each way on the H200 host, 51 on the H100's).
+``MODEL_SCALE`` puts the copy's GPU seconds in the units of the recompute it replaces: ``segments``' model
+prices recompute at 1.7-2.35x the GPU time it costs (LLaMA 1.1B at 0.25 on an H100: 38.6 modelled ms for
+16.4 ms measured, ``results/recompute_overhead-llama-offload-price-h100-20261206.*``; 1.69x on the H200,
+``op_times``). Priced in GPU seconds against modelled recompute, the default plan there offloaded 0.66 GiB,
+recomputed 3.2 ms less and took 1.3 ms longer than recomputing alone. The share is measured:
 HF LLaMA 1.1B at a quarter of its activations with 0.87 GiB offloaded (34 ms of copies out and back, 85%
 of them under kernels, with ``offload_ops.PinnedBuffers`` and the queued reloads of ``offload_async``)
 recomputed 6.6 ms less a step than the plan without offload and took 0.7 ms less: about a sixth of the
 copy time showed, 0.2 with a margin (H100, ``results/recompute_overhead-llama-offload-h100-20261206.*``;
 before those two, half showed). A copy is placed under compute only while the forward's compute after it
-covers the queue of copies by ``MARGIN`` (``late``); one that cannot be is waited for at once and priced at
-its whole time, and the plan solved again with that price (``plan_choice._late_priced``).
+covers the queue of copies by ``MARGIN`` (``margin``; ``late``); one that cannot be is waited for at once
+and priced at its whole time, and the plan solved again with that price (``plan_choice._late_priced``).
 
 Only on the Inductor path (the CUDA default), on CUDA, and not under CUDA-graph replay (the host buffers
 are outside the graph's pool); the op-by-op path plans without offload.
@@ -32,7 +37,14 @@ import torch.fx as fx
 
 OFFLOAD = "opsmath_offload"   # meta["custom"] key of a node whose saved output the plan sends to the host
 EXPOSED_SHARE = 0.2   # of a placed copy's out-and-back time, what the step measured of it (docstring)
+MODEL_SCALE = 2.0     # the cost model's recompute seconds per GPU second (docstring)
 MARGIN = 3.0          # modelled compute per copy second before a copy counts as placed under it
+
+
+def margin() -> float:
+    """``MARGIN``, or ``OPSMATH_OFFLOAD_MARGIN`` to compare other margins (read when a graph is planned and
+    placed)."""
+    return float(os.environ.get("OPSMATH_OFFLOAD_MARGIN", MARGIN))
 
 
 def available(example_inputs, how: str) -> bool:
@@ -43,10 +55,13 @@ def available(example_inputs, how: str) -> bool:
 def step_cost(nbytes: int, link: float, exposed: float | None = None) -> float:
     """Modelled seconds an offload of ``nbytes`` adds: ``exposed`` of the copies' out-and-back time
     (``EXPOSED_SHARE`` where the forward's compute covers them, or ``OPSMATH_OFFLOAD_EXPOSED`` to compare
-    other shares; 1 where it cannot: ``late``)."""
+    other shares; 1 where it cannot: ``late``), in the units of the recompute it is weighed against: GPU
+    seconds times ``MODEL_SCALE`` where the plan prices ops by ``segments``' model, GPU seconds where it
+    measures them (``OPSMATH_MEASURED_COSTS=1``)."""
     if exposed is None:
         exposed = float(os.environ.get("OPSMATH_OFFLOAD_EXPOSED", EXPOSED_SHARE))
-    return exposed * 2 * nbytes / link
+    scale = 1.0 if os.environ.get("OPSMATH_MEASURED_COSTS", "0") == "1" else MODEL_SCALE
+    return exposed * scale * 2 * nbytes / link
 
 
 def late(segs, picked, link: float) -> list:
@@ -58,9 +73,9 @@ def late(segs, picked, link: float) -> list:
     for s in segs:
         t += s.cost
         ends.append(t)
-    busy, out = 0.0, []
+    busy, out, m = 0.0, [], margin()
     for st in sorted((st for st in picked if st.sent), key=lambda st: st.j):
-        busy = max(ends[st.j], busy) + MARGIN * st.sent / link
+        busy = max(ends[st.j], busy) + m * st.sent / link
         if busy > t:
             out.append(st)
     return out

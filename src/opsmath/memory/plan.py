@@ -123,9 +123,10 @@ class Plan:
 
     @property
     def offloaded_bytes(self) -> int:
-        """Bytes the plan sends to the host: an offloaded segment's saved bytes, or its inputs."""
-        return sum(self.segments[i].saved if k == "kept" else self.segments[i].inputs
-                   for i, k in self.offloaded.items())
+        """Bytes the plan sends to the host: an offloaded segment's saved bytes (less its weight copies where
+        those are recomputed), or its inputs."""
+        return sum(self.segments[i].saved - (self.segments[i].casts if i in self.casts else 0) if k == "kept"
+                   else self.segments[i].inputs for i, k in self.offloaded.items())
 
     def planned(self) -> list[int]:
         """The segments the plan acts on, in order: recomputed whole or selectively, their weight copies
@@ -251,7 +252,7 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     tensors = [i for i in selective if kinds[i].startswith(TENSORS)]
     casts = sorted(i for i, k in kinds.items()
                    if (k.endswith("casts") or k == "selective-gemms") and segs[i].casts and how == "tag")
-    offloaded = {i: k for i, k in kinds.items() if k in ("kept", "inputs")}
+    offloaded = {i: k.removesuffix("+casts") for i, k in kinds.items() if k in ("kept", "kept+casts", "inputs")}
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
                 chosen, cost, segmentation=label, user_regions=len(user_regions(order)), note=note,
                 offloaded=offloaded, link=link, selective=selective, gemms_recomputed=gemms, casts=casts, tensors=tensors,

@@ -168,7 +168,7 @@ def _with_held(segs: list[Segment], steps: dict, picked: list[Step], held: dict,
 def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:
     """The segment list with each picked run i..j as one segment, the indices of the recomputed ones, and
     the other choices as ``{index: "selective" | "selective-gemms" | "selective-free" | "casts" | "kept" |
-    "inputs"}`` (a selective kind may end in ``"+casts"``; the last two are offloaded: the segment's saved
+    "inputs"}`` (a selective kind or ``"kept"`` may end in ``"+casts"``; the last two are offloaded: the segment's saved
     tensors, or a recomputed run's inputs, ``offload.mark_offloaded``). A kept choice's segment has
     ``inputs``: what it still keeps."""
     out, chosen, kinds, at, i = [], [], {}, {st.i: st for st in picked}, 0
@@ -185,10 +185,10 @@ def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Se
                                cast_cost=run.cast_cost, only=st.only))
             i = st.j + 1
             continue
-        if st.kind != "offload":
+        if not st.kind.startswith("offload"):
             chosen.append(len(out))
         if st.kind != "recompute":
-            kinds[len(out)] = "kept" if st.kind == "offload" else "inputs"
+            kinds[len(out)] = {"offload": "kept", "offload+casts": "kept+casts"}.get(st.kind, "inputs")
         run = runs[(st.i, st.j)]   # a run whose inputs are saved anyway (``held_inputs``) keeps less
         out.append(replace(run, inputs=run.saved - st.saving, reads=st.reads) if st.reads else run)
         i = st.j + 1

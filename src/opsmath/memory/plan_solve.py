@@ -32,7 +32,7 @@ class Step:
     (its GEMMs kept and its cheap ops recomputed), ``"selective-gemms"`` (only its fused ops, such as
     attention, kept; GEMMs recomputed too), ``"selective-free"`` / ``"selective-tensors"`` (the ops named in
     ``only``: ``selective``), ``"offload"`` (a single segment, kept, its saved
-    tensors on the host), ``"recompute+offload"`` (recomputed, its inputs on the host), ``"casts"`` (a
+    tensors on the host; ``"offload+casts"``: but for its parameters' low-precision copies, recomputed), ``"recompute+offload"`` (recomputed, its inputs on the host), ``"casts"`` (a
     single segment, kept but for its parameters' low-precision copies, recomputed: ``weight_casts``), or
     a selective kind with ``"+casts"`` (both). ``size``: its activations live again while its backward runs (the
     transient)."""
@@ -83,6 +83,9 @@ def _steps(segs: list[Segment], runs: dict, link: float | None, sel: dict | None
             if s.saved > 0:
                 out.setdefault(i, []).append(Step(i, i, "offload", s.saved, step_cost(s.saved, link), s.saved,
                                                   sent=s.saved))
+            if 0 < s.casts < s.saved and not s.fixed:   # its weights' copies recast, not sent and brought back
+                out[i].append(Step(i, i, "offload+casts", s.saved, step_cost(s.saved - s.casts, link) + s.cast_cost,
+                                   s.saved, sent=s.saved - s.casts))
     return out
 
 
@@ -97,7 +100,7 @@ def _read_recomputed(segs: list[Segment], st: Step, picked: list[Step]) -> bool:
     """A value ``st`` reads from before it (``st.reads``) is recomputed by the picked step covering its producer."""
     for p, name in st.reads:
         t = next((o for o in picked if segs[o.i].start <= p <= segs[o.j].end), None)
-        if t is not None and t.kind not in ("casts", "offload") and (t.only is None or name in t.only):
+        if t is not None and t.kind not in ("casts", "offload", "offload+casts") and (t.only is None or name in t.only):
             return True
     return False
 

@@ -35,7 +35,7 @@ from torch._prims_common import make_contiguous_strides_for
 from opsmath.runtime import offload_ops   # (importing it registers the ops)
 from opsmath.capture.frames import source_location
 from opsmath.memory import offload
-from opsmath.memory.offload import MARGIN, _marked
+from opsmath.memory.offload import MARGIN, _marked, margin
 from opsmath.memory.weight_casts import is_view
 from opsmath.memory.segments import _nbytes, node_cost
 
@@ -109,14 +109,14 @@ def offload_forward(fw: fx.GraphModule, num_fwd_outputs: int, link: float) -> tu
             users = [u for u in x.users if u is not out]
             todo.append((pos[max(users, key=pos.get)] if users else pos[x], k, x))
             layouts[x.name] = None
-    busy, swap = 0.0, {}
+    busy, swap, m = 0.0, {}, margin()
     for last, k, x in sorted(todo, key=lambda r: r[0]):
         v = x.meta["val"]
         with graph.inserting_after(order[last]):
             h = graph.call_function(ops.offload_start.default, (x,))
         _set_val(h, _fake(v, "cpu"))
         start = max(ends[order[last]], busy)
-        covered = start + MARGIN * _nbytes(x) / link
+        covered = start + m * _nbytes(x) / link
         at = next((n for n in order[last + 1:] if ends[n] >= covered and n is not out), None)
         late = at is None
         if late:   # waited for at once, so x is freed where the plan counts it
@@ -192,11 +192,11 @@ def reload_backward(bw: fx.GraphModule, layouts: dict, link: float) -> None:
 
     def anchor_at(t: float, use: fx.Node) -> int:   # the last op ending by modelled time t (-1: none)
         return max((i for i in ops_before if i < pos[use] and ends[order[i]] <= t), default=-1)
-    loads, free = [], float("inf")
+    loads, free, m = [], float("inf"), margin()
     for p in sorted((n for n in order if n.op == "placeholder" and n.name in layouts and n.users),
                     key=lambda n: -min(pos[u] for u in n.users)):
         use = min(p.users, key=pos.get)
-        need, copy = ends[use] - node_cost(use), MARGIN * _nbytes(p) / link
+        need, copy = ends[use] - node_cost(use), m * _nbytes(p) / link
         free = min(need, free) - copy        # the queue: this copy ends before the next one starts
         loads.append((p, use, anchor_at(free, use), anchor_at(need - copy, use), _nbytes(p)))
     anchors = _reload_anchors(order, pos, loads)
