@@ -38,6 +38,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     ["multi_gpu", "--smoke"],
     ["first_call", "--smoke", "--cases", "bert-mask"],
     ["first_step", "--smoke", "--models", "gpt2", "--variants", "opsmath.optimize"],
+    ["plan_partition", "--layers", "1", "--budgets", "0.5", "--batch", "1", "--seq", "128"],
 ], ids=lambda a: a[0])
 def test_benchmark_script_smoke(args, tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
