@@ -214,7 +214,8 @@ def main():
     out = dict(rows=rows, model=args.model, config="llama_config" if llama else GPT2_SMALL,
                batch=[4, 2048] if llama else [8, 1024])
     from opsmath.runtime import offload_async
-    out["placements"] = [dict(tensors=len(p.names), gib=p.nbytes / 2**30, late=p.late, late_tensors=p.late_tensors)
+    out["placements"] = [dict(tensors=len(p.names), gib=p.nbytes / 2**30, late=p.late, late_tensors=p.late_tensors,
+                              input_casts=p.input_casts)
                          for p in offload_async.placements]
     print("offload placements:", out["placements"], flush=True)
     for v in variants:

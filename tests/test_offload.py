@@ -194,15 +194,14 @@ def test_host_buffers_are_reused_only_once_nothing_refers_to_them():
     assert pool.take((2, 2), torch.bfloat16).data_ptr() not in {b.data_ptr() for b, _, _ in pool.by_size[60]}
 
 
-@needs_cxx
-def test_hf_llama_under_autocast_offloads_its_activations_not_its_weights(monkeypatch):
-    """HF LLaMA (SDPA, bf16 autocast, 2 layers) at 0.3 (its floor is 0.28) with a fast (pretended) link:
-    the partition's saved tensors go through the transfer-stream ops (attention's outputs, GEMM outputs,
-    norms' statistics, views of them), and loss and gradients match eager's."""
+def _llama_offloaded(monkeypatch, link: float):
+    """HF LLaMA (SDPA, bf16 autocast, 2 layers) at 0.3 (its floor is 0.28) planned with a (pretended) host
+    link of ``link`` bytes/s, one step beside eager's: (its plans, its placements), loss and gradients
+    checked against eager's."""
     import copy
     import transformers
     from tolerance import grads_close, rel_err
-    monkeypatch.setattr(offload, "link_for", lambda inputs, how: 1e15 if how == "tag" else None)
+    monkeypatch.setattr(offload, "link_for", lambda inputs, how: link if how == "tag" else None)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=172, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=256, attn_implementation="sdpa")
@@ -216,11 +215,32 @@ def test_hf_llama_under_autocast_offloads_its_activations_not_its_weights(monkey
         with torch.autocast("cpu", dtype=torch.bfloat16):
             losses.append(m(input_ids=ids, labels=ids).loss)
         losses[-1].backward()
-    placed = offload_async.placements[before:]
-    assert placed and placed[0].names
     assert rel_err(losses[0], losses[1]) < 1e-3
     for (name, p), q in zip(opt.named_parameters(), eager.parameters()):
         assert grads_close(p.grad, q.grad, 2e-2, 1e-3), name
+    return [g.plan for g in opsmath.report(opt).graphs if g.plan is not None], offload_async.placements[before:]
+
+
+@needs_cxx
+def test_hf_llama_under_autocast_offloads_its_activations_not_its_weights(monkeypatch):
+    """With a fast link the partition's saved tensors go through the transfer-stream ops (attention's
+    outputs, GEMM outputs, norms' statistics, views of them), the weights' bf16 copies too (sending one
+    costs less than recasting it at this link), and loss and gradients match eager's."""
+    _, placed = _llama_offloaded(monkeypatch, 1e15)
+    assert placed and placed[0].names and placed[0].input_casts > 0
+
+
+@needs_cxx
+def test_hf_llama_offloaded_segments_recast_their_weight_copies(monkeypatch):
+    """Where a weight's bf16 copy costs less to recast than to send and back (launches nearly free, GEMMs
+    dear, a 100 GB/s link), the offloaded segments recompute their weight copies (``"offload+casts"``):
+    none of the sent tensors is a cast of a graph input, and training still matches eager."""
+    from opsmath.memory import segments
+    monkeypatch.setattr(segments, "_LAUNCH_S", 1e-12)
+    monkeypatch.setattr(segments, "_FLOP_RATE", 1e6)
+    plans, placed = _llama_offloaded(monkeypatch, 1e11)
+    assert any(set(p.offloaded) & set(p.casts) for p in plans)
+    assert placed and placed[0].names and sum(p.input_casts for p in placed) == 0
 
 
 def test_a_view_of_a_graph_input_is_not_sent():

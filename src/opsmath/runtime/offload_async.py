@@ -36,7 +36,7 @@ from opsmath.runtime import offload_ops   # (importing it registers the ops)
 from opsmath.capture.frames import source_location
 from opsmath.memory import offload
 from opsmath.memory.offload import MARGIN, _marked, margin
-from opsmath.memory.weight_casts import is_view
+from opsmath.memory.weight_casts import is_view, narrowing
 from opsmath.memory.segments import _nbytes, node_cost
 
 placements: list = []   # every Placed of this process, in compile order (the report and benchmarks read it)
@@ -50,6 +50,7 @@ class Placed:
     nbytes: int = 0
     late_tensors: list = field(default_factory=list)   # of them, copies the forward cannot cover (waited
     # for at once), as "name shape dtype <- file:line: code"
+    input_casts: int = 0   # of them, low-precision copies of a graph input (autocast's weight casts)
 
     @property
     def late(self) -> int:
@@ -68,6 +69,12 @@ def _base(x: fx.Node) -> fx.Node:
     while x.op == "call_function" and getattr(x.target, "is_view", False) and x.args and isinstance(x.args[0], fx.Node):
         x = x.args[0]
     return x
+
+
+def _input_cast(x: fx.Node) -> bool:
+    """``x`` is (a view of) a narrowing cast of (a view of) a graph input: a weight's bf16 copy."""
+    b = _base(x)
+    return narrowing(b) and _base(b.args[0]).op == "placeholder"
 
 
 def _ends(order: list[fx.Node]) -> dict[fx.Node, float]:
@@ -129,6 +136,7 @@ def offload_forward(fw: fx.GraphModule, num_fwd_outputs: int, link: float) -> tu
         layouts[x.name] = (list(v.shape), list(v.stride()), v.device)
         placed.names.append(x.name)
         placed.nbytes += _nbytes(x)
+        placed.input_casts += _input_cast(x)
         if late:
             loc, code = source_location(x)
             placed.late_tensors.append(f"{x.name} {tuple(v.shape)} {v.dtype} <- {loc}: {code.strip()}")
