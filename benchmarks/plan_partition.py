@@ -52,7 +52,7 @@ def plan_once(layers: int, batch: int, seq: int, budget: float) -> dict:
     plan = found["plan"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tagged = analysis.partitioned_saved_bytes(found["gm"], found["inputs"])
-    return dict(budget=budget, offloaded_bytes=plan.offloaded_bytes, offloaded=len(plan.offloaded), unconstrained=plan.unconstrained, weight_copies=sum(found["saved"].casts.values()),
+    return dict(budget=budget, unconstrained=plan.unconstrained, weight_copies=sum(found["saved"].casts.values()),
                 kept=plan.kept, partition_saves=sum(tagged.values()), recompute_ms=plan.recompute_seconds * 1e3,
                 planning_s=plan.planning_seconds, recomputed=len(plan.chosen), selective=len(plan.selective),
                 selective_free=sum(1 for i in plan.selective if plan.segments[i].only is not None) - len(plan.tensors),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
@@ -80,16 +79,10 @@ def main():
     rows = []
     for spec in args.variants.split(","):
         budget, exposed, *margin = spec.split(":")
-        if exposed != "none":
-            os.environ["OPSMATH_OFFLOAD_EXPOSED"] = exposed
-        if margin:
-            os.environ["OPSMATH_OFFLOAD_MARGIN"] = margin[0]
+        env = {**({"OPSMATH_OFFLOAD_EXPOSED": exposed} if exposed != "none" else {}),
+               **({"OPSMATH_OFFLOAD_MARGIN": margin[0]} if margin else {})}
         placed = len(offload_async.placements)
-        try:
-            v = Variant(spec, float(budget), False, batch, llama=True, offload=exposed != "none")
-        finally:
-            os.environ.pop("OPSMATH_OFFLOAD_EXPOSED", None)
-            os.environ.pop("OPSMATH_OFFLOAD_MARGIN", None)
+        v = Variant(spec, float(budget), False, batch, llama=True, offload=exposed != "none", env=env)
         v.timed_round(5)
         row = dict(variant=spec, wall_ms=v.wall[-1], host_ms=v.host[-1], step_peak_gib=v.step_peak_gib, **trace(v, args.steps))
         # the copies the forward cannot cover (waited for at once), by graph: what they are and where made

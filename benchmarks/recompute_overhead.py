@@ -137,6 +137,35 @@ def host_profile(v: Variant) -> str:
     return s.getvalue()
 
 
+def build_variants(args, batch, llama: bool) -> list:
+    """Every variant ``args`` asks for, built and warmed up (None where building failed)."""
+    budgets = [b for b in args.budgets.split(",") if b]
+    specs = [("no budget", None, False, "all")] + [(f"budget {b}", float(b), False, "all") for b in budgets
+                                                     if not args.measured_only]
+    if args.measured_costs or args.measured_only:   # the same budgets planned from each op's time measured on the GPU (op_times)
+        specs += [(f"budget {b} (measured costs)", float(b), True, "all") for b in budgets]
+    m = args.measured_costs or args.measured_only
+    for flag, steps, what in ((args.without_tensor_steps, "cheap", "tensor"), (args.without_cheap_steps, "none", "cheap")):
+        if flag:
+            specs += [(f"budget {b} ({'measured costs, ' if m else ''}without {what} steps)", float(b), m, steps)
+                      for b in budgets]
+    graphs = (False,) if args.no_cuda_graphs else (True,) if args.cuda_graphs_only else (False, True)
+    variants = [_built(name + (" + CUDA graphs" if cg else ""), budget, cg, batch, llama, measured, steps)
+                for cg in graphs for name, budget, measured, steps in specs]
+    if args.without_offload:
+        variants += [_built(f"budget {b} (without offload)", float(b), False, batch, llama, offload=False)
+                     for b in budgets]
+    for flag, var, what in ((args.offload_exposed, "OPSMATH_OFFLOAD_EXPOSED", "copies priced at"),
+                            (args.offload_margins, "OPSMATH_OFFLOAD_MARGIN", "offload margin")):
+        variants += [_built(f"budget {b} ({what} {m})", float(b), False, batch, llama, env={var: m})
+                     for m in flag.split(",") if m for b in budgets]
+    if args.anchors:
+        variants += [_built("torch.compile" + (f", activation_memory_budget={f}" if f < 1 else ""),
+                            None, False, batch, llama, anchor=f)
+                     for f in [1.0] + [float(b) for b in args.anchors.split(",")]]
+    return variants
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budgets", default="0.5,0.25")
@@ -172,30 +201,7 @@ def main():
     # one reset for all variants: a reset per variant drops the earlier variants' compiled code, which
     # would then recompile in the first timed round
     torch._dynamo.reset()
-    budgets = [b for b in args.budgets.split(",") if b]
-    specs = [("no budget", None, False, "all")] + [(f"budget {b}", float(b), False, "all") for b in budgets
-                                                     if not args.measured_only]
-    if args.measured_costs or args.measured_only:   # the same budgets planned from each op's time measured on the GPU (op_times)
-        specs += [(f"budget {b} (measured costs)", float(b), True, "all") for b in budgets]
-    m = args.measured_costs or args.measured_only
-    for flag, steps, what in ((args.without_tensor_steps, "cheap", "tensor"), (args.without_cheap_steps, "none", "cheap")):
-        if flag:
-            specs += [(f"budget {b} ({'measured costs, ' if m else ''}without {what} steps)", float(b), m, steps)
-                      for b in budgets]
-    graphs = (False,) if args.no_cuda_graphs else (True,) if args.cuda_graphs_only else (False, True)
-    variants = [_built(name + (" + CUDA graphs" if cg else ""), budget, cg, batch, llama, measured, steps)
-                for cg in graphs for name, budget, measured, steps in specs]
-    if args.without_offload:
-        variants += [_built(f"budget {b} (without offload)", float(b), False, batch, llama, offload=False)
-                     for b in budgets]
-    for flag, var, what in ((args.offload_exposed, "OPSMATH_OFFLOAD_EXPOSED", "copies priced at"),
-                            (args.offload_margins, "OPSMATH_OFFLOAD_MARGIN", "offload margin")):
-        variants += [_built(f"budget {b} ({what} {m})", float(b), False, batch, llama, env={var: m})
-                     for m in flag.split(",") if m for b in budgets]
-    if args.anchors:
-        variants += [_built("torch.compile" + (f", activation_memory_budget={f}" if f < 1 else ""),
-                            None, False, batch, llama, anchor=f)
-                     for f in [1.0] + [float(b) for b in args.anchors.split(",")]]
+    variants = build_variants(args, batch, llama)
     variants = [v for v in variants if v is not None]
     interleave(variants, args.rounds, args.steps,   # A B A B: the host's noise falls on every variant
                after_round=lambda i: print(f"round {i}: " + ", ".join(f"{v.name} {v.wall[-1]:.2f}" for v in variants),

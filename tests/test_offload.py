@@ -11,12 +11,31 @@ import torch
 import opsmath
 from opsmath.memory import offload
 from opsmath.runtime import offload_async
-from opsmath.memory.plan import InfeasibleBudget, choose, merged
+from opsmath.memory.plan import InfeasibleBudget, Plan, by_kind, choose, merged
 from opsmath.memory.segments import Segment
 from test_inductor import pair, step_equals_eager
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                reason="Inductor on CPU needs a C++ compiler")
+
+
+@pytest.fixture(autouse=True)
+def _default_prices(monkeypatch):
+    """The prices and margins these tests work out by hand, whatever the environment asks."""
+    for var in ("OPSMATH_OFFLOAD_EXPOSED", "OPSMATH_OFFLOAD_MARGIN", "OPSMATH_MEASURED_COSTS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_copies_are_priced_in_the_units_of_the_recompute_they_replace(monkeypatch):
+    """A copy's out-and-back GPU seconds times ``EXPOSED_SHARE``, scaled by ``MODEL_SCALE`` against the
+    model's recompute costs and by 1 against measured ones; the margin follows its variable."""
+    modelled = offload.step_cost(10**9, 1e9)
+    assert modelled == pytest.approx(offload.EXPOSED_SHARE * offload.MODEL_SCALE * 2)
+    monkeypatch.setenv("OPSMATH_MEASURED_COSTS", "1")
+    assert offload.step_cost(10**9, 1e9) == pytest.approx(modelled / offload.MODEL_SCALE)
+    assert offload.margin() == offload.MARGIN
+    monkeypatch.setenv("OPSMATH_OFFLOAD_MARGIN", "1.5")
+    assert offload.margin() == 1.5
 
 
 def _chain(cost):
@@ -44,8 +63,9 @@ def test_offloads_the_forward_cannot_cover_are_priced_at_their_whole_copy():
     """Copies queue on one transfer stream from their segment's end and are covered when the forward's
     compute after them (4 s here) is ``offload.MARGIN`` times their copy time. At 150 bytes/s a 100-byte
     copy takes 2/3 s, covered for the first segment alone (its copy ends at 1 + 3 x 2/3 = 3 s, the
-    second's at 5 s: late). A covered offload costs ``EXPOSED_SHARE`` of its 4/3 s out and back (2/3 s,
-    less than the 1 s recompute); a late one all of it, more than recomputing, so the plan offloads the
+    second's at 5 s: late). A covered offload costs ``EXPOSED_SHARE`` of its 4/3 s out and back in the
+    model's units (x ``MODEL_SCALE``: 0.53 s, less than the 1 s recompute); a late one all of it (2.7 s),
+    more than recomputing, so the plan offloads the
     first segment (and the small inputs of a recomputed one) and recomputes the rest: no late copy is
     left in it."""
     segs, runs = _chain(cost=1.0)
@@ -309,7 +329,7 @@ def _reloaded(anchors=None):
         if isinstance(n.meta.get("val"), torch.Tensor):
             n.meta["val"] = torch.empty_like(n.meta["val"], device="meta")
     mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
-    link = 64 * 64 * 4 * offload_async.MARGIN / (2 * node_cost(mm))
+    link = 64 * 64 * 4 * offload.margin() / (2 * node_cost(mm))
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"][:3]
     with mock.patch.object(offload_async, "_reload_anchors", anchors) if anchors else contextlib.nullcontext():
         offload_async.reload_backward(gm, {k: ([64, 64], [64, 1], torch.device("meta")) for k in names}, link)
@@ -359,5 +379,10 @@ def test_an_offloaded_segment_recasts_its_weight_copies_instead_of_sending_them(
     sent = [st for st in picked if st.sent]
     assert sent and {st.kind for st in sent} == {"offload+casts"} and all(st.sent == 60 for st in sent)
     assert kept + trans <= 120
-    _, _, kinds = merged(segs, runs, picked)
+    out, chosen, kinds = merged(segs, runs, picked)
     assert "kept+casts" in kinds.values() and "kept" not in kinds.values()
+    # in the plan's timeline such a segment comes back whole: its tensors reloaded, its weight copies recast
+    plan = Plan(0.3, 0, 400, kept, trans, kept + trans, out, chosen, **by_kind(out, kinds, "tag"))
+    points = plan.timeline()
+    reloads = [(i, b - before) for (_, _, before), (ph, i, b) in zip(points, points[1:]) if ph == "reload"]
+    assert reloads and all(back == out[i].saved for i, back in reloads)

@@ -35,6 +35,8 @@ import time
 import torch
 import torch.fx as fx
 
+from opsmath.memory import op_times
+
 OFFLOAD = "opsmath_offload"   # meta["custom"] key of a node whose saved output the plan sends to the host
 EXPOSED_SHARE = 0.2   # of a placed copy's out-and-back time, what the step measured of it (docstring)
 MODEL_SCALE = 2.0     # the cost model's recompute seconds per GPU second (docstring)
@@ -60,14 +62,14 @@ def step_cost(nbytes: int, link: float, exposed: float | None = None) -> float:
     measures them (``OPSMATH_MEASURED_COSTS=1``)."""
     if exposed is None:
         exposed = float(os.environ.get("OPSMATH_OFFLOAD_EXPOSED", EXPOSED_SHARE))
-    scale = 1.0 if os.environ.get("OPSMATH_MEASURED_COSTS", "0") == "1" else MODEL_SCALE
+    scale = 1.0 if op_times.requested() else MODEL_SCALE
     return exposed * scale * 2 * nbytes / link
 
 
 def late(segs, picked, link: float) -> list:
-    """The picked offload steps (``"offload"``, ``"recompute+offload"``) whose copies, queued one after
-    another on the transfer stream from the end of their segments, would end after the forward's compute
-    (the segments' modelled ``cost``) by ``MARGIN``: copies the forward cannot cover, which
+    """The picked offload steps (``"offload"``, ``"offload+casts"``, ``"recompute+offload"``) whose copies,
+    queued one after another on the transfer stream from the end of their segments, would end after the
+    forward's compute (the segments' modelled ``cost``) by ``margin()``: copies the forward cannot cover, which
     ``offload_async`` waits for at once (on the step's critical path)."""
     ends, t = [], 0.0
     for s in segs:

@@ -120,6 +120,11 @@ def cpu_seconds(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - t0) / REPS
 
 
+def requested() -> bool:
+    """``OPSMATH_MEASURED_COSTS=1``: the plan prices ops by their measured GPU time."""
+    return os.environ.get("OPSMATH_MEASURED_COSTS", "0") == "1"
+
+
 def annotate(order: list[fx.Node], timer: Optional[Callable] = None,
              scale: Optional[Callable[[fx.Node], float]] = None) -> int:
     """Measure the ops of ``order`` (the forward) on their fake values' device and record each one's time
@@ -128,7 +133,7 @@ def annotate(order: list[fx.Node], timer: Optional[Callable] = None,
     (module docstring; with a ``timer`` the variable is not read). ``scale(node)``: the share of
     its measured time a recompute costs (``FUSED_SHARE`` for what Inductor fuses)."""
     device = next((n.meta["val"].device for n in order if isinstance(n.meta.get("val"), torch.Tensor)), None)
-    if device is None or (timer is None and (os.environ.get("OPSMATH_MEASURED_COSTS", "0") != "1"
+    if device is None or (timer is None and (not requested()
                                              or device.type != "cuda" or torch.cuda.is_current_stream_capturing())):
         return 0
     timer = timer or gpu_seconds

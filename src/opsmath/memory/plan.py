@@ -154,7 +154,8 @@ class Plan:
             if self.grads and self.grads[i]:
                 points.append(("gradients", i, live))
             if i in chosen or i in sel or i in self.offloaded:   # recomputed, or back from the host
-                back = self.segments[i].saved - (self.segments[i].inputs if i in sel else 0)
+                # a kept segment's recast weight copies come back beside its reloaded tensors: all of it
+                back = self.segments[i].saved - (self.segments[i].inputs if i in sel and i not in self.offloaded else 0)
                 points.append(("reload" if i in self.offloaded else "recompute", i, live + back))
             live -= kept[i]
             points.append(("backward", i, live))
@@ -247,15 +248,10 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
         best, note, share = _choice(gm, options, resident, kind, value, earlier, link, index, timing, head)
     label, fine, (picked, kept, trans, cost), runs = best
     segs, chosen, kinds = merged(fine, runs, picked)
-    selective = sorted(i for i, k in kinds.items() if k.startswith("selective"))
-    gemms = [i for i in selective if kinds[i] == "selective-gemms"]
-    tensors = [i for i in selective if kinds[i].startswith(TENSORS)]
-    casts = sorted(i for i, k in kinds.items()
-                   if (k.endswith("casts") or k == "selective-gemms") and segs[i].casts and how == "tag")
-    offloaded = {i: k.removesuffix("+casts") for i, k in kinds.items() if k in ("kept", "kept+casts", "inputs")}
+    by = by_kind(segs, kinds, how)
+    selective, gemms, casts, offloaded = by["selective"], by["gemms_recomputed"], by["casts"], by["offloaded"]
     plan = Plan(budget, resident, sum(s.saved for s in segs), kept, trans, resident + kept + trans, segs,
-                chosen, cost, segmentation=label, user_regions=len(user_regions(order)), note=note,
-                offloaded=offloaded, link=link, selective=selective, gemms_recomputed=gemms, casts=casts, tensors=tensors,
+                chosen, cost, segmentation=label, user_regions=len(user_regions(order)), note=note, link=link, **by,
                 ops={i: describe(order, segs[i]) for i in {*chosen, *selective, *offloaded, *casts}}, share=share)
     if grads:
         plan.grads = grads_by_segment(gm, segs, grads)
@@ -271,6 +267,18 @@ def plan_and_emit(gm: fx.GraphModule, saved_by: dict[str, int], budget, resident
     offload.mark_offloaded(order, segs, offloaded)
     plan.planning_seconds = time.perf_counter() - t0
     return plan
+
+
+def by_kind(segs: list[Segment], kinds: dict, how: str) -> dict:
+    """``Plan``'s segment lists from a merged choice's kinds (``plan_choice.merged``): selective runs (those
+    recomputing GEMMs, those of saved tensors), segments whose weight copies recompute (on the Inductor
+    path, ``how == "tag"``), offloaded ones as ``"kept"`` or ``"inputs"`` (a ``"kept+casts"`` segment is in both)."""
+    selective = sorted(i for i, k in kinds.items() if k.startswith("selective"))
+    return dict(selective=selective, gemms_recomputed=[i for i in selective if kinds[i] == "selective-gemms"],
+                tensors=[i for i in selective if kinds[i].startswith(TENSORS)],
+                casts=sorted(i for i, k in kinds.items()
+                             if (k.endswith("casts") or k == "selective-gemms") and segs[i].casts and how == "tag"),
+                offloaded={i: k.removesuffix("+casts") for i, k in kinds.items() if k in ("kept", "kept+casts", "inputs")})
 
 
 def _choice(gm, options, resident: int, kind: str, value: float, earlier: list, link, index, timing, head):

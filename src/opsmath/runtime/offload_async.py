@@ -6,14 +6,14 @@ partitioner has chosen what the forward saves, ``place`` rewrites both graphs:
 
 - **Forward.** Each marked saved tensor ``x`` of ``b`` bytes is copied out right after its last forward
   use (``offload_start``) and the forward saves the host copy instead. The copies queue on one transfer
-  stream; copy k ends at ``e_k = max(s_k, e_{k-1}) + MARGIN * b_k / link``, where ``s_k`` is the modelled
+  stream; copy k ends at ``e_k = max(s_k, e_{k-1}) + m * b_k / link`` (``m``: ``offload.margin()``), where ``s_k`` is the modelled
   time (``segments.node_cost`` summed along the graph) at its start. Its ``offload_wait`` goes before the
   first node whose modelled time reaches ``e_k``: the compute stream waits for a copy only once the
   compute since its start should have covered it, and ``x`` is freed there. A copy that cannot end before
   the forward does is waited for at once (``Placed.late`` counts it): ``x`` is freed where the plan
   counts it, and the copy is on the critical path, as the plan priced it (``offload.late``).
 - **Backward.** The reloads (``reload_start``) queue on the same transfer stream, so they are scheduled
-  latest use first: each copy of ``MARGIN * b / link`` modelled seconds ends before its first use and
+  latest use first: each copy of ``m * b / link`` modelled seconds ends before its first use and
   before the next copy in the queue starts, and is issued after the last node ending by then. A reload
   moves earlier than its copy alone would need only while the bytes it then holds keep the graph's
   modelled live bytes under the graph's own peak (``_reload_anchors``). Each is waited for
@@ -35,7 +35,7 @@ from torch._prims_common import make_contiguous_strides_for
 from opsmath.runtime import offload_ops   # (importing it registers the ops)
 from opsmath.capture.frames import source_location
 from opsmath.memory import offload
-from opsmath.memory.offload import MARGIN, _marked, margin
+from opsmath.memory.offload import _marked, margin
 from opsmath.memory.weight_casts import is_view, narrowing
 from opsmath.memory.segments import _nbytes, node_cost
 
@@ -50,7 +50,8 @@ class Placed:
     nbytes: int = 0
     late_tensors: list = field(default_factory=list)   # of them, copies the forward cannot cover (waited
     # for at once), as "name shape dtype <- file:line: code"
-    input_casts: int = 0   # of them, low-precision copies of a graph input (autocast's weight casts)
+    input_casts: int = 0   # of them, low-precision copies of a graph input (under autocast: the weights'
+    # copies, or an activation an earlier graph handed in)
 
     @property
     def late(self) -> int:
