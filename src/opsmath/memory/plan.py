@@ -278,7 +278,8 @@ def by_kind(segs: list[Segment], kinds: dict, how: str) -> dict:
                 tensors=[i for i in selective if kinds[i].startswith(TENSORS)],
                 casts=sorted(i for i, k in kinds.items()
                              if (k.endswith("casts") or k == "selective-gemms") and segs[i].casts and how == "tag"),
-                offloaded={i: k.removesuffix("+casts") for i, k in kinds.items() if k in ("kept", "kept+casts", "inputs")})
+                offloaded={i: k.removesuffix("+casts") for i, k in kinds.items()
+                           if k in ("kept", "kept+casts", "inputs")})
 
 
 def _choice(gm, options, resident: int, kind: str, value: float, earlier: list, link, index, timing, head):

@@ -168,8 +168,8 @@ def _with_held(segs: list[Segment], steps: dict, picked: list[Step], held: dict,
 def merged(segs: list[Segment], runs: dict, picked: list[Step]) -> tuple[list[Segment], list[int], dict[int, str]]:
     """The segment list with each picked run i..j as one segment, the indices of the recomputed ones, and
     the other choices as ``{index: "selective" | "selective-gemms" | "selective-free" | "casts" | "kept" |
-    "inputs"}`` (a selective kind or ``"kept"`` may end in ``"+casts"``; the last two are offloaded: the segment's saved
-    tensors, or a recomputed run's inputs, ``offload.mark_offloaded``). A kept choice's segment has
+    "inputs"}`` (a selective kind or ``"kept"`` may end in ``"+casts"``; the last two are offloaded: the
+    segment's saved tensors, or a recomputed run's inputs, ``offload.mark_offloaded``). A kept choice's segment has
     ``inputs``: what it still keeps."""
     out, chosen, kinds, at, i = [], [], {}, {st.i: st for st in picked}, 0
     while i < len(segs):

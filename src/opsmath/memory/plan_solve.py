@@ -31,11 +31,11 @@ class Step:
     """One choice of the DP for segments i..j: ``"recompute"`` (keeps only its inputs), ``"selective"``
     (its GEMMs kept and its cheap ops recomputed), ``"selective-gemms"`` (only its fused ops, such as
     attention, kept; GEMMs recomputed too), ``"selective-free"`` / ``"selective-tensors"`` (the ops named in
-    ``only``: ``selective``), ``"offload"`` (a single segment, kept, its saved
-    tensors on the host; ``"offload+casts"``: but for its parameters' low-precision copies, recomputed), ``"recompute+offload"`` (recomputed, its inputs on the host), ``"casts"`` (a
-    single segment, kept but for its parameters' low-precision copies, recomputed: ``weight_casts``), or
-    a selective kind with ``"+casts"`` (both). ``size``: its activations live again while its backward runs (the
-    transient)."""
+    ``only``: ``selective``), ``"offload"`` (a single segment, kept, its saved tensors on the host;
+    ``"offload+casts"``: but for its parameters' low-precision copies, recomputed), ``"recompute+offload"``
+    (recomputed, its inputs on the host), ``"casts"`` (a single segment, kept but for its parameters'
+    low-precision copies, recomputed: ``weight_casts``), or a selective kind with ``"+casts"`` (both).
+    ``size``: its activations live again while its backward runs (the transient)."""
     i: int
     j: int
     kind: str

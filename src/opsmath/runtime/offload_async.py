@@ -6,8 +6,8 @@ partitioner has chosen what the forward saves, ``place`` rewrites both graphs:
 
 - **Forward.** Each marked saved tensor ``x`` of ``b`` bytes is copied out right after its last forward
   use (``offload_start``) and the forward saves the host copy instead. The copies queue on one transfer
-  stream; copy k ends at ``e_k = max(s_k, e_{k-1}) + m * b_k / link`` (``m``: ``offload.margin()``), where ``s_k`` is the modelled
-  time (``segments.node_cost`` summed along the graph) at its start. Its ``offload_wait`` goes before the
+  stream; copy k ends at ``e_k = max(s_k, e_{k-1}) + m * b_k / link`` (``m``: ``offload.margin()``), where
+  ``s_k`` is the modelled time (``segments.node_cost`` summed along the graph) at its start. Its ``offload_wait`` goes before the
   first node whose modelled time reaches ``e_k``: the compute stream waits for a copy only once the
   compute since its start should have covered it, and ``x`` is freed there. A copy that cannot end before
   the forward does is waited for at once (``Placed.late`` counts it): ``x`` is freed where the plan
