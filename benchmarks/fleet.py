@@ -111,11 +111,14 @@ AT_1B = {
 }
 ALL = {**MODELS, **AT_1B}
 RECIPES = ("amp", "bf16")
-# variants that capture with an environment variable set: "(priced)" (rewrite/price.py: the families Inductor may
-# fuse as well, kept where they measure faster); "(bf16 wgrad)": weight gradients rounded as eager's (runtime/wgrad.py);
+# variants that capture and run with an environment variable set: "(priced)" (rewrite/price.py: the families Inductor
+# may fuse as well, kept where they measure faster); "(bf16 wgrad)": weight gradients rounded as eager's
+# (runtime/wgrad.py); "(fp32 experts mm)": fp32 grouped GEMMs as cuBLAS's per-group mm (kernels/grouped_mm.py);
 # "skip=F": without the family F
-ENV = {"opsmath.optimize(priced)": {"OPSMATH_PRICE": "1"}, "opsmath.optimize(bf16 wgrad)": {"OPSMATH_FP32_WGRAD": "0"}}
+ENV = {"opsmath.optimize(priced)": {"OPSMATH_PRICE": "1"}, "opsmath.optimize(bf16 wgrad)": {"OPSMATH_FP32_WGRAD": "0"},
+       "opsmath.optimize(fp32 experts mm)": {"OPSMATH_FP32_GROUPED_GEMM": "mm"}}
 VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m,
+            "opsmath.optimize(cuda_graphs)": functools.partial(opsmath.optimize, cuda_graphs=True),
             **dict.fromkeys(ENV, opsmath.optimize), **{f"skip={f}": functools.partial(opsmath.optimize, skip=[f])
                                                          for f in opsmath.patterns.NAMES}}
 EXTRA = {"num_labels", "decoder_start_token_id"}   # config attributes the config classes take as **kwargs
@@ -204,6 +207,12 @@ class FleetVariant(Variant):
         self.phases, self._start = {}, time.perf_counter()   # the first step's forward, backward, optimizer
 
     def step(self, accumulate: int = 1):
+        if self.label not in ENV:   # patching os.environ rewrites the whole environment: not in every row's step
+            return self._step()
+        with mock.patch.dict(os.environ, ENV[self.label]):
+            return self._step()
+
+    def _step(self):
         lap = self._lap if "optimizer_s" not in self.phases else (lambda name: None)   # the first step's parts
         with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.recipe == "amp"):
             out = self.model(**self.batch)

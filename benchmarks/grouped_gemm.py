@@ -17,7 +17,9 @@ equal in size, or (``--imbalanced``) half of all rows go to expert 0.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+from unittest import mock
 
 import torch
 
@@ -40,17 +42,28 @@ def step(fn, x, w, offs, dy):
     return y
 
 
-def _own(dtype_list):
-    """``opsmath::grouped_mm`` (opaque to Inductor) with its Triton kernels taking ``dtype_list``."""
-    import opsmath.kernels.grouped_mm as gm
+def _own(dtype_list, fp32="tf32x3"):
+    """``opsmath::grouped_mm`` (opaque to Inductor) with its Triton kernels taking ``dtype_list``, fp32 on
+    CUDA as ``fp32`` says (``OPSMATH_FP32_GROUPED_GEMM``: "tf32x3" on the Triton kernels, "mm" per group),
+    forward and backward: the setting holds around the whole ``step`` (``Own``)."""
+    compiled = torch.compile(lambda a, b, o: torch.ops.opsmath.grouped_mm(a, b, o))
+    return Own(compiled, dtype_list, fp32)
 
-    def fn(a, b, o):
-        old, gm.TRITON_DTYPES = gm.TRITON_DTYPES, dtype_list
+
+class Own:
+    """A step function with ``opsmath::grouped_mm``'s path fixed while it runs (see ``_own``)."""
+
+    def __init__(self, fn, dtype_list, fp32):
+        self.fn, self.dtype_list, self.fp32 = fn, dtype_list, fp32
+
+    def step(self, *args):
+        import opsmath.kernels.grouped_mm as gm
+        old, gm.TRITON_DTYPES = gm.TRITON_DTYPES, self.dtype_list
         try:
-            return torch.ops.opsmath.grouped_mm(a, b, o)
+            with mock.patch.dict(os.environ, {"OPSMATH_FP32_GROUPED_GEMM": self.fp32}):
+                return step(self.fn, *args)
         finally:
             gm.TRITON_DTYPES = old
-    return fn
 
 
 # name: (the grouped GEMM, its operands' dtype); "bf16" is the baseline every speed-up is against
@@ -58,8 +71,8 @@ VARIANTS = {
     "bf16": (lambda a, b, o: torch._grouped_mm(a, b, offs=o), torch.bfloat16),
     "fp8": (fp8_grouped_mm, torch.bfloat16),
     "own bf16": (_own((torch.bfloat16,)), torch.bfloat16),                    # Triton, no host sync
-    "fp32 per-group mm": (_own(()), torch.float32),                           # HF's fp32 fallback's way
-    "fp32 own Triton": (_own((torch.float32,)), torch.float32),
+    "fp32 per-group mm": (_own((), "mm"), torch.float32),                     # HF's fp32 fallback's way
+    "fp32 own Triton": (_own(()), torch.float32),                             # three TF32 products a tile
     # the first GEMM of an MoE layer under top-2 routing: S rows gathered from S / 2 tokens (``_ROWS``), by
     # an index then torch's grouped GEMM, or read through the index by opsmath::grouped_mm_gather
     "index+bf16 (top-2)": (lambda a, b, o: torch._grouped_mm(a[: a.shape[0] // 2][_ROWS[a.shape[0]]], b, offs=o),
@@ -68,6 +81,7 @@ VARIANTS = {
                                                                            b, o), torch.bfloat16),
 }
 GATHERED = ("index+bf16 (top-2)", "gather (top-2)")   # their errors are against each other, not bf16's
+FP32 = ("fp32 per-group mm", "fp32 own Triton")        # ... and so are these (cuBLAS's fp32 the reference)
 _ROWS: dict = {}
 
 
@@ -80,6 +94,22 @@ def token_rows(S: int, offs: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows[s:e].sort().values for s, e in zip(ends, ends[1:])]).to(offs.device)
 
 
+def _stepper(fn):
+    """fwd + bwd of ``fn``: compiled for this shape, or an ``Own`` path's step (compiled already)."""
+    if isinstance(fn, Own):
+        return fn.step
+    compiled = torch.compile(fn)
+    return lambda *args: step(compiled, *args)
+
+
+def _against(name: str, outs: dict) -> str:
+    """The variant whose output ``name``'s error is taken against: the first of its own kind, else bf16."""
+    for kind in (GATHERED, FP32):
+        if name in kind and kind[0] in outs:
+            return kind[0]
+    return "bf16"
+
+
 def measure(shape: str, rounds: int, iters: int, imbalanced: bool, names=("bf16", "fp8")) -> dict:
     S, G, K, N = map(int, shape.split(":"))
     new_shape()
@@ -90,20 +120,19 @@ def measure(shape: str, rounds: int, iters: int, imbalanced: bool, names=("bf16"
     _ROWS[S] = token_rows(S, offs)
     args = {dt: (x.detach().to(dt).requires_grad_(), w.detach().to(dt).requires_grad_(), offs, dy.to(dt))
             for dt in {VARIANTS[k][1] for k in names}}
-    fns = {k: (torch.compile(VARIANTS[k][0]), args[VARIANTS[k][1]]) for k in ("bf16", *names)}
-    outs = {k: step(f, *a).float() for k, (f, a) in fns.items()}
+    fns = {k: (_stepper(VARIANTS[k][0]), args[VARIANTS[k][1]]) for k in ("bf16", *names)}
+    outs = {k: f(*a).float() for k, (f, a) in fns.items()}
     def drop_grads():
         for a in args.values():
             a[0].grad = a[1].grad = None
-    times = timed_calls({k: (lambda f=f, a=a: step(f, *a)) for k, (f, a) in fns.items()}, rounds, iters, drop_grads)
+    times = timed_calls({k: (lambda f=f, a=a: f(*a)) for k, (f, a) in fns.items()}, rounds, iters, drop_grads)
     med = {k: statistics.median(v) for k, v in times.items()}
-    gpu = {k: sum(kernel_ms(lambda: step(f, *a), calls=iters).values()) for k, (f, a) in fns.items()}
+    gpu = {k: sum(kernel_ms(lambda: f(*a), calls=iters).values()) for k, (f, a) in fns.items()}
     row = dict(shape=shape, S=S, G=G, K=K, N=N, imbalanced=imbalanced,
                ms={k: round(v, 4) for k, v in med.items()}, spread={k: [min(v), max(v)] for k, v in times.items()},
                gpu_ms={k: round(v, 4) for k, v in gpu.items()},
                speedup={k: med["bf16"] / med[k] for k in fns}, gpu_speedup={k: gpu["bf16"] / gpu[k] for k in fns},
-               fwd_rel_err={k: rel_err(outs[k], outs[GATHERED[0] if k in GATHERED and GATHERED[0] in outs
-                                                          else "bf16"]) for k in fns})
+               fwd_rel_err={k: rel_err(outs[k], outs[_against(k, outs)]) for k in fns})
     if "fp8" in fns:
         row.update(fp8_speedup=row["speedup"]["fp8"], fp8_gpu_speedup=row["gpu_speedup"]["fp8"],
                    fp8_fwd_rel_err=row["fwd_rel_err"]["fp8"])

@@ -115,3 +115,46 @@ def test_every_tile_the_tuner_may_pick_computes_the_same(tile, triton_on_cpu, de
     for got, ref, name in ((y[:end], yr[:end], "y"), (dx[:end], dxr[:end], "dx"), (dw, dwr, "dw")):
         torch.testing.assert_close(got.double(), ref.double(), rtol=1e-4, atol=1e-4, msg=name)
     assert torch.equal(y[end:], torch.zeros(S - end, N))
+
+
+def _per_group_mm(x, w, offs):
+    """cuBLAS's fp32 ``mm`` per group, autograd's backward: what HF's fallback runs in eager."""
+    ends = [0] + offs.tolist()
+    out = [x[s:e] @ w[g] for g, (s, e) in enumerate(zip(ends, ends[1:]))]
+    return torch.cat(out + [x.new_zeros(x.shape[0] - ends[-1], w.shape[2])])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp32 on tensor cores (tf32x3) is CUDA's path")
+@pytest.mark.parametrize("S,K,N,sizes,linear", [
+    (4099, 1024, 1408, [700, 0, 1500, 9, 1890], True),    # HF's stacks read transposed, an empty group
+    (2000, 1000, 700, [1000, 1000], False),                # odd K and N
+    (3000, 2048, 512, [2999, 1], True),                    # imbalanced, long K
+])
+def test_fp32_on_tensor_cores_meets_the_tolerance_rule_of_cublas_fp32(S, K, N, sizes, linear, monkeypatch):
+    """fp32 operands on CUDA run as three TF32 products per tile: forward and both gradients within the
+    tolerance rule of cuBLAS's fp32 ``mm`` per group (TF32 off, the default), against fp64, at an expert
+    layer's sizes; the second call makes no host sync (the per-group path reads ``offs`` on the host)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
+    torch.manual_seed(3)
+    x, dy = torch.randn(S, K), torch.randn(S, N)
+    w = torch.randn(len(sizes), N, K).transpose(1, 2) if linear else torch.randn(len(sizes), K, N)
+    w = w / K ** 0.5
+    offs = _offs(sizes)
+    xc, wc, dyc, oc = x.cuda(), w.cuda(), dy.cuda(), offs.cuda()
+    got = _grads(lambda a, b: grouped_mm(a, b, oc), xc, wc, dyc)
+    eager = _grads(lambda a, b: _per_group_mm(a, b, oc), xc, wc, dyc)
+    ref = _grads(lambda a, b: _per_group_mm(a, b, offs), x.double(), w.double(), dy.double())
+    end = sum(sizes)
+    for name, g, e, r in zip(("y", "dx", "dw"), got, eager, ref):
+        g, e = g.cpu(), e.cpu()
+        if name != "dw":
+            g, e, r = g[:end], e[:end], r[:end]
+        assert_rule(g, e, r, atol=1e-6, name=name)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_mm(xc, wc, oc)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setenv("OPSMATH_FP32_GROUPED_GEMM", "mm")
+    torch.testing.assert_close(grouped_mm(xc, wc, oc).cpu()[:end], eager[0].cpu()[:end])

@@ -32,10 +32,10 @@ import torch
 import triton
 
 from opsmath.kernels import autotune
-from opsmath.kernels._common import first_order_only, launch_precision
+from opsmath.kernels._common import first_order_only
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
 from opsmath.kernels.grouped_mm import (FWD_TILES, WGRAD_TILES, _grouped_fwd, _grouped_wgrad, _on_triton, _tiles,
-                                        grouped_mm, linear_layout, weight_grad)
+                                        grouped_mm, linear_layout, precision, weight_grad)
 
 
 def _forward_triton(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ def _forward_triton(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, offs: 
     def run(tile):
         bm, bn, bk, warps, stages = tile
         _grouped_fwd[(triton.cdiv(S, bm) + G, triton.cdiv(N, bn))](
-            x, w, offs, y, K, N, G, *x.stride(), *w.stride(), *y.stride(), PRECISION=launch_precision(x),
+            x, w, offs, y, K, N, G, *x.stride(), *w.stride(), *y.stride(), PRECISION=precision(x),
             BM=bm, BN=bn, BK=bk, GP=max(16, triton.next_power_of_2(G)), Rows=rows, GATHER=True,
             num_warps=warps, num_stages=stages)
     if S and N:
@@ -62,7 +62,7 @@ def _weight_grad_triton(x: torch.Tensor, rows: torch.Tensor, dy: torch.Tensor, o
     def run(tile):
         bm, bn, bk, warps, stages = tile
         _grouped_wgrad[(G, triton.cdiv(K, bk), triton.cdiv(N, bn))](
-            x, dy, offs, dw, K, N, *x.stride(), *dy.stride(), *dw.stride(), PRECISION=launch_precision(x),
+            x, dy, offs, dw, K, N, *x.stride(), *dy.stride(), *dw.stride(), PRECISION=precision(x),
             BM=bm, BN=bn, BK=bk, Rows=rows, GATHER=True, num_warps=warps, num_stages=stages)
     if G and K and N:
         run(_tiles("grouped_gather_wgrad", WGRAD_TILES, dy, G, K, N, run))

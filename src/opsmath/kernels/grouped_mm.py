@@ -19,11 +19,19 @@ Caveats:
   grid's bound); the weight gradient runs one program per (group, K block, N block) over that group's
   rows. Tile shapes are measured per GPU and shape bucket at the first launch (``FWD_TILES``,
   ``WGRAD_TILES``). Elsewhere it is one ``mm`` per group, reading ``offs`` on the host. Inductor treats
-  it as opaque. fp32 products run in TF32 only where the user allowed TF32 matmuls, as cuBLAS would.
+  it as opaque.
+- fp32 operands on CUDA run on the Triton kernels too, on tensor cores: TF32 where the user allowed TF32
+  matmuls (as cuBLAS would), else three TF32 products per tile (``tf32x3``: ``a = a_hi + a_lo`` with
+  ``a_hi`` rounded to TF32, ``a_hi b_hi + a_hi b_lo + a_lo b_hi``, the ``a_lo b_lo`` term, about
+  ``2^-22`` of each product, dropped), which meets the tolerance rule against cuBLAS's fp32 ``mm``
+  (``tests/test_kernel_grouped_mm.py``, on the GPU). ``OPSMATH_FP32_GROUPED_GEMM=mm`` keeps cuBLAS's
+  fp32 SIMT ``mm`` per group (a host sync per call); HF's grouped experts under autocast take this path.
 - Backward: ``dx = grouped(dy, w^T)``; ``dw[g] = x_g^T dy_g``, zero for an empty group, in the weight's
   layout (``weight_grad``: a transposed ``nn.Linear`` stack gets ``(dy_g^T x_g)^T``, no transposing copy).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -122,19 +130,33 @@ def _grouped_wgrad(X, DY, Offs, DW, K, N, sxm, sxk, sdm, sdn, swg, swk, swn, PRE
              mask=kmask[:, None] & cmask[None, :])
 
 
-# The dtypes the Triton kernels take on CUDA: 16-bit, on tensor cores. fp32 (HF's fallback GEMM with fp32
-# weights, kept fp32 as eager runs it) stays one cuBLAS ``mm`` per group until the kernels' fp32 tiles are
-# measured against it; the kernels compute fp32 too (tests run them so).
+# The dtypes the Triton kernels take everywhere they run (CUDA; the interpreter when asked): 16-bit. fp32
+# takes them on CUDA (``fp32_on_triton``); on CPU it stays one ``mm`` per group unless a test adds it here.
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def fp32_on_triton(x: torch.Tensor) -> bool:
+    """Whether fp32 operands on ``x``'s device run on the Triton kernels (module docstring): on CUDA,
+    unless ``OPSMATH_FP32_GROUPED_GEMM=mm`` asks for cuBLAS's per-group fp32 ``mm``."""
+    return x.is_cuda and os.environ.get("OPSMATH_FP32_GROUPED_GEMM", "tf32x3") != "mm"
+
+
 def _on_triton(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return use_triton(x) and x.dtype == w.dtype and x.dtype in TRITON_DTYPES
+    if not use_triton(x) or x.dtype != w.dtype:
+        return False
+    return x.dtype in TRITON_DTYPES or (x.dtype == torch.float32 and fp32_on_triton(x))
+
+
+def precision(x: torch.Tensor):
+    """``tl.dot``'s ``input_precision`` for operands like ``x``: ``launch_precision``'s, but exact fp32 on
+    CUDA as three TF32 products (``tf32x3``) where cuBLAS would run SIMT fp32."""
+    p = launch_precision(x)
+    return "tf32x3" if p == "ieee" and x.is_cuda else p
 
 
 def _tiles(op: str, tiles: dict, x: torch.Tensor, G: int, K: int, N: int, run):
     """The tile ``run`` launches with for this shape bucket (measured: ``_common.tuned_config``)."""
-    key = f"{str(x.dtype).replace('torch.', '')} {launch_precision(x)} G={G} K={K} N={N} rows<={next_pow2(x.shape[0])}"
+    key = f"{str(x.dtype).replace('torch.', '')} {precision(x)} G={G} K={K} N={N} rows<={next_pow2(x.shape[0])}"
     return tuned_config(op, key, tiles, run, x.device)
 
 
@@ -147,7 +169,7 @@ def grouped_forward_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor)
     def run(tile):
         bm, bn, bk, warps, stages = tile
         _grouped_fwd[(triton.cdiv(S, bm) + G, triton.cdiv(N, bn))](
-            x, w, offs, y, K, N, G, *x.stride(), *w.stride(), *y.stride(), PRECISION=launch_precision(x),
+            x, w, offs, y, K, N, G, *x.stride(), *w.stride(), *y.stride(), PRECISION=precision(x),
             BM=bm, BN=bn, BK=bk, GP=max(16, triton.next_power_of_2(G)), num_warps=warps, num_stages=stages)
     if S and N:
         run(_tiles("grouped_mm_fwd", FWD_TILES, x, G, K, N, run))
@@ -162,7 +184,7 @@ def weight_grad_triton(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) ->
     def run(tile):
         bm, bn, bk, warps, stages = tile
         _grouped_wgrad[(G, triton.cdiv(K, bk), triton.cdiv(N, bn))](
-            x, dy, offs, dw, K, N, *x.stride(), *dy.stride(), *dw.stride(), PRECISION=launch_precision(x),
+            x, dy, offs, dw, K, N, *x.stride(), *dy.stride(), *dw.stride(), PRECISION=precision(x),
             BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     if G and K and N:
         run(_tiles("grouped_mm_wgrad", WGRAD_TILES, x, G, K, N, run))
