@@ -119,7 +119,7 @@ def measure(shape: str, rounds: int, iters: int, imbalanced: bool, names=("bf16"
     dy, offs = torch.randn(S, N, device="cuda", dtype=torch.bfloat16), offsets(S, G, imbalanced, "cuda")
     _ROWS[S] = token_rows(S, offs)
     args = {dt: (x.detach().to(dt).requires_grad_(), w.detach().to(dt).requires_grad_(), offs, dy.to(dt))
-            for dt in {VARIANTS[k][1] for k in names}}
+            for dt in {VARIANTS[k][1] for k in ("bf16", *names)}}
     fns = {k: (_stepper(VARIANTS[k][0]), args[VARIANTS[k][1]]) for k in ("bf16", *names)}
     outs = {k: f(*a).float() for k, (f, a) in fns.items()}
     def drop_grads():

@@ -158,3 +158,18 @@ def test_fp32_on_tensor_cores_meets_the_tolerance_rule_of_cublas_fp32(S, K, N, s
         torch.cuda.set_sync_debug_mode("default")
     monkeypatch.setenv("OPSMATH_FP32_GROUPED_GEMM", "mm")
     torch.testing.assert_close(grouped_mm(xc, wc, oc).cpu()[:end], eager[0].cpu()[:end])
+
+
+def test_tiles_that_overflow_a_blocks_shared_memory_are_left_out(monkeypatch):
+    """fp32 doubles the operand buffers: the forward's 128x256x64 tile (3 stages, 288 KiB) does not fit an
+    sm_90 block's 227 KiB and is never launched there (Triton refuses it); the weight gradient's tiles and
+    every 16-bit tile fit."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(shared_memory_per_block_optin=232448))
+
+    def like(size):
+        return SimpleNamespace(is_cuda=True, device="cuda:0", element_size=lambda: size)
+    assert set(gm.FWD_TILES) - set(gm.fitting(gm.FWD_TILES, like(4), wgrad=False)) == {"128x256x64w8s3"}
+    assert gm.fitting(gm.WGRAD_TILES, like(4), wgrad=True) == gm.WGRAD_TILES
+    assert gm.fitting(gm.FWD_TILES, like(2), wgrad=False) == gm.FWD_TILES

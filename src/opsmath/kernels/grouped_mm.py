@@ -154,10 +154,25 @@ def precision(x: torch.Tensor):
     return "tf32x3" if p == "ieee" and x.is_cuda else p
 
 
+def fitting(tiles: dict, x: torch.Tensor, wgrad: bool) -> dict:
+    """The tiles ``(BM, BN, BK, warps, stages)`` whose pipelined operand buffers fit one block's shared
+    memory on ``x``'s GPU: ``(BM BK + BK BN) x element size x stages`` bytes, the weight gradient's
+    ``(BK BM + BM BN)``. fp32's forward 128x256x64 tile needs 288 KiB where an sm_90 block has 227 KiB. All
+    of them on the CPU."""
+    if not x.is_cuda:
+        return tiles
+    limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 232448)
+
+    def fits(t):
+        bm, bn, bk, _, stages = t
+        return (bm * bk + (bm * bn if wgrad else bk * bn)) * x.element_size() * stages <= limit
+    return {name: t for name, t in tiles.items() if fits(t)} or tiles
+
+
 def _tiles(op: str, tiles: dict, x: torch.Tensor, G: int, K: int, N: int, run):
     """The tile ``run`` launches with for this shape bucket (measured: ``_common.tuned_config``)."""
     key = f"{str(x.dtype).replace('torch.', '')} {precision(x)} G={G} K={K} N={N} rows<={next_pow2(x.shape[0])}"
-    return tuned_config(op, key, tiles, run, x.device)
+    return tuned_config(op, key, fitting(tiles, x, tiles is WGRAD_TILES), run, x.device)
 
 
 def grouped_forward_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
