@@ -173,3 +173,16 @@ def test_tiles_that_overflow_a_blocks_shared_memory_are_left_out(monkeypatch):
     assert set(gm.FWD_TILES) - set(gm.fitting(gm.FWD_TILES, like(4), wgrad=False)) == {"128x256x64w8s3"}
     assert gm.fitting(gm.WGRAD_TILES, like(4), wgrad=True) == gm.WGRAD_TILES
     assert gm.fitting(gm.FWD_TILES, like(2), wgrad=False) == gm.FWD_TILES
+
+
+def test_fp32_takes_the_triton_kernels_only_on_gpus_with_tf32_tensor_cores(monkeypatch):
+    """sm_80 and newer: the Triton kernels (``tf32x3``); a Turing or Volta card, or the CPU, or
+    ``OPSMATH_FP32_GROUPED_GEMM=mm``: one ``mm`` per group."""
+    from types import SimpleNamespace
+    cuda = SimpleNamespace(is_cuda=True, device="cuda:0")
+    for capability, want in (((9, 0), True), ((8, 0), True), ((7, 5), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert gm.fp32_on_triton(cuda) is want, capability
+    monkeypatch.setenv("OPSMATH_FP32_GROUPED_GEMM", "mm")
+    assert not gm.fp32_on_triton(cuda)
+    assert not gm.fp32_on_triton(torch.zeros(1))

@@ -24,8 +24,9 @@ Caveats:
   matmuls (as cuBLAS would), else three TF32 products per tile (``tf32x3``: ``a = a_hi + a_lo`` with
   ``a_hi`` rounded to TF32, ``a_hi b_hi + a_hi b_lo + a_lo b_hi``, the ``a_lo b_lo`` term, about
   ``2^-22`` of each product, dropped), which meets the tolerance rule against cuBLAS's fp32 ``mm``
-  (``tests/test_kernel_grouped_mm.py``, on the GPU). ``OPSMATH_FP32_GROUPED_GEMM=mm`` keeps cuBLAS's
-  fp32 SIMT ``mm`` per group (a host sync per call); HF's grouped experts under autocast take this path.
+  (``tests/test_kernel_grouped_mm.py``, on the GPU), on sm_80 and newer. ``OPSMATH_FP32_GROUPED_GEMM=mm``
+  keeps cuBLAS's fp32 SIMT ``mm`` per group (a host sync per call), as do older GPUs and ROCm; HF's grouped
+  experts under autocast take this path.
 - Backward: ``dx = grouped(dy, w^T)``; ``dw[g] = x_g^T dy_g``, zero for an empty group, in the weight's
   layout (``weight_grad``: a transposed ``nn.Linear`` stack gets ``(dy_g^T x_g)^T``, no transposing copy).
 """
@@ -136,9 +137,12 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def fp32_on_triton(x: torch.Tensor) -> bool:
-    """Whether fp32 operands on ``x``'s device run on the Triton kernels (module docstring): on CUDA,
-    unless ``OPSMATH_FP32_GROUPED_GEMM=mm`` asks for cuBLAS's per-group fp32 ``mm``."""
-    return x.is_cuda and os.environ.get("OPSMATH_FP32_GROUPED_GEMM", "tf32x3") != "mm"
+    """Whether fp32 operands on ``x``'s device run on the Triton kernels (module docstring): on NVIDIA GPUs
+    with TF32 tensor cores (sm_80 and newer), unless ``OPSMATH_FP32_GROUPED_GEMM=mm`` asks for cuBLAS's
+    per-group fp32 ``mm``. Older GPUs and ROCm keep the per-group ``mm``."""
+    if not x.is_cuda or torch.version.hip or os.environ.get("OPSMATH_FP32_GROUPED_GEMM", "tf32x3") == "mm":
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
 def _on_triton(x: torch.Tensor, w: torch.Tensor) -> bool:
