@@ -10,8 +10,9 @@ trace: ``torch.compile`` breaks the graph there, and a whole captured graph woul
 
 ``opsmath::grouped_mm`` (``src/opsmath/kernels/grouped_mm.py``) computes the same function in the operands'
 dtype, forward and backward, with its backward opaque too: the graph stays whole and compiles. On CUDA it
-runs as one Triton grouped GEMM without host syncs; fp32 operands there take three TF32 products per tile,
-within the tolerance rule of cuBLAS's fp32 ``mm`` (the kernel's docstring), where the fallback runs SIMT fp32.
+runs as one Triton grouped GEMM without host syncs; fp32 operands there (sm_80 and newer) take three TF32
+products per tile, within the tolerance rule of cuBLAS's fp32 ``mm`` (the kernel's docstring), where the
+fallback runs SIMT fp32.
 
 The library's first grouped GEMM reads ``hidden[perm // k]``, the token rows sorted by expert, a copy k times
 the tokens that backward keeps. Where ``grouped_gather.gather_wins`` says so (opt-in, ``OPSMATH_GATHER_GEMM``),
@@ -64,8 +65,8 @@ def _emit(ctx: RewriteContext, pattern: str, node: fx.Node) -> None:
     ctx.graph.erase_node(node)
     why = ""
     if dtype(x) == torch.float32 and under_bf16_autocast(ctx.graph, node):   # measured: a 5x slower step than bf16 weights
-        why = ("; fp32 under bf16 autocast, as eager runs it (on CUDA as three TF32 products, within the tolerance "
-               "rule): autocast does not reach the library's grouped GEMM "
+        why = ("; fp32 under bf16 autocast, as eager runs it (on sm_80+ GPUs as three TF32 products, within the "
+               "tolerance rule): autocast does not reach the library's grouped GEMM "
                "(fp8=True runs it in bf16, or in FP8 where that pays: docs/rewrites.md#fp8_experts-opt-in-with-fp8_linear)")
     ctx.replaced(pattern, new, [node], f"opsmath::grouped_mm (the library's per-expert fallback, "
                  f"{str(dtype(x)).replace('torch.', '')}, with a compilable backward{why})", before)
