@@ -152,8 +152,8 @@ def _on_triton(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def precision(x: torch.Tensor):
-    """``tl.dot``'s ``input_precision`` for operands like ``x``: ``launch_precision``'s, but exact fp32 on
-    CUDA as three TF32 products (``tf32x3``) where cuBLAS would run SIMT fp32."""
+    """``tl.dot``'s ``input_precision`` for operands like ``x``: ``launch_precision``'s, but on CUDA, where
+    cuBLAS would run SIMT fp32, three TF32 products (``tf32x3``: not bitwise fp32, within its tolerance rule)."""
     p = launch_precision(x)
     return "tf32x3" if p == "ieee" and x.is_cuda else p
 
