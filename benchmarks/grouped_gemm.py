@@ -24,6 +24,7 @@ from unittest import mock
 import torch
 
 from benchmarks._harness import kernel_ms, new_shape, rel_err, timed_calls, write
+import opsmath.kernels.grouped_mm as gm
 from opsmath.kernels.fp8_grouped_mm import fp8_grouped_mm
 
 SHAPES = ("16384:8:1024:5632,16384:8:2816:1024,65536:64:1024:1408,65536:64:704:1024,16384:8:512:1024,"
@@ -42,37 +43,28 @@ def step(fn, x, w, offs, dy):
     return y
 
 
-def _own(dtype_list, fp32="tf32x3"):
-    """``opsmath::grouped_mm`` (opaque to Inductor) with its Triton kernels taking ``dtype_list``, fp32 on
-    CUDA as ``fp32`` says (``OPSMATH_FP32_GROUPED_GEMM``: "tf32x3" on the Triton kernels, "mm" per group),
-    forward and backward: the setting holds around the whole ``step`` (``Own``)."""
-    compiled = torch.compile(lambda a, b, o: torch.ops.opsmath.grouped_mm(a, b, o))
-    return Own(compiled, dtype_list, fp32)
-
-
 class Own:
-    """A step function with ``opsmath::grouped_mm``'s path fixed while it runs (see ``_own``)."""
+    """``opsmath::grouped_mm`` (opaque to Inductor) with its Triton kernels taking ``dtype_list`` and fp32 on
+    CUDA as ``fp32`` says (``OPSMATH_FP32_GROUPED_GEMM``: "tf32x3" on the Triton kernels, "mm" per group),
+    the setting held around forward and backward (``step``)."""
 
-    def __init__(self, fn, dtype_list, fp32):
-        self.fn, self.dtype_list, self.fp32 = fn, dtype_list, fp32
+    def __init__(self, dtype_list, fp32="tf32x3"):
+        self.fn = torch.compile(lambda a, b, o: torch.ops.opsmath.grouped_mm(a, b, o))
+        self.dtype_list, self.fp32 = dtype_list, fp32
 
     def step(self, *args):
-        import opsmath.kernels.grouped_mm as gm
-        old, gm.TRITON_DTYPES = gm.TRITON_DTYPES, self.dtype_list
-        try:
-            with mock.patch.dict(os.environ, {"OPSMATH_FP32_GROUPED_GEMM": self.fp32}):
-                return step(self.fn, *args)
-        finally:
-            gm.TRITON_DTYPES = old
+        with mock.patch.object(gm, "TRITON_DTYPES", self.dtype_list), \
+                mock.patch.dict(os.environ, {"OPSMATH_FP32_GROUPED_GEMM": self.fp32}):
+            return step(self.fn, *args)
 
 
 # name: (the grouped GEMM, its operands' dtype); "bf16" is the baseline every speed-up is against
 VARIANTS = {
     "bf16": (lambda a, b, o: torch._grouped_mm(a, b, offs=o), torch.bfloat16),
     "fp8": (fp8_grouped_mm, torch.bfloat16),
-    "own bf16": (_own((torch.bfloat16,)), torch.bfloat16),                    # Triton, no host sync
-    "fp32 per-group mm": (_own((), "mm"), torch.float32),                     # HF's fp32 fallback's way
-    "fp32 own Triton": (_own(()), torch.float32),                             # three TF32 products a tile
+    "own bf16": (Own((torch.bfloat16,)), torch.bfloat16),                     # Triton, no host sync
+    "fp32 per-group mm": (Own((), "mm"), torch.float32),                      # HF's fp32 fallback's way
+    "fp32 own Triton": (Own(()), torch.float32),                              # three TF32 products a tile
     # the first GEMM of an MoE layer under top-2 routing: S rows gathered from S / 2 tokens (``_ROWS``), by
     # an index then torch's grouped GEMM, or read through the index by opsmath::grouped_mm_gather
     "index+bf16 (top-2)": (lambda a, b, o: torch._grouped_mm(a[: a.shape[0] // 2][_ROWS[a.shape[0]]], b, offs=o),
