@@ -45,7 +45,7 @@ def step(fn, x, w, offs, dy):
 
 class Own:
     """``opsmath::grouped_mm`` (opaque to Inductor) with its Triton kernels taking ``dtype_list`` and fp32 on
-    CUDA as ``fp32`` says (``OPSMATH_FP32_GROUPED_GEMM``: "tf32x3" on the Triton kernels, "mm" per group),
+    CUDA as ``fp32`` says (``OPSMATH_FP32_GROUPED_GEMM``: "tf32x3" or "split" on the Triton kernels, "mm" per group),
     the setting held around forward and backward (``step``)."""
 
     def __init__(self, dtype_list, fp32="tf32x3"):
@@ -65,6 +65,7 @@ VARIANTS = {
     "own bf16": (Own((torch.bfloat16,)), torch.bfloat16),                     # Triton, no host sync
     "fp32 per-group mm": (Own((), "mm"), torch.float32),                      # HF's fp32 fallback's way
     "fp32 own Triton": (Own(()), torch.float32),                              # three TF32 products a tile
+    "fp32 split ahead": (Own((), "split"), torch.float32),                    # ... the token operand split ahead
     # the first GEMM of an MoE layer under top-2 routing: S rows gathered from S / 2 tokens (``_ROWS``), by
     # an index then torch's grouped GEMM, or read through the index by opsmath::grouped_mm_gather
     "index+bf16 (top-2)": (lambda a, b, o: torch._grouped_mm(a[: a.shape[0] // 2][_ROWS[a.shape[0]]], b, offs=o),
@@ -73,7 +74,7 @@ VARIANTS = {
                                                                            b, o), torch.bfloat16),
 }
 GATHERED = ("index+bf16 (top-2)", "gather (top-2)")   # their errors are against each other, not bf16's
-FP32 = ("fp32 per-group mm", "fp32 own Triton")        # ... and so are these (cuBLAS's fp32 the reference)
+FP32 = ("fp32 per-group mm", "fp32 own Triton", "fp32 split ahead")   # ... and these (cuBLAS fp32 the reference)
 _ROWS: dict = {}
 
 

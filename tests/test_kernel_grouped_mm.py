@@ -125,16 +125,19 @@ def _per_group_mm(x, w, offs):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp32 on tensor cores (tf32x3) is CUDA's path")
+@pytest.mark.parametrize("path", ["tf32x3", "split"])
 @pytest.mark.parametrize("S,K,N,sizes,linear", [
     (4099, 1024, 1408, [700, 0, 1500, 9, 1890], True),    # HF's stacks read transposed, an empty group
     (2000, 1000, 700, [1000, 1000], False),                # odd K and N
     (3000, 2048, 512, [2999, 1], True),                    # imbalanced, long K
 ])
-def test_fp32_on_tensor_cores_meets_the_tolerance_rule_of_cublas_fp32(S, K, N, sizes, linear, monkeypatch):
-    """fp32 operands on CUDA run as three TF32 products per tile: forward and both gradients within the
-    tolerance rule of cuBLAS's fp32 ``mm`` per group (TF32 off, the default), against fp64, at an expert
-    layer's sizes; the second call makes no host sync (the per-group path reads ``offs`` on the host)."""
+def test_fp32_on_tensor_cores_meets_the_tolerance_rule_of_cublas_fp32(S, K, N, sizes, linear, path, monkeypatch):
+    """fp32 operands on CUDA run as three TF32 products per tile (both operands split in the tile, or the
+    token operand split ahead): forward and both gradients within the tolerance rule of cuBLAS's fp32 ``mm``
+    per group (TF32 off, the default), against fp64, at an expert layer's sizes; the second call makes no
+    host sync (the per-group path reads ``offs`` on the host)."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
+    monkeypatch.setenv("OPSMATH_FP32_GROUPED_GEMM", path)
     torch.manual_seed(3)
     x, dy = torch.randn(S, K), torch.randn(S, N)
     w = torch.randn(len(sizes), N, K).transpose(1, 2) if linear else torch.randn(len(sizes), K, N)

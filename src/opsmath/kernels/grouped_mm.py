@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from opsmath.kernels import grouped_mm_split
 from opsmath.kernels._common import first_order_only, launch_precision, next_pow2, tuned_config, use_triton
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
 
@@ -136,11 +137,22 @@ def _grouped_wgrad(X, DY, Offs, DW, K, N, sxm, sxk, sdm, sdn, swg, swk, swn, PRE
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def fp32_path() -> str:
+    """``OPSMATH_FP32_GROUPED_GEMM``: how fp32 operands run where cuBLAS would take fp32 on a GPU with TF32
+    tensor cores: ``tf32x3`` (Triton's three TF32 products, both operands split in every tile), ``split``
+    (the token operand split ahead, ``grouped_mm_split.py``), ``mm`` (cuBLAS's fp32 ``mm`` per group)."""
+    return os.environ.get("OPSMATH_FP32_GROUPED_GEMM", "tf32x3")
+
+
+def _split_ahead(x: torch.Tensor) -> bool:
+    return precision(x) == "tf32x3" and fp32_path() == "split"
+
+
 def fp32_on_triton(x: torch.Tensor) -> bool:
     """Whether fp32 operands on ``x``'s device run on the Triton kernels (module docstring): on NVIDIA GPUs
     with TF32 tensor cores (sm_80 and newer), unless ``OPSMATH_FP32_GROUPED_GEMM=mm`` asks for cuBLAS's
     per-group fp32 ``mm``. Older GPUs and ROCm keep the per-group ``mm``."""
-    if not x.is_cuda or torch.version.hip or os.environ.get("OPSMATH_FP32_GROUPED_GEMM", "tf32x3") == "mm":
+    if not x.is_cuda or torch.version.hip or fp32_path() == "mm":
         return False
     return torch.cuda.get_device_capability(x.device) >= (8, 0)
 
@@ -182,6 +194,8 @@ def _tiles(op: str, tiles: dict, x: torch.Tensor, G: int, K: int, N: int, run):
 def grouped_forward_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``y[r] = x[r] @ w[g]`` (``w`` [G, K, N], any strides: ``w.transpose(1, 2)`` computes dx), zeros past
     the last group; no host read of ``offs``."""
+    if _split_ahead(x):
+        return grouped_mm_split.forward(x, w, offs)
     (S, K), G, N = x.shape, w.shape[0], w.shape[2]
     y = x.new_zeros(S, N)
 
@@ -197,6 +211,8 @@ def grouped_forward_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor)
 
 def weight_grad_triton(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``dw[g] = x_g^T dy_g`` ([G, K, N], x's dtype); zero for an empty group."""
+    if _split_ahead(x):
+        return grouped_mm_split.weight_grad(x, dy, offs)
     G, K, N = offs.shape[0], x.shape[1], dy.shape[1]
     dw = x.new_empty(G, K, N)
 
@@ -361,9 +377,13 @@ def _flops(x, w, offs):
 
 
 def _exercise(dtype):
+    offs = torch.tensor([2, 6], dtype=torch.int32)
     for n in (8, 12):   # bf16: torch._grouped_mm, then (12: unaligned) the Triton kernels; fp32: per group
         x, w = leaf(6, 8, dtype=dtype), leaf(2, 8, n, dtype=dtype)
-        backward(grouped_mm(x, w, torch.tensor([2, 6], dtype=torch.int32)))
+        backward(grouped_mm(x, w, offs))
+    if dtype == torch.float32:   # CUDA's split-ahead fp32 kernels, called as the op calls them there
+        x, w = torch.randn(6, 8), torch.randn(2, 12, 8).transpose(1, 2)
+        grouped_mm_split.weight_grad(grouped_mm_split.forward(x, w, offs, step=4), x, offs, step=4)   # 2 chunks
 
 
 SPEC = register(OpSpec("experts", ops=(torch.ops.opsmath.grouped_mm.default, torch.ops.aten._grouped_mm.default),

@@ -21,7 +21,7 @@ logits-sized buffer; two more GEMMs add the chunk's share of dx and dW (dW accum
 in row blocks that are rounded and freed one by one at the end: see ``_dw_blocks``). One chunk buffer
 is reused for every chunk's logits. Where the model also returns the logits, each chunk's GEMM writes into
 them, and G goes to a buffer of ``RETURNED_CHUNK_BYTES`` (64 MiB) of rows, in backward unless a softcap
-hides the uncapped logits (``grads_in_backward``). The per-row pass is ``ce_rows.rows``.
+hides the uncapped logits (``grads_in_backward``). The per-row pass is ``cross_entropy.rows``.
 Because the loss is a scalar at the end of the graph, the gradients are computed in the forward (as
 Liger-Kernel does) and backward only scales them by the incoming gradient: no logits are recomputed.
 With ``compute_grad=False`` (eval graphs) only the loss is computed.
@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from opsmath.kernels._common import first_order_only
-from opsmath.kernels.ce_rows import grad_scale, reduce, rows
+from opsmath.kernels.cross_entropy import grad_scale, reduce, rows
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
 
 CHUNK_BYTES = 512 * 2**20
