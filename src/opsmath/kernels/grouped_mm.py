@@ -386,6 +386,11 @@ def _exercise(dtype):
         grouped_mm_split.weight_grad(grouped_mm_split.forward(x, w, offs, step=4), x, offs, step=4)   # 2 chunks
 
 
+def _workspace(x, w, offs):
+    return grouped_mm_split.workspace(x, w, offs) if _split_ahead(x) else 0
+
+
 SPEC = register(OpSpec("experts", ops=(torch.ops.opsmath.grouped_mm.default, torch.ops.aten._grouped_mm.default),
                        flops=_flops, exercise=_exercise, profile=("grouped GEMM", ("grouped", "cutlass")),
+                       workspace=_workspace,
                        saves="the sorted token rows and the stacked expert weights"))

@@ -8,8 +8,8 @@ Math: every fp32 ``v`` is ``hi + lo`` with ``hi = tf32(v)`` (round to nearest, 1
 
 Triton's ``input_precision="tf32x3"`` computes the same sum but splits both operands inside every tile,
 which on sm_90 sends each split tile back through shared memory before its ``wgmma`` (45 TFLOP/s on an
-H100). Here the token-side operand is split ahead, in row chunks, by ``_split`` into two fp32 arrays laid
-out K-major (``hi``, ``lo``: [rows, C] row-major for the forward and input gradient, [C, rows] for the
+H100). Here the token-side operand is split ahead, in row chunks, by ``_grouped_split_rows`` into two fp32
+arrays laid out K-major (``hi``, ``lo``: [rows, C] row-major for the forward and input gradient, [C, rows] for the
 weight gradient), which the GEMM reads straight into shared memory as ``wgmma``'s B operand; the other
 operand (a weight tile, or ``x^T`` in the weight gradient) is split in registers, ``wgmma``'s A operand.
 
@@ -50,7 +50,7 @@ def _tf32(v):
 
 
 @triton.jit
-def _split(X, HI, LO, R0, R, C, sxr, sxc, shr, shc, BR: tl.constexpr, BC: tl.constexpr):
+def _grouped_split_rows(X, HI, LO, R0, R, C, sxr, sxc, shr, shc, BR: tl.constexpr, BC: tl.constexpr):
     """``HI[r, c], LO[r, c] = tf32(v), tf32(v - tf32(v))`` for ``v = X[R0 + r, c]``, ``r < R``; HI and LO
     share strides (``shr``, ``shc``): row-major or transposed."""
     rs = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -90,7 +90,7 @@ def _tile_in_chunk(Offs, pid, G, R0, R1, BM: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_split(HI, LO, W, Offs, Y, K, N, G, R0, R1, swg, swk, swn, sym, syn,
+def _grouped_fwd_split(HI, LO, W, Offs, Y, K, N, G, R0, R1, swg, swk, swn, sym, syn,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr):
     """``Y[r] = X[r] @ W[g]`` for one row tile of the chunk ``[R0, R1)`` and ``BN`` output columns, from
     the chunk's split rows (``HI``, ``LO``: [R1 - R0, K] row-major); computed as ``W[g]^T X^T``."""
@@ -112,7 +112,7 @@ def _fwd_split(HI, LO, W, Offs, Y, K, N, G, R0, R1, swg, swk, swn, sym, syn,
 
 
 @triton.jit
-def _wgrad_split(A, HI, LO, Offs, DW, K, N, R0, R1, sam, sak, swg, swk, swn, ACCUM: tl.constexpr,
+def _grouped_wgrad_split(A, HI, LO, Offs, DW, K, N, R0, R1, sam, sak, swg, swk, swn, ACCUM: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``DW[g] (+)= A_g^T B_g`` over the group's rows in ``[R0, R1)``, one [BK, BN] tile; ``B``'s rows split
     ahead and transposed (``HI``, ``LO``: [N, R1 - R0]); ``ACCUM``: add to what ``DW`` holds."""
@@ -151,7 +151,13 @@ def split_rows(x: torch.Tensor, r0: int, r1: int, hi: torch.Tensor, lo: torch.Te
     row-major, or ``transposed`` [C, rows]."""
     R, C = r1 - r0, x.shape[1]
     strides = (1, R) if transposed else (C, 1)
-    _split[(triton.cdiv(R, 64), triton.cdiv(C, 64))](x, hi, lo, r0, R, C, *x.stride(), *strides, BR=64, BC=64)
+    _grouped_split_rows[(triton.cdiv(R, 64), triton.cdiv(C, 64))](x, hi, lo, r0, R, C, *x.stride(), *strides,
+                                                                   BR=64, BC=64)
+
+
+def workspace(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> int:
+    """Bytes the split chunk takes while the forward runs (``hi`` and ``lo``); 0 where the op runs otherwise."""
+    return 2 * 4 * chunk_rows(x.shape[0], x.shape[1]) * x.shape[1]
 
 
 def shared_fits(tile, wgrad: bool, x: torch.Tensor) -> bool:
@@ -187,7 +193,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, step: int = 0)
 
         def run(t, r0=r0, r1=r1):
             bm, bn, bk, warps, stages = t
-            _fwd_split[(triton.cdiv(r1 - r0, bm) + G, triton.cdiv(N, bn))](
+            _grouped_fwd_split[(triton.cdiv(r1 - r0, bm) + G, triton.cdiv(N, bn))](
                 hi, lo, w, offs, y, K, N, G, r0, r1, *w.stride(), *y.stride(), BM=bm, BN=bn, BK=bk,
                 GP=max(16, triton.next_power_of_2(G)), num_warps=warps, num_stages=stages)
         tile = tile or _pick("grouped_mm_split_fwd", FWD_TILES, x, G, K, N, run)
@@ -213,7 +219,7 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, step: int 
 
         def run(t, r0=r0, r1=r1):
             bm, bn, bk, warps, stages = t
-            _wgrad_split[(G, triton.cdiv(K, bk), triton.cdiv(N, bn))](
+            _grouped_wgrad_split[(G, triton.cdiv(K, bk), triton.cdiv(N, bn))](
                 a, hi, lo, offs, dw, K, N, r0, r1, *a.stride(), *dw.stride(), ACCUM=r0 > 0, BM=bm, BN=bn, BK=bk,
                 num_warps=warps, num_stages=stages)
         tile = tile or _pick("grouped_mm_split_wgrad", WGRAD_TILES, a, G, K, N, run)   # tuned on chunk 0: no ACCUM
