@@ -40,10 +40,10 @@ def test_split_ahead_grouped_mm_matches_per_group_products(tile, linear, triton_
     monkeypatch.setattr(gm, "TRITON_DTYPES", (torch.float32,))
     monkeypatch.setattr(gm, "precision", lambda x: "tf32x3")   # what CUDA's fp32 takes without TF32
     monkeypatch.setenv("OPSMATH_FP32_GROUPED_GEMM", "split")
-    monkeypatch.setattr(gs, "SPLIT_BYTES", 128 * 90 * 4)   # 128 rows a chunk at 90 columns
+    monkeypatch.setattr(gs, "SPLIT_BYTES", 128 * 150 * 4)   # 128 rows a chunk at 140 or 150 columns
     torch.manual_seed(tile)
     sizes = [3, 0, 190, 0, 50, 1]
-    S, K, N = 260, 70, 90
+    S, K, N = 260, 140, 150   # two column blocks of 128 in every GEMM: the swizzled program order
     x, dy, offs = torch.randn(S, K), torch.randn(S, N), torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
     w = torch.randn(len(sizes), N, K).transpose(1, 2) if linear else torch.randn(len(sizes), K, N)
     xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()

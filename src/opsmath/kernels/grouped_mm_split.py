@@ -73,6 +73,17 @@ def _dot3(a, b_hi, b_lo, acc):
 
 
 @triton.jit
+def _swizzled(pid, rows, cols, GROUP: tl.constexpr):
+    """Program ``pid`` of a ``rows x cols`` grid as (row, col), ``GROUP`` rows at a time with the row
+    fastest (the Triton matmul tutorial's order): programs running together share a few row blocks and a
+    few column blocks, which L2 keeps, instead of reading every row block once per column block."""
+    width = GROUP * cols
+    first = (pid // width) * GROUP
+    size = tl.minimum(rows - first, GROUP)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+@triton.jit
 def _tile_in_chunk(Offs, pid, G, R0, R1, BM: tl.constexpr, GP: tl.constexpr):
     """``grouped_mm._group_of_tile`` over rows ``[R0, R1)`` only: (group, its end row, the tile's first row),
     group ``G`` past the chunk's last tile."""
@@ -90,13 +101,14 @@ def _tile_in_chunk(Offs, pid, G, R0, R1, BM: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def _grouped_fwd_split(HI, LO, W, Offs, Y, K, N, G, R0, R1, swg, swk, swn, sym, syn,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr):
-    """``Y[r] = X[r] @ W[g]`` for one row tile of the chunk ``[R0, R1)`` and ``BN`` output columns, from
-    the chunk's split rows (``HI``, ``LO``: [R1 - R0, K] row-major); computed as ``W[g]^T X^T``."""
-    g, end, row0 = _tile_in_chunk(Offs, tl.program_id(0), G, R0, R1, BM, GP)
+def _grouped_fwd_split(HI, LO, W, Offs, Y, K, N, G, R0, R1, T, swg, swk, swn, sym, syn,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr):
+    """``Y[r] = X[r] @ W[g]`` for one row tile of the chunk ``[R0, R1)`` (of at most ``T``) and ``BN`` output
+    columns, from the chunk's split rows (``HI``, ``LO``: [R1 - R0, K] row-major); computed as ``W[g]^T X^T``."""
+    tile, nb = _swizzled(tl.program_id(0), T, tl.cdiv(N, BN), 8)
+    g, end, row0 = _tile_in_chunk(Offs, tile, G, R0, R1, BM, GP)
     if g < G:
-        rows, cols = row0 + tl.arange(0, BM), tl.program_id(1) * BN + tl.arange(0, BN)
+        rows, cols = row0 + tl.arange(0, BM), nb * BN + tl.arange(0, BN)
         rmask, cmask = rows < end, cols < N
         local = (rows - R0).to(tl.int64)
         acc = tl.zeros([BN, BM], tl.float32)
@@ -116,10 +128,12 @@ def _grouped_wgrad_split(A, HI, LO, Offs, DW, K, N, R0, R1, sam, sak, swg, swk, 
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``DW[g] (+)= A_g^T B_g`` over the group's rows in ``[R0, R1)``, one [BK, BN] tile; ``B``'s rows split
     ahead and transposed (``HI``, ``LO``: [N, R1 - R0]); ``ACCUM``: add to what ``DW`` holds."""
-    g = tl.program_id(0)
+    KB = tl.cdiv(K, BK)   # the groups one after the other, each group's tiles in ``_swizzled`` order
+    g, pid = tl.program_id(0) // (KB * tl.cdiv(N, BN)), tl.program_id(0) % (KB * tl.cdiv(N, BN))
+    kb, nb = _swizzled(pid, KB, tl.cdiv(N, BN), 8)
     start = tl.minimum(tl.maximum(tl.load(Offs + g - 1, mask=g > 0, other=0), R0), R1)
     end = tl.minimum(tl.maximum(tl.load(Offs + g), R0), R1)
-    ks, cols = tl.program_id(1) * BK + tl.arange(0, BK), tl.program_id(2) * BN + tl.arange(0, BN)
+    ks, cols = kb * BK + tl.arange(0, BK), nb * BN + tl.arange(0, BN)
     if ACCUM:   # a group with no row in this chunk neither reads nor writes its tile
         K = tl.where(end > start, K, 0)
     kmask, cmask = ks < K, cols < N
@@ -193,8 +207,9 @@ def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, step: int = 0)
 
         def run(t, r0=r0, r1=r1):
             bm, bn, bk, warps, stages = t
-            _grouped_fwd_split[(triton.cdiv(r1 - r0, bm) + G, triton.cdiv(N, bn))](
-                hi, lo, w, offs, y, K, N, G, r0, r1, *w.stride(), *y.stride(), BM=bm, BN=bn, BK=bk,
+            tiles = triton.cdiv(r1 - r0, bm) + G
+            _grouped_fwd_split[(tiles * triton.cdiv(N, bn),)](
+                hi, lo, w, offs, y, K, N, G, r0, r1, tiles, *w.stride(), *y.stride(), BM=bm, BN=bn, BK=bk,
                 GP=max(16, triton.next_power_of_2(G)), num_warps=warps, num_stages=stages)
         tile = tile or _pick("grouped_mm_split_fwd", FWD_TILES, x, G, K, N, run)
         run(tile)
@@ -219,7 +234,7 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, step: int 
 
         def run(t, r0=r0, r1=r1):
             bm, bn, bk, warps, stages = t
-            _grouped_wgrad_split[(G, triton.cdiv(K, bk), triton.cdiv(N, bn))](
+            _grouped_wgrad_split[(G * triton.cdiv(K, bk) * triton.cdiv(N, bn),)](
                 a, hi, lo, offs, dw, K, N, r0, r1, *a.stride(), *dw.stride(), ACCUM=r0 > 0, BM=bm, BN=bn, BK=bk,
                 num_warps=warps, num_stages=stages)
         tile = tile or _pick("grouped_mm_split_wgrad", WGRAD_TILES, a, G, K, N, run)   # tuned on chunk 0: no ACCUM
