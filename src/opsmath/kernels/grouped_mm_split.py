@@ -65,11 +65,14 @@ def _grouped_split_rows(X, HI, LO, R0, R, C, sxr, sxc, shr, shc, BR: tl.constexp
 
 @triton.jit
 def _dot3(a, b_hi, b_lo, acc):
-    """``acc + a b`` as three TF32 products, ``a`` split here (module docstring)."""
+    """``acc + a b`` as three TF32 products, ``a`` split here (module docstring). The tile's products are
+    summed from zero on the tensor cores, small terms first, and added to ``acc`` in an fp32 add (as
+    Triton's ``tf32x3`` does): chained into ``acc`` over all of K, the tensor cores' accumulation lost
+    bits at every step and failed the tolerance rule at K = 1024 on an H100."""
     a_hi = _tf32(a)
-    acc = tl.dot(_tf32(a - a_hi), b_hi, acc, input_precision="tf32")
-    acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-    return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    part = tl.dot(_tf32(a - a_hi), b_hi, input_precision="tf32")
+    part = tl.dot(a_hi, b_lo, part, input_precision="tf32")
+    return acc + tl.dot(a_hi, b_hi, part, input_precision="tf32")
 
 
 @triton.jit
