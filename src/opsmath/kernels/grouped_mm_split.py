@@ -199,7 +199,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, step: int = 0)
     group; no host read of ``offs``. ``step``: rows a chunk (``chunk_rows`` when 0)."""
     (S, K), G, N = x.shape, w.shape[0], w.shape[2]
     y = x.new_zeros(S, N)
-    if not (S and N):
+    if not (S and N and K):
         return y
     step = step or chunk_rows(S, K)
     hi, lo = x.new_empty(step, K), x.new_empty(step, K)
