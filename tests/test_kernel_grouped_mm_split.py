@@ -79,3 +79,4 @@ def test_tiles_that_overflow_shared_memory_are_left_out(monkeypatch):
     assert all(gs.shared_fits(t, False, cuda) for t in gs.FWD_TILES.values())
     assert all(gs.shared_fits(t, True, cuda) for t in gs.WGRAD_TILES.values())
     assert not gs.shared_fits((256, 128, 32, 8, 3), False, cuda)    # 3 x 80 KiB
+    assert not gs.shared_fits((32, 128, 128, 8, 5), True, cuda)     # 5 x 48 KiB
