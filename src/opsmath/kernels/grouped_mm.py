@@ -41,6 +41,7 @@ import triton.language as tl
 from opsmath.kernels import grouped_mm_split
 from opsmath.kernels._common import first_order_only, launch_precision, next_pow2, tuned_config, use_triton
 from opsmath.kernels._spec import OpSpec, backward, leaf, register
+from opsmath.kernels.grouped_mm_split import group_of_tile
 
 # Tiles (BM, BN, BK, num_warps, num_stages), the default first (the kernels' first tiles, Triton's default
 # warps and stages); the others are the Triton matmul tutorial's for Hopper-class GPUs. Each Triton launch
@@ -67,28 +68,12 @@ def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @triton.jit
-def _group_of_tile(Offs, pid, G, BM: tl.constexpr, GP: tl.constexpr):
-    """(group, its first row, its end row, first row of this tile) of row tile ``pid``; group ``G`` past
-    the last tile. Tiles of ``BM`` rows are laid out group after group."""
-    gs = tl.arange(0, GP)
-    last = tl.load(Offs + G - 1)
-    ends = tl.where(gs < G, tl.load(Offs + gs, mask=gs < G, other=0), last)
-    starts = tl.where(gs < G, tl.load(Offs + gs - 1, mask=(gs >= 1) & (gs < G), other=0), last)
-    tiles = (ends - starts + BM - 1) // BM
-    before = tl.cumsum(tiles, 0) - tiles                       # tiles of the groups before each
-    g = tl.sum(((before + tiles) <= pid).to(tl.int32), 0)       # the first group whose tiles reach past pid
-    pick = gs == g
-    start, end = tl.sum(tl.where(pick, starts, 0), 0), tl.sum(tl.where(pick, ends, 0), 0)
-    return g, end, start + (pid - tl.sum(tl.where(pick, before, 0), 0)) * BM
-
-
-@triton.jit
 def _grouped_fwd(X, W, Offs, Y, K, N, G, sxm, sxk, swg, swk, swn, sym, syn, PRECISION: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr, Rows=None,
                  GATHER: tl.constexpr = False):
     """``Y[r] = X[r] @ W[g]`` for the rows of one row tile, one ``BN`` block of columns; ``GATHER``:
     ``X[Rows[r]]`` (the rows read through an index, ``grouped_gather.py``)."""
-    g, end, row0 = _group_of_tile(Offs, tl.program_id(0), G, BM, GP)
+    g, end, row0 = group_of_tile(Offs, tl.program_id(0), G, 0, 2147483647, BM, GP)
     if g < G:
         rows, cols = row0 + tl.arange(0, BM), tl.program_id(1) * BN + tl.arange(0, BN)
         rmask, cmask = rows < end, cols < N

@@ -89,17 +89,18 @@ def _swizzled(pid, rows, cols, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _tile_in_chunk(Offs, pid, G, R0, R1, BM: tl.constexpr, GP: tl.constexpr):
-    """``grouped_mm._group_of_tile`` over rows ``[R0, R1)`` only: (group, its end row, the tile's first row),
-    group ``G`` past the chunk's last tile."""
+def group_of_tile(Offs, pid, G, R0, R1, BM: tl.constexpr, GP: tl.constexpr):
+    """(group, its end row, the tile's first row) of row tile ``pid`` over rows ``[R0, R1)``, group ``G``
+    past the last tile: tiles of ``BM`` rows laid out group after group, each group's rows clipped to the
+    range (the whole of ``offs`` for ``R0 = 0``, ``R1 = 2^31 - 1``: ``grouped_mm``'s kernels)."""
     gs = tl.arange(0, GP)
     last = tl.minimum(tl.maximum(tl.load(Offs + G - 1), R0), R1)
     ends = tl.where(gs < G, tl.minimum(tl.maximum(tl.load(Offs + gs, mask=gs < G, other=0), R0), R1), last)
     starts = tl.load(Offs + gs - 1, mask=(gs >= 1) & (gs < G), other=0)
     starts = tl.where(gs < G, tl.minimum(tl.maximum(starts, R0), R1), last)
     tiles = (ends - starts + BM - 1) // BM
-    before = tl.cumsum(tiles, 0) - tiles
-    g = tl.sum(((before + tiles) <= pid).to(tl.int32), 0)
+    before = tl.cumsum(tiles, 0) - tiles                       # tiles of the groups before each
+    g = tl.sum(((before + tiles) <= pid).to(tl.int32), 0)       # the first group whose tiles reach past pid
     pick = gs == g
     start, end = tl.sum(tl.where(pick, starts, 0), 0), tl.sum(tl.where(pick, ends, 0), 0)
     return g, end, start + (pid - tl.sum(tl.where(pick, before, 0), 0)) * BM
@@ -111,7 +112,7 @@ def _grouped_fwd_split(HI, LO, W, Offs, Y, K, N, G, R0, R1, T, swg, swk, swn, sy
     """``Y[r] = X[r] @ W[g]`` for one row tile of the chunk ``[R0, R1)`` (of at most ``T``) and ``BN`` output
     columns, from the chunk's split rows (``HI``, ``LO``: [R1 - R0, K] row-major); computed as ``W[g]^T X^T``."""
     tile, nb = _swizzled(tl.program_id(0), T, tl.cdiv(N, BN), 8)
-    g, end, row0 = _tile_in_chunk(Offs, tile, G, R0, R1, BM, GP)
+    g, end, row0 = group_of_tile(Offs, tile, G, R0, R1, BM, GP)
     if g < G:
         rows, cols = row0 + tl.arange(0, BM), nb * BN + tl.arange(0, BN)
         rmask, cmask = rows < end, cols < N
@@ -196,6 +197,18 @@ def _pick(op: str, tiles: dict, x: torch.Tensor, G: int, K: int, N: int, run):
     return tuned_config(op, key, fits, run, x.device)
 
 
+def _over_chunks(S: int, step: int, split, run, pick) -> None:
+    """For each chunk ``[r0, r1)`` of ``S`` rows, ``step`` at a time: ``split(r0, r1)`` into the chunk's
+    buffers, then ``run(tile, r0, r1)``, the tile chosen once by ``pick`` from launches of the first chunk
+    (which overwrite their output: no ``ACCUM``)."""
+    tile = None
+    for r0 in range(0, S, step):
+        r1 = min(S, r0 + step)
+        split(r0, r1)
+        tile = tile or pick(lambda t, r0=r0, r1=r1: run(t, r0, r1))
+        run(tile, r0, r1)
+
+
 def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, step: int = 0) -> torch.Tensor:
     """``y[r] = x[r] @ w[g]`` for fp32 ``x`` [S, K], ``w`` [G, K, N] (any strides); zeros past the last
     group; no host read of ``offs``. ``step``: rows a chunk (``chunk_rows`` when 0)."""
@@ -205,19 +218,15 @@ def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, step: int = 0)
         return y
     step = step or chunk_rows(S, K)
     hi, lo = x.new_empty(step, K), x.new_empty(step, K)
-    tile = None
-    for r0 in range(0, S, step):
-        r1 = min(S, r0 + step)
-        split_rows(x, r0, r1, hi, lo, transposed=False)
 
-        def run(t, r0=r0, r1=r1):
-            bm, bn, bk, warps, stages = t
-            tiles = triton.cdiv(r1 - r0, bm) + G
-            _grouped_fwd_split[(tiles * triton.cdiv(N, bn),)](
-                hi, lo, w, offs, y, K, N, G, r0, r1, tiles, *w.stride(), *y.stride(), BM=bm, BN=bn, BK=bk,
-                GP=max(16, triton.next_power_of_2(G)), num_warps=warps, num_stages=stages)
-        tile = tile or _pick("grouped_mm_split_fwd", FWD_TILES, x, G, K, N, run)
-        run(tile)
+    def run(t, r0, r1):
+        bm, bn, bk, warps, stages = t
+        tiles = triton.cdiv(r1 - r0, bm) + G
+        _grouped_fwd_split[(tiles * triton.cdiv(N, bn),)](
+            hi, lo, w, offs, y, K, N, G, r0, r1, tiles, *w.stride(), *y.stride(), BM=bm, BN=bn, BK=bk,
+            GP=max(16, triton.next_power_of_2(G)), num_warps=warps, num_stages=stages)
+    _over_chunks(S, step, lambda r0, r1: split_rows(x, r0, r1, hi, lo, transposed=False), run,
+                 lambda chunk0: _pick("grouped_mm_split_fwd", FWD_TILES, x, G, K, N, chunk0))
     return y
 
 
@@ -232,16 +241,12 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, step: int 
         return dw.zero_()
     step = step or chunk_rows(S, N)
     hi, lo = a.new_empty(N * step), a.new_empty(N * step)
-    tile = None
-    for r0 in range(0, S, step):
-        r1 = min(S, r0 + step)
-        split_rows(b, r0, r1, hi, lo, transposed=True)
 
-        def run(t, r0=r0, r1=r1):
-            bm, bn, bk, warps, stages = t
-            _grouped_wgrad_split[(G * triton.cdiv(K, bk) * triton.cdiv(N, bn),)](
-                a, hi, lo, offs, dw, K, N, r0, r1, *a.stride(), *dw.stride(), ACCUM=r0 > 0, BM=bm, BN=bn, BK=bk,
-                num_warps=warps, num_stages=stages)
-        tile = tile or _pick("grouped_mm_split_wgrad", WGRAD_TILES, a, G, K, N, run)   # tuned on chunk 0: no ACCUM
-        run(tile)
+    def run(t, r0, r1):
+        bm, bn, bk, warps, stages = t
+        _grouped_wgrad_split[(G * triton.cdiv(K, bk) * triton.cdiv(N, bn),)](
+            a, hi, lo, offs, dw, K, N, r0, r1, *a.stride(), *dw.stride(), ACCUM=r0 > 0, BM=bm, BN=bn, BK=bk,
+            num_warps=warps, num_stages=stages)
+    _over_chunks(S, step, lambda r0, r1: split_rows(b, r0, r1, hi, lo, transposed=True), run,
+                 lambda chunk0: _pick("grouped_mm_split_wgrad", WGRAD_TILES, a, G, K, N, chunk0))
     return dw
