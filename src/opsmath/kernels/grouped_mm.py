@@ -24,9 +24,10 @@ Caveats:
   matmuls (as cuBLAS would), else three TF32 products per tile (``tf32x3``: ``a = a_hi + a_lo`` with
   ``a_hi`` rounded to TF32, ``a_hi b_hi + a_hi b_lo + a_lo b_hi``, the ``a_lo b_lo`` term, about
   ``2^-22`` of each product, dropped), which meets the tolerance rule against cuBLAS's fp32 ``mm``
-  (``tests/test_kernel_grouped_mm.py``, on the GPU), on sm_80 and newer. ``OPSMATH_FP32_GROUPED_GEMM=mm``
-  keeps cuBLAS's fp32 SIMT ``mm`` per group (a host sync per call), as do older GPUs and ROCm; HF's grouped
-  experts under autocast take this path.
+  (``tests/test_kernel_grouped_mm.py``, on the GPU), on sm_80 and newer. On sm_90 the token operand is
+  split once ahead instead (``grouped_mm_split.py``, the same three products, 1.5-1.6x faster there;
+  ``fp32_path``). ``OPSMATH_FP32_GROUPED_GEMM=mm`` keeps cuBLAS's fp32 SIMT ``mm`` per group (a host sync
+  per call), as do older GPUs and ROCm; HF's grouped experts under autocast take this path.
 - Backward: ``dx = grouped(dy, w^T)``; ``dw[g] = x_g^T dy_g``, zero for an empty group, in the weight's
   layout (``weight_grad``: a transposed ``nn.Linear`` stack gets ``(dy_g^T x_g)^T``, no transposing copy).
 """
@@ -122,22 +123,27 @@ def _grouped_wgrad(X, DY, Offs, DW, K, N, sxm, sxk, sdm, sdn, swg, swk, swn, PRE
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def fp32_path() -> str:
-    """``OPSMATH_FP32_GROUPED_GEMM``: how fp32 operands run where cuBLAS would take fp32 on a GPU with TF32
-    tensor cores: ``tf32x3`` (Triton's three TF32 products, both operands split in every tile), ``split``
-    (the token operand split ahead, ``grouped_mm_split.py``), ``mm`` (cuBLAS's fp32 ``mm`` per group)."""
-    return os.environ.get("OPSMATH_FP32_GROUPED_GEMM", "tf32x3")
+def fp32_path(x: torch.Tensor) -> str:
+    """How fp32 operands on ``x``'s device run where cuBLAS would take fp32 on a GPU with TF32 tensor cores:
+    ``split`` (the token operand split ahead, ``grouped_mm_split.py``; the default on sm_90, where it was
+    measured: 1.48x compile on HF Mixtral and Qwen2-MoE under AMP, within the tolerance rule), ``tf32x3``
+    (Triton's three TF32 products, both operands split in every tile; the default elsewhere), ``mm``
+    (cuBLAS's fp32 ``mm`` per group). ``OPSMATH_FP32_GROUPED_GEMM`` picks one."""
+    chosen = os.environ.get("OPSMATH_FP32_GROUPED_GEMM")
+    if chosen:
+        return chosen
+    return "split" if x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0) else "tf32x3"
 
 
 def _split_ahead(x: torch.Tensor) -> bool:
-    return precision(x) == "tf32x3" and fp32_path() == "split"
+    return precision(x) == "tf32x3" and fp32_path(x) == "split"
 
 
 def fp32_on_triton(x: torch.Tensor) -> bool:
     """Whether fp32 operands on ``x``'s device run on the Triton kernels (module docstring): on NVIDIA GPUs
     with TF32 tensor cores (sm_80 and newer), unless ``OPSMATH_FP32_GROUPED_GEMM=mm`` asks for cuBLAS's
     per-group fp32 ``mm``. Older GPUs and ROCm keep the per-group ``mm``."""
-    if not x.is_cuda or torch.version.hip or fp32_path() == "mm":
+    if not x.is_cuda or torch.version.hip or fp32_path(x) == "mm":
         return False
     return torch.cuda.get_device_capability(x.device) >= (8, 0)
 

@@ -11,8 +11,8 @@ trace: ``torch.compile`` breaks the graph there, and a whole captured graph woul
 ``opsmath::grouped_mm`` (``src/opsmath/kernels/grouped_mm.py``) computes the same function in the operands'
 dtype, forward and backward, with its backward opaque too: the graph stays whole and compiles. On CUDA it
 runs as one Triton grouped GEMM without host syncs; fp32 operands there (sm_80 and newer) take three TF32
-products per tile, within the tolerance rule of cuBLAS's fp32 ``mm`` (the kernel's docstring), where the
-fallback runs SIMT fp32.
+products per tile (on sm_90 with the token rows split once ahead), within the tolerance rule of cuBLAS's fp32
+``mm`` (the kernel's docstring), where the fallback runs SIMT fp32.
 
 The library's first grouped GEMM reads ``hidden[perm // k]``, the token rows sorted by expert, a copy k times
 the tokens that backward keeps. Where ``grouped_gather.gather_wins`` says so (opt-in, ``OPSMATH_GATHER_GEMM``),
