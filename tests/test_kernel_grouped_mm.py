@@ -189,3 +189,18 @@ def test_fp32_takes_the_triton_kernels_only_on_gpus_with_tf32_tensor_cores(monke
     monkeypatch.setenv("OPSMATH_FP32_GROUPED_GEMM", "mm")
     assert not gm.fp32_on_triton(cuda)
     assert not gm.fp32_on_triton(torch.zeros(1))
+
+
+def test_fp32_splits_the_token_rows_ahead_by_default_on_sm90_only(monkeypatch):
+    """The split-ahead path (``grouped_mm_split.py``) is the default on sm_90, where it was measured;
+    ``tf32x3`` elsewhere (sm_80, sm_100, the CPU); ``OPSMATH_FP32_GROUPED_GEMM`` picks either everywhere."""
+    from types import SimpleNamespace
+    monkeypatch.delenv("OPSMATH_FP32_GROUPED_GEMM", raising=False)
+    cuda = SimpleNamespace(is_cuda=True, device="cuda:0")
+    for capability, want in (((9, 0), "split"), ((8, 0), "tf32x3"), ((10, 0), "tf32x3")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert gm.fp32_path(cuda) == want, capability
+    assert gm.fp32_path(torch.zeros(1)) == "tf32x3"
+    monkeypatch.setenv("OPSMATH_FP32_GROUPED_GEMM", "tf32x3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert gm.fp32_path(cuda) == "tf32x3"
