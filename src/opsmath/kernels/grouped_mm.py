@@ -25,7 +25,7 @@ Caveats:
   ``a_hi`` rounded to TF32, ``a_hi b_hi + a_hi b_lo + a_lo b_hi``, the ``a_lo b_lo`` term, about
   ``2^-22`` of each product, dropped), which meets the tolerance rule against cuBLAS's fp32 ``mm``
   (``tests/test_kernel_grouped_mm.py``, on the GPU), on sm_80 and newer. On sm_90 the token operand is
-  split once ahead instead (``grouped_mm_split.py``, the same three products, 1.5-1.6x faster there;
+  split once ahead instead (``grouped_mm_split.py``, the same three products, about 1.47x faster there;
   ``fp32_path``). ``OPSMATH_FP32_GROUPED_GEMM=mm`` keeps cuBLAS's fp32 SIMT ``mm`` per group (a host sync
   per call), as do older GPUs and ROCm; HF's grouped experts under autocast take this path.
 - Backward: ``dx = grouped(dy, w^T)``; ``dw[g] = x_g^T dy_g``, zero for an empty group, in the weight's
