@@ -76,13 +76,13 @@ step bloom_rewrites ${BLOOM_REWRITES_TIMEOUT:-120} $B hf_default_attention --mod
 step grouped ${GROUPED_TIMEOUT:-400} $B grouped_gemm --rounds 5 --iters 10 \
     --variants "${GROUPED_VARIANTS:-bf16,fp8,own bf16,fp32 per-group mm,fp32 own Triton}" \
     --shapes ${GROUPED_SHAPES:-16384:8:1024:5632,16384:8:4096:14336,32768:64:2048:1408}
-# fp32 experts under AMP with the token operand split ahead (OPSMATH_FP32_GROUPED_GEMM=split): its tolerance
-# test beside tf32x3's, the kernels fwd + bwd, and HF Mixtral at width 2 beside compile and the default
+# fp32 experts under AMP with the token operand split ahead (the default on sm_90): its tolerance test beside
+# tf32x3's, the kernels fwd + bwd, and HF Mixtral at width 2 beside compile and tf32x3 (the default elsewhere)
 step fp32_split ${FP32_SPLIT_TIMEOUT:-480} bash -c "python3 -m pytest -q -rfE tests/test_kernel_grouped_mm.py \
     tests/test_kernel_grouped_mm_split.py -k 'tolerance or split'; $B grouped_gemm --rounds 3 --iters 5 \
     --tag=-fp32-split --variants 'fp32 per-group mm,fp32 own Triton,fp32 split ahead' \
     --shapes 8192:8:2048:5632,8192:8:2816:2048; $B fleet --recipes amp --models mixtral --width 2 --rounds 3 \
-    --tag=-fp32-split --variants 'torch.compile,opsmath.optimize,opsmath.optimize(fp32 experts split)'"
+    --tag=-fp32-split --variants 'torch.compile,opsmath.optimize,opsmath.optimize(fp32 experts tf32x3)'"
 # the experts' first GEMM reading its rows through the routing index (opsmath::grouped_mm_gather) against
 # the gather then torch's grouped GEMM, per shape (S:G:K:N, top-2 over S/2 tokens), and in MoE training steps
 # (about 60 s of first step per variant and model on an H100)
