@@ -25,7 +25,9 @@ step() {  # step NAME TIMEOUT CMD...
     echo "rc=$? ($name)"; grep -v -i "warn" "$OUT/$name.log" | tail -${TAIL:-30}
 }
 B="python3 -m benchmarks"
-step gpu_smoke ${GPU_SMOKE_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python -m pytest -q -rfE --durations=12 -m gpu_smoke tests
+# the smoke subset on GPU_SMOKE_WORKERS pytest workers sharing the GPU (serially it outran a 320 s call limit)
+step gpu_smoke ${GPU_SMOKE_TIMEOUT:-560} env OPSMATH_TEST_DEVICE=cuda python -m pytest -q -rfE --durations=12 \
+    -n ${GPU_SMOKE_WORKERS:-4} -m gpu_smoke tests
 step hf_sdpa ${HF_SDPA_TIMEOUT:-540} $B hf_default_attention ${HF_SDPA_ARGS:-}
 step lengths ${LENGTHS_TIMEOUT:-540} $B varying_lengths ${LENGTHS_ARGS:-}
 step attention ${ATTN_TIMEOUT:-420} $B attention ${BENCH_ARGS:-}
