@@ -22,6 +22,7 @@ per recipe: the geometric mean of baseline / variant step time, and the rows who
     python -m benchmarks fleet [--models llama,bert] [--recipes amp,bf16] [--rounds 5] [--steps 3]
         [--variants torch.compile,opsmath.optimize] [--tag NAME] [--host] [--width 2]
     python -m benchmarks fleet --smoke [--models gpt2,bert]   # tiny models on CPU: runs, measures nothing
+    python -m benchmarks fleet --table results/fleet-A.json results/fleet-B.json   # BENCHMARKS.md's table
 
 ``--smoke`` compares eager with opsmath (torch.compile's C++ compiles are slow on a CPU) unless ``--variants``
 says otherwise (``skip=FAMILY``: opsmath without one family), writing to a temporary folder unless ``$OUT`` is set.
@@ -268,6 +269,32 @@ def summary(rows: list[dict], recipes) -> dict:
     return dict(recipes=out, errors=errors)
 
 
+def table(paths: list[str]) -> None:
+    """The rows of fleet JSON files (``paths``, e.g. two calls of one run) as BENCHMARKS.md's table, one per
+    recipe and variant against its baseline, then ``summary`` over them all."""
+    import json
+    rows = [r for p in paths for r in json.load(open(p))["rows"]]
+    cell = lambda r: (f"{r['ms']:.2f} [{r['ms_min']:.2f}-{r['ms_max']:.2f}] | {r.get('gpu_ms', 0):.2f} | "   # noqa: E731
+                      f"{r.get('step_peak_gib', 0):.2f} | {r['first_step_s']:.1f}")
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    for recipe in recipes:
+        base = {r["model"]: r for r in rows if r["recipe"] == recipe and "error" not in r and r["variant"] == r["baseline"]}
+        for variant in dict.fromkeys(r["variant"] for r in rows if r["recipe"] == recipe and r["model"] in base
+                                     and "error" not in r and r["variant"] != r["baseline"]):
+            print(f"\n**{recipe}**, {variant} against its baseline\n| model (shape) | params | baseline ms [spread] | GPU ms | "
+                  "peak GiB | first s | ms [spread] | GPU ms | peak GiB | first s | wall | peak | first | GPU |\n"
+                  + "|---" * 14 + "|")
+            for r in rows:
+                b = base.get(r["model"])
+                if r["recipe"] != recipe or r["variant"] != variant or "error" in r or b is None:
+                    continue
+                gpu = b.get("gpu_ms", 0) / r["gpu_ms"] if r.get("gpu_ms") else float("nan")
+                print(f"| {r['model']} ({r['shape']}) | {r['params'] / 1e9:.2f}B | {cell(b)} | {cell(r)} | "
+                      f"{1 / r['ms_ratio']:.3f}x | {r.get('peak_ratio', float('nan')):.3f}x | {r['first_ratio']:.2f}x | "
+                      f"{gpu:.3f}x |")
+    summary(rows, recipes)
+
+
 def free(device: str):
     gc.collect()
     torch.cuda.empty_cache() if device == "cuda" else None
@@ -288,7 +315,10 @@ def main():
     ap.add_argument("--host", action="store_true", help="also profile where each row's host time goes")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script, measures nothing")
     ap.add_argument("--width", type=int, default=1, help="widths and head counts times this (2: 0.4-0.9B)")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print these results as a table; run nothing")
     args = ap.parse_args()
+    if args.table:
+        return table(args.table)
     models, recipes = args.models.split(","), args.recipes.split(",")
     labels = (args.variants or ("eager," if args.smoke else "torch.compile,") + "opsmath.optimize").split(",")
     bad = sorted(set(models) - set(ALL)) + sorted(set(recipes) - set(RECIPES)) + sorted(set(labels) - set(VARIANTS))

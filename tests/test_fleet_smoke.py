@@ -14,7 +14,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 MODELS = ["gpt2", "bert", "mixtral"]   # a decoder with a graph break, a padded encoder, experts
 
 
-def test_fleet_smoke_rows_for_both_recipes(tmp_path):
+def test_fleet_smoke_rows_for_both_recipes(tmp_path, capsys):
     env = dict(os.environ, OUT=str(tmp_path), OPSMATH_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "benchmarks", "fleet", "--smoke", "--models", ",".join(MODELS)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -30,6 +30,14 @@ def test_fleet_smoke_rows_for_both_recipes(tmp_path):
         if row["variant"] == "opsmath.optimize":
             assert row["rewrites"] and row["graphs"] >= 1 and row["declines"] >= 0 and row["fallbacks"] == [], row
     assert set(out["summary"]["recipes"]) == {"amp opsmath.optimize", "bf16 opsmath.optimize"}
+    sys.path.insert(0, ROOT)   # --table: the same rows as BENCHMARKS.md's table, one per recipe, and the summary
+    from benchmarks.fleet import table
+    table([path])
+    printed = capsys.readouterr().out
+    for row in out["rows"]:
+        if row["variant"] == "opsmath.optimize":
+            assert f"| {row['model']} ({row['shape']}) | " in printed and f"{1 / row['ms_ratio']:.3f}x" in printed, row
+    assert printed.count("**amp**") == printed.count("**bf16**") == 1 and "geometric mean over 3 models" in printed
 
 
 def test_width_doubles_widths_and_head_counts_not_head_sizes():
