@@ -32,7 +32,6 @@ import torch
 import torch.fx as fx
 
 from opsmath.memory.weight_casts import CAST_OPS, is_view
-from opsmath.runtime.wgrad import copy_node as _call
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _WIDE = {aten.mm.default: aten.mm.dtype, aten.bmm.default: aten.bmm.dtype}
@@ -141,3 +140,11 @@ def _split3(graph: fx.Graph, like: fx.Node, f: fx.Node) -> list[fx.Node]:
             rest = _call(graph, like, aten.sub.Tensor, (rest, up), {})
     return terms
 
+
+def _call(graph: fx.Graph, like: fx.Node, target, args: tuple, kwargs: dict) -> fx.Node:
+    """A node calling ``target`` with ``like``'s meta (stack trace, sequence number) and its own fake value."""
+    node = graph.call_function(target, args, kwargs)
+    node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    node.meta["val"] = target(*vals, **kwargs)
+    return node

@@ -111,16 +111,16 @@ def _rewrite(graph: fx.Graph, cast: fx.Node) -> bool:
     if not all(isinstance(v, torch.Tensor) and v.is_cuda and v.dtype in _NARROW for v in vals):
         return False
     with graph.inserting_before(cast):
-        node = copy_node(graph, src, _MM_FP32, (*src.args, torch.float32), {})
+        node = _copy(graph, src, _MM_FP32, (*src.args, torch.float32), {})
         for view in reversed(chain):
-            node = copy_node(graph, view, view.target, (node, *view.args[1:]), dict(view.kwargs))
+            node = _copy(graph, view, view.target, (node, *view.args[1:]), dict(view.kwargs))
     cast.replace_all_uses_with(node)
     for old in (cast, *chain, src):
         graph.erase_node(old)
     return True
 
 
-def copy_node(graph: fx.Graph, like: fx.Node, target, args: tuple, kwargs: dict) -> fx.Node:
+def _copy(graph: fx.Graph, like: fx.Node, target, args: tuple, kwargs: dict) -> fx.Node:
     """A node calling ``target`` with ``like``'s meta (stack trace, sequence number) and its own fake value."""
     node = graph.call_function(target, args, kwargs)
     node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
