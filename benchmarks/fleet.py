@@ -51,10 +51,8 @@ RECIPES = ("amp", "bf16")
 # may fuse as well, kept where they measure faster); "(bf16 wgrad)": weight gradients rounded as eager's
 # (runtime/wgrad.py); "(fp32 experts mm)", "(fp32 experts split)", "(fp32 experts tf32x3)": fp32 grouped GEMMs as
 # cuBLAS's per-group mm, with the token operand split ahead, or Triton's tf32x3 (kernels/grouped_mm.py);
-# "(fp32 gemms)": fp32 GEMMs reading a bf16 value on bf16 tensor cores (runtime/fp32_gemms.py); "skip=F": without
-# the family F
+# "skip=F": without the family F
 ENV = {"opsmath.optimize(priced)": {"OPSMATH_PRICE": "1"}, "opsmath.optimize(bf16 wgrad)": {"OPSMATH_FP32_WGRAD": "0"},
-       "opsmath.optimize(fp32 gemms)": {"OPSMATH_FP32_GEMMS": "1"},
        **{f"opsmath.optimize(fp32 experts {p})": {"OPSMATH_FP32_GROUPED_GEMM": p} for p in ("mm", "split", "tf32x3")}}
 VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m,
             "opsmath.optimize(cuda_graphs)": functools.partial(opsmath.optimize, cuda_graphs=True),

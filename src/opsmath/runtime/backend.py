@@ -29,7 +29,7 @@ from opsmath.capture.guards import after_change, guarded
 from opsmath.capture.interrupts import interrupts_deferred
 from opsmath.rewrite import price
 from opsmath.rewrite.match import Decline, Match, run_patterns
-from opsmath.runtime import blocks, cache_key, fp32_gemms, ladder, offload_async, ttir_cache, wgrad
+from opsmath.runtime import blocks, cache_key, ladder, offload_async, ttir_cache, wgrad
 from opsmath.memory import offload, weight_casts
 from opsmath.memory.budget import InfeasibleBudget
 from opsmath.runtime.budgets import plan_graph, reserve_floors, step_in_backward
@@ -57,7 +57,7 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool = False):
         or weight_casts.has_marks(gm)
     static_inputs(gm)
     offloading = offload_async.offloading(gm, example_inputs)
-    passes = [p for p in (weight_casts.joint_pass(gm, example_inputs), *_cuda_passes(gm, example_inputs)) if p]
+    passes = [p for p in (weight_casts.joint_pass(gm, example_inputs), _wgrad_pass(gm, example_inputs)) if p]
     patches = dict(cache_key.patches(), **({"triton.cudagraphs": True} if cuda_graphs else {}))
     if _cpu_gather_with_grad(gm, example_inputs):
         patches["cpp.simdlen"] = 0
@@ -87,11 +87,11 @@ _GATHERS = (torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor, torch
             torch.embedding)
 
 
-def _cuda_passes(gm: fx.GraphModule, example_inputs) -> tuple:
-    """``wgrad``'s and ``fp32_gemms``' joint-graph passes where ``gm`` runs on CUDA (None where off)."""
+def _wgrad_pass(gm: fx.GraphModule, example_inputs):
+    """``wgrad``'s joint-graph pass where ``gm`` runs on CUDA (None elsewhere, or where it is off)."""
     if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
-        return ()
-    return wgrad.joint_pass(weight_casts.param_positions(gm, example_inputs)), fp32_gemms.joint_pass()
+        return None
+    return wgrad.joint_pass(weight_casts.param_positions(gm, example_inputs))
 
 
 # Families Inductor does better than opsmath's opaque op when it compiles the graph anyway (each op
