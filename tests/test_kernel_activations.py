@@ -90,14 +90,16 @@ def test_bias_gelu_every_tuning_candidate_matches_eager(shape, approximate, trit
 
 
 def test_bias_gelu_fp32_bias_on_low_precision_input(triton_on_cpu):
-    """Under autocast the GEMM's output is bf16 and the bias an fp32 parameter: y in bf16, dbias fp32."""
+    """Under autocast the GEMM's output is bf16 and the bias an fp32 parameter: y in bf16, dbias fp32; y is
+    gelu(x + b) rounded once to bf16 (relative error at most 2^-8, half its spacing; 2^-7 allowed)."""
+    torch.manual_seed(0)
     x = torch.randn(9, 40, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(40, device=DEVICE, requires_grad=True)
     y = bias_gelu(x, b)
     y.sum().backward()
     assert y.dtype == torch.bfloat16 and b.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
     ref = F.gelu(x.detach().double() + b.detach().double())
-    assert (y.double() - ref).abs().max().item() < 2e-2
+    assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-4).all(), (y.double() - ref).abs().max()
 
 
 def test_bad_inputs_are_clear_errors():
