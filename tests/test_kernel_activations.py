@@ -91,7 +91,8 @@ def test_bias_gelu_every_tuning_candidate_matches_eager(shape, approximate, trit
 
 def test_bias_gelu_fp32_bias_on_low_precision_input(triton_on_cpu):
     """Under autocast the GEMM's output is bf16 and the bias an fp32 parameter: y in bf16, dbias fp32; y is
-    gelu(x + b) rounded once to bf16 (relative error at most 2^-8, half its spacing; 2^-7 allowed)."""
+    within one bf16 spacing of gelu(x + b) (relative 2^-7), not always its nearest bf16 value (seed 0: 4.3125
+    for 4.3417, where 4.34375 is nearer)."""
     torch.manual_seed(0)
     x = torch.randn(9, 40, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(40, device=DEVICE, requires_grad=True)
