@@ -25,11 +25,12 @@ kernel time per step, the step's peak memory above what is resident, and for ops
 ``opsmath.optimize(gather)`` / ``(no gather)`` / ``(gather auto)``: the experts' first GEMMs reading the token
 rows through the routing index (``opsmath::grouped_mm_gather``), gathering them first (the default), or
 whichever measures faster per shape.
-    python -m benchmarks moe --curve 200 --models loop --batch 2 --seq 1024 [--curve-fp8]   # loss curves vs eager
+    python -m benchmarks moe --curve 200 --models loop --batch 2 --seq 1024 [--curve-fp8 [every]]   # loss curves vs eager
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from unittest import mock
 
@@ -163,40 +164,68 @@ def run(name, rounds, steps, device, labels, B, T):
     return dict(batch=[B, T], rows=rows)
 
 
-def curve(name, steps, device, B, T, lr=3e-4, fp8=False):
-    """Loss per step of eager and opsmath (``fp8``: also opsmath with FP8 GEMMs) from one initialization on
-    one data stream (four fixed batches, cycled, so that the loss falls), and of eager from another
-    initialization (``eager, seed 1``): the run-to-run noise the opsmath curves are judged against."""
+@contextlib.contextmanager
+def fp8_every_gemm():
+    """FP8 wherever the FP8 families can take a GEMM, paying or not (a numerics test): the size thresholds of
+    ``patterns.fp8_linear`` and ``patterns.fp8_experts`` lowered while the model is captured, restored after."""
+    from opsmath.patterns import fp8_experts as experts, fp8_linear as linear
+    kept = linear.MIN_DIM, linear.SHARED_MIN_DIM, experts.MIN_HARMONIC, experts.MIN_ROWS_PER_EXPERT
+    linear.MIN_DIM = linear.SHARED_MIN_DIM = 16
+    experts.MIN_HARMONIC = experts.MIN_ROWS_PER_EXPERT = 0
+    try:
+        yield
+    finally:
+        linear.MIN_DIM, linear.SHARED_MIN_DIM, experts.MIN_HARMONIC, experts.MIN_ROWS_PER_EXPERT = kept
+
+
+def curve(name, steps, device, B, T, lr=3e-4, fp8=""):
+    """Loss per step of eager and opsmath (``fp8``: also opsmath with FP8 GEMMs, ``"every"``: in every GEMM
+    the FP8 families can take, ``fp8_every_gemm``) from one initialization on one data stream (four fixed
+    batches, cycled, so that the loss falls), and of eager from another initialization (``eager, seed 1``):
+    the run-to-run noise the opsmath curves are judged against."""
     vocab = (TINY if device == "cpu" else SIZE)["vocab_size"]
-    curves = {}
+    curves, info = {}, {}
     runs = [("eager", 0, None), ("opsmath.optimize", 0, opsmath.optimize), ("eager, seed 1", 1, None)]
     if fp8:
-        runs.insert(2, ("opsmath.optimize(fp8=True)", 0, VARIANTS["opsmath.optimize(fp8=True)"]))
+        label = "opsmath.optimize(fp8=True" + (", every GEMM)" if fp8 == "every" else ")")
+        runs.insert(2, (label, 0, VARIANTS["opsmath.optimize(fp8=True)"]))
     for label, seed, wrap in runs:
-        torch._dynamo.reset()
-        model, batch = build(name, device, T, seed=seed)
-        model = wrap(model) if wrap else model
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device == "cuda")
-        data = torch.Generator(device="cpu").manual_seed(1234)   # 4 batches, cycled: a loss that falls
-        stream = [torch.randint(0, vocab, (B, T), generator=data).to(device) for _ in range(4)]
-        losses = []
-        for step in range(steps):
-            inputs = batch(stream[step % len(stream)])
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=RECIPE[0] == "amp"):
-                out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-            loss = out if isinstance(out, torch.Tensor) else out.loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        curves[label] = losses
-        print(f"{name} {label}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        with fp8_every_gemm() if "every GEMM" in label else contextlib.nullcontext():
+            curves[label], info[label] = _losses(name, seed, wrap, steps, device, B, T, vocab, lr)
+        print(f"{name} {label}: loss {curves[label][0]:.4f} -> {curves[label][-1]:.4f} {info[label]}", flush=True)
     gaps = {k: max(abs(a - b) for a, b in zip(curves["eager"], c)) for k, c in curves.items() if k != "eager"}
     tail = lambda c: sum(c[-20:]) / len(c[-20:])   # noqa: E731
     print(f"{name}: max |curve - eager| " + ", ".join(f"{k} {g:.4f}" for k, g in gaps.items()) + "; last-20 means "
           + ", ".join(f"{k} {tail(v):.4f}" for k, v in curves.items()), flush=True)
     return dict(batch=[B, T], lr=lr, curves=curves, max_gap=gaps["opsmath.optimize"], max_seed_gap=gaps["eager, seed 1"],
-                max_gaps=gaps)
+                max_gaps=gaps, rewrites=info)
+
+
+def _losses(name, seed, wrap, steps, device, B, T, vocab, lr):
+    """The losses of ``steps`` steps of ``build(name)`` from ``seed`` (wrapped by ``wrap`` where given) on four
+    fixed batches, cycled, and the rewrites opsmath made (pattern: count; FP8 experts by kind)."""
+    torch._dynamo.reset()
+    model, batch = build(name, device, T, seed=seed)
+    model = wrap(model) if wrap else model
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device == "cuda")
+    data = torch.Generator(device="cpu").manual_seed(1234)   # 4 batches, cycled: a loss that falls
+    stream = [torch.randint(0, vocab, (B, T), generator=data).to(device) for _ in range(4)]
+    losses = []
+    for step in range(steps):
+        inputs = batch(stream[step % len(stream)])
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=RECIPE[0] == "amp"):
+            out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    rewrites = {}
+    if wrap is not None:
+        for m in opsmath.report(model).matches:
+            key = m.pattern + (f" {m.details.get('dtype')}" if m.pattern == "fp8_experts" else "")
+            rewrites[key] = rewrites.get(key, 0) + 1
+    return losses, rewrites
 
 
 def main():
@@ -209,7 +238,9 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--tag", default="")
     ap.add_argument("--curve", type=int, default=0, help="loss curves of this many steps instead of timing")
-    ap.add_argument("--curve-fp8", action="store_true", help="the curves include opsmath.optimize(fp8=True)")
+    ap.add_argument("--curve-fp8", nargs="?", const="rule", default="", choices=["rule", "every"],
+                    help="the curves include opsmath.optimize(fp8=True): FP8 where the per-layer rules take it, "
+                         "or ('every') in every GEMM the FP8 families can take (a numerics test)")
     ap.add_argument("--recipe", choices=["amp", "bf16"], default="amp",
                     help="amp: fp32 weights under bf16 autocast (what most users run); bf16: bf16 weights")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: checks the script, measures nothing")
