@@ -132,12 +132,16 @@ def _one_graph(model):
 VARIANTS = {"torch.compile": torch.compile, "opsmath.optimize": opsmath.optimize, "eager": lambda m: m,
             "opsmath.optimize(fp8=True)": lambda m: opsmath.optimize(m, fp8=True),
             "opsmath.optimize(one graph)": _one_graph, "opsmath.optimize(gather)": opsmath.optimize,
-            "opsmath.optimize(no gather)": opsmath.optimize, "opsmath.optimize(gather auto)": opsmath.optimize}
+            "opsmath.optimize(no gather)": opsmath.optimize, "opsmath.optimize(gather auto)": opsmath.optimize,
+            "opsmath.optimize(masks kept)": opsmath.optimize}
 # set while the variant captures: the experts' first GEMMs reading the token rows through the routing index
 # (``kernels/grouped_gather.py``), forced on or off instead of measured
 CAPTURE_ENV = {"opsmath.optimize(gather)": {"OPSMATH_GATHER_GEMM": "1"},
                "opsmath.optimize(no gather)": {"OPSMATH_GATHER_GEMM": "0"},
                "opsmath.optimize(gather auto)": {"OPSMATH_GATHER_GEMM": "auto"}}
+# patched while the variant captures: ``masks kept`` leaves the fills under impossible masks
+# (``rewrite/normalize.impossible_masks``: transformers 5.17's expert-parallel sentinels) in the graph
+CAPTURE_PATCH = {"opsmath.optimize(masks kept)": ("opsmath.rewrite.match.impossible_masks", lambda graph: 0)}
 
 
 def run(name, rounds, steps, device, labels, B, T):
@@ -150,7 +154,8 @@ def run(name, rounds, steps, device, labels, B, T):
         model, batch = build(name, device, T)
         variants.append(MoEVariant(label, VARIANTS[label](model), batch(ids), device))
     for v in variants:
-        with mock.patch.dict(os.environ, CAPTURE_ENV.get(v.label, {})):
+        patch = mock.patch(*CAPTURE_PATCH[v.label]) if v.label in CAPTURE_PATCH else contextlib.nullcontext()
+        with mock.patch.dict(os.environ, CAPTURE_ENV.get(v.label, {})), patch:
             v.warm_up()
         print(f"{name} {v.label}: first step {v.first_s:.1f} s, loss {v.first_loss:.4f}", flush=True)
     interleave(variants, rounds, steps)

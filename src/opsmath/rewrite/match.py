@@ -23,7 +23,7 @@ from opsmath.rewrite import price
 from opsmath.rewrite.canonicalize import aten, dtype, private_temporary
 from opsmath.capture.frames import source_location
 from opsmath.capture.lower import Captured, split_size_calls
-from opsmath.rewrite.normalize import drop_dead_code, einsums_as_matmuls, type_as_casts
+from opsmath.rewrite.normalize import drop_dead_code, einsums_as_matmuls, impossible_masks, type_as_casts
 from opsmath.rewrite.unmatched import flag_unmatched
 
 log = logging.getLogger("opsmath")
@@ -272,8 +272,9 @@ def inplace_on_private_temporary(n: fx.Node) -> bool:
 
 
 def normalize(ctx: RewriteContext) -> None:
-    """The graph-wide passes before matching (``normalize.py``): dead code out, einsums as matmuls,
-    ``type_as`` as a cast."""
+    """The graph-wide passes before matching (``normalize.py``): fills under masks that are false
+    everywhere and dead code out, einsums as matmuls, ``type_as`` as a cast."""
+    impossible_masks(ctx.graph)
     drop_dead_code(ctx.graph)
     einsums_as_matmuls(ctx)
     type_as_casts(ctx)

@@ -9,6 +9,11 @@
 - ``type_as_casts``: ``x.type_as(t)`` reads ``t`` only for its dtype (fairseq/ESM's
   ``softmax(scores, dtype=float32).type_as(scores)``); as ``x.to(t.dtype)`` it no longer counts as a use of
   ``t`` (the scores), which would block the attention match. Same value; kept where the devices differ.
+- ``impossible_masks``: ``x.masked_fill(ids >= E, v)`` where ``ids`` are top-k indices over a dim of size
+  ``E`` (through reshapes, sorts and gathers, which keep the values) is ``x``: the mask is false everywhere.
+  Hugging Face's grouped experts in transformers 5.17 masked expert-parallel sentinels so on every call,
+  three passes over the experts' rows and the masked copies saved for backward (5.18 gates them on
+  expert parallelism). Exact: the fill never happens.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from opsmath.rewrite.canonicalize import aten, as_matmul
+from opsmath.rewrite.canonicalize import aten, as_matmul, shape
 
 
 def drop_dead_code(graph: fx.Graph) -> int:
@@ -104,4 +109,88 @@ def type_as_casts(ctx) -> int:
         node.replace_all_uses_with(cast)
         ctx.graph.erase_node(node)
         done += 1
+    return done
+
+
+# ops whose integer outputs take their values from their first argument's (reordered, selected, repeated)
+KEEPS_VALUES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
+                aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
+                aten.contiguous.default, aten.select.int, aten.slice.Tensor, aten.index.Tensor,
+                aten.repeat_interleave.self_int, aten.alias.default}
+SORTS = {aten.sort.default, aten.sort.stable}
+MASK_VIEWS = {aten.unsqueeze.default, aten.expand.default, aten.view.default, aten.reshape.default,
+              aten.squeeze.dim, aten.permute.default}
+FILLS = {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor}
+
+
+def _written(node: fx.Node, seen: Optional[set] = None) -> bool:
+    """Whether an in-place or ``out=`` op writes ``node`` or a tensor that may alias it (its users through
+    ``KEEPS_VALUES``, some of which are views)."""
+    seen = set() if seen is None else seen
+    if node in seen:
+        return False
+    seen.add(node)
+    for u in node.users:
+        if isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable:
+            return True
+        if u.target in KEEPS_VALUES and u.args and u.args[0] is node and _written(u, seen):
+            return True
+    return False
+
+
+def index_bound(node) -> Optional[int]:
+    """An int ``E`` with ``0 <= node < E`` everywhere, where ``node`` holds top-k indices over a dim of static
+    size ``E`` (``topk(x, k, dim)[1]``) passed through ops that keep values (``KEEPS_VALUES``, a sort's
+    values), none of them written in place; else None."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if _written(node):
+            return None
+        if node.target in KEEPS_VALUES:
+            node = node.args[0]
+        elif node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+                and node.args[0].op == "call_function":
+            src, i = node.args
+            if src.target in SORTS and i == 0:
+                node = src.args[0]
+            elif src.target is aten.topk.default and i == 1:
+                dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", -1)
+                size = shape(src.args[0])[dim] if shape(src.args[0]) else None
+                return size if isinstance(size, int) else None
+            else:
+                return None
+        else:
+            return None
+    return None
+
+
+def _never(mask) -> bool:
+    """Whether the bool tensor ``mask`` is provably false everywhere: ``ids >= c`` / ``ids > c`` at or past
+    the indices' bound, ``ids < 0``, seen through views."""
+    while isinstance(mask, fx.Node) and mask.op == "call_function" and mask.target in MASK_VIEWS:
+        mask = mask.args[0]
+    if not (isinstance(mask, fx.Node) and mask.op == "call_function" and len(mask.args) == 2):
+        return False
+    ids, c = mask.args
+    if isinstance(c, bool) or not isinstance(c, int):
+        return False
+    if mask.target is aten.lt.Scalar:
+        return c <= 0 and index_bound(ids) is not None
+    bound = index_bound(ids) if mask.target in (aten.ge.Scalar, aten.gt.Scalar) else None
+    return bound is not None and (c >= bound if mask.target is aten.ge.Scalar else c >= bound - 1)
+
+
+def impossible_masks(graph: fx.Graph) -> int:
+    """Replace each ``masked_fill(x, mask, v)`` (in place or not) whose mask is false everywhere (``_never``)
+    by ``x`` itself; returns how many. The masks' own ops are left to dead-code removal."""
+    done = 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in FILLS]:
+        x, mask = node.args[0], node.args[1]
+        if not _never(mask):
+            continue
+        node.replace_all_uses_with(x)
+        graph.erase_node(node)
+        done += 1
+    if done:
+        drop_dead_code(graph)
     return done
