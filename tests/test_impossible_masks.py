@@ -17,31 +17,36 @@ pytestmark = pytest.mark.quick
 class SentinelExperts(nn.Module):
     """transformers 5.17's grouped experts forward, a per-row matmul with the expert's stacked weight in
     place of ``torch._grouped_mm``: rows sorted by expert, ``ids >= E`` masks on the gathered rows (in
-    place), the first product and the second. ``threshold`` replaces ``E`` in the mask; ``clamp_first``
-    writes the sorted indices in place before the comparison (both keep the fills)."""
+    place), the first product and the second; the sorted indices clamped in place after the mask, and the
+    router's dense scores scattered by the indices, as 5.17 does. ``variant``: ``threshold inside the
+    range`` compares with E - 2; ``indices written before the mask`` adds E to them in place first;
+    ``mask or-ed in place`` ORs another mask into it before the fills (each keeps the fills)."""
 
-    def __init__(self, d=24, h=40, E=5, k=2, threshold=None, clamp_first=False):
+    def __init__(self, d=24, h=40, E=5, k=2, variant="as in transformers 5.17"):
         super().__init__()
         self.gate = nn.Linear(d, E, bias=False)
         self.up = nn.Parameter(torch.randn(E, d, h) * d ** -0.5)
         self.down = nn.Parameter(torch.randn(E, h, d) * h ** -0.5)
-        self.E, self.k = E, k
-        self.threshold = E if threshold is None else threshold
-        self.clamp_first = clamp_first
+        self.E, self.k, self.variant = E, k, variant
 
     def forward(self, x):
         B, T, D = x.shape
         x = x.reshape(-1, D)
-        w, idx = torch.topk(F.softmax(self.gate(x), dim=-1, dtype=torch.float), self.k, dim=-1)
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        w, idx = torch.topk(probs, self.k, dim=-1)
+        scores = torch.zeros_like(probs).scatter_(1, idx, w)     # the router's dense scores (read-only use)
         ids, perm = torch.sort(idx.reshape(-1))
-        if self.clamp_first:
+        if self.variant == "indices written before the mask":
             ids.add_(self.E)
-        rows = x[perm // self.k]
-        sentinel = (ids >= self.threshold).unsqueeze(-1)
+        rows = x[perm // self.k] + 0 * scores.sum()
+        sentinel = (ids >= (self.E - 2 if self.variant == "threshold inside the range" else self.E)).unsqueeze(-1)
+        if self.variant == "mask or-ed in place":
+            sentinel |= rows[:, :1] > 0
+        ids.clamp_(max=self.E - 1)
         rows.masked_fill_(sentinel, 0.0)
-        h = torch.bmm(rows.unsqueeze(1), self.up[ids.clamp(max=self.E - 1)]).squeeze(1)
+        h = torch.bmm(rows.unsqueeze(1), self.up[ids]).squeeze(1)
         h = F.silu(h.masked_fill(sentinel, 0.0))
-        y = torch.bmm(h.unsqueeze(1), self.down[ids.clamp(max=self.E - 1)]).squeeze(1)
+        y = torch.bmm(h.unsqueeze(1), self.down[ids]).squeeze(1)
         y = y.masked_fill(sentinel, 0.0) * w.reshape(-1)[perm].unsqueeze(-1)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel())
@@ -75,10 +80,11 @@ def test_sentinel_fills_dropped_and_training_unchanged(T):
         assert rel_err(grads[name], g) < 1e-5, name
 
 
-@pytest.mark.parametrize("kind", ["threshold inside the range", "indices written before the mask"])
-def test_fills_kept_where_the_mask_can_be_true(kind):
+@pytest.mark.parametrize("variant", ["threshold inside the range", "indices written before the mask",
+                                     "mask or-ed in place"])
+def test_fills_kept_where_the_mask_can_be_true(variant):
     torch.manual_seed(0)
-    model = SentinelExperts(threshold=3) if kind.startswith("threshold") else SentinelExperts(clamp_first=True)
+    model = SentinelExperts(variant=variant)
     x = torch.randn(2, 9, 24)
     ref, ref_grads = _run(copy.deepcopy(model), x)
     out, grads, before, after = _fills(model, x)

@@ -124,27 +124,47 @@ MASK_VIEWS = {aten.unsqueeze.default, aten.expand.default, aten.view.default, at
 FILLS = {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor}
 
 
-def _written(node: fx.Node, seen: Optional[set] = None) -> bool:
-    """Whether an in-place or ``out=`` op writes ``node`` or a tensor that may alias it (its users through
-    ``KEEPS_VALUES``, some of which are views)."""
+def _written(node: fx.Node, before: fx.Node, seen: Optional[set] = None) -> bool:
+    """Whether an in-place or ``out=`` op ahead of ``before`` (in graph order) writes ``node`` or a tensor that
+    may alias it (its users through ``KEEPS_VALUES``, some of which are views)."""
     seen = set() if seen is None else seen
     if node in seen:
         return False
     seen.add(node)
     for u in node.users:
-        if isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable:
+        if isinstance(u.target, torch._ops.OpOverload) and _writes(u, node) and _ahead(u, before):
             return True
-        if u.target in KEEPS_VALUES and u.args and u.args[0] is node and _written(u, seen):
+        if u.target in KEEPS_VALUES and u.args and u.args[0] is node and _written(u, before, seen):
             return True
     return False
 
 
-def index_bound(node) -> Optional[int]:
-    """An int ``E`` with ``0 <= node < E`` everywhere, where ``node`` holds top-k indices over a dim of static
-    size ``E`` (``topk(x, k, dim)[1]``) passed through ops that keep values (``KEEPS_VALUES``, a sort's
-    values), none of them written in place; else None."""
+def _ahead(a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``a`` runs before ``b`` (both in one graph)."""
+    n = a.next
+    while n.op != "root":
+        if n is b:
+            return True
+        n = n.next
+    return False
+
+
+def _writes(u: fx.Node, node: fx.Node) -> bool:
+    """Whether the op ``u`` writes the argument ``node`` is passed as (``scatter_(dim, index=node)`` reads it)."""
+    for i, a in enumerate(u.target._schema.arguments):
+        given = u.args[i] if i < len(u.args) else u.kwargs.get(a.name)
+        if a.alias_info is not None and a.alias_info.is_write and (
+                given is node or isinstance(given, (list, tuple)) and node in given):
+            return True
+    return False
+
+
+def index_bound(node, at: fx.Node) -> Optional[int]:
+    """An int ``E`` with ``0 <= node < E`` everywhere when ``at`` runs, where ``node`` holds top-k indices over
+    a dim of static size ``E`` (``topk(x, k, dim)[1]``) passed through ops that keep values (``KEEPS_VALUES``,
+    a sort's values), none of them written in place before ``at``; else None."""
     while isinstance(node, fx.Node) and node.op == "call_function":
-        if _written(node):
+        if _written(node, at):
             return None
         if node.target in KEEPS_VALUES:
             node = node.args[0]
@@ -164,19 +184,21 @@ def index_bound(node) -> Optional[int]:
     return None
 
 
-def _never(mask) -> bool:
-    """Whether the bool tensor ``mask`` is provably false everywhere: ``ids >= c`` / ``ids > c`` at or past
-    the indices' bound, ``ids < 0``, seen through views."""
-    while isinstance(mask, fx.Node) and mask.op == "call_function" and mask.target in MASK_VIEWS:
+def _never(mask, fill: fx.Node) -> bool:
+    """Whether the bool tensor ``mask`` is provably false everywhere when ``fill`` reads it: ``ids >= c`` /
+    ``ids > c`` at or past the indices' bound, ``ids < 0``, seen through views, none written in place."""
+    while isinstance(mask, fx.Node) and mask.op == "call_function" and mask.target in MASK_VIEWS \
+            and not _written(mask, fill):
         mask = mask.args[0]
-    if not (isinstance(mask, fx.Node) and mask.op == "call_function" and len(mask.args) == 2):
+    if not (isinstance(mask, fx.Node) and mask.op == "call_function" and len(mask.args) == 2) \
+            or _written(mask, fill):
         return False
     ids, c = mask.args
     if isinstance(c, bool) or not isinstance(c, int):
         return False
     if mask.target is aten.lt.Scalar:
-        return c <= 0 and index_bound(ids) is not None
-    bound = index_bound(ids) if mask.target in (aten.ge.Scalar, aten.gt.Scalar) else None
+        return c <= 0 and index_bound(ids, mask) is not None
+    bound = index_bound(ids, mask) if mask.target in (aten.ge.Scalar, aten.gt.Scalar) else None
     return bound is not None and (c >= bound if mask.target is aten.ge.Scalar else c >= bound - 1)
 
 
@@ -186,7 +208,7 @@ def impossible_masks(graph: fx.Graph) -> int:
     done = 0
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in FILLS]:
         x, mask = node.args[0], node.args[1]
-        if not _never(mask):
+        if not _never(mask, node):
             continue
         node.replace_all_uses_with(x)
         graph.erase_node(node)
