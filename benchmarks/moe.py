@@ -183,11 +183,12 @@ def fp8_every_gemm():
         linear.MIN_DIM, linear.SHARED_MIN_DIM, experts.MIN_HARMONIC, experts.MIN_ROWS_PER_EXPERT = kept
 
 
-def curve(name, steps, device, B, T, lr=3e-4, fp8=""):
+def curve(name, steps, device, B, T, lr=3e-4, fp8="", save=None):
     """Loss per step of eager and opsmath (``fp8``: also opsmath with FP8 GEMMs, ``"every"``: in every GEMM
     the FP8 families can take, ``fp8_every_gemm``) from one initialization on one data stream (four fixed
     batches, cycled, so that the loss falls), and of eager from another initialization (``eager, seed 1``):
-    the run-to-run noise the opsmath curves are judged against."""
+    the run-to-run noise the opsmath curves are judged against. ``save(partial)``, where given, is called with
+    the curves so far after each run (a run cut short keeps the ones that ended)."""
     vocab = (TINY if device == "cpu" else SIZE)["vocab_size"]
     curves, info = {}, {}
     runs = [("eager", 0, None), ("opsmath.optimize", 0, opsmath.optimize), ("eager, seed 1", 1, None)]
@@ -197,6 +198,8 @@ def curve(name, steps, device, B, T, lr=3e-4, fp8=""):
     for label, seed, wrap in runs:
         with fp8_every_gemm() if "every GEMM" in label else contextlib.nullcontext():
             curves[label], info[label] = _losses(name, seed, wrap, steps, device, B, T, vocab, lr)
+        if save is not None:
+            save(dict(batch=[B, T], lr=lr, curves=curves, rewrites=info, partial=True))
         print(f"{name} {label}: loss {curves[label][0]:.4f} -> {curves[label][-1]:.4f} {info[label]}", flush=True)
     gaps = {k: max(abs(a - b) for a, b in zip(curves["eager"], c)) for k, c in curves.items() if k != "eager"}
     tail = lambda c: sum(c[-20:]) / len(c[-20:])   # noqa: E731
@@ -258,14 +261,15 @@ def main():
         args.rounds, args.steps, args.batch, args.seq = 2, 1, 2, 32
         args.models = "loop,loop-imbalanced,mixtral-imbalanced"
     out = {}
-    for n in args.models.split(","):   # written after each model: a run cut short keeps what it measured
+    name = "moe" + ("-curve" if args.curve else "") + ("-cpu" if args.cpu else "") + f"-{args.recipe}" + args.tag
+    for n in args.models.split(","):   # written after each model (and each curve): a run cut short keeps its part
         if args.curve:
-            out[n] = curve(n, args.curve, device, args.batch, args.seq, fp8=args.curve_fp8)
+            save = None if args.smoke else (lambda part, n=n: write(name, dict(out, **{n: part})))
+            out[n] = curve(n, args.curve, device, args.batch, args.seq, fp8=args.curve_fp8, save=save)
         else:
             out[n] = run(n, args.rounds, args.steps, device, args.variants.split(","), args.batch, args.seq)
         if not args.smoke:
-            print("wrote", write("moe" + ("-curve" if args.curve else "") + ("-cpu" if args.cpu else "")
-                                 + f"-{args.recipe}" + args.tag, out), flush=True)
+            print("wrote", write(name, out), flush=True)
 
 
 if __name__ == "__main__":
