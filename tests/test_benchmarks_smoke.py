@@ -34,7 +34,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     ["inductor_partition", "--smoke"],
     ["sass_stats", "--op", "dropout_add_norm", "--width", "256", "--config", "1"],
     ["moe", "--smoke", "--variants", "torch.compile,opsmath.optimize"],
-    ["moe", "--smoke", "--curve", "3"],
+    ["moe", "--smoke", "--curve", "3", "--curve-fp8", "every"],
     ["multi_gpu", "--smoke"],
     ["first_call", "--smoke", "--cases", "bert-mask"],
     ["first_step", "--smoke", "--models", "gpt2", "--variants", "opsmath.optimize"],
