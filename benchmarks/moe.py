@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from collections import Counter
 from unittest import mock
 
 import torch
@@ -228,12 +229,9 @@ def _losses(name, seed, wrap, steps, device, B, T, vocab, lr):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    rewrites = {}
-    if wrap is not None:
-        for m in opsmath.report(model).matches:
-            key = m.pattern + (f" {m.details.get('dtype')}" if m.pattern == "fp8_experts" else "")
-            rewrites[key] = rewrites.get(key, 0) + 1
-    return losses, rewrites
+    matches = opsmath.report(model).matches if wrap is not None else []
+    return losses, dict(Counter(m.pattern + (f" {m.details.get('dtype')}" if m.pattern == "fp8_experts" else "")
+                                for m in matches))
 
 
 def main():

@@ -204,7 +204,8 @@ def _never(mask, fill: fx.Node) -> bool:
 
 def impossible_masks(graph: fx.Graph) -> int:
     """Replace each ``masked_fill(x, mask, v)`` (in place or not) whose mask is false everywhere (``_never``)
-    by ``x`` itself; returns how many. The masks' own ops are left to dead-code removal."""
+    by ``x`` itself; returns how many. The masks' own ops are left to ``drop_dead_code``, which ``normalize``
+    runs next."""
     done = 0
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in FILLS]:
         x, mask = node.args[0], node.args[1]
@@ -213,6 +214,4 @@ def impossible_masks(graph: fx.Graph) -> int:
         node.replace_all_uses_with(x)
         graph.erase_node(node)
         done += 1
-    if done:
-        drop_dead_code(graph)
     return done
